@@ -1,0 +1,20 @@
+"""ecd: a per-node daemon that owns the memory engines use to hand tensors to each other."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import (DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound, LimitExceeded,  # noqa: E402
+                     NotOwner, PoolFull, ProtocolError, ShuttingDown, StaleGeneration)
+
+
+def __getattr__(name: str):
+    # Client imports torch; load it only when asked for so `ecd serve` never pays for torch.
+    if name == "Client":
+        from .client.client import Client
+        return Client
+    raise AttributeError(f"module 'ecd' has no attribute {name!r}")
+
+
+__all__ = ["Client", "EcdError", "KeyNotFound", "PoolFull", "DaemonUnavailable", "ProtocolError",
+           "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
+           "__version__"]

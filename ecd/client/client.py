@@ -1,0 +1,390 @@
+"""ecd.Client: the synchronous client every engine shim is built on.
+
+One DEALER socket carries small msgspec requests; tensor bytes are copied straight into and out
+of the daemon's shared-memory pools, mapped once per daemon epoch (read-write for puts, a second
+read-only mapping for views so a stray in-place write faults instead of corrupting the cache).
+The event ring, mapped read-only, answers exists() negatives without a round trip and drops
+cached locations of entries that were evicted or replaced.
+
+Thread-safety: one lock serialises socket round trips; copies run outside it, so threads of one
+process can put/get concurrently through one Client.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import weakref
+from typing import Iterator, Mapping, Sequence
+
+import msgspec
+import torch
+import zmq
+
+from ..errors import (Code, DaemonUnavailable, EcdError, KeyNotFound, ProtocolError, StaleGeneration,
+                      error_from_code)
+from ..memory.host import ShmError, ShmFile
+from ..memory.ring import EventKind, RingReader, key_hash
+from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
+                        Bye, Commit, Delete, Error, Exists, Failure, Flags, Hello, Location, Ping,
+                        PutInline, Release, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
+from .tensors import copy_into, copy_out, dtype_name, host_tensor, view_of
+
+RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
+RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
+
+
+class _Resources:
+    """What must be closed when the Client goes away, reachable without the Client itself."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self.sock: zmq.Socket | None = None
+
+    def drop_socket(self, say_bye: bool = False) -> None:
+        if self.sock is None:
+            return
+        if say_bye:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
+        self.sock.close(linger=100 if say_bye else 0)
+        self.sock = None
+
+    def close(self) -> None:
+        self.drop_socket(say_bye=True)
+        self.ctx.term()
+
+
+class _Mapping:
+    """One daemon epoch's shared memory as this process sees it."""
+
+    def __init__(self, welcome: Welcome, populate: bool) -> None:
+        self.epoch = welcome.epoch
+        try:
+            self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
+                       for p in welcome.pools]
+            self.ro = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
+                       for p in welcome.pools]
+            ring_file = ShmFile.attach(welcome.ring.name, welcome.ring.size, writable=False)
+            self.ring = RingReader(ring_file.buf, welcome.ring.slots, welcome.ring.buckets)
+        except (ShmError, ValueError) as exc:
+            raise EcdError(f"cannot map the daemon's shared memory: {exc}") from None
+        self.sizes = [p.size for p in welcome.pools]
+
+    def check(self, loc: Location) -> None:
+        if not (0 <= loc.pool < len(self.sizes) and 0 <= loc.offset
+                and loc.offset + loc.nbytes <= self.sizes[loc.pool]):
+            raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
+
+
+class Client:
+    """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
+
+    def __init__(self, endpoint: str = "ipc:///tmp/ecd/ecd.sock", namespace: str = "default",
+                 timeout: float = 5.0, *, name: str = "", populate: bool = True) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.endpoint = endpoint
+        self.namespace = namespace
+        self.timeout = float(timeout)
+        self.name = name
+        self.populate = populate
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._decoder = reply_decoder()
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._closed = False
+        self._session = 0
+        self._map: _Mapping | None = None
+        self._welcome: Welcome | None = None
+        # keyhash -> (namespace, key, generation) of entries this client put or read
+        self._cache: dict[int, tuple[str, str, int]] = {}
+        with self._lock:
+            self._connect()
+
+    # ---- connection ---------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._res.drop_socket()
+        sock = self._res.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._res.sock = sock
+        hello = Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._session)
+        reply = self._roundtrip(hello, self.timeout)
+        if isinstance(reply, Error):
+            self._res.drop_socket()
+            raise error_from_code(reply.code, reply.message)
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+        if self._map is None or self._map.epoch != reply.epoch:
+            self._map = _Mapping(reply, self.populate)  # a new daemon: new pools, new ring
+            self._cache.clear()
+        self._welcome = reply
+        self._session = reply.session
+
+    def _roundtrip(self, request, timeout: float):
+        sock = self._res.sock
+        try:
+            sock.send(encoder.encode(request), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._res.drop_socket()
+            raise DaemonUnavailable(f"cannot send to the daemon at {self.endpoint}") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
+                self._res.drop_socket()  # a late reply must not be read as the next call's
+                raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s")
+            try:
+                reply = self._decoder.decode(sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProtocolError(f"malformed reply from the daemon: {exc}") from None
+            if reply.id == request.id or (isinstance(reply, Error) and reply.id == 0):
+                return reply
+            # otherwise: a reply to an earlier request this client gave up on; skip it
+
+    def _call(self, request, wait_s: float = 0.0):
+        """Round trip with reconnect: a daemon that restarted is greeted again, once."""
+        with self._lock:
+            if self._closed:
+                raise EcdError("client is closed")
+            if self._res.sock is None:
+                self._connect()
+            reply = self._roundtrip(request, self.timeout + wait_s)
+            if isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED:
+                self._connect()
+                reply = self._roundtrip(request, self.timeout + wait_s)
+            if isinstance(reply, Error):
+                raise error_from_code(reply.code, reply.message)
+            return reply
+
+    @property
+    def limits(self):
+        return self._welcome.limits
+
+    @property
+    def epoch(self) -> int:
+        return self._map.epoch
+
+    # ---- put ----------------------------------------------------------------------------
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically."""
+        self.put_many({key: tensor})
+
+    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
+        """Store several tensors with one allocation and one commit round trip."""
+        tensors = {key: host_tensor(t) for key, t in items.items()}
+        if not tensors:
+            return
+        for attempt in range(2):
+            epoch = self._map.epoch
+            try:
+                return self._put_once(tensors)
+            except StaleGeneration:
+                # The daemon restarted between alloc and commit: the bytes went with it. Retry once.
+                if attempt or self._map.epoch == epoch:
+                    raise
+
+    def _put_once(self, tensors: dict[str, torch.Tensor]) -> None:
+        ns = self.namespace
+        if len(tensors) == 1:
+            (key, t), = tensors.items()
+            nbytes = t.numel() * t.element_size()
+            if self._welcome is not None and nbytes <= self.limits.inline_max_bytes:
+                self._put_inline(key, t, nbytes)
+                return
+        items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
+                 for key, t in tensors.items()]
+        reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
+        mapping = self._map
+        extents = reply.results
+        failed = next((r for r in extents if isinstance(r, Failure)), None)
+        generations = [r.generation for r in extents if not isinstance(r, Failure)]
+        try:
+            if failed is not None:
+                raise error_from_code(failed.code, failed.message)
+            for extent, t in zip(extents, tensors.values()):
+                copy_into(mapping.rw[extent.pool], extent.offset, t)
+        except BaseException:
+            if generations:
+                with contextlib.suppress(EcdError):
+                    self._call(Abort(next(self._ids), generations))
+            raise
+        acked: Acked = self._call(Commit(next(self._ids), generations))
+        self._raise_first(acked.results)
+        with self._lock:
+            for key, generation in zip(tensors, generations):
+                self._cache[key_hash(ns, key)] = (ns, key, generation)
+
+    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int) -> None:
+        data = bytearray(nbytes)
+        copy_into(data, 0, t)
+        acked: Acked = self._call(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype),
+                                            list(t.shape), bytes(data)))
+        self._raise_first(acked.results)
+        with self._lock:
+            self._cache.pop(key_hash(self.namespace, key), None)  # generation unknown: ask next time
+
+    @staticmethod
+    def _raise_first(results: Sequence[Failure | None]) -> None:
+        for result in results:
+            if isinstance(result, Failure):
+                raise error_from_code(result.code, result.message)
+
+    # ---- get / view ---------------------------------------------------------------------
+
+    def _acquire(self, keys: list[str], timeout: float | None) -> tuple[list[Location | Failure], int, _Mapping]:
+        wait_s = float(timeout) if timeout else 0.0
+        if wait_s < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout!r}")
+        reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
+        with self._lock:
+            session, mapping = self._session, self._map
+            for key, result in zip(keys, reply.results):
+                if isinstance(result, Location):
+                    self._cache[key_hash(self.namespace, key)] = (self.namespace, key, result.generation)
+        for result in reply.results:
+            if isinstance(result, Location):
+                mapping.check(result)
+        return reply.results, session, mapping
+
+    def _release(self, generations: list[int], session: int) -> None:
+        """Fire-and-forget: the daemon frees the lease; no round trip is waited for."""
+        with self._lock:
+            if session != self._session or self._res.sock is None or not generations:
+                return  # that session (and its leases) ended with a reconnect
+            with contextlib.suppress(zmq.ZMQError):
+                self._res.sock.send(encoder.encode(Release(0, generations)), zmq.NOBLOCK)
+
+    def _located(self, key: str, result: Location | Failure) -> Location:
+        if isinstance(result, Failure):
+            if result.code == Code.KEY_NOT_FOUND:
+                raise KeyNotFound(f"{key!r} not found in namespace {self.namespace!r}")
+            raise error_from_code(result.code, result.message)
+        return result
+
+    def get(self, key: str, timeout: float | None = None) -> torch.Tensor:
+        """A copy of the tensor under `key`; with `timeout`, wait that long for it to be published."""
+        return self.get_many([key], timeout)[0]
+
+    def get_many(self, keys: Sequence[str], timeout: float | None = None, *,
+                 missing_ok: bool = False) -> list[torch.Tensor | None]:
+        """Copies of several tensors in one round trip (None for a missing key if missing_ok)."""
+        keys = list(keys)
+        results, session, mapping = self._acquire(keys, timeout)
+        held = [r.generation for r in results if isinstance(r, Location)]
+        try:
+            out: list[torch.Tensor | None] = []
+            for key, result in zip(keys, results):
+                if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
+                    out.append(None)
+                    continue
+                loc = self._located(key, result)
+                out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
+            return out
+        finally:
+            self._release(held, session)
+
+    @contextlib.contextmanager
+    def view(self, key: str, timeout: float | None = None) -> Iterator[torch.Tensor]:
+        """A zero-copy, read-only tensor over the entry, valid inside the `with` block only.
+
+        Writing to it faults (the memory is mapped read-only): copy it to modify it.
+        """
+        (result,), session, mapping = self._acquire([key], timeout)
+        loc = self._located(key, result) if isinstance(result, Failure) else result
+        try:
+            yield view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
+        finally:
+            self._release([loc.generation], session)
+
+    # ---- exists / pins / delete ---------------------------------------------------------
+
+    def _sync_ring(self) -> bool:
+        """Apply ring events to the location cache; True when the ring may answer negatives."""
+        ring = self._map.ring
+        if not ring.alive(RING_SILENCE_S) or ring.epoch != self._map.epoch:
+            self._cache.clear()
+            return False
+        if not self._cache:
+            ring.skip_to_head()
+            return True
+        events = ring.poll(RING_MAX_BACKLOG)
+        if events is None:  # overrun: we may have missed an eviction
+            self._cache.clear()
+            return True
+        cache = self._cache
+        for kind, keyhash, generation in events.tolist():
+            cached = cache.get(keyhash)
+            if cached is not None and (kind != EventKind.PUBLISHED or cached[2] != generation):
+                del cache[keyhash]  # evicted, deleted, or replaced by a newer generation
+        return True
+
+    def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
+        """Which keys are present. With pin_s > 0, present entries cannot be evicted for pin_s
+        seconds (or until unpin()). Absent keys are answered from the event ring, no round trip."""
+        single = isinstance(keys, str)
+        keys = [keys] if single else list(keys)
+        ns = self.namespace
+        with self._lock:
+            if self._res.sock is None and not self._closed:
+                self._connect()
+            trusted = self._sync_ring()
+            ring = self._map.ring
+            answers: list[bool | None] = [None] * len(keys)
+            ask: list[int] = []
+            for i, key in enumerate(keys):
+                keyhash = key_hash(ns, key)
+                if trusted and not ring.maybe_present(keyhash):
+                    answers[i] = False
+                elif trusted and pin_s <= 0 and self._cache.get(keyhash, (None, None))[:2] == (ns, key):
+                    answers[i] = True
+                else:
+                    ask.append(i)
+            if ask:
+                reply: Flags = self._call(Exists(next(self._ids), ns, [keys[i] for i in ask], float(pin_s)))
+                for i, found in zip(ask, reply.values):
+                    answers[i] = found
+        return answers[0] if single else answers
+
+    def unpin(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        single = isinstance(keys, str)
+        reply: Flags = self._call(Unpin(next(self._ids), self.namespace, [keys] if single else list(keys)))
+        return reply.values[0] if single else reply.values
+
+    def delete(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        """Remove entries; readers holding a view keep their bytes until they release."""
+        single = isinstance(keys, str)
+        keys = [keys] if single else list(keys)
+        reply: Flags = self._call(Delete(next(self._ids), self.namespace, keys))
+        with self._lock:
+            for key in keys:
+                self._cache.pop(key_hash(self.namespace, key), None)
+        return reply.values[0] if single else reply.values
+
+    # ---- misc ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        reply: StatsReply = self._call(Stats(next(self._ids)))
+        return msgspec.to_builtins(reply.stats)
+
+    def ping(self) -> int:
+        """One round trip; returns the daemon's epoch."""
+        return self._call(Ping(next(self._ids))).epoch
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._finalizer()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""Moving CPU tensors in and out of pool memory without torch's copy kernels.
+
+torch CPU copies on small VMs pay a flat intra-op threading cost (~8 ms for 1 MiB with 2
+threads here), and changing torch's thread count would change the engine's global settings, so
+copies go through numpy views of the same memory (a plain memcpy for contiguous data). dtypes
+numpy lacks (bfloat16, float8) are viewed as unsigned integers of the same width: bytes are bytes.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRequest
+from ..protocol import DTYPE_ITEMSIZE
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+_SAME_WIDTH_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidRequest(f"dtype {dtype} is not supported by ecd") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise InvalidRequest(f"dtype {name!r} is not supported by this torch") from None
+
+
+def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing `tensor`'s memory and strides (any dtype, contiguous or not)."""
+    try:
+        return tensor.numpy()
+    except TypeError:  # bfloat16, float8_*: same-width integers carry the same bytes
+        width = tensor.element_size()
+        if width not in _SAME_WIDTH_UINT:  # pragma: no cover - every listed dtype has a width
+            raise
+        return tensor.view(_SAME_WIDTH_UINT[width]).numpy()
+
+
+def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidRequest(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()  # GPU arenas come with the CUDA data plane; stage through host
+    if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
+        raise InvalidRequest("only dense strided tensors can be stored")
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor
+
+
+def copy_into(buf, offset: int, tensor: torch.Tensor) -> None:
+    """Write `tensor`'s elements, in row-major order, to buf[offset:offset + nbytes]."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    dst = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
+    if tensor.is_contiguous():
+        src = _numpy_view(tensor.reshape(-1)).view(np.uint8)
+        np.copyto(dst, src)
+    else:
+        src = _numpy_view(tensor)
+        np.copyto(dst.view(src.dtype).reshape(src.shape), src)
+
+
+def copy_out(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A new tensor holding a copy of buf[offset:offset + nbytes]."""
+    out = torch.empty(shape, dtype=torch_dtype(dtype))
+    if nbytes:
+        src = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
+        np.copyto(_numpy_view(out.reshape(-1)).view(np.uint8), src)
+    return out
+
+
+def view_of(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A zero-copy tensor over buf[offset:offset + nbytes] (keeps `buf` alive)."""
+    tdtype = torch_dtype(dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=tdtype)
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    with warnings.catch_warnings():
+        # A read-only mapping is the point: torch warns that it cannot enforce it itself.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=tdtype, count=nbytes // itemsize, offset=offset)
+    return flat.view(shape)

@@ -1,0 +1,264 @@
+"""node.toml -> msgspec Structs.
+
+Unknown keys are rejected, sizes ("1GiB", "512MiB", 4096) and durations ("30s", "250ms", 2.5)
+are parsed into plain ints/floats, and limits are checked. Every failure becomes one
+`ConfigError` line that names the key, e.g. `pool.host.size: must be > 0, got -1`.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .errors import ConfigError
+
+
+class ByteSize(int):
+    """A byte count written as an int or as "64KiB", "1GiB", "1.5GB", "4096"."""
+
+
+class Duration(float):
+    """Seconds written as a number or as "250ms", "30s", "5m", "1h"."""
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_DURATION_UNITS = {"": 1.0, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '1GiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        match = _NUMBER_WITH_UNIT.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise ValueError(f"expected a size like '1GiB' or '512MiB', got {value!r}")
+
+
+def parse_duration(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like '30s', got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        match = _NUMBER_WITH_UNIT.match(value)
+        if match and match.group(2).lower() in _DURATION_UNITS:
+            return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    raise ValueError(f"expected a duration like '30s' or '250ms', got {value!r}")
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is ByteSize:
+        return ByteSize(parse_size(obj))
+    if type_ is Duration:
+        return Duration(parse_duration(obj))
+    raise NotImplementedError(type_)
+
+
+def format_size(nbytes: int) -> str:
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    return str(nbytes)
+
+
+def format_duration(seconds: float) -> str:
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+def _enc_hook(obj: Any) -> Any:
+    # Print sizes and durations the way they are written in node.toml.
+    if isinstance(obj, ByteSize):
+        return format_size(int(obj))
+    if isinstance(obj, Duration):
+        return format_duration(float(obj))
+    raise NotImplementedError(type(obj))
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    # Raised inside __post_init__, msgspec re-raises it as a ValidationError with the path.
+    if not condition:
+        raise ValueError(f"{key}: {message}")
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class NodeSection(_Section):
+    name: str = "dev"
+    runtime_dir: str = "/tmp/ecd"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.name) is not None, "name",
+               f"must be 1-64 characters of [A-Za-z0-9_-] (it names /dev/shm files), got {self.name!r}")
+        _check(self.runtime_dir.startswith("/"), "runtime_dir",
+               f"must be an absolute path, got {self.runtime_dir!r}")
+        _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",
+               f"must be one of debug, info, warning, error, got {self.log_level!r}")
+
+
+class ControlSection(_Section):
+    endpoint: str = "ipc:///tmp/ecd/ecd.sock"
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"(ipc://.+|tcp://[^:]+:\d+)", self.endpoint) is not None, "endpoint",
+               f"must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+
+
+class HostPoolSection(_Section):
+    size: ByteSize = ByteSize(1 << 30)
+    # Largest single shm file; the pool is split into ceil(size / segment_size) segments and one
+    # entry never spans two, so this is also the largest tensor that fits.
+    segment_size: ByteSize = ByteSize(1 << 30)
+
+    def __post_init__(self) -> None:
+        _check(self.size > 0, "size", f"must be > 0, got {int(self.size)}")
+        _check(self.size <= 1 << 44, "size", f"must be <= 16TiB, got {int(self.size)}")
+        _check(self.segment_size >= 1 << 20, "segment_size",
+               f"must be >= 1MiB, got {int(self.segment_size)}")
+
+
+class PoolSection(_Section):
+    host: HostPoolSection = msgspec.field(default_factory=HostPoolSection)
+
+
+class RingSection(_Section):
+    slots: int = 65536  # events kept before a slow reader is overrun
+    presence_buckets: int = 1 << 20  # counters clients read to answer exists() negatives locally
+
+    def __post_init__(self) -> None:
+        for key, value in (("slots", self.slots), ("presence_buckets", self.presence_buckets)):
+            _check(value >= 64 and value & (value - 1) == 0 and value <= 1 << 26, key,
+                   f"must be a power of two between 64 and 2^26, got {value}")
+
+
+class LeasesSection(_Section):
+    write_ttl: Duration = Duration(60.0)  # an uncommitted put is aborted after this
+    max_pin: Duration = Duration(600.0)  # longest pin exists(pin_s=...) may ask for
+    max_wait: Duration = Duration(300.0)  # longest a get may wait for a key to be published
+
+    def __post_init__(self) -> None:
+        for key, value in (("write_ttl", self.write_ttl), ("max_pin", self.max_pin),
+                           ("max_wait", self.max_wait)):
+            _check(0 < value <= 86400, key, f"must be between 0 and 1 day, got {float(value)}")
+
+
+class LimitsSection(_Section):
+    max_key_bytes: int = 1024
+    max_batch: int = 16384
+    max_message_bytes: ByteSize = ByteSize(64 << 20)
+    inline_max_bytes: ByteSize = ByteSize(64 << 10)  # puts this small ride in one message
+    max_ndim: int = 16
+    max_waiters_per_client: int = 4096
+    max_leases_per_client: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for key in ("max_key_bytes", "max_batch", "max_message_bytes", "max_ndim",
+                    "max_waiters_per_client", "max_leases_per_client"):
+            _check(getattr(self, key) > 0, key, f"must be > 0, got {int(getattr(self, key))}")
+        _check(0 <= self.inline_max_bytes <= self.max_message_bytes // 2, "inline_max_bytes",
+               "must be between 0 and half of max_message_bytes")
+
+
+class MetricsSection(_Section):
+    listen: str = "127.0.0.1:9464"
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        _check(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536, "listen",
+               f"must be HOST:PORT, got {self.listen!r}")
+
+
+class Config(_Section):
+    node: NodeSection = msgspec.field(default_factory=NodeSection)
+    control: ControlSection = msgspec.field(default_factory=ControlSection)
+    pool: PoolSection = msgspec.field(default_factory=PoolSection)
+    ring: RingSection = msgspec.field(default_factory=RingSection)
+    leases: LeasesSection = msgspec.field(default_factory=LeasesSection)
+    limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self, enc_hook=_enc_hook)
+
+
+_PATH_IN_MESSAGE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _one_line(error: msgspec.ValidationError) -> str:
+    """Turn msgspec's "Expected `int`, got `str` - at `$.pool.host.size`" into
+    "pool.host.size: expected int, got str" (the key first, then the problem)."""
+    match = _PATH_IN_MESSAGE.match(str(error))
+    assert match is not None
+    message, path = match.group("msg"), (match.group("path") or "").lstrip(".")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", message)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return f"{key}: unknown key"
+    message = message.replace("`", "")
+    inner = re.match(r"^([A-Za-z_]+): (.*)$", message)  # our _check() already named the leaf
+    if inner and "Expected" not in message:
+        return f"{path}.{inner.group(1)}: {inner.group(2)}" if path else message
+    return f"{path}: {message[0].lower()}{message[1:]}" if path else message
+
+
+def load_config(data: dict[str, Any]) -> Config:
+    try:
+        return msgspec.convert(data, Config, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def load_config_file(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def dumps_toml(config: Config) -> str:
+    """Render the effective config as TOML (what `ecd check-config` prints)."""
+    lines: list[str] = []
+
+    def emit(prefix: str, table: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if scalars:
+            lines.append(f"[{prefix}]")
+            for key, value in scalars.items():
+                if isinstance(value, str):
+                    lines.append(f"{key} = {value!r}".replace("'", '"'))
+                elif isinstance(value, bool):
+                    lines.append(f"{key} = {str(value).lower()}")
+                else:
+                    lines.append(f"{key} = {value}")
+            lines.append("")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                emit(f"{prefix}.{key}" if prefix else key, value)
+
+    emit("", config.to_dict())
+    return "\n".join(lines)

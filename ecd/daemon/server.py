@@ -1,0 +1,439 @@
+"""The daemon: start-up checks -> pools, ring, ROUTER socket -> serve -> shutdown.
+
+One asyncio loop (uvloop) owns everything. The ROUTER socket is a plain non-blocking zmq socket
+whose FD the loop watches: libzmq's FD is edge-triggered, so every wake-up drains the socket
+until EAGAIN and any send made outside that drain (timers, client exits) schedules another
+drain. Replies are sent with NOBLOCK: a client that stopped reading loses its replies, the
+daemon never waits for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+import zmq
+
+from .. import __version__
+from ..config import Config
+from ..errors import Code
+from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
+from ..memory.ring import RingWriter, ring_bytes
+from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
+                        Bye, Commit, DaemonStats, Delete, Error, Exists, Extent, Failure, Flags, Hello,
+                        Limits, Ping, PoolInfo, Pong, PutInline, Release, RingInfo, Stats, StatsReply,
+                        Unpin, Welcome, encoder, request_decoder, salvage_request_id)
+from .store import RequestError, Session, State, Store, StoreLimits
+
+log = logging.getLogger("ecd.daemon")
+
+HEARTBEAT_INTERVAL_S = 0.1  # ring heartbeat; clients distrust a ring silent for 1 s
+EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
+DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is the one line `ecd serve` prints."""
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.node = config.node.name
+        self.epoch = time.time_ns()
+        self.started = time.monotonic()
+        self.endpoint = config.control.endpoint
+        self._lock = NodeLock(self.node)
+        self.pool: HostPool | None = None
+        self.ring_file: ShmFile | None = None
+        self.ring: RingWriter | None = None
+        self.store: Store | None = None
+        self.ctx: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._sessions_by_identity: dict[bytes, Session] = {}
+        self._identity_of: dict[int, bytes] = {}
+        self._pidfds: dict[int, int] = {}  # session id -> pidfd watched for the client's exit
+        self._next_session = 1
+        self._decoder = request_decoder()
+        self._drain_scheduled = False
+        self._stopping: asyncio.Event | None = None
+        self.errors: dict[str, int] = {}
+        self.ops: dict[str, int] = {}
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Everything that can fail at start, in an order that leaves nothing behind on failure."""
+        self._prepare_runtime_dir()
+        try:
+            self._lock.acquire()
+        except ShmError as exc:
+            raise StartupError(f"node.name: {exc}") from None
+        try:
+            self._check_endpoint_free()
+            stale = remove_stale(self.node)
+            if stale:
+                log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
+            self._create_memory()
+            self._bind()
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare_runtime_dir(self) -> None:
+        path = self.config.node.runtime_dir
+        try:
+            if not os.path.isdir(path):
+                os.makedirs(path, exist_ok=True)
+                os.chmod(path, 0o770)  # owner and group: engines join the daemon's group
+            probe = os.path.join(path, f".ecd-write-test-{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.unlink(probe)
+        except OSError as exc:
+            raise StartupError(f"node.runtime_dir: {path} is not writable ({exc.strerror})") from None
+
+    def _ipc_path(self) -> str | None:
+        return self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
+
+    def _check_endpoint_free(self) -> None:
+        path = self._ipc_path()
+        if path is None:
+            return  # tcp: bind() itself reports EADDRINUSE
+        if not os.path.isdir(os.path.dirname(path) or "."):
+            raise StartupError(f"control.endpoint: directory of {path} does not exist")
+        if not os.path.exists(path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # a socket file left by a daemon that died
+            return
+        except OSError as exc:
+            raise StartupError(f"control.endpoint: cannot probe {path} ({exc.strerror})") from None
+        finally:
+            probe.close()
+        raise StartupError(f"control.endpoint: {self.endpoint} is already in use by another process")
+
+    def _create_memory(self) -> None:
+        host = self.config.pool.host
+        ring_cfg = self.config.ring
+        try:
+            self.pool = HostPool(self.node, int(host.size), int(host.segment_size))
+            self.ring_file = ShmFile.create(ring_name(self.node), ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets))
+        except ShmError as exc:
+            raise StartupError(f"pool.host.size: {exc}") from None
+        self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
+        leases, limits = self.config.leases, self.config.limits
+        self.store_limits = StoreLimits(
+            max_key_bytes=limits.max_key_bytes, max_batch=limits.max_batch, max_ndim=limits.max_ndim,
+            max_waiters_per_client=limits.max_waiters_per_client,
+            max_leases_per_client=limits.max_leases_per_client, write_ttl=float(leases.write_ttl),
+            max_pin=float(leases.max_pin), max_wait=float(leases.max_wait))
+
+    def _bind(self) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(self.config.limits.max_message_bytes))
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        old_umask = os.umask(0o007)  # the ipc socket file: owner and group only, from birth
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
+            raise StartupError(f"control.endpoint: cannot bind {self.endpoint}: {reason}") from None
+        finally:
+            os.umask(old_umask)
+        path = self._ipc_path()
+        if path is not None:
+            os.chmod(path, 0o660)
+        self.sock = sock
+
+    # ---- serving ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import uvloop
+        uvloop.run(self.serve())
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
+                           self.store_limits)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self._on_signal, sig)
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        heartbeat = self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat))
+        expiry = self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire))
+        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), epoch %d", self.node,
+                 self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments), self.epoch)
+        self._drain()  # messages that arrived before the reader was registered
+        try:
+            await self._stopping.wait()
+        finally:
+            heartbeat.cancel()
+            expiry.cancel()
+            self._shutdown()
+
+    async def _every(self, interval: float, tick) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            tick()
+            self._schedule_drain()
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("received %s, shutting down", signal.Signals(sig).name)
+        self._stopping.set()
+
+    def stop(self) -> None:
+        """Thread-safe request to shut down (tests running the daemon in-process use it)."""
+        if self.loop is not None and self._stopping is not None:
+            self.loop.call_soon_threadsafe(self._stopping.set)
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        sock = self.sock
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # e.g. the socket closed under us at shutdown
+                log.debug("recv failed: %s", exc)
+                return
+            self._handle(frames)
+        self._schedule_drain()  # more may be queued: let timers run first
+
+    def _send(self, identity: bytes, reply: Any) -> None:
+        try:
+            self.sock.send_multipart((identity, encoder.encode(reply)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._count_error("send_dropped")  # peer gone or not reading; never block on it
+        self._schedule_drain()
+
+    def _count_error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def _reply_error(self, identity: bytes, request_id: int, code: Code, message: str) -> None:
+        self._count_error(code.name.lower())
+        self._send(identity, Error(request_id, int(code), message))
+
+    # ---- dispatch -----------------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            self._reply_error(identity, 0, Code.PROTOCOL,
+                              f"expected one frame per request, got {len(frames) - 1}")
+            return
+        payload = frames[1]
+        try:
+            request = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._reply_error(identity, salvage_request_id(payload), Code.PROTOCOL, f"malformed request: {exc}")
+            return
+        except RecursionError:
+            self._reply_error(identity, 0, Code.PROTOCOL, "malformed request: nested too deeply")
+            return
+        op = type(request).__name__
+        self.ops[op] = self.ops.get(op, 0) + 1
+        session = self._sessions_by_identity.get(identity)
+        try:
+            if isinstance(request, Hello):
+                self._on_hello(identity, request)
+            elif isinstance(request, Bye):
+                if session is not None:
+                    self._end_session(session)
+            elif session is None:
+                self._reply_error(identity, request.id, Code.NOT_REGISTERED,
+                                  "unknown client: say Hello first (the daemon may have restarted)")
+            elif self._stopping.is_set() and isinstance(request, (Alloc, PutInline)):
+                self._reply_error(identity, request.id, Code.SHUTTING_DOWN, "daemon is shutting down")
+            else:
+                reply = self._dispatch(identity, session, request)
+                if reply is not None and request.id != 0:
+                    self._send(identity, reply)
+        except RequestError as exc:
+            self._reply_error(identity, request.id, exc.code, str(exc))
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("internal error handling %s", op)
+            self._reply_error(identity, getattr(request, "id", 0), Code.INTERNAL, f"internal error: {exc!r}")
+
+    def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
+        store = self.store
+        match request:
+            case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
+                return Flags(rid, store.exists(session, ns, keys, pin_s))
+            case Acquire(id=rid, ns=ns, keys=keys, wait_s=wait_s):
+                def on_done(results, rid=rid):
+                    self._send(identity, Acquired(rid, results))
+                results = store.acquire(session, ns, keys, wait_s, on_done)
+                return None if results is None else Acquired(rid, results)
+            case Release(id=rid, generations=generations):
+                store.check_batch(len(generations))
+                results = [store.release(session, g) for g in generations]
+                if rid == 0 and any(results):
+                    self._count_error("release_refused")
+                return Acked(rid, results)
+            case Alloc(id=rid, ns=ns, items=items):
+                store.check_batch(len(items))
+                return Allocated(rid, [store.alloc(session, ns, item) for item in items])
+            case Commit(id=rid, generations=generations):
+                store.check_batch(len(generations))
+                return Acked(rid, [store.commit(session, g) for g in generations])
+            case Abort(id=rid, generations=generations):
+                store.check_batch(len(generations))
+                return Acked(rid, [store.abort(session, g) for g in generations])
+            case PutInline():
+                return Acked(request.id, [self._put_inline(session, request)])
+            case Unpin(id=rid, ns=ns, keys=keys):
+                return Flags(rid, store.unpin(session, ns, keys))
+            case Delete(id=rid, ns=ns, keys=keys):
+                return Flags(rid, store.delete(ns, keys))
+            case Ping(id=rid):
+                return Pong(rid, self.epoch)
+            case Stats(id=rid):
+                return StatsReply(rid, self.stats())
+        raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
+
+    def _put_inline(self, session: Session, request: PutInline) -> Failure | None:
+        limit = int(self.config.limits.inline_max_bytes)
+        if len(request.data) > limit:
+            return Failure(Code.LIMIT, f"inline payload of {len(request.data)} bytes exceeds "
+                                       f"limits.inline_max_bytes={limit}")
+        item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
+        placed = self.store.alloc(session, request.ns, item)
+        if isinstance(placed, Failure):
+            return placed
+        # Small enough that copying in the daemon costs less than the round trip it saves.
+        segment = self.pool.segments[placed.pool].buf
+        segment[placed.offset:placed.offset + len(request.data)] = request.data
+        return self.store.commit(session, placed.generation)
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        if hello.version != PROTOCOL_VERSION:
+            self._reply_error(identity, hello.id, Code.VERSION,
+                              f"protocol version {hello.version} not supported; daemon speaks {PROTOCOL_VERSION}")
+            return
+        old = self._sessions_by_identity.get(identity)
+        if old is not None:
+            self._end_session(old)
+        previous = self.store.session(hello.previous_session) if hello.previous_session else None
+        if previous is not None and previous.pid == hello.pid:
+            self._end_session(previous)  # the same process reconnected: its old leases are void
+        session = self.store.open_session(self._next_session, hello.pid)
+        self._next_session += 1
+        self._sessions_by_identity[identity] = session
+        self._identity_of[session.id] = identity
+        self._watch_pid(session)
+        limits, cfg = self.config.limits, self.config
+        self._send(identity, Welcome(
+            hello.id, PROTOCOL_VERSION, session.id, self.epoch, self.node,
+            [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(self.pool.segments)],
+            RingInfo(self.ring_file.name, self.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
+            Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
+                   int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
+                   float(cfg.leases.max_pin))))
+
+    def _watch_pid(self, session: Session) -> None:
+        """Reclaim a local client's leases the moment its process exits (a pidfd turns readable)."""
+        if session.pid <= 0:
+            return
+        try:
+            fd = os.pidfd_open(session.pid)
+        except OSError:  # another pid namespace, or a remote peer: write TTLs still apply
+            log.debug("session %d: cannot watch pid %d", session.id, session.pid)
+            return
+        self._pidfds[session.id] = fd
+        self.loop.add_reader(fd, self._on_process_exit, session.pid)
+
+    def _on_process_exit(self, pid: int) -> None:
+        for session in [s for s in self._sessions_by_identity.values() if s.pid == pid]:
+            log.info("client pid %d exited: reclaiming session %d", pid, session.id)
+            self.store.counters["reclaimed_sessions"] += 1
+            self._end_session(session)
+
+    def _end_session(self, session: Session) -> None:
+        identity = self._identity_of.pop(session.id, None)
+        if identity is not None:
+            self._sessions_by_identity.pop(identity, None)
+        fd = self._pidfds.pop(session.id, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        self.store.close_session(session)
+        self._schedule_drain()
+
+    # ---- stats and shutdown -------------------------------------------------------------
+
+    def stats(self) -> DaemonStats:
+        store = self.store
+        states = store.count_states()
+        leases, pins, waiters = store.lease_totals()
+        pools = [(a.capacity, a.used) for a in store.allocators]
+        c = store.counters
+        return DaemonStats(
+            node=self.node, epoch=self.epoch, version=__version__,
+            uptime_s=time.monotonic() - self.started,
+            capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
+            entries_ready=states[State.READY], entries_writing=states[State.WRITING],
+            entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
+            pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
+            reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
+            ring_events=self.ring.events_written, ops=dict(self.ops), errors=dict(self.errors))
+
+    def _shutdown(self) -> None:
+        log.info("shutting down: unlinking shared memory and the control socket")
+        if self.store is not None:
+            self.store.fail_waiters(Code.SHUTTING_DOWN, "daemon is shutting down")
+        for fd in self._pidfds.values():
+            with suppress(Exception):
+                self.loop.remove_reader(fd)
+            os.close(fd)
+        self._pidfds.clear()
+        if self.loop is not None and self.sock is not None:
+            with suppress(Exception):
+                self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.close()
+
+    def close(self) -> None:
+        """Release everything prepare() created; safe to call more than once."""
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+            path = self._ipc_path()
+            if path is not None:
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self.ring is not None:
+            self.ring.close()
+        if self.ring_file is not None:
+            self.ring_file.unlink()
+            self.ring_file = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self._lock.release()

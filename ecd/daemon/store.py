@@ -1,0 +1,477 @@
+"""The registry: entries, their state machine, leases, pins, waiters and LRU eviction.
+
+Single-threaded by design (the daemon's event loop owns it), so there are no locks. It knows
+nothing of sockets: the server hands it a Session per client and gets plain results back;
+a parked Acquire completes through the callback it registered.
+
+Entry life:  alloc -> WRITING --commit--> READY --(replace | delete)--> RETIRED -> freed
+                        |                   |                           (when readers drain)
+                        +--abort/TTL/death--+--evict (no readers, no pins)--> freed
+WRITING and RETIRED entries are invisible to lookups; a READY entry with a reader or a pin is
+never evicted. Generations come from one counter, so a generation names exactly one entry.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from ..errors import Code
+from ..memory.allocator import ExtentAllocator
+from ..memory.ring import EventKind, RingWriter, key_hash
+from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
+
+
+class State(enum.IntEnum):
+    WRITING = 1
+    READY = 2
+    RETIRED = 3
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    generation: int
+    ns: str
+    key: str
+    keyhash: int
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    pool: int
+    offset: int
+    state: State = State.WRITING
+    owner: "Session | None" = None  # the writer, while WRITING
+    readers: int = 0
+    pins: int = 0
+    last_access: float = 0.0
+    write_deadline: float = 0.0
+
+    def location(self) -> Location:
+        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape)
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A parked Acquire: completes when every key is READY or when its timer fires."""
+
+    session: "Session"
+    ns: str
+    keys: list[str]
+    missing: set[str]
+    on_done: Callable[[list[Location | Failure]], None]
+    timer: "Cancellable | None" = None
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    pid: int = 0
+    leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
+    writes: dict[int, Entry] = field(default_factory=dict)
+    pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
+    waiters: set[Waiter] = field(default_factory=set)
+    closed: bool = False
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable: ...
+
+
+@dataclass
+class StoreLimits:
+    max_key_bytes: int = 1024
+    max_batch: int = 16384
+    max_ndim: int = 16
+    max_waiters_per_client: int = 4096
+    max_leases_per_client: int = 1 << 20
+    write_ttl: float = 60.0
+    max_pin: float = 600.0
+    max_wait: float = 300.0
+
+
+class RequestError(Exception):
+    """A whole request is refused (batch too large, unknown session); the server answers Error."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Store:
+    def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
+                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.allocators = [ExtentAllocator(size) for size in pool_sizes]
+        self.ring = ring
+        self.scheduler = scheduler
+        self.limits = limits
+        self.clock = clock
+        self._next_generation = 1
+        self.index: dict[tuple[str, str], Entry] = {}  # READY entries only
+        self.by_generation: dict[int, Entry] = {}  # every entry that holds an extent
+        self.evictable: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
+        self.waiters: dict[tuple[str, str], set[Waiter]] = {}
+        self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
+        self._sessions: dict[int, Session] = {}
+        self.counters = collections.Counter()
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def open_session(self, session_id: int, pid: int) -> Session:
+        session = Session(session_id, pid)
+        self._sessions[session_id] = session
+        return session
+
+    def session(self, session_id: int) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def close_session(self, session: Session) -> None:
+        """Reclaim everything a departed client held: writes, read leases, pins, waiters."""
+        if session.closed:
+            return
+        session.closed = True
+        self._sessions.pop(session.id, None)
+        for waiter in list(session.waiters):
+            self._drop_waiter(waiter)
+        for entry in list(session.writes.values()):
+            self._free(entry)
+        session.writes.clear()
+        for generation, count in session.leases.items():
+            entry = self.by_generation.get(generation)
+            if entry is not None:
+                entry.readers -= count
+                self._after_unhold(entry)
+        session.leases.clear()
+        for generation in session.pins:
+            entry = self.by_generation.get(generation)
+            if entry is not None:
+                entry.pins -= 1
+                self._after_unhold(entry)
+        session.pins.clear()
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    # ---- validation ---------------------------------------------------------------------
+
+    def check_batch(self, n: int) -> None:
+        if n > self.limits.max_batch:
+            raise RequestError(Code.LIMIT, f"batch of {n} items exceeds limits.max_batch={self.limits.max_batch}")
+
+    def check_key(self, ns: str, key: str) -> Failure | None:
+        limit = self.limits.max_key_bytes
+        if len(key) == 0:
+            return Failure(Code.INVALID, "empty key")
+        if len(key) > limit or len(key.encode()) > limit:
+            return Failure(Code.LIMIT, f"key of {len(key.encode())} bytes exceeds limits.max_key_bytes={limit}")
+        if len(ns) > limit or len(ns.encode()) > limit:
+            return Failure(Code.LIMIT, f"namespace longer than limits.max_key_bytes={limit}")
+        return None
+
+    def _check_item(self, ns: str, item: AllocItem) -> Failure | None:
+        failure = self.check_key(ns, item.key)
+        if failure is not None:
+            return failure
+        if item.dtype not in DTYPE_ITEMSIZE:
+            return Failure(Code.INVALID, f"unknown dtype {item.dtype!r}")
+        if len(item.shape) > self.limits.max_ndim:
+            return Failure(Code.LIMIT, f"{len(item.shape)} dimensions exceed limits.max_ndim={self.limits.max_ndim}")
+        want = expected_nbytes(item.dtype, item.shape)
+        if want != item.nbytes:
+            return Failure(Code.INVALID, f"nbytes={item.nbytes} but shape {list(item.shape)} of "
+                                         f"{item.dtype} needs {want}")
+        biggest = max(a.capacity for a in self.allocators)
+        if item.nbytes > biggest:
+            return Failure(Code.INVALID, f"{item.nbytes} bytes is larger than the largest pool segment ({biggest} bytes)")
+        return None
+
+    # ---- put ----------------------------------------------------------------------------
+
+    def alloc(self, session: Session, ns: str, item: AllocItem) -> Extent | Failure:
+        failure = self._check_item(ns, item)
+        if failure is not None:
+            self.counters["alloc_refused"] += 1
+            return failure
+        placed = self._place(item.nbytes)
+        if placed is None:
+            self.counters["pool_full"] += 1
+            return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes))
+        pool, offset = placed
+        generation = self._next_generation
+        self._next_generation += 1
+        now = self.clock()
+        entry = Entry(generation, ns, item.key, key_hash(ns, item.key), item.dtype, list(item.shape),
+                      item.nbytes, pool, offset, owner=session, last_access=now,
+                      write_deadline=now + self.limits.write_ttl)
+        self.by_generation[generation] = entry
+        session.writes[generation] = entry
+        heapq.heappush(self._deadlines, (entry.write_deadline, generation, 0))
+        return Extent(generation, pool, offset)
+
+    def _place(self, nbytes: int) -> tuple[int, int] | None:
+        for pool, allocator in enumerate(self.allocators):
+            offset = allocator.alloc(nbytes)
+            if offset is not None:
+                return pool, offset
+        # Evict least-recently-used unheld entries until one segment has a big enough hole.
+        while self.evictable:
+            _, victim = self.evictable.popitem(last=False)
+            pool = victim.pool
+            self._unindex(victim, EventKind.EVICTED)
+            self._free(victim)
+            self.counters["evictions"] += 1
+            offset = self.allocators[pool].alloc(nbytes)
+            if offset is not None:
+                return pool, offset
+        return None
+
+    def _pool_full_message(self, nbytes: int) -> str:
+        capacity = sum(a.capacity for a in self.allocators)
+        used = sum(a.used for a in self.allocators)
+        largest = max(a.largest_free for a in self.allocators)
+        writing = sum(1 for e in self.by_generation.values() if e.state is State.WRITING)
+        held = sum(1 for e in self.index.values() if e.readers or e.pins)
+        return (f"no room for {nbytes} bytes: {used} of {capacity} bytes in use, largest free extent "
+                f"{largest}; nothing left to evict ({held} entries leased or pinned, {writing} being written)")
+
+    def commit(self, session: Session, generation: int) -> Failure | None:
+        entry = self.by_generation.get(generation)
+        if entry is None or entry.state is not State.WRITING:
+            return Failure(Code.STALE, f"generation {generation} is not an entry being written "
+                                       "(aborted, expired or already committed)")
+        if entry.owner is not session:
+            return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
+        del session.writes[generation]
+        entry.owner = None
+        entry.state = State.READY
+        entry.last_access = self.clock()
+        old = self.index.get((entry.ns, entry.key))
+        if old is not None:  # an atomic replace: current readers keep the old bytes
+            self._unindex(old, EventKind.DELETED)
+            self._retire_or_free(old)
+        self.index[(entry.ns, entry.key)] = entry
+        self.evictable[generation] = entry
+        self.ring.publish(entry.keyhash, generation)
+        self.counters["puts"] += 1
+        self._wake_waiters(entry.ns, entry.key)
+        return None
+
+    def abort(self, session: Session, generation: int) -> Failure | None:
+        entry = session.writes.pop(generation, None)
+        if entry is None:
+            entry = self.by_generation.get(generation)
+            if entry is not None and entry.state is State.WRITING:
+                return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
+            return Failure(Code.STALE, f"generation {generation} is not an entry being written")
+        self._free(entry)
+        return None
+
+    # ---- get ----------------------------------------------------------------------------
+
+    def acquire(self, session: Session, ns: str, keys: list[str], wait_s: float,
+                on_done: Callable[[list[Location | Failure]], None]) -> list[Location | Failure] | None:
+        """Read-lease every key. Returns the results now, or None after parking the request
+        (on_done fires when every key is READY or wait_s passes, whichever comes first)."""
+        self.check_batch(len(keys))
+        for key in keys:
+            failure = self.check_key(ns, key)
+            if failure is not None:
+                raise RequestError(failure.code, failure.message)
+        if len(session.leases) + len(keys) > self.limits.max_leases_per_client:
+            raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
+                                           f"limits.max_leases_per_client={self.limits.max_leases_per_client}")
+        missing = {key for key in keys if (ns, key) not in self.index}
+        if missing and wait_s > 0:
+            if len(session.waiters) >= self.limits.max_waiters_per_client:
+                raise RequestError(Code.LIMIT, f"client has {len(session.waiters)} parked requests; "
+                                               f"limits.max_waiters_per_client={self.limits.max_waiters_per_client}")
+            waiter = Waiter(session, ns, keys, missing, on_done)
+            for key in missing:
+                self.waiters.setdefault((ns, key), set()).add(waiter)
+            session.waiters.add(waiter)
+            wait = min(wait_s, self.limits.max_wait)
+            waiter.timer = self.scheduler.call_later(wait, lambda: self._expire_waiter(waiter))
+            return None
+        return self._lease_all(session, ns, keys)
+
+    def _lease_all(self, session: Session, ns: str, keys: list[str]) -> list[Location | Failure]:
+        results: list[Location | Failure] = []
+        now = self.clock()
+        for key in keys:
+            entry = self.index.get((ns, key))
+            if entry is None:
+                self.counters["misses"] += 1
+                results.append(Failure(Code.KEY_NOT_FOUND, f"no entry {key!r} in namespace {ns!r}"))
+                continue
+            self.counters["hits"] += 1
+            entry.readers += 1
+            entry.last_access = now
+            self.evictable.pop(entry.generation, None)
+            session.leases[entry.generation] += 1
+            results.append(entry.location())
+        return results
+
+    def _wake_waiters(self, ns: str, key: str) -> None:
+        parked = self.waiters.pop((ns, key), None)
+        if not parked:
+            return
+        for waiter in parked:
+            waiter.missing.discard(key)
+            if not waiter.missing:
+                self._complete_waiter(waiter)
+
+    def _complete_waiter(self, waiter: Waiter) -> None:
+        self._drop_waiter(waiter)
+        waiter.on_done(self._lease_all(waiter.session, waiter.ns, waiter.keys))
+
+    def _expire_waiter(self, waiter: Waiter) -> None:
+        waiter.timer = None
+        if waiter in waiter.session.waiters:
+            self._complete_waiter(waiter)
+
+    def _drop_waiter(self, waiter: Waiter) -> None:
+        waiter.session.waiters.discard(waiter)
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        for key in waiter.missing:
+            parked = self.waiters.get((waiter.ns, key))
+            if parked is not None:
+                parked.discard(waiter)
+                if not parked:
+                    del self.waiters[(waiter.ns, key)]
+
+    def fail_waiters(self, code: Code, message: str) -> None:
+        """Answer every parked request with a failure per key (used at shutdown)."""
+        for session in list(self._sessions.values()):
+            for waiter in list(session.waiters):
+                self._drop_waiter(waiter)
+                waiter.on_done([Failure(code, message) for _ in waiter.keys])
+
+    def release(self, session: Session, generation: int) -> Failure | None:
+        if session.leases.get(generation, 0) <= 0:
+            return Failure(Code.NOT_OWNER, f"this client holds no read lease on generation {generation}")
+        session.leases[generation] -= 1
+        if session.leases[generation] == 0:
+            del session.leases[generation]
+        entry = self.by_generation[generation]
+        entry.readers -= 1
+        self._after_unhold(entry)
+        return None
+
+    # ---- exists / pins / delete ---------------------------------------------------------
+
+    def exists(self, session: Session, ns: str, keys: list[str], pin_s: float) -> list[bool]:
+        self.check_batch(len(keys))
+        now = self.clock()
+        found = []
+        for key in keys:
+            entry = self.index.get((ns, key))
+            found.append(entry is not None)
+            if entry is None:
+                self.counters["misses"] += 1
+                continue
+            self.counters["hits"] += 1
+            entry.last_access = now
+            if pin_s > 0:
+                self._pin(session, entry, now + min(pin_s, self.limits.max_pin))
+            elif entry.generation in self.evictable:
+                self.evictable.move_to_end(entry.generation)
+        return found
+
+    def _pin(self, session: Session, entry: Entry, deadline: float) -> None:
+        previous = session.pins.get(entry.generation)
+        if previous is None:
+            entry.pins += 1
+            self.evictable.pop(entry.generation, None)
+        elif previous >= deadline:
+            return
+        session.pins[entry.generation] = deadline
+        heapq.heappush(self._deadlines, (deadline, entry.generation, session.id))
+
+    def unpin(self, session: Session, ns: str, keys: list[str]) -> list[bool]:
+        self.check_batch(len(keys))
+        result = []
+        for key in keys:
+            entry = self.index.get((ns, key))
+            pinned = entry is not None and session.pins.pop(entry.generation, None) is not None
+            if pinned:
+                entry.pins -= 1
+                self._after_unhold(entry)
+            result.append(pinned)
+        return result
+
+    def delete(self, ns: str, keys: list[str]) -> list[bool]:
+        self.check_batch(len(keys))
+        result = []
+        for key in keys:
+            entry = self.index.get((ns, key))
+            if entry is not None:
+                self._unindex(entry, EventKind.DELETED)
+                self._retire_or_free(entry)
+            result.append(entry is not None)
+        return result
+
+    def expire(self) -> None:
+        """Abort writes past their TTL and drop pins past their deadline (called periodically)."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, generation, session_id = heapq.heappop(self._deadlines)
+            entry = self.by_generation.get(generation)
+            if session_id == 0:  # a write deadline
+                if entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
+                    entry.owner.writes.pop(generation, None)
+                    self._free(entry)
+                    self.counters["expired_writes"] += 1
+                continue
+            session = self._sessions.get(session_id)
+            if session is not None and session.pins.get(generation) == deadline:
+                del session.pins[generation]
+                if entry is not None:
+                    entry.pins -= 1
+                    self._after_unhold(entry)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _after_unhold(self, entry: Entry) -> None:
+        """A reader or pin went away: free a retired entry once no reader is left (pins only
+        guard against eviction), or make an unheld READY entry evictable again."""
+        if entry.state is State.RETIRED:
+            if not entry.readers:
+                self._free(entry)
+        elif entry.state is State.READY and not entry.readers and not entry.pins:
+            self.evictable[entry.generation] = entry  # most recently used end
+
+    def _unindex(self, entry: Entry, kind: EventKind) -> None:
+        del self.index[(entry.ns, entry.key)]
+        self.evictable.pop(entry.generation, None)
+        self.ring.unpublish(kind, entry.keyhash, entry.generation)
+
+    def _retire_or_free(self, entry: Entry) -> None:
+        if entry.readers:
+            entry.state = State.RETIRED
+        else:
+            self._free(entry)
+
+    def _free(self, entry: Entry) -> None:
+        self.allocators[entry.pool].free_extent(entry.offset)
+        del self.by_generation[entry.generation]
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def count_states(self) -> dict[State, int]:
+        counts = collections.Counter(e.state for e in self.by_generation.values())
+        return {state: counts.get(state, 0) for state in State}
+
+    def lease_totals(self) -> tuple[int, int, int]:
+        """(read leases, pins, parked waiters) over all sessions."""
+        sessions = self._sessions.values()
+        return (sum(sum(s.leases.values()) for s in sessions), sum(len(s.pins) for s in sessions),
+                sum(len(s.waiters) for s in sessions))

@@ -1,0 +1,106 @@
+"""The EcdError hierarchy. Every error has a wire code so a daemon reply maps to one class."""
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.IntEnum):
+    """Error codes carried by `protocol.Error` replies and per-item failures."""
+
+    PROTOCOL = 1  # malformed frame, unknown tag, wrong types
+    VERSION = 2  # protocol version mismatch in the handshake
+    NOT_REGISTERED = 3  # request from an identity that never said Hello (daemon restarted)
+    KEY_NOT_FOUND = 4
+    POOL_FULL = 5
+    INVALID = 6  # well-formed but unacceptable arguments (shape/dtype/nbytes mismatch, ...)
+    STALE = 7  # generation does not name a live entry in the expected state
+    NOT_OWNER = 8  # lease or write owned by another client
+    LIMIT = 9  # a configured limit (key length, batch size, waiters, leases) was exceeded
+    SHUTTING_DOWN = 10
+    INTERNAL = 11
+
+
+class EcdError(Exception):
+    """Base class of every error ecd raises."""
+
+    code: Code = Code.INTERNAL
+
+    def __init__(self, message: str = "", *, code: Code | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ProtocolError(EcdError):
+    """The peer sent something that does not follow the protocol."""
+
+    code = Code.PROTOCOL
+
+
+class VersionMismatch(ProtocolError):
+    code = Code.VERSION
+
+
+class KeyNotFound(EcdError, KeyError):
+    code = Code.KEY_NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PoolFull(EcdError):
+    """No extent large enough even after evicting every unleased entry."""
+
+    code = Code.POOL_FULL
+
+
+class InvalidRequest(EcdError, ValueError):
+    code = Code.INVALID
+
+
+class StaleGeneration(EcdError):
+    code = Code.STALE
+
+
+class NotOwner(EcdError):
+    code = Code.NOT_OWNER
+
+
+class LimitExceeded(EcdError):
+    code = Code.LIMIT
+
+
+class ShuttingDown(EcdError):
+    code = Code.SHUTTING_DOWN
+
+
+class DaemonUnavailable(EcdError):
+    """The daemon is down or did not answer within the client's timeout."""
+
+    code = Code.INTERNAL
+
+
+class ConfigError(EcdError):
+    """A node.toml that cannot be used; the message names the key and the problem."""
+
+
+_BY_CODE: dict[int, type[EcdError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        VersionMismatch,
+        KeyNotFound,
+        PoolFull,
+        InvalidRequest,
+        StaleGeneration,
+        NotOwner,
+        LimitExceeded,
+        ShuttingDown,
+    )
+}
+
+
+def error_from_code(code: int, message: str) -> EcdError:
+    """Build the exception a client raises for an error reply."""
+    cls = _BY_CODE.get(code, EcdError)
+    return cls(message, code=Code(code) if code in Code._value2member_map_ else None)

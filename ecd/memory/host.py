@@ -1,0 +1,175 @@
+"""POSIX shared-memory files under /dev/shm: create (daemon), attach (clients), unlink, stale cleanup.
+
+Names derive from the node name: `ecd.<node>.<n>` for pool segments, `ecd.<node>.ring` for the
+event ring, `ecd.<node>.lock` for the one-daemon-per-node lock. Files are created 0660 (owner
+and group only) and fully allocated up front with posix_fallocate, so a /dev/shm that is too
+small fails at start with a clear message instead of SIGBUS-ing a client mid-copy later.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from dataclasses import dataclass, field
+
+from ..config import format_size
+
+SHM_DIR = "/dev/shm"
+FILE_MODE = 0o660
+
+
+def segment_name(node: str, index: int) -> str:
+    return f"ecd.{node}.{index}"
+
+
+def ring_name(node: str) -> str:
+    return f"ecd.{node}.ring"
+
+
+def lock_name(node: str) -> str:
+    return f"ecd.{node}.lock"
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+class ShmError(Exception):
+    """Shared memory could not be created or attached; the message says why."""
+
+
+@dataclass
+class ShmFile:
+    """One mapped /dev/shm file. `buf` is the mmap object (a writable buffer)."""
+
+    name: str
+    size: int
+    buf: mmap.mmap = field(repr=False)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "ShmFile":
+        path = shm_path(name)
+        free = _shm_free_bytes()
+        if free is not None and size > free:
+            raise ShmError(f"{SHM_DIR} has {format_size(free)} free, {name} needs {format_size(size)}"
+                           f" ({size} bytes): shrink pool.host.size or grow {SHM_DIR}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         FILE_MODE)
+        except OSError as exc:
+            raise ShmError(f"cannot create {path}: {exc.strerror}") from None
+        try:
+            os.fchmod(fd, FILE_MODE)  # the umask must not widen or narrow what clients need
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmError(f"{SHM_DIR} cannot hold {name}: {format_size(size)} ({size} bytes)"
+                                   f" requested, {exc.strerror}") from None
+                raise ShmError(f"cannot allocate {path}: {exc.strerror}") from None
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)
+        return cls(name, size, buf)
+
+    @classmethod
+    def attach(cls, name: str, size: int, *, writable: bool = True, populate: bool = False) -> "ShmFile":
+        path = shm_path(name)
+        try:
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ShmError(f"cannot open {path}: {exc.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise ShmError(f"{path} is {actual} bytes, the daemon announced {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            # MAP_POPULATE builds the page tables now, so the first copy into a fresh mapping does
+            # not pay one minor fault per 4 KiB page (about as much as the copy itself).
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            buf = mmap.mmap(fd, size, flags, prot)
+        finally:
+            os.close(fd)
+        return cls(name, size, buf)
+
+    def unlink(self) -> None:
+        _unlink_quietly(shm_path(self.name))
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def remove_stale(node: str) -> list[str]:
+    """Unlink every shm file a previous run of this node left behind (not the lock)."""
+    prefix, keep = f"ecd.{node}.", lock_name(node)
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(prefix) and name != keep:
+            _unlink_quietly(shm_path(name))
+            removed.append(name)
+    return sorted(removed)
+
+
+class NodeLock:
+    """flock on /dev/shm/ecd.<node>.lock: one daemon per node name, released by the kernel on death."""
+
+    def __init__(self, node: str) -> None:
+        self.path = shm_path(lock_name(node))
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ShmError(f"another ecd daemon (pid {holder}) is serving this node") from None
+        os.fchmod(fd, FILE_MODE)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _unlink_quietly(self.path)
+            os.close(self._fd)
+            self._fd = None
+
+
+class HostPool:
+    """The daemon's host pool: `size` bytes split into segments of at most `segment_size`."""
+
+    def __init__(self, node: str, size: int, segment_size: int) -> None:
+        self.segments: list[ShmFile] = []
+        remaining, index = size, 0
+        try:
+            while remaining > 0:
+                seg_size = min(remaining, segment_size)
+                self.segments.append(ShmFile.create(segment_name(node, index), seg_size))
+                remaining -= seg_size
+                index += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.unlink()
+        self.segments.clear()

@@ -1,0 +1,277 @@
+"""Every message on the control socket: tagged, array-like msgspec Structs in two unions.
+
+A client's DEALER sends one msgpack frame per request; the daemon's ROUTER answers with one
+frame per reply carrying the same `id`. Requests with `id == 0` are fire-and-forget (Release,
+Bye): the daemon never answers them. Many-key requests carry lists, one result per item in order.
+Only small metadata crosses the socket; tensor bytes move through the shared-memory pools
+(PutInline, for payloads up to `Limits.inline_max_bytes`, is the one exception).
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+# Element sizes of the dtypes ecd stores, by torch's name. The daemon never imports torch: it
+# only checks that nbytes == prod(shape) * itemsize.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
+    "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+
+
+def expected_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+
+
+class _Msg(Struct, array_like=True, tag=True, omit_defaults=False):
+    pass
+
+
+# ---- pieces ---------------------------------------------------------------------------------
+
+class PoolInfo(Struct, array_like=True):
+    index: int
+    name: str  # /dev/shm/<name>
+    size: int
+
+
+class RingInfo(Struct, array_like=True):
+    name: str
+    size: int
+    slots: int
+    buckets: int
+
+
+class Limits(Struct, array_like=True):
+    max_key_bytes: int
+    max_batch: int
+    max_message_bytes: int
+    inline_max_bytes: int
+    max_ndim: int
+    max_wait_s: float
+    max_pin_s: float
+
+
+class AllocItem(Struct, array_like=True):
+    key: str
+    dtype: str
+    shape: list[U64]
+    nbytes: U64
+
+
+class Extent(_Msg, tag="extent"):
+    """Where to write an allocated entry; `generation` names it in Commit/Abort."""
+
+    generation: int
+    pool: int
+    offset: int
+
+
+class Location(_Msg, tag="location"):
+    """A READY entry the caller now holds a read lease on (Release it by generation)."""
+
+    generation: int
+    pool: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
+class Failure(_Msg, tag="failure"):
+    code: int
+    message: str
+
+
+class DaemonStats(Struct):
+    node: str
+    epoch: int
+    version: str
+    uptime_s: float
+    capacity_bytes: int
+    used_bytes: int
+    pools: list[tuple[int, int]]  # (capacity, used) per pool segment
+    entries_ready: int
+    entries_writing: int
+    entries_retired: int  # replaced or deleted, bytes held until their readers release
+    clients: int
+    read_leases: int
+    pins: int
+    waiters: int
+    hits: int
+    misses: int
+    evictions: int
+    reclaimed_sessions: int
+    expired_writes: int
+    ring_events: int
+    ops: dict[str, int]
+    errors: dict[str, int]
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+class Hello(_Msg, tag="hello"):
+    id: int
+    version: int
+    pid: int
+    name: str = ""
+    previous_session: int = 0  # a reconnecting client's old session, reclaimed at once
+
+
+class Ping(_Msg, tag="ping"):
+    id: int
+
+
+class Alloc(_Msg, tag="alloc"):
+    id: int
+    ns: str
+    items: list[AllocItem]
+
+
+class Commit(_Msg, tag="commit"):
+    id: int
+    generations: list[int]
+
+
+class Abort(_Msg, tag="abort"):
+    id: int
+    generations: list[int]
+
+
+class PutInline(_Msg, tag="put_inline"):
+    id: int
+    ns: str
+    key: str
+    dtype: str
+    shape: list[U64]
+    data: bytes
+
+
+class Acquire(_Msg, tag="acquire"):
+    id: int
+    ns: str
+    keys: list[str]
+    wait_s: Seconds = 0.0
+
+
+class Release(_Msg, tag="release"):
+    id: int  # 0: no reply
+    generations: list[int]
+
+
+class Exists(_Msg, tag="exists"):
+    id: int
+    ns: str
+    keys: list[str]
+    pin_s: Seconds = 0.0
+
+
+class Unpin(_Msg, tag="unpin"):
+    id: int
+    ns: str
+    keys: list[str]
+
+
+class Delete(_Msg, tag="delete"):
+    id: int
+    ns: str
+    keys: list[str]
+
+
+class Stats(_Msg, tag="stats"):
+    id: int
+
+
+class Bye(_Msg, tag="bye"):
+    id: int  # never answered; the daemon reclaims the session at once
+
+
+Request = Union[Hello, Ping, Alloc, Commit, Abort, PutInline, Acquire, Release, Exists, Unpin,
+                Delete, Stats, Bye]
+
+
+# ---- replies --------------------------------------------------------------------------------
+
+class Welcome(_Msg, tag="welcome"):
+    id: int
+    version: int
+    session: int
+    epoch: int
+    node: str
+    pools: list[PoolInfo]
+    ring: RingInfo
+    limits: Limits
+
+
+class Pong(_Msg, tag="pong"):
+    id: int
+    epoch: int
+
+
+class Allocated(_Msg, tag="allocated"):
+    id: int
+    results: list[Union[Extent, Failure]]
+
+
+class Acquired(_Msg, tag="acquired"):
+    id: int
+    results: list[Union[Location, Failure]]
+
+
+class Acked(_Msg, tag="acked"):
+    """Per-item outcome of Commit/Abort/Release/PutInline: None is success."""
+
+    id: int
+    results: list[Union[Failure, None]]
+
+
+class Flags(_Msg, tag="flags"):
+    """Per-key booleans: Exists (present), Delete (was present), Unpin (was pinned)."""
+
+    id: int
+    values: list[bool]
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    id: int
+    stats: DaemonStats
+
+
+class Error(_Msg, tag="error"):
+    id: int
+    code: int
+    message: str
+
+
+Reply = Union[Welcome, Pong, Allocated, Acquired, Acked, Flags, StatsReply, Error]
+
+encoder = msgspec.msgpack.Encoder()
+
+
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Request)
+
+
+def reply_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Reply)
+
+
+def salvage_request_id(frame: bytes) -> int:
+    """Best-effort id of a request that failed to decode, so its Error reply can be matched."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
+        return raw[1]
+    return 0
