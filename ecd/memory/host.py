@@ -158,6 +158,12 @@ class HostPool:
 
     def __init__(self, node: str, size: int, segment_size: int) -> None:
         self.segments: list[ShmFile] = []
+        # Check the whole pool up front: filling /dev/shm segment by segment before failing would
+        # take the node's memory with it (tmpfs is RAM) and invite the OOM killer.
+        free = _shm_free_bytes()
+        if free is not None and size > free:
+            raise ShmError(f"{SHM_DIR} has {format_size(free)} ({free} bytes) free, the host pool needs "
+                           f"{format_size(size)} ({size} bytes): shrink pool.host.size or grow {SHM_DIR}")
         remaining, index = size, 0
         try:
             while remaining > 0:

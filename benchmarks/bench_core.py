@@ -1,0 +1,540 @@
+#!/usr/bin/env python3
+"""Core benchmark for ecd: bulk hand-off, control-plane latency and unbatched throughput.
+
+Starts its own daemon (`python -m ecd serve`) on a private node name and runtime dir, measures
+everything as ratios against references taken in the same run, prints a table and PASS/MISS per
+target, and stops the daemon with SIGTERM (it must exit 0). `make bench` runs it with no
+arguments; `--json PATH` also writes the results.
+
+  1. 1/16/64 MiB float32: memcpy (np.copyto between two pre-faulted buffers, the reference),
+     put+get(copy) in one process, and put in one process + view in another.
+  2. exists() p50/p99 for a present key put by another process (one round trip) and for absent
+     keys (answered from the event ring, no round trip) vs. a bare pyzmq REQ/REP ipc round trip
+     to a separate echo process.
+  3. unbatched ops/s from 4 client processes (exists with round trip / 4 KiB put / 4 KiB get).
+
+Every cross-process time uses time.perf_counter_ns, which on Linux is CLOCK_MONOTONIC: one clock
+for the whole machine, so a stamp taken in the producer and one taken in the consumer subtract.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from ecd.client.client import Client
+from ecd.errors import EcdError
+
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 64)
+REPS = {1: 300, 16: 150, 64: 50}  # timed repetitions per method and size
+WARMUP = {1: 30, 16: 10, 64: 4}
+EXISTS_ROUNDS, EXISTS_BLOCK, EXISTS_WARMUP = 12, 400, 300  # interleaved blocks of each method
+OPS_CLIENTS = 4
+OPS_SMALL_ELEMS = 1024  # 4 KiB float32: rides inline (limits.inline_max_bytes = 64 KiB)
+OPS_KEYS = 64
+
+TARGET_HANDOFF_RATIO = 1.2  # 16 MiB put (process A) + view (process B) <= 1.2x memcpy
+TARGET_EXISTS_RATIO = 1.5  # exists p50 <= 1.5x bare REQ/REP round trip p50
+TARGET_OPS = 15_000  # aggregate unbatched ops/s from 4 client processes
+
+now_ns = time.perf_counter_ns
+
+
+def pct(samples, q: float) -> float:
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
+
+
+def summary_us(samples_ns) -> dict:
+    a = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)),
+            "mean_us": float(a.mean()), "min_us": float(a.min()), "n": int(a.size)}
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    a = np.empty(nbytes // 4, np.float32)
+    a.fill(1.0)  # touches every page now, so no timed copy pays first-touch faults
+    return a
+
+
+def wait_until(t_ns: int) -> None:
+    while True:
+        left = t_ns - now_ns()
+        if left <= 0:
+            return
+        time.sleep(min(left / 1e9, 0.01) if left > 2_000_000 else 0)
+
+
+# ---- child processes (multiprocessing 'spawn': they import this file as __mp_main__) ----------
+
+def _echo_server(endpoint: str, conn) -> None:
+    """The bare-round-trip reference: a blocking REP socket that echoes every message."""
+    import zmq
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    conn.send("ready")
+    while True:
+        msg = sock.recv()
+        sock.send(msg)
+        if msg == b"stop":
+            break
+    sock.close(0)
+    ctx.term()
+
+
+def _consumer(endpoint: str, conn) -> None:
+    """Process B of the hand-off. Also puts the key that process A's exists() looks up."""
+    c = Client(endpoint, name="bench-consumer")
+    c.put("present/exists", torch.zeros(16))
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "wait":  # park on each key in turn; stamp the moment the view is held
+            for key, marker in cmd[1]:
+                with c.view(key, timeout=30.0) as v:
+                    t1 = now_ns()
+                    ok = v[0].item() == marker and v[-1].item() == marker
+                conn.send((t1, ok))
+        elif cmd[0] == "view":  # the key is already published: time view() alone
+            _, key, marker = cmd
+            t0 = now_ns()
+            with c.view(key) as v:
+                t1 = now_ns()
+                ok = v[0].item() == marker and v[-1].item() == marker
+            conn.send((t1 - t0, ok))
+    c.close()
+
+
+def _ops_worker(endpoint: str, wid: int, conn) -> None:
+    """One of the throughput clients: round-robin exists (round trip) / small put / small get."""
+    c = Client(endpoint, name=f"bench-ops-{wid}")
+    small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
+    ex_keys = [f"ops/ex/{j}" for j in range(OPS_KEYS)]  # put by the main process, never by us
+    get_keys = [f"ops/get/{j}" for j in range(OPS_KEYS)]
+    put_keys = [f"ops/put/{wid}/{j}" for j in range(OPS_KEYS)]
+
+    def mix(n: int | None, deadline: int | None) -> dict:
+        counts, lat = [0, 0, 0], [0, 0, 0]
+        i = 0
+        t = now_ns()
+        while (n is None or i < n) and (deadline is None or t < deadline):
+            k, j = i % 3, (i // 3) % OPS_KEYS
+            if k == 0:
+                if not c.exists(ex_keys[j]):
+                    raise AssertionError(f"{ex_keys[j]} should be present")
+            elif k == 1:
+                c.put(put_keys[j], small)
+            else:
+                c.get(get_keys[j])
+            t2 = now_ns()
+            counts[k] += 1
+            lat[k] += t2 - t
+            t = t2
+            i += 1
+        return {"counts": counts, "lat_ns": lat}
+
+    mix(600, None)  # warm-up
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        _, start_at, duration_s = cmd
+        wait_until(start_at)
+        cpu0 = time.process_time()
+        res = mix(None, start_at + int(duration_s * 1e9))
+        res["elapsed_ns"] = now_ns() - start_at
+        res["cpu_s"] = time.process_time() - cpu0
+        conn.send(res)
+    c.close()
+
+
+# ---- daemon ------------------------------------------------------------------------------
+
+class DaemonProc:
+    def __init__(self, workdir: str) -> None:
+        self.node = f"bench{os.getpid()}"
+        self.runtime_dir = os.path.join(workdir, "run")
+        self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
+        self.config_path = os.path.join(workdir, "node.toml")
+        self.log_path = os.path.join(workdir, "daemon.log")
+        with open(self.config_path, "w") as f:
+            f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
+                    f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
+                    f'[pool.host]\nsize = "1GiB"\n')
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def connect(self, timeout_s: float = 60.0) -> Client:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                return Client(self.endpoint, timeout=0.5, name="bench-main")
+            except EcdError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not answer within {timeout_s}s:\n{self.log_tail()}")
+                time.sleep(0.1)
+
+    def cpu_s(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-20:])
+
+
+# ---- 1. bulk hand-off ----------------------------------------------------------------------
+
+def bench_copies(c: Client, consumer, mib: int) -> dict:
+    nbytes = mib * MIB
+    ref_src, ref_dst = prefaulted(nbytes), prefaulted(nbytes)
+    src_np = prefaulted(nbytes)
+    src = torch.from_numpy(src_np)
+    warm, reps = WARMUP[mib], REPS[mib]
+    memcpy, fresh, put1, get1, pg = [], [], [], [], []
+    bad = 0
+
+    def ref_sample() -> None:
+        t0 = now_ns()
+        np.copyto(ref_dst, ref_src)
+        memcpy.append(now_ns() - t0)
+
+    # (a) put + get(copy) in one process. Reference samples are interleaved with the measured ones
+    # so that the machine's drift (2 noisy vCPUs) hits both alike.
+    for i in range(warm + reps):
+        src_np[0] = src_np[-1] = i
+        ref_sample()
+        t0 = now_ns()
+        c.put(f"pg/{mib}", src)
+        t1 = now_ns()
+        out = c.get(f"pg/{mib}")
+        t2 = now_ns()
+        bad += not (out[0].item() == i and out[-1].item() == i)
+        del out
+        c.delete(f"pg/{mib}")
+        if i >= warm:
+            put1.append(t1 - t0)
+            get1.append(t2 - t1)
+            pg.append(t2 - t0)
+        # diagnostic: a memcpy into a buffer that was never touched (what get's fresh output pays)
+        t0 = now_ns()
+        dst = np.empty_like(ref_src)
+        np.copyto(dst, ref_src)
+        fresh.append(now_ns() - t0)
+        del dst
+    del memcpy[:warm], fresh[:warm]
+
+    # (b) hand-off, end to end: process B is already parked in view(key, timeout) (we poll the
+    # daemon's waiter count until it is, before starting the clock); t0 is taken in A just before
+    # put(), t1 in B the moment the view is held. Both are CLOCK_MONOTONIC, so t1 - t0 is the real
+    # producer-start-to-consumer-holding latency, including B's wake-up.
+    keys = [(f"xp/{mib}/{i}", float(i)) for i in range(warm + reps)]
+    consumer.send(("wait", keys))
+    e2e, put_parked, notify = [], [], []
+    for i, (key, marker) in enumerate(keys):
+        src_np[0] = src_np[-1] = marker
+        deadline = time.monotonic() + 10
+        while c.stats()["waiters"] < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("consumer never parked on its key")
+            time.sleep(0.0002)
+        ref_sample()
+        t0 = now_ns()
+        c.put(key, src)
+        tp = now_ns()
+        t1, ok = consumer.recv()
+        bad += not ok
+        c.delete(key)
+        if i >= warm:
+            e2e.append(t1 - t0)
+            put_parked.append(tp - t0)
+            notify.append(t1 - tp)
+
+    # (c) cross-check, sequential: put latency in A, then view latency in B on the published key;
+    # the sum of the p50s is the hand-off cost when nobody waits.
+    put_seq, view_seq = [], []
+    for i in range(warm + reps):
+        key = f"seq/{mib}/{i}"
+        src_np[0] = src_np[-1] = i
+        ref_sample()
+        t0 = now_ns()
+        c.put(key, src)
+        t1 = now_ns()
+        consumer.send(("view", key, float(i)))
+        dt, ok = consumer.recv()
+        bad += not ok
+        c.delete(key)
+        if i >= warm:
+            put_seq.append(t1 - t0)
+            view_seq.append(dt)
+    mc = pct(memcpy, 50)
+    out = {
+        "mib": mib, "bad_payloads": bad,
+        "memcpy": summary_us(memcpy), "memcpy_fresh_dst": summary_us(fresh),
+        "put_1proc": summary_us(put1), "get_1proc": summary_us(get1), "put_get_1proc": summary_us(pg),
+        "handoff_e2e": summary_us(e2e), "put_with_parked_waiter": summary_us(put_parked),
+        "consumer_notify_after_put": summary_us(notify),
+        "put_seq": summary_us(put_seq), "view_seq": summary_us(view_seq),
+    }
+    out["handoff_seq_sum_p50_us"] = out["put_seq"]["p50_us"] + out["view_seq"]["p50_us"]
+    out["ratio"] = {
+        "put_get_1proc": pct(pg, 50) / mc,
+        "handoff_e2e": pct(e2e, 50) / mc,
+        "handoff_seq_sum": out["handoff_seq_sum_p50_us"] * 1e3 / mc,
+        "put_1proc": pct(put1, 50) / mc,
+        "get_1proc": pct(get1, 50) / mc,
+    }
+    return out
+
+
+# ---- 2. exists vs bare round trip ----------------------------------------------------------
+
+def bench_exists(c: Client, echo_endpoint: str) -> dict:
+    import zmq
+    ctx = zmq.Context(io_threads=1)
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(echo_endpoint)
+    payload = b"x" * 32
+    absent_i = [0]
+
+    def zmq_rt():
+        req.send(payload)
+        req.recv()
+
+    def ex_present():
+        if not c.exists("present/exists"):
+            raise AssertionError("present/exists should be present")
+
+    def ex_absent():
+        absent_i[0] += 1
+        if c.exists(f"absent/{absent_i[0]}"):
+            raise AssertionError("absent key reported present")
+
+    methods = {"bare_zmq_rtt": zmq_rt, "exists_present": ex_present,
+               "exists_absent": ex_absent, "ping": c.ping}
+    samples = {name: [] for name in methods}
+    for fn in methods.values():
+        for _ in range(EXISTS_WARMUP):
+            fn()
+    ops0 = c.stats()["ops"]
+    for _ in range(EXISTS_ROUNDS):
+        for name, fn in methods.items():
+            s = samples[name]
+            for _ in range(EXISTS_BLOCK):
+                t0 = now_ns()
+                fn()
+                s.append(now_ns() - t0)
+    ops1 = c.stats()["ops"]
+    req.send(b"stop")
+    req.recv()
+    req.close(0)
+    ctx.term()
+    n = EXISTS_ROUNDS * EXISTS_BLOCK
+    out = {name: summary_us(s) for name, s in samples.items()}
+    # Proof of what crossed the socket: present lookups must all be round trips, absent ones none.
+    out["daemon_exists_requests"] = ops1.get("Exists", 0) - ops0.get("Exists", 0)
+    out["expected_exists_requests"] = n
+    bare = out["bare_zmq_rtt"]["p50_us"]
+    out["ratio"] = {k: out[k]["p50_us"] / bare for k in ("exists_present", "exists_absent", "ping")}
+    return out
+
+
+# ---- 3. unbatched throughput ---------------------------------------------------------------
+
+def run_ops(daemon: DaemonProc, workers, duration_s: float) -> dict:
+    start_at = now_ns() + 100_000_000
+    cpu0 = daemon.cpu_s()
+    for conn in workers:
+        conn.send(("run", start_at, duration_s))
+    results = [conn.recv() for conn in workers]
+    daemon_cpu = daemon.cpu_s() - cpu0
+    elapsed = max(r["elapsed_ns"] for r in results) / 1e9
+    counts = np.sum([r["counts"] for r in results], axis=0)
+    lat = np.sum([r["lat_ns"] for r in results], axis=0)
+    total = int(counts.sum())
+    names = ("exists", "put_4k", "get_4k")
+    return {
+        "clients": len(workers), "seconds": elapsed, "ops": total, "ops_per_s": total / elapsed,
+        "per_op": {n: {"count": int(counts[k]), "ops_per_s": counts[k] / elapsed,
+                       "mean_latency_us": lat[k] / max(1, counts[k]) / 1e3} for k, n in enumerate(names)},
+        "per_client_ops_per_s": [sum(r["counts"]) / (r["elapsed_ns"] / 1e9) for r in results],
+        "daemon_cpu_util": daemon_cpu / elapsed, "daemon_cpu_us_per_op": daemon_cpu / total * 1e6,
+        "clients_cpu_us_per_op": sum(r["cpu_s"] for r in results) / total * 1e6,
+    }
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def report(res: dict) -> list[tuple[str, bool, str]]:
+    p = print
+    p(f"\necd core benchmark  ({res['env']['cpus']} CPUs, python {res['env']['python']}, "
+      f"torch {res['env']['torch']}, numpy {res['env']['numpy']})")
+    p("\n1. bulk hand-off, float32, p50 in us (ratio = p50 / memcpy p50 of the same size)")
+    rows = [("memcpy (np.copyto, pre-faulted)  [ref]", "memcpy", None),
+            ("memcpy into a fresh buffer  [diag]", "memcpy_fresh_dst", None),
+            ("put, 1 process", "put_1proc", "put_1proc"),
+            ("get (copy), 1 process", "get_1proc", "get_1proc"),
+            ("put + get(copy), 1 process", "put_get_1proc", "put_get_1proc"),
+            ("put A -> view B, end to end", "handoff_e2e", "handoff_e2e"),
+            ("  of which: A's put (B parked)", "put_with_parked_waiter", None),
+            ("  of which: B wakes after A's put", "consumer_notify_after_put", None),
+            ("put A + view B, sequential sum", None, "handoff_seq_sum")]
+    hdr = f"{'':42}" + "".join(f"{str(m) + ' MiB':>22}" for m in SIZES_MIB)
+    p(hdr)
+    for label, key, rkey in rows:
+        line = f"{label:42}"
+        for m in SIZES_MIB:
+            r = res["copy"][str(m)]
+            v = r[key]["p50_us"] if key else r["handoff_seq_sum_p50_us"]
+            ratio = f" ({r['ratio'][rkey]:.2f}x)" if rkey else ""
+            line += f"{v:>14.1f}{ratio:>8}" if rkey else f"{v:>14.1f}{'':>8}"
+        p(line)
+    p(f"{'  (p99 of end to end)':42}" + "".join(f"{res['copy'][str(m)]['handoff_e2e']['p99_us']:>14.1f}{'':>8}"
+                                              for m in SIZES_MIB))
+    e = res["exists"]
+    p("\n2. control-plane latency, us")
+    p(f"{'':42}{'p50':>10}{'p99':>10}{'ratio p50':>12}")
+    for label, key in (("bare pyzmq REQ/REP ipc  [ref]", "bare_zmq_rtt"),
+                       ("exists, present key (round trip)", "exists_present"),
+                       ("exists, absent key (event ring)", "exists_absent"),
+                       ("ping (round trip)  [diag]", "ping")):
+        r = e[key]
+        ratio = f"{e['ratio'][key]:.2f}x" if key in e["ratio"] else ""
+        p(f"{label:42}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{ratio:>12}")
+    p(f"  Exists requests seen by the daemon: {e['daemon_exists_requests']} "
+      f"(present lookups made: {e['expected_exists_requests']})")
+    p("\n3. unbatched ops/s (round-robin exists-rt / put 4 KiB / get 4 KiB)")
+    for o in res["ops"]:
+        mixs = ", ".join(f"{n} {v['ops_per_s']:.0f}/s @{v['mean_latency_us']:.0f}us"
+                         for n, v in o["per_op"].items())
+        p(f"  {o['clients']} client(s), {o['seconds']:.1f}s: {o['ops_per_s']:>8.0f} ops/s  [{mixs}]")
+        p(f"      daemon CPU {o['daemon_cpu_util'] * 100:.0f}% ({o['daemon_cpu_us_per_op']:.1f} us/op), "
+          f"clients CPU {o['clients_cpu_us_per_op']:.1f} us/op")
+    c16 = res["copy"]["16"]
+    agg = res["ops"][-1]
+    targets = [
+        ("16 MiB put (A) + view (B) <= 1.2x memcpy", c16["ratio"]["handoff_e2e"] <= TARGET_HANDOFF_RATIO,
+         f"{c16['ratio']['handoff_e2e']:.2f}x end to end (sequential sum {c16['ratio']['handoff_seq_sum']:.2f}x)"),
+        ("exists p50 <= 1.5x bare round trip", e["ratio"]["exists_present"] <= TARGET_EXISTS_RATIO,
+         f"{e['ratio']['exists_present']:.2f}x ({e['exists_present']['p50_us']:.1f} vs "
+         f"{e['bare_zmq_rtt']['p50_us']:.1f} us)"),
+        (f"unbatched ops/s from {OPS_CLIENTS} clients >= 15k", agg["ops_per_s"] >= TARGET_OPS,
+         f"{agg['ops_per_s']:.0f} ops/s"),
+    ]
+    p("\ntargets")
+    for name, ok, detail in targets:
+        p(f"  {'PASS' if ok else 'MISS'}  {name:44} {detail}")
+    return targets
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--ops-seconds", type=float, default=4.0, help="length of the ops/s window")
+    args = ap.parse_args()
+    if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        print("warning: perf_counter is not CLOCK_MONOTONIC; cross-process stamps may not compare",
+              file=sys.stderr)
+    t_start = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="ecd-bench-")
+    daemon = DaemonProc(workdir)
+    spawn = mp.get_context("spawn")
+    procs, conns = [], []
+    ok_exit = False
+    try:
+        c = daemon.connect()
+
+        def start(target, *a):
+            parent, child = spawn.Pipe()
+            pr = spawn.Process(target=target, args=(*a, child), daemon=True)
+            pr.start()
+            procs.append(pr)
+            conns.append(parent)
+            return parent
+
+        echo_endpoint = f"ipc://{daemon.runtime_dir}/echo.sock"
+        echo = start(_echo_server, echo_endpoint)
+        consumer = start(_consumer, daemon.endpoint)
+        small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
+        for j in range(OPS_KEYS):
+            c.put(f"ops/ex/{j}", small)
+            c.put(f"ops/get/{j}", small)
+        workers = [start(_ops_worker, daemon.endpoint, w) for w in range(OPS_CLIENTS)]
+        for conn in conns:
+            if not conn.poll(120):
+                raise RuntimeError("a benchmark process did not start")
+            assert conn.recv() == "ready"
+
+        res = {"env": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "torch": torch.__version__, "numpy": np.__version__, "node": daemon.node}}
+        res["copy"] = {str(m): bench_copies(c, consumer, m) for m in SIZES_MIB}
+        res["exists"] = bench_exists(c, echo_endpoint)
+        res["ops"] = [run_ops(daemon, workers[:1], min(2.0, args.ops_seconds)),
+                      run_ops(daemon, workers, args.ops_seconds)]
+        for conn in workers + [consumer]:
+            conn.send(("stop",))
+        for pr in procs:
+            pr.join(15)
+        res["daemon_stats"] = c.stats()
+        c.close()
+        bad = sum(r["bad_payloads"] for r in res["copy"].values())
+        targets = report(res)
+        res["targets"] = [{"name": n, "pass": ok, "detail": d} for n, ok, d in targets]
+        if bad:
+            print(f"ERROR: {bad} hand-offs delivered the wrong payload")
+        ok_exit = not bad
+    finally:
+        for pr in procs:
+            if pr.is_alive():
+                pr.terminate()
+        rc = daemon.stop()
+        leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{daemon.node}.")]
+        print(f"\ndaemon stopped with SIGTERM: exit code {rc}; shm files left: {leftovers or 'none'}; "
+              f"benchmark took {time.monotonic() - t_start:.0f}s")
+        if rc != 0 or leftovers:
+            print(daemon.log_tail())
+            ok_exit = False
+        shutil.rmtree(workdir, ignore_errors=True)
+    if ok_exit and args.json:
+        res["daemon_exit_code"] = rc
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=float)
+        print(f"results written to {args.json}")
+    return 0 if ok_exit else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

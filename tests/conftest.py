@@ -1,0 +1,176 @@
+"""Fixtures that start the real daemon (`python -m ecd serve`) as a subprocess on a temp node."""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ACTOR = REPO / "tests" / "actor.py"
+_counter = itertools.count()
+
+
+def shm_files(node: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{node}."))
+
+
+def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "") -> Path:
+    path = Path(runtime_dir) / "node.toml"
+    path.write_text(f"""
+[node]
+name = "{node}"
+runtime_dir = "{runtime_dir}"
+log_level = "debug"
+[control]
+endpoint = "ipc://{runtime_dir}/ecd.sock"
+[pool.host]
+size = "{size}"
+{extra}
+""")
+    return path
+
+
+class DaemonProcess:
+    """One `ecd serve` subprocess; restartable on the same node, config and endpoint."""
+
+    def __init__(self, size: str = "64MiB", extra: str = "") -> None:
+        # Short paths: a unix socket path must fit in 107 bytes.
+        self.runtime_dir = tempfile.mkdtemp(prefix="ecd-", dir="/tmp")
+        self.node = f"t{os.getpid()}x{next(_counter)}"
+        self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
+        self.socket_path = f"{self.runtime_dir}/ecd.sock"
+        self.config = write_config(self.runtime_dir, self.node, size, extra)
+        self.log_path = Path(self.runtime_dir) / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 20.0) -> None:
+        self._log = open(self.log_path, "ab")
+        start_offset = self._log.tell()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
+            if b"serving node" in self.log_path.read_bytes()[start_offset:]:
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"daemon did not start within {timeout}s: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        self._log.close()
+        self.proc = None
+        return rc
+
+    def client(self, **kwargs):
+        from ecd import Client
+        kwargs.setdefault("timeout", 5.0)
+        return Client(self.endpoint, **kwargs)
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            self.stop(signal.SIGKILL)
+        for name in shm_files(self.node):
+            os.unlink(f"/dev/shm/{name}")
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory():
+    made: list[DaemonProcess] = []
+
+    def make(size: str = "64MiB", extra: str = "", start: bool = True) -> DaemonProcess:
+        d = DaemonProcess(size, extra)
+        made.append(d)
+        if start:
+            d.start()
+        return d
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory()
+
+
+class Actor:
+    """A separate client process driven over stdin/stdout (see tests/actor.py)."""
+
+    def __init__(self, endpoint: str, namespace: str = "default") -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ACTOR), endpoint, namespace],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        assert self.ask("ping").startswith("ok"), "actor did not start"
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"actor exited with {self.proc.wait()}")
+        return line.strip()
+
+    def ask(self, line: str) -> str:
+        self.send(line)
+        return self.read()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def actors():
+    made: list[Actor] = []
+
+    def make(endpoint: str, namespace: str = "default") -> Actor:
+        a = Actor(endpoint, namespace)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        if a.proc.poll() is None:
+            a.kill()
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -1,0 +1,242 @@
+"""ExtentAllocator: best fit, alignment, coalescing, and invariants under random alloc/free."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ecd.memory.allocator import ALIGNMENT, ExtentAllocator, align_up
+
+A = ALIGNMENT
+
+
+def check_invariants(alloc: ExtentAllocator, live: dict[int, int]) -> None:
+    """`live` maps offset -> requested bytes of every extent the test still holds."""
+    free = alloc.free_extents()
+    # every free extent is aligned, non-empty and inside the segment
+    for offset, size in free:
+        assert size > 0 and offset % A == 0 and size % A == 0
+        assert 0 <= offset and offset + size <= alloc.capacity
+    # free extents are sorted, disjoint and coalesced (never touching)
+    for (o1, s1), (o2, _) in zip(free, free[1:]):
+        assert o1 + s1 < o2, f"free extents {(o1, s1)} and {o2} overlap or are adjacent"
+    # live extents: aligned, at least as big as asked, disjoint from each other and from free ones
+    spans = [(o, o + s, "free") for o, s in free]
+    for offset, nbytes in live.items():
+        size = alloc.extent_size(offset)
+        assert offset % A == 0
+        assert size == align_up(max(nbytes, 1))
+        spans.append((offset, offset + size, "live"))
+    spans.sort()
+    for (s1, e1, k1), (s2, e2, k2) in zip(spans, spans[1:]):
+        assert e1 <= s2, f"{k1} [{s1},{e1}) overlaps {k2} [{s2},{e2})"
+    # accounting
+    used = sum(alloc.extent_size(o) for o in live)
+    assert alloc.used == used
+    assert alloc.used + sum(s for _, s in free) == alloc.capacity
+    assert alloc.free == alloc.capacity - alloc.used
+    assert alloc.largest_free == max((s for _, s in free), default=0)
+    # free and live together tile the segment exactly
+    assert sum(e - s for s, e, _ in spans) == alloc.capacity
+
+
+# ---- basics -----------------------------------------------------------------------------------
+
+def test_align_up():
+    assert align_up(0) == 0
+    assert align_up(1) == A
+    assert align_up(A) == A
+    assert align_up(A + 1) == 2 * A
+
+
+@pytest.mark.parametrize("capacity", [0, -A, A + 1, 100])
+def test_capacity_must_be_positive_multiple_of_alignment(capacity):
+    with pytest.raises(ValueError):
+        ExtentAllocator(capacity)
+
+
+def test_fresh_allocator_is_one_free_extent():
+    alloc = ExtentAllocator(16 * A)
+    assert alloc.free_extents() == [(0, 16 * A)]
+    assert alloc.used == 0
+    assert alloc.largest_free == 16 * A
+
+
+def test_alloc_and_free_basics():
+    alloc = ExtentAllocator(16 * A)
+    a = alloc.alloc(100)
+    b = alloc.alloc(A)
+    c = alloc.alloc(A + 1)
+    assert (a, b, c) == (0, A, 2 * A)
+    assert alloc.used == 4 * A
+    assert alloc.extent_size(c) == 2 * A
+    assert alloc.free_extents() == [(4 * A, 12 * A)]
+    alloc.free_extent(b)
+    assert alloc.used == 3 * A
+    assert alloc.free_extents() == [(A, A), (4 * A, 12 * A)]
+    check_invariants(alloc, {a: 100, c: A + 1})
+
+
+def test_alignment_of_every_offset():
+    alloc = ExtentAllocator(64 * A)
+    offsets = [alloc.alloc(n) for n in (1, 3, 255, 257, 511, 1000, 7)]
+    assert all(o is not None and o % A == 0 for o in offsets)
+    assert [alloc.extent_size(o) for o in offsets] == [A, A, A, 2 * A, 2 * A, 4 * A, A]
+
+
+def test_zero_byte_alloc_gets_a_distinct_extent():
+    alloc = ExtentAllocator(4 * A)
+    a = alloc.alloc(0)
+    b = alloc.alloc(0)
+    assert a is not None and b is not None and a != b
+    assert alloc.extent_size(a) == A
+    assert alloc.used == 2 * A
+    assert alloc.fits(0)
+
+
+def test_none_when_full():
+    alloc = ExtentAllocator(4 * A)
+    assert alloc.alloc(4 * A) == 0
+    assert alloc.alloc(1) is None
+    assert not alloc.fits(1)
+    assert alloc.largest_free == 0
+    alloc.free_extent(0)
+    assert alloc.alloc(4 * A + 1) is None  # bigger than the segment
+    assert alloc.used == 0
+
+
+def test_none_when_fragmented():
+    alloc = ExtentAllocator(4 * A)
+    offs = [alloc.alloc(A) for _ in range(4)]
+    alloc.free_extent(offs[0])
+    alloc.free_extent(offs[2])
+    assert alloc.free == 2 * A
+    assert not alloc.fits(2 * A)
+    assert alloc.alloc(2 * A) is None
+    assert alloc.free_extents() == [(0, A), (2 * A, A)]
+
+
+def test_best_fit_picks_smallest_hole_that_fits():
+    alloc = ExtentAllocator(32 * A)
+    # carve holes of 4A (at 0), 2A (at 5A), 3A (at 8A), separated by live 1A spacers
+    x = [alloc.alloc(n * A) for n in (4, 1, 2, 1, 3, 1)]
+    assert x == [0, 4 * A, 5 * A, 7 * A, 8 * A, 11 * A]
+    alloc.free_extent(0)
+    alloc.free_extent(5 * A)
+    alloc.free_extent(8 * A)
+    # tail: [12A, 32A) of 20A
+    assert alloc.alloc(2 * A) == 5 * A  # exact fit
+    assert alloc.alloc(A + 1) == 8 * A  # 3A hole beats 4A and 20A
+    assert alloc.free_extents() == [(0, 4 * A), (10 * A, A), (12 * A, 20 * A)]
+    assert alloc.alloc(A) == 10 * A  # the 1A remainder is the best fit now
+    assert alloc.alloc(5 * A) == 12 * A  # only the tail fits
+
+
+def test_best_fit_ties_prefer_lowest_offset():
+    alloc = ExtentAllocator(8 * A)
+    offs = [alloc.alloc(A) for _ in range(8)]
+    for o in (offs[1], offs[3], offs[5]):
+        alloc.free_extent(o)
+    assert alloc.alloc(A) == offs[1]
+
+
+def test_coalesce_with_left_neighbour():
+    alloc = ExtentAllocator(4 * A)
+    a, b, c, d = (alloc.alloc(A) for _ in range(4))
+    alloc.free_extent(a)
+    alloc.free_extent(b)
+    assert alloc.free_extents() == [(0, 2 * A)]
+    assert alloc.alloc(2 * A) == 0
+
+
+def test_coalesce_with_right_neighbour():
+    alloc = ExtentAllocator(4 * A)
+    a, b, c, d = (alloc.alloc(A) for _ in range(4))
+    alloc.free_extent(c)
+    alloc.free_extent(b)
+    assert alloc.free_extents() == [(A, 2 * A)]
+    assert alloc.largest_free == 2 * A
+
+
+def test_coalesce_with_both_neighbours():
+    alloc = ExtentAllocator(5 * A)
+    a, b, c, d, e = (alloc.alloc(A) for _ in range(5))
+    alloc.free_extent(b)
+    alloc.free_extent(d)
+    assert alloc.free_extents() == [(A, A), (3 * A, A)]
+    alloc.free_extent(c)
+    assert alloc.free_extents() == [(A, 3 * A)]
+    assert alloc.alloc(3 * A) == A
+    check_invariants(alloc, {a: A, A: 3 * A, e: A})
+
+
+def test_coalesce_with_tail():
+    alloc = ExtentAllocator(8 * A)
+    a = alloc.alloc(A)
+    b = alloc.alloc(A)
+    alloc.free_extent(b)
+    assert alloc.free_extents() == [(A, 7 * A)]
+    alloc.free_extent(a)
+    assert alloc.free_extents() == [(0, 8 * A)]
+
+
+def test_double_free_raises():
+    alloc = ExtentAllocator(4 * A)
+    a = alloc.alloc(A)
+    alloc.free_extent(a)
+    with pytest.raises(ValueError):
+        alloc.free_extent(a)
+    assert alloc.used == 0
+    assert alloc.free_extents() == [(0, 4 * A)]
+
+
+def test_free_of_unallocated_or_interior_offset_raises():
+    alloc = ExtentAllocator(4 * A)
+    a = alloc.alloc(2 * A)
+    with pytest.raises(ValueError):
+        alloc.free_extent(a + A)  # inside a live extent
+    with pytest.raises(ValueError):
+        alloc.free_extent(3 * A)  # inside the free tail
+    assert alloc.used == 2 * A
+    check_invariants(alloc, {a: 2 * A})
+
+
+# ---- randomized property test -----------------------------------------------------------------
+
+CAPACITY = 64 * A
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(min_value=0, max_value=20 * A)),
+        st.tuples(st.just("free"), st.integers(min_value=0, max_value=10_000)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_random_alloc_free_keeps_invariants(sequence):
+    alloc = ExtentAllocator(CAPACITY)
+    live: dict[int, int] = {}
+    for op, arg in sequence:
+        if op == "alloc":
+            largest_before = alloc.largest_free
+            offset = alloc.alloc(arg)
+            need = align_up(max(arg, 1))
+            if need > largest_before:
+                assert offset is None
+            else:
+                assert offset is not None and offset not in live
+                live[offset] = arg
+        elif live:
+            offset = sorted(live)[arg % len(live)]
+            del live[offset]
+            alloc.free_extent(offset)
+        check_invariants(alloc, live)
+    for offset in list(live):
+        alloc.free_extent(offset)
+        del live[offset]
+        check_invariants(alloc, live)
+    assert alloc.free_extents() == [(0, CAPACITY)]
+    assert alloc.used == 0
