@@ -35,6 +35,7 @@ import torch
 
 from ecd.client.client import Client
 from ecd.errors import EcdError
+from ecd.memory.host import ShmFile
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -166,6 +167,13 @@ def _ops_worker(endpoint: str, wid: int, conn) -> None:
 
 # ---- daemon ------------------------------------------------------------------------------
 
+def _die_with_parent() -> None:
+    """In the daemon's child before exec: SIGTERM it if this benchmark dies (even by SIGKILL)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class DaemonProc:
     def __init__(self, workdir: str) -> None:
         self.node = f"bench{os.getpid()}"
@@ -179,7 +187,7 @@ class DaemonProc:
                     f'[pool.host]\nsize = "1GiB"\n')
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def connect(self, timeout_s: float = 60.0) -> Client:
         deadline = time.monotonic() + timeout_s
@@ -217,19 +225,23 @@ class DaemonProc:
 
 # ---- 1. bulk hand-off ----------------------------------------------------------------------
 
-def bench_copies(c: Client, consumer, mib: int) -> dict:
+def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
     nbytes = mib * MIB
     ref_src, ref_dst = prefaulted(nbytes), prefaulted(nbytes)
     src_np = prefaulted(nbytes)
     src = torch.from_numpy(src_np)
+    # A /dev/shm file mapped like the client maps the pool (MAP_SHARED|MAP_POPULATE), but our own:
+    # copies into it show what the pool's memory itself costs, without any ecd code or round trip.
+    shm_np = np.frombuffer(shm_buf, np.float32, count=nbytes // 4)
     warm, reps = WARMUP[mib], REPS[mib]
-    memcpy, fresh, put1, get1, pg = [], [], [], [], []
+    memcpy, fresh, to_shm, from_shm, put1, get1, pg = [], [], [], [], [], [], []
     bad = 0
 
     def ref_sample() -> None:
         t0 = now_ns()
         np.copyto(ref_dst, ref_src)
-        memcpy.append(now_ns() - t0)
+        t1 = now_ns()
+        memcpy.append(t1 - t0)
 
     # (a) put + get(copy) in one process. Reference samples are interleaved with the measured ones
     # so that the machine's drift (2 noisy vCPUs) hits both alike.
@@ -254,7 +266,14 @@ def bench_copies(c: Client, consumer, mib: int) -> dict:
         np.copyto(dst, ref_src)
         fresh.append(now_ns() - t0)
         del dst
-    del memcpy[:warm], fresh[:warm]
+        t0 = now_ns()
+        np.copyto(shm_np, ref_src)
+        t1 = now_ns()
+        np.copyto(ref_dst, shm_np)
+        t2 = now_ns()
+        to_shm.append(t1 - t0)
+        from_shm.append(t2 - t1)
+    del memcpy[:warm], fresh[:warm], to_shm[:warm], from_shm[:warm]
 
     # (b) hand-off, end to end: process B is already parked in view(key, timeout) (we poll the
     # daemon's waiter count until it is, before starting the clock); t0 is taken in A just before
@@ -303,6 +322,7 @@ def bench_copies(c: Client, consumer, mib: int) -> dict:
     out = {
         "mib": mib, "bad_payloads": bad,
         "memcpy": summary_us(memcpy), "memcpy_fresh_dst": summary_us(fresh),
+        "memcpy_to_shm": summary_us(to_shm), "memcpy_from_shm": summary_us(from_shm),
         "put_1proc": summary_us(put1), "get_1proc": summary_us(get1), "put_get_1proc": summary_us(pg),
         "handoff_e2e": summary_us(e2e), "put_with_parked_waiter": summary_us(put_parked),
         "consumer_notify_after_put": summary_us(notify),
@@ -405,12 +425,15 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
     p("\n1. bulk hand-off, float32, p50 in us (ratio = p50 / memcpy p50 of the same size)")
     rows = [("memcpy (np.copyto, pre-faulted)  [ref]", "memcpy", None),
             ("memcpy into a fresh buffer  [diag]", "memcpy_fresh_dst", None),
+            ("memcpy anon -> /dev/shm map  [diag]", "memcpy_to_shm", None),
+            ("memcpy /dev/shm map -> anon  [diag]", "memcpy_from_shm", None),
             ("put, 1 process", "put_1proc", "put_1proc"),
             ("get (copy), 1 process", "get_1proc", "get_1proc"),
             ("put + get(copy), 1 process", "put_get_1proc", "put_get_1proc"),
             ("put A -> view B, end to end", "handoff_e2e", "handoff_e2e"),
             ("  of which: A's put (B parked)", "put_with_parked_waiter", None),
             ("  of which: B wakes after A's put", "consumer_notify_after_put", None),
+            ("view alone in B, key published", "view_seq", None),
             ("put A + view B, sequential sum", None, "handoff_seq_sum")]
     hdr = f"{'':42}" + "".join(f"{str(m) + ' MiB':>22}" for m in SIZES_MIB)
     p(hdr)
@@ -499,8 +522,15 @@ def main() -> int:
             assert conn.recv() == "ready"
 
         res = {"env": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                       "torch": torch.__version__, "numpy": np.__version__, "node": daemon.node}}
-        res["copy"] = {str(m): bench_copies(c, consumer, m) for m in SIZES_MIB}
+                       "torch": torch.__version__, "numpy": np.__version__, "node": daemon.node,
+                       "loadavg_start": os.getloadavg()}}
+        diag_name = f"ecd-bench-diag.{os.getpid()}"
+        created = ShmFile.create(diag_name, max(SIZES_MIB) * MIB)  # fallocated like a pool segment
+        try:
+            diag = ShmFile.attach(diag_name, max(SIZES_MIB) * MIB, writable=True, populate=True)
+        finally:
+            created.unlink()  # the mapping keeps the memory; the name goes now
+        res["copy"] = {str(m): bench_copies(c, consumer, m, diag.buf) for m in SIZES_MIB}
         res["exists"] = bench_exists(c, echo_endpoint)
         res["ops"] = [run_ops(daemon, workers[:1], min(2.0, args.ops_seconds)),
                       run_ops(daemon, workers, args.ops_seconds)]

@@ -23,8 +23,8 @@ import msgspec
 import torch
 import zmq
 
-from ..errors import (Code, DaemonUnavailable, EcdError, KeyNotFound, ProtocolError, StaleGeneration,
-                      error_from_code)
+from ..errors import (Code, DaemonUnavailable, EcdError, KeyNotFound, LimitExceeded, ProtocolError,
+                      StaleGeneration, error_from_code)
 from ..memory.host import ShmError, ShmFile
 from ..memory.ring import EventKind, RingReader, key_hash
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
@@ -331,6 +331,8 @@ class Client:
         single = isinstance(keys, str)
         keys = [keys] if single else list(keys)
         ns = self.namespace
+        if len(keys) > self.limits.max_batch:  # refused here as the daemon would, ring or not
+            raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
         with self._lock:
             if self._res.sock is None and not self._closed:
                 self._connect()

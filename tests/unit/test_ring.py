@@ -20,9 +20,7 @@ SLOTS, BUCKETS = 64, 128
 
 @pytest.fixture
 def buf():
-    m = mmap.mmap(-1, ring_bytes(SLOTS, BUCKETS))
-    yield m
-    # numpy views keep exported buffers alive; the mmap is freed with the test's objects
+    return mmap.mmap(-1, ring_bytes(SLOTS, BUCKETS))
 
 
 @pytest.fixture

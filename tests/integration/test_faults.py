@@ -1,0 +1,214 @@
+"""Dead clients, daemon restarts, malformed frames, abandoned writes: the daemon keeps serving."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import ecd
+from conftest import wait_for
+from ecd.errors import Code
+from ecd.memory.ring import key_hash
+from ecd.protocol import (PROTOCOL_VERSION, Commit, Error, Hello, Ping, Release, Welcome, encoder,
+                          reply_decoder)
+
+
+def test_client_killed_while_writing_gets_its_extent_back(daemon, actors):
+    writer = actors(daemon.endpoint)
+    assert writer.ask("alloc-stuck half 30000000").startswith("allocated")
+    with daemon.client() as c:
+        stats = c.stats()
+        assert stats["entries_writing"] == 1 and stats["used_bytes"] >= 30_000_000
+        writer.kill()
+        stats = wait_for(lambda: (s := c.stats())["entries_writing"] == 0 and s, timeout=2.0)
+        assert stats, "the dead writer's extent was not reclaimed within 2 s"
+        assert stats["used_bytes"] == 0 and stats["reclaimed_sessions"] == 1
+        assert c.exists("half") is False  # never published
+
+
+def test_client_killed_while_holding_a_view_releases_its_lease(daemon, actors):
+    with daemon.client() as c:
+        c.put("held", torch.ones(4_000_000))  # 16 of 64 MiB
+        viewer = actors(daemon.endpoint)
+        assert viewer.ask("view-hold held 0 0") in ("holding", "mismatch")  # content irrelevant here
+        assert c.stats()["read_leases"] == 1
+        assert c.delete("held") is True  # retired, bytes kept for the viewer
+        assert c.stats()["used_bytes"] > 0
+        viewer.kill()
+        stats = wait_for(lambda: (s := c.stats())["read_leases"] == 0 and s, timeout=2.0)
+        assert stats, "the dead viewer's lease was not reclaimed within 2 s"
+        assert stats["used_bytes"] == 0 and stats["entries_retired"] == 0
+
+
+def test_client_killed_while_parked_is_forgotten(daemon, actors):
+    waiter = actors(daemon.endpoint)
+    waiter.send("get later 1 10 30")
+    with daemon.client() as c:
+        assert wait_for(lambda: c.stats()["waiters"] == 1)
+        waiter.kill()
+        assert wait_for(lambda: c.stats()["waiters"] == 0, timeout=2.0)
+        c.put("later", torch.ones(10))  # waking nobody must not break anything
+        assert torch.equal(c.get("later"), torch.ones(10))
+
+
+def test_daemon_restart_client_reconnects(daemon):
+    with daemon.client(timeout=1.0) as c:
+        c.put("before", torch.ones(1000))
+        first_epoch = c.epoch
+        daemon.stop(signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(ecd.DaemonUnavailable):
+            c.get("before")
+        assert time.monotonic() - started < 3.0  # bounded by the timeout, never a hang
+        with pytest.raises(ecd.DaemonUnavailable):
+            c.exists("before")
+        daemon.start()
+        assert c.exists("before") is False  # the cache content went with the old daemon
+        c.put("after", torch.arange(100_000))
+        assert torch.equal(c.get("after"), torch.arange(100_000))
+        assert c.epoch != first_epoch
+
+
+def test_graceful_restart_is_seen_by_the_next_call(daemon):
+    with daemon.client() as c:
+        c.put("x", torch.ones(300_000))
+        daemon.stop(signal.SIGTERM)
+        daemon.start()
+        c.put("y", torch.ones(300_000))  # NOT_REGISTERED -> hello again -> works
+        assert torch.equal(c.get("y"), torch.ones(300_000))
+        assert c.exists(["x", "y"]) == [False, True]
+
+
+def test_client_without_daemon_raises_daemon_unavailable(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ecd.DaemonUnavailable):
+        ecd.Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+    assert time.monotonic() - started < 2.0
+
+
+def test_abandoned_write_is_reclaimed_after_write_ttl(daemon_factory, actors):
+    d = daemon_factory(extra='[leases]\nwrite_ttl = "1s"\n')
+    stuck = actors(d.endpoint)  # alive but never commits
+    assert stuck.ask("alloc-stuck s 1000000").startswith("allocated")
+    with d.client() as c:
+        assert c.stats()["entries_writing"] == 1
+        stats = wait_for(lambda: (s := c.stats())["entries_writing"] == 0 and s, timeout=4.0)
+        assert stats and stats["expired_writes"] == 1 and stats["used_bytes"] == 0
+    assert stuck.ask("ping") == "ok"  # the client itself is fine
+
+
+class RawPeer:
+    """A DEALER speaking the wire protocol by hand (or not speaking it at all)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 3000)
+        self.sock.connect(endpoint)
+        self.decoder = reply_decoder()
+
+    def send_frames(self, *frames: bytes):
+        self.sock.send_multipart(list(frames))
+        return self.decoder.decode(self.sock.recv())
+
+    def request(self, msg):
+        return self.send_frames(encoder.encode(msg))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("frames, code", [
+    ((b"",), Code.PROTOCOL),
+    ((b"\xc1\xff\x00garbage",), Code.PROTOCOL),
+    ((os.urandom(64),), Code.PROTOCOL),
+    ((encoder.encode(["no-such-tag", 7]),), Code.PROTOCOL),
+    ((encoder.encode(["ping", "not-an-int"]),), Code.PROTOCOL),
+    ((encoder.encode(["alloc", 9, "ns", [["k", "float32", [-1], 4]]]),), Code.PROTOCOL),
+    ((encoder.encode(Ping(1)), b"extra frame"), Code.PROTOCOL),
+    ((encoder.encode(Ping(5)),), Code.NOT_REGISTERED),
+])
+def test_malformed_frames_get_typed_errors_and_the_daemon_keeps_serving(daemon, frames, code):
+    peer = RawPeer(daemon.endpoint)
+    try:
+        reply = peer.send_frames(*frames)
+        assert isinstance(reply, Error) and reply.code == code and reply.message
+    finally:
+        peer.close()
+    assert daemon.alive()
+    with daemon.client() as c:
+        c.put("still", torch.ones(3))
+        assert torch.equal(c.get("still"), torch.ones(3))
+
+
+def test_error_reply_carries_the_request_id_when_it_can_be_read(daemon):
+    peer = RawPeer(daemon.endpoint)
+    try:
+        reply = peer.send_frames(encoder.encode(["alloc", 42, "ns", "not-a-list"]))
+        assert isinstance(reply, Error) and reply.id == 42 and "Expected `array`" in reply.message
+        reply = peer.request(Hello(1, PROTOCOL_VERSION + 99, os.getpid()))
+        assert isinstance(reply, Error) and reply.code == Code.VERSION
+    finally:
+        peer.close()
+
+
+def test_leases_and_writes_are_bound_to_their_client(daemon):
+    with daemon.client() as owner:
+        owner.put("mine", torch.ones(100_000))
+        results, _, _ = owner._acquire(["mine"], None)
+        generation = results[0].generation
+        intruder = RawPeer(daemon.endpoint)
+        try:
+            assert isinstance(intruder.request(Hello(1, PROTOCOL_VERSION, os.getpid())), Welcome)
+            reply = intruder.request(Release(2, [generation]))
+            assert reply.results[0].code == Code.NOT_OWNER
+            reply = intruder.request(Commit(3, [generation]))
+            assert reply.results[0].code == Code.STALE
+        finally:
+            intruder.close()
+        assert owner.stats()["read_leases"] == 1  # the intruder could not drop it
+        owner._release([generation], owner._session)
+        assert wait_for(lambda: owner.stats()["read_leases"] == 0)
+
+
+def test_oversized_batches_and_keys_are_refused(daemon):
+    with daemon.client() as c:
+        with pytest.raises(ecd.LimitExceeded, match="max_batch"):
+            c.exists([f"k{i}" for i in range(20_000)], pin_s=1)
+        with pytest.raises(ecd.LimitExceeded, match="max_key_bytes"):
+            c.put("k" * 5000, torch.ones(2))
+        with pytest.raises(ecd.InvalidRequest):
+            c.put("", torch.ones(2))
+        assert c.ping() > 0
+
+
+def test_exists_negatives_are_answered_from_the_ring(daemon, actors):
+    with daemon.client() as c:
+        before = c.stats()["ops"].get("Exists", 0)
+        assert c.exists([f"absent-{i}" for i in range(100)]) == [False] * 100
+        assert c.stats()["ops"].get("Exists", 0) == before  # no round trip was needed
+        producer = actors(daemon.endpoint)
+        assert producer.ask("put fresh 1 10") == "ok"
+        assert c.exists("fresh") is True  # published by another process: seen at once
+
+
+def test_cached_location_is_dropped_when_another_process_evicts(daemon, actors):
+    with daemon.client() as c:
+        c.put("cached", torch.ones(100_000))
+        h = key_hash("default", "cached")
+        assert h in c._cache
+        before = c.stats()["ops"].get("Exists", 0)
+        assert c.exists("cached") is True
+        assert c.stats()["ops"].get("Exists", 0) == before  # answered from the cache
+        other = actors(daemon.endpoint)
+        assert other.ask("put cached 3 10") == "ok"  # replaced by another process
+        c.exists("unrelated")  # any call syncs the ring
+        assert h not in c._cache  # the old generation's location was dropped
+        assert c.exists("cached") is True

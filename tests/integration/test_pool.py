@@ -1,0 +1,120 @@
+"""Eviction, PoolFull, delete and atomic replace against a real daemon with a small pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ecd
+
+MiB = 1 << 20
+
+
+def mib_tensor(n: int, fill: float) -> torch.Tensor:
+    return torch.full((n * MiB // 4,), fill, dtype=torch.float32)
+
+
+@pytest.fixture
+def small(daemon_factory):
+    return daemon_factory(size="8MiB")
+
+
+def test_lru_eviction_keeps_recently_used_entries(small):
+    with small.client() as c:
+        for i in range(4):
+            c.put(f"k{i}", mib_tensor(2, i))  # fills the 8 MiB pool
+        c.get("k0")  # k0 becomes most recently used; k1 is now the LRU entry
+        c.put("k4", mib_tensor(2, 4))  # exactly one eviction
+        assert c.exists(["k0", "k1", "k2", "k3", "k4"]) == [True, False, True, True, True]
+        stats = c.stats()
+        assert stats["evictions"] == 1 and stats["entries_ready"] == 4
+        assert torch.equal(c.get("k0"), mib_tensor(2, 0))
+
+
+def test_pool_full_when_every_entry_is_leased(small):
+    with small.client() as c, small.client() as other:
+        c.put("a", mib_tensor(4, 1))
+        c.put("b", mib_tensor(4, 2))
+        with c.view("a"), c.view("b"):
+            with pytest.raises(ecd.PoolFull, match="leased"):
+                other.put("c", mib_tensor(2, 3))
+            assert other.exists(["a", "b", "c"]) == [True, True, False]
+        other.put("c", mib_tensor(2, 3))  # leases returned: eviction makes room again
+        assert other.exists("c") is True
+        assert torch.equal(other.get("c"), mib_tensor(2, 3))
+
+
+def test_pinned_entries_survive_eviction_until_unpinned(small):
+    with small.client() as c:
+        c.put("pinned", mib_tensor(4, 1))
+        c.put("plain", mib_tensor(3, 2))
+        assert c.exists(["pinned", "plain"], pin_s=30) == [True, True]
+        with pytest.raises(ecd.PoolFull):
+            c.put("big", mib_tensor(5, 3))
+        assert c.unpin(["plain"]) == [True]
+        c.put("big2", mib_tensor(3, 3))  # evicts "plain" only
+        assert c.exists(["pinned", "plain", "big2"]) == [True, False, True]
+        assert c.stats()["pins"] == 1
+
+
+def test_too_large_for_any_segment_is_invalid_not_an_eviction_storm(small):
+    with small.client() as c:
+        c.put("keep", mib_tensor(1, 1))
+        with pytest.raises(ecd.InvalidRequest, match="larger than the largest pool segment"):
+            c.put("huge", mib_tensor(9, 0))
+        assert c.exists("keep") is True and c.stats()["evictions"] == 0
+
+
+def test_delete_frees_space_and_hides_the_key(small):
+    with small.client() as c:
+        c.put("d", mib_tensor(4, 1))
+        used = c.stats()["used_bytes"]
+        assert c.delete(["d", "nope"]) == [True, False]
+        assert c.exists("d") is False
+        with pytest.raises(ecd.KeyNotFound):
+            c.get("d")
+        assert c.stats()["used_bytes"] == used - 4 * MiB
+
+
+def test_delete_while_viewed_keeps_bytes_for_the_viewer(small):
+    with small.client() as c:
+        c.put("v", mib_tensor(2, 7))
+        with c.view("v") as v:
+            assert c.delete("v") is True
+            assert c.exists("v") is False
+            assert c.stats()["entries_retired"] == 1
+            assert torch.equal(v, mib_tensor(2, 7))
+        assert c.stats()["entries_retired"] == 0 and c.stats()["used_bytes"] == 0
+
+
+def test_put_replaces_atomically_while_a_reader_holds_the_old_view(small, actors):
+    other = actors(small.endpoint)
+    with small.client() as c:
+        c.put("img", mib_tensor(1, 1.0))
+        with c.view("img") as old:
+            assert other.ask("put img 99 262144") == "ok"  # another process replaces it
+            assert torch.equal(old, mib_tensor(1, 1.0))  # the holder still sees the old bytes
+            assert other.ask("get img 99 262144") == "ok"  # later readers see the new ones
+        stats = c.stats()
+        assert stats["entries_ready"] == 1 and stats["entries_retired"] == 0
+        assert stats["used_bytes"] == MiB
+
+
+def test_batched_put_and_get(small):
+    with small.client() as c:
+        items = {f"blk{i}": torch.randn(1000 + i) for i in range(50)}
+        c.put_many(items)
+        got = c.get_many(list(items) + ["missing"], missing_ok=True)
+        assert got[-1] is None
+        assert all(torch.equal(g, t) for g, t in zip(got, items.values()))
+        with pytest.raises(ecd.KeyNotFound):
+            c.get_many(["blk0", "missing"])
+        ops = c.stats()["ops"]
+        assert ops["Alloc"] == 1 and ops["Commit"] == 1 and ops["Acquire"] == 2
+
+
+def test_failed_batch_put_leaves_nothing_behind(small):
+    with small.client() as c:
+        with pytest.raises(ecd.InvalidRequest):
+            c.put_many({"ok": torch.ones(10), "bad": torch.ones(3 * MiB)})  # 12 MiB > pool
+        stats = c.stats()
+        assert stats["entries_writing"] == 0 and stats["used_bytes"] == 0 and c.exists("ok") is False
