@@ -6,6 +6,7 @@ are parsed into plain ints/floats, and limits are checked. Every failure becomes
 """
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -31,7 +32,9 @@ _SIZE_UNITS = {
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
     "ti": 1024**4, "tib": 1024**4,
 }
-_DURATION_UNITS = {"": 1.0, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+# (multiplier, divisor): dividing by 1000 keeps "9ms" exact where multiplying by 1e-3 would not
+_DURATION_UNITS = {"": (1, 1), "us": (1, 1_000_000), "ms": (1, 1000), "s": (1, 1), "m": (60, 1),
+                   "min": (60, 1), "h": (3600, 1)}
 _NUMBER_WITH_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -55,7 +58,8 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, str):
         match = _NUMBER_WITH_UNIT.match(value)
         if match and match.group(2).lower() in _DURATION_UNITS:
-            return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+            multiplier, divisor = _DURATION_UNITS[match.group(2).lower()]
+            return float(match.group(1)) * multiplier / divisor
     raise ValueError(f"expected a duration like '30s' or '250ms', got {value!r}")
 
 
@@ -83,7 +87,8 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, ByteSize):
         return format_size(int(obj))
     if isinstance(obj, Duration):
-        return format_duration(float(obj))
+        text = format_duration(float(obj))
+        return text if parse_duration(text) == float(obj) else float(obj)  # never print a rounding
     raise NotImplementedError(type(obj))
 
 
@@ -130,6 +135,9 @@ class HostPoolSection(_Section):
         _check(self.size <= 1 << 44, "size", f"must be <= 16TiB, got {int(self.size)}")
         _check(self.segment_size >= 1 << 20, "segment_size",
                f"must be >= 1MiB, got {int(self.segment_size)}")
+        # Shared memory comes in pages: "1.5GB" means the next whole 4 KiB page.
+        self.size = ByteSize(-(-int(self.size) // 4096) * 4096)
+        self.segment_size = ByteSize(-(-int(self.segment_size) // 4096) * 4096)
 
 
 class PoolSection(_Section):
@@ -234,6 +242,8 @@ def load_config_file(path: str | Path) -> Config:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start}): {exc.reason}") from None
     try:
         return load_config(data)
     except ConfigError as exc:
@@ -250,7 +260,7 @@ def dumps_toml(config: Config) -> str:
             lines.append(f"[{prefix}]")
             for key, value in scalars.items():
                 if isinstance(value, str):
-                    lines.append(f"{key} = {value!r}".replace("'", '"'))
+                    lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
                 elif isinstance(value, bool):
                     lines.append(f"{key} = {str(value).lower()}")
                 else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..errors import Code
-from ..memory.allocator import ExtentAllocator
+from ..memory.allocator import ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 
@@ -116,6 +116,7 @@ class Store:
         self.index: dict[tuple[str, str], Entry] = {}  # READY entries only
         self.by_generation: dict[int, Entry] = {}  # every entry that holds an extent
         self.evictable: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
+        self.evictable_bytes = [0] * len(self.allocators)  # per pool, kept with `evictable`
         self.waiters: dict[tuple[str, str], set[Waiter]] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._sessions: dict[int, Session] = {}
@@ -220,17 +221,35 @@ class Store:
             offset = allocator.alloc(nbytes)
             if offset is not None:
                 return pool, offset
-        # Evict least-recently-used unheld entries until one segment has a big enough hole.
-        while self.evictable:
-            _, victim = self.evictable.popitem(last=False)
-            pool = victim.pool
+        # Evict least-recently-used unheld entries until one segment has a big enough hole, but
+        # only from segments whose free plus evictable bytes could hold it at all: evicting from
+        # the others would throw cached data away for nothing.
+        size = align_up(max(nbytes, 1))
+        candidates = {pool for pool, a in enumerate(self.allocators)
+                      if a.free + self.evictable_bytes[pool] >= size}
+        if not candidates:
+            return None
+        # Every pool a candidate (always so with one pool): LRU order at O(1) per eviction;
+        # otherwise walk a snapshot of the LRU order and skip the hopeless pools.
+        if len(candidates) == len(self.allocators):
+            lru_order = self._lru_drain()
+        else:
+            lru_order = list(self.evictable.values())
+        for victim in lru_order:
+            if victim.pool not in candidates:
+                continue
             self._unindex(victim, EventKind.EVICTED)
             self._free(victim)
             self.counters["evictions"] += 1
-            offset = self.allocators[pool].alloc(nbytes)
+            offset = self.allocators[victim.pool].alloc(nbytes)
             if offset is not None:
-                return pool, offset
+                return victim.pool, offset
         return None
+
+    def _lru_drain(self):
+        """The least recently used entry, again and again, while the caller evicts each one."""
+        while self.evictable:
+            yield next(iter(self.evictable.values()))
 
     def _pool_full_message(self, nbytes: int) -> str:
         capacity = sum(a.capacity for a in self.allocators)
@@ -255,9 +274,12 @@ class Store:
         old = self.index.get((entry.ns, entry.key))
         if old is not None:  # an atomic replace: current readers keep the old bytes
             self._unindex(old, EventKind.DELETED)
+            if old.pins:
+                self._move_pins(old, entry)
             self._retire_or_free(old)
         self.index[(entry.ns, entry.key)] = entry
-        self.evictable[generation] = entry
+        if not entry.pins:
+            self._make_evictable(entry)
         self.ring.publish(entry.keyhash, generation)
         self.counters["puts"] += 1
         self._wake_waiters(entry.ns, entry.key)
@@ -313,7 +335,7 @@ class Store:
             self.counters["hits"] += 1
             entry.readers += 1
             entry.last_access = now
-            self.evictable.pop(entry.generation, None)
+            self._make_unevictable(entry)
             session.leases[entry.generation] += 1
             results.append(entry.location())
         return results
@@ -324,7 +346,15 @@ class Store:
             return
         for waiter in parked:
             waiter.missing.discard(key)
-            if not waiter.missing:
+            if waiter.missing:
+                continue
+            # Keys that were present when the request parked may have gone since: keep waiting.
+            gone = {k for k in waiter.keys if (waiter.ns, k) not in self.index}
+            if gone:
+                waiter.missing = gone
+                for k in gone:
+                    self.waiters.setdefault((waiter.ns, k), set()).add(waiter)
+            else:
                 self._complete_waiter(waiter)
 
     def _complete_waiter(self, waiter: Waiter) -> None:
@@ -390,11 +420,19 @@ class Store:
         previous = session.pins.get(entry.generation)
         if previous is None:
             entry.pins += 1
-            self.evictable.pop(entry.generation, None)
+            self._make_unevictable(entry)
         elif previous >= deadline:
             return
         session.pins[entry.generation] = deadline
         heapq.heappush(self._deadlines, (deadline, entry.generation, session.id))
+
+    def _move_pins(self, old: Entry, new: Entry) -> None:
+        """A pin promises the key stays loadable: it moves to the generation that replaced it."""
+        for session in self._sessions.values():
+            deadline = session.pins.pop(old.generation, None)
+            if deadline is not None:
+                old.pins -= 1
+                self._pin(session, new, deadline)
 
     def unpin(self, session: Session, ns: str, keys: list[str]) -> list[bool]:
         self.check_batch(len(keys))
@@ -447,11 +485,22 @@ class Store:
             if not entry.readers:
                 self._free(entry)
         elif entry.state is State.READY and not entry.readers and not entry.pins:
-            self.evictable[entry.generation] = entry  # most recently used end
+            self._make_evictable(entry)
+
+    def _make_evictable(self, entry: Entry) -> None:
+        if entry.generation in self.evictable:
+            self.evictable.move_to_end(entry.generation)
+        else:
+            self.evictable_bytes[entry.pool] += align_up(max(entry.nbytes, 1))
+            self.evictable[entry.generation] = entry  # the most recently used end
+
+    def _make_unevictable(self, entry: Entry) -> None:
+        if self.evictable.pop(entry.generation, None) is not None:
+            self.evictable_bytes[entry.pool] -= align_up(max(entry.nbytes, 1))
 
     def _unindex(self, entry: Entry, kind: EventKind) -> None:
         del self.index[(entry.ns, entry.key)]
-        self.evictable.pop(entry.generation, None)
+        self._make_unevictable(entry)
         self.ring.unpublish(kind, entry.keyhash, entry.generation)
 
     def _retire_or_free(self, entry: Entry) -> None:

@@ -410,8 +410,8 @@ def test_pool_full_counts_writes_in_progress(env):
     env.check()
 
 
-@pytest.mark.xfail(strict=True, reason="_place evicts every evictable entry before it finds out "
-                                       "that no hole can be made big enough (fragmentation by leases)")
+@pytest.mark.xfail(strict=True, reason="known gap: when held extents fragment a pool, LRU "
+                   "eviction can empty it before finding that no hole can be big enough")
 def test_alloc_that_cannot_fit_evicts_nothing(env):
     s = env.session()
     for k in ("k0", "k1", "k2", "k3"):
@@ -629,8 +629,6 @@ def test_multi_key_waiter_timeout_returns_partial_results(env):
     env.check()
 
 
-@pytest.mark.xfail(strict=True, reason="a key that was present when the waiter parked is not "
-                                       "re-checked when the last missing key arrives")
 def test_multi_key_waiter_does_not_complete_while_a_key_it_saw_was_evicted(env):
     reader, writer = env.session(), env.session()
     env.put(writer, "a")
@@ -800,8 +798,6 @@ def test_unpin(env):
     env.check()
 
 
-@pytest.mark.xfail(strict=True, reason="a pin names a generation: replacing the key leaves the new "
-                                       "generation unpinned, so it can be evicted after a pinned hit")
 def test_pin_survives_replacement_of_the_key(env):
     scheduler_side, writer = env.session(), env.session()
     env.put(writer, "k")
