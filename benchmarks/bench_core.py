@@ -41,7 +41,7 @@ MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
 REPS = {1: 300, 16: 150, 64: 50}  # timed repetitions per method and size
 WARMUP = {1: 30, 16: 10, 64: 4}
-EXISTS_ROUNDS, EXISTS_BLOCK, EXISTS_WARMUP = 12, 400, 300  # interleaved blocks of each method
+EXISTS_ROUNDS, EXISTS_BLOCK, EXISTS_WARMUP = 60, 100, 300  # interleaved blocks of each method
 OPS_CLIENTS = 4
 OPS_SMALL_ELEMS = 1024  # 4 KiB float32: rides inline (limits.inline_max_bytes = 64 KiB)
 OPS_KEYS = 64
@@ -51,6 +51,13 @@ TARGET_EXISTS_RATIO = 1.5  # exists p50 <= 1.5x bare REQ/REP round trip p50
 TARGET_OPS = 15_000  # aggregate unbatched ops/s from 4 client processes
 
 now_ns = time.perf_counter_ns
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine spent not idle (from /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(samples, q: float) -> float:
@@ -67,6 +74,13 @@ def prefaulted(nbytes: int) -> np.ndarray:
     a = np.empty(nbytes // 4, np.float32)
     a.fill(1.0)  # touches every page now, so no timed copy pays first-touch faults
     return a
+
+
+def recv(conn, timeout_s: float = 60.0):
+    """A reply from a child process, or an error instead of hanging if the child died."""
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"no answer from a benchmark process within {timeout_s:g}s")
+    return conn.recv()
 
 
 def wait_until(t_ns: int) -> None:
@@ -281,7 +295,7 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
     # producer-start-to-consumer-holding latency, including B's wake-up.
     keys = [(f"xp/{mib}/{i}", float(i)) for i in range(warm + reps)]
     consumer.send(("wait", keys))
-    e2e, put_parked, notify = [], [], []
+    e2e, put_parked, notify, paired = [], [], [], []
     for i, (key, marker) in enumerate(keys):
         src_np[0] = src_np[-1] = marker
         deadline = time.monotonic() + 10
@@ -293,13 +307,14 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
         t0 = now_ns()
         c.put(key, src)
         tp = now_ns()
-        t1, ok = consumer.recv()
+        t1, ok = recv(consumer)
         bad += not ok
         c.delete(key)
         if i >= warm:
+            paired.append((t1 - t0) / memcpy[-1])
             e2e.append(t1 - t0)
             put_parked.append(tp - t0)
-            notify.append(t1 - tp)
+            notify.append(t1 - tp)  # may be < 0: the daemon answers parked B before acking A
 
     # (c) cross-check, sequential: put latency in A, then view latency in B on the published key;
     # the sum of the p50s is the hand-off cost when nobody waits.
@@ -312,7 +327,7 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
         c.put(key, src)
         t1 = now_ns()
         consumer.send(("view", key, float(i)))
-        dt, ok = consumer.recv()
+        dt, ok = recv(consumer)
         bad += not ok
         c.delete(key)
         if i >= warm:
@@ -333,6 +348,7 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
         "put_get_1proc": pct(pg, 50) / mc,
         "handoff_e2e": pct(e2e, 50) / mc,
         "handoff_seq_sum": out["handoff_seq_sum_p50_us"] * 1e3 / mc,
+        "handoff_e2e_paired_median": float(np.median(paired)),
         "put_1proc": pct(put1, 50) / mc,
         "get_1proc": pct(get1, 50) / mc,
     }
@@ -341,7 +357,25 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
 
 # ---- 2. exists vs bare round trip ----------------------------------------------------------
 
-def bench_exists(c: Client, echo_endpoint: str) -> dict:
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of `pid` (its zmq I/O threads too) to `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+
+
+def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
+    """Round trips, interleaved in small blocks, under three placements of the processes.
+
+    On this 2-vCPU VM a round trip costs ~12 us when client and server threads share a CPU and
+    ~25 us when every hop is a cross-CPU wake-up (an IPI, i.e. a VM exit), and the scheduler keeps
+    whichever placement it happened to pick: unpinned results flip between runs. So besides the
+    scheduler's choice we pin the client (this process) and both servers (echo process and daemon,
+    all their threads) to one CPU, then client and servers to different CPUs; the bare reference
+    and ecd always run under the same placement. The target is judged on the worse pinned ratio.
+    """
     import zmq
     ctx = zmq.Context(io_threads=1)
     req = ctx.socket(zmq.REQ)
@@ -365,30 +399,55 @@ def bench_exists(c: Client, echo_endpoint: str) -> dict:
 
     methods = {"bare_zmq_rtt": zmq_rt, "exists_present": ex_present,
                "exists_absent": ex_absent, "ping": c.ping}
-    samples = {name: [] for name in methods}
-    for fn in methods.values():
-        for _ in range(EXISTS_WARMUP):
-            fn()
+    all_cpus = os.sched_getaffinity(0)
+    placements = [("scheduler", None, None, EXISTS_ROUNDS)]
+    if len(all_cpus) >= 2:
+        a, b = sorted(all_cpus)[:2]
+        placements += [("same_cpu", {a}, {a}, EXISTS_ROUNDS // 2),
+                       ("cross_cpu", {a}, {b}, EXISTS_ROUNDS // 2)]
+    out: dict = {}
+    n_present = 0
     ops0 = c.stats()["ops"]
-    for _ in range(EXISTS_ROUNDS):
-        for name, fn in methods.items():
-            s = samples[name]
-            for _ in range(EXISTS_BLOCK):
-                t0 = now_ns()
-                fn()
-                s.append(now_ns() - t0)
+    try:
+        for place, client_cpus, server_cpus, rounds in placements:
+            pin_process(os.getpid(), client_cpus or all_cpus)
+            for pid in servers:
+                pin_process(pid, server_cpus or all_cpus)
+            samples = {name: [] for name in methods}
+            for fn in methods.values():
+                for _ in range(EXISTS_WARMUP):
+                    fn()
+            n_present += EXISTS_WARMUP  # the warm-up lookups are round trips too
+            paired = []  # per round: exists p50 / bare p50 of the same round
+            for _ in range(rounds):
+                for name, fn in methods.items():
+                    s = samples[name]
+                    for _ in range(EXISTS_BLOCK):
+                        t0 = now_ns()
+                        fn()
+                        s.append(now_ns() - t0)
+                paired.append(pct(samples["exists_present"][-EXISTS_BLOCK:], 50)
+                              / pct(samples["bare_zmq_rtt"][-EXISTS_BLOCK:], 50))
+            n_present += rounds * EXISTS_BLOCK
+            r = {name: summary_us(s) for name, s in samples.items()}
+            bare = r["bare_zmq_rtt"]["p50_us"]
+            r["ratio"] = {k: r[k]["p50_us"] / bare for k in ("exists_present", "exists_absent", "ping")}
+            r["ratio"]["exists_present_paired_median"] = float(np.median(paired))
+            out[place] = r
+    finally:
+        pin_process(os.getpid(), all_cpus)
+        for pid in servers:
+            pin_process(pid, all_cpus)
     ops1 = c.stats()["ops"]
     req.send(b"stop")
     req.recv()
     req.close(0)
     ctx.term()
-    n = EXISTS_ROUNDS * EXISTS_BLOCK
-    out = {name: summary_us(s) for name, s in samples.items()}
     # Proof of what crossed the socket: present lookups must all be round trips, absent ones none.
     out["daemon_exists_requests"] = ops1.get("Exists", 0) - ops0.get("Exists", 0)
-    out["expected_exists_requests"] = n
-    bare = out["bare_zmq_rtt"]["p50_us"]
-    out["ratio"] = {k: out[k]["p50_us"] / bare for k in ("exists_present", "exists_absent", "ping")}
+    out["expected_exists_requests"] = n_present
+    pinned = [out[p]["ratio"]["exists_present"] for p in ("same_cpu", "cross_cpu") if p in out]
+    out["verdict_ratio"] = max(pinned) if pinned else out["scheduler"]["ratio"]["exists_present"]
     return out
 
 
@@ -396,11 +455,13 @@ def bench_exists(c: Client, echo_endpoint: str) -> dict:
 
 def run_ops(daemon: DaemonProc, workers, duration_s: float) -> dict:
     start_at = now_ns() + 100_000_000
-    cpu0 = daemon.cpu_s()
+    cpu0, busy0, me0 = daemon.cpu_s(), machine_busy_s(), time.process_time()
     for conn in workers:
         conn.send(("run", start_at, duration_s))
-    results = [conn.recv() for conn in workers]
+    results = [recv(conn, duration_s + 60) for conn in workers]
     daemon_cpu = daemon.cpu_s() - cpu0
+    busy = machine_busy_s() - busy0
+    ours = daemon_cpu + sum(r["cpu_s"] for r in results) + time.process_time() - me0
     elapsed = max(r["elapsed_ns"] for r in results) / 1e9
     counts = np.sum([r["counts"] for r in results], axis=0)
     lat = np.sum([r["lat_ns"] for r in results], axis=0)
@@ -413,6 +474,9 @@ def run_ops(daemon: DaemonProc, workers, duration_s: float) -> dict:
         "per_client_ops_per_s": [sum(r["counts"]) / (r["elapsed_ns"] / 1e9) for r in results],
         "daemon_cpu_util": daemon_cpu / elapsed, "daemon_cpu_us_per_op": daemon_cpu / total * 1e6,
         "clients_cpu_us_per_op": sum(r["cpu_s"] for r in results) / total * 1e6,
+        "machine_busy_cpus": busy / elapsed,
+        # CPU that neither the daemon nor our clients used: other tenants of this small VM
+        "other_processes_cpus": max(0.0, busy - ours) / elapsed,
     }
 
 
@@ -447,33 +511,44 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
         p(line)
     p(f"{'  (p99 of end to end)':42}" + "".join(f"{res['copy'][str(m)]['handoff_e2e']['p99_us']:>14.1f}{'':>8}"
                                               for m in SIZES_MIB))
+    p(f"{'  (median of per-rep e2e/memcpy ratios)':42}" + "".join(
+        f"{'':>14}{res['copy'][str(m)]['ratio']['handoff_e2e_paired_median']:>7.2f}x" for m in SIZES_MIB))
     e = res["exists"]
     p("\n2. control-plane latency, us")
-    p(f"{'':42}{'p50':>10}{'p99':>10}{'ratio p50':>12}")
+    places = [pl for pl in ("scheduler", "same_cpu", "cross_cpu") if pl in e]
+    p(f"{'placement:':42}" + "".join(f"{pl:>26}" for pl in places))
+    p(f"{'':42}" + f"{'p50':>9}{'p99':>8}{'ratio':>9}" * len(places))
     for label, key in (("bare pyzmq REQ/REP ipc  [ref]", "bare_zmq_rtt"),
                        ("exists, present key (round trip)", "exists_present"),
                        ("exists, absent key (event ring)", "exists_absent"),
                        ("ping (round trip)  [diag]", "ping")):
-        r = e[key]
-        ratio = f"{e['ratio'][key]:.2f}x" if key in e["ratio"] else ""
-        p(f"{label:42}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{ratio:>12}")
+        line = f"{label:42}"
+        for pl in places:
+            r = e[pl][key]
+            ratio = f"{e[pl]['ratio'][key]:.2f}x" if key in e[pl]["ratio"] else ""
+            line += f"{r['p50_us']:>9.1f}{r['p99_us']:>8.1f}{ratio:>9}"
+        p(line)
+    p(f"{'  median of per-round exists/bare ratios':42}" + "".join(
+        f"{'':>17}{e[pl]['ratio']['exists_present_paired_median']:>8.2f}x" for pl in places))
     p(f"  Exists requests seen by the daemon: {e['daemon_exists_requests']} "
-      f"(present lookups made: {e['expected_exists_requests']})")
+      f"(present lookups made: {e['expected_exists_requests']}; absent ones sharing a presence "
+      f"bucket with a live key also go to the daemon)")
     p("\n3. unbatched ops/s (round-robin exists-rt / put 4 KiB / get 4 KiB)")
     for o in res["ops"]:
         mixs = ", ".join(f"{n} {v['ops_per_s']:.0f}/s @{v['mean_latency_us']:.0f}us"
                          for n, v in o["per_op"].items())
         p(f"  {o['clients']} client(s), {o['seconds']:.1f}s: {o['ops_per_s']:>8.0f} ops/s  [{mixs}]")
         p(f"      daemon CPU {o['daemon_cpu_util'] * 100:.0f}% ({o['daemon_cpu_us_per_op']:.1f} us/op), "
-          f"clients CPU {o['clients_cpu_us_per_op']:.1f} us/op")
+          f"clients CPU {o['clients_cpu_us_per_op']:.1f} us/op; machine busy {o['machine_busy_cpus']:.2f} "
+          f"CPUs, of which other processes {o['other_processes_cpus']:.2f}")
     c16 = res["copy"]["16"]
     agg = res["ops"][-1]
     targets = [
         ("16 MiB put (A) + view (B) <= 1.2x memcpy", c16["ratio"]["handoff_e2e"] <= TARGET_HANDOFF_RATIO,
          f"{c16['ratio']['handoff_e2e']:.2f}x end to end (sequential sum {c16['ratio']['handoff_seq_sum']:.2f}x)"),
-        ("exists p50 <= 1.5x bare round trip", e["ratio"]["exists_present"] <= TARGET_EXISTS_RATIO,
-         f"{e['ratio']['exists_present']:.2f}x ({e['exists_present']['p50_us']:.1f} vs "
-         f"{e['bare_zmq_rtt']['p50_us']:.1f} us)"),
+        ("exists p50 <= 1.5x bare round trip", e["verdict_ratio"] <= TARGET_EXISTS_RATIO,
+         f"{e['verdict_ratio']:.2f}x (worse pinned placement; unpinned "
+         f"{e['scheduler']['ratio']['exists_present']:.2f}x)"),
         (f"unbatched ops/s from {OPS_CLIENTS} clients >= 15k", agg["ops_per_s"] >= TARGET_OPS,
          f"{agg['ops_per_s']:.0f} ops/s"),
     ]
@@ -517,9 +592,8 @@ def main() -> int:
             c.put(f"ops/get/{j}", small)
         workers = [start(_ops_worker, daemon.endpoint, w) for w in range(OPS_CLIENTS)]
         for conn in conns:
-            if not conn.poll(120):
+            if recv(conn, 120) != "ready":
                 raise RuntimeError("a benchmark process did not start")
-            assert conn.recv() == "ready"
 
         res = {"env": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__, "numpy": np.__version__, "node": daemon.node,
@@ -531,7 +605,7 @@ def main() -> int:
         finally:
             created.unlink()  # the mapping keeps the memory; the name goes now
         res["copy"] = {str(m): bench_copies(c, consumer, m, diag.buf) for m in SIZES_MIB}
-        res["exists"] = bench_exists(c, echo_endpoint)
+        res["exists"] = bench_exists(c, echo_endpoint, [daemon.proc.pid, procs[0].pid])
         res["ops"] = [run_ops(daemon, workers[:1], min(2.0, args.ops_seconds)),
                       run_ops(daemon, workers, args.ops_seconds)]
         for conn in workers + [consumer]:

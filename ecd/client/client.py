@@ -136,11 +136,17 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
-                self._res.drop_socket()  # a late reply must not be read as the next call's
-                raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s")
             try:
-                reply = self._decoder.decode(sock.recv())
+                if remaining <= 0:
+                    raise zmq.Again()
+                # A receive timeout on a blocking recv: cheaper than building a poller per call.
+                sock.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
+                frame = sock.recv()
+            except zmq.Again:
+                self._res.drop_socket()  # a late reply must not be read as the next call's
+                raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
+            try:
+                reply = self._decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed reply from the daemon: {exc}") from None
             if reply.id == request.id or (isinstance(reply, Error) and reply.id == 0):

@@ -64,6 +64,7 @@ class Daemon:
         self._next_session = 1
         self._decoder = request_decoder()
         self._drain_scheduled = False
+        self._draining = False
         self._stopping: asyncio.Event | None = None
         self.errors: dict[str, int] = {}
         self.ops: dict[str, int] = {}
@@ -211,23 +212,27 @@ class Daemon:
     def _drain(self) -> None:
         self._drain_scheduled = False
         sock = self.sock
-        for _ in range(DRAIN_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:  # e.g. the socket closed under us at shutdown
-                log.debug("recv failed: %s", exc)
-                return
-            self._handle(frames)
-        self._schedule_drain()  # more may be queued: let timers run first
+        if sock is None:
+            return
+        self._draining = True
+        try:
+            for _ in range(DRAIN_BATCH):
+                # Asking ZMQ_EVENTS (not receiving until zmq.Again, which costs an exception) is
+                # also what re-arms the edge-triggered FD after the sends made while handling.
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                self._handle(sock.recv_multipart(zmq.NOBLOCK))
+            self._schedule_drain()  # more may be queued: let timers run first
+        finally:
+            self._draining = False
 
     def _send(self, identity: bytes, reply: Any) -> None:
         try:
             self.sock.send_multipart((identity, encoder.encode(reply)), zmq.NOBLOCK)
         except zmq.ZMQError:
             self._count_error("send_dropped")  # peer gone or not reading; never block on it
-        self._schedule_drain()
+        if not self._draining:  # a send from a timer or a client exit: re-check the edge
+            self._schedule_drain()
 
     def _count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -419,7 +424,7 @@ class Daemon:
     def close(self) -> None:
         """Release everything prepare() created; safe to call more than once."""
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close(linger=200)  # let the last replies (ShuttingDown to waiters) go out
             self.sock = None
             path = self._ipc_path()
             if path is not None:
