@@ -36,6 +36,11 @@ RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
 
 
+def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
+    """(keys as a list, whether one bare key was given): one key in, one answer out."""
+    return ([keys], True) if isinstance(keys, str) else (list(keys), False)
+
+
 class _Resources:
     """What must be closed when the Client goes away, reachable without the Client itself."""
 
@@ -334,8 +339,7 @@ class Client:
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
         """Which keys are present. With pin_s > 0, present entries cannot be evicted for pin_s
         seconds (or until unpin()). Absent keys are answered from the event ring, no round trip."""
-        single = isinstance(keys, str)
-        keys = [keys] if single else list(keys)
+        keys, single = _key_list(keys)
         ns = self.namespace
         if len(keys) > self.limits.max_batch:  # refused here as the daemon would, ring or not
             raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
@@ -361,14 +365,13 @@ class Client:
         return answers[0] if single else answers
 
     def unpin(self, keys: str | Sequence[str]) -> bool | list[bool]:
-        single = isinstance(keys, str)
-        reply: Flags = self._call(Unpin(next(self._ids), self.namespace, [keys] if single else list(keys)))
+        keys, single = _key_list(keys)
+        reply: Flags = self._call(Unpin(next(self._ids), self.namespace, keys))
         return reply.values[0] if single else reply.values
 
     def delete(self, keys: str | Sequence[str]) -> bool | list[bool]:
         """Remove entries; readers holding a view keep their bytes until they release."""
-        single = isinstance(keys, str)
-        keys = [keys] if single else list(keys)
+        keys, single = _key_list(keys)
         reply: Flags = self._call(Delete(next(self._ids), self.namespace, keys))
         with self._lock:
             for key in keys:
