@@ -60,6 +60,7 @@ class Limits(Struct, array_like=True):
     max_ndim: int
     max_wait_s: float
     max_pin_s: float
+    write_ttl_s: float  # a reservation older than this may have been reclaimed: do not use it
 
 
 class AllocItem(Struct, array_like=True):
@@ -102,7 +103,9 @@ class DaemonStats(Struct):
     used_bytes: int
     pools: list[tuple[int, int]]  # (capacity, used) per pool segment
     entries_ready: int
-    entries_writing: int
+    entries_writing: int  # puts between alloc and commit (reservations not included)
+    reservations: int  # anonymous extents held for clients' next puts
+    reserved_bytes: int
     entries_retired: int  # replaced or deleted, bytes held until their readers release
     clients: int
     read_leases: int
@@ -141,6 +144,19 @@ class Alloc(_Msg, tag="alloc"):
 class Commit(_Msg, tag="commit"):
     id: int
     generations: list[int]
+    # Also reserve an anonymous extent of this many bytes for this client's next put, so that put
+    # can copy first and Publish after: one round trip instead of Alloc + Commit.
+    reserve: U64 = 0
+
+
+class Publish(_Msg, tag="publish"):
+    """Commit this client's reservation under a key (its size must match the item's)."""
+
+    id: int
+    ns: str
+    generation: int
+    item: AllocItem
+    reserve: U64 = 0
 
 
 class Abort(_Msg, tag="abort"):
@@ -196,7 +212,7 @@ class Bye(_Msg, tag="bye"):
     id: int  # never answered; the daemon reclaims the session at once
 
 
-Request = Union[Hello, Ping, Alloc, Commit, Abort, PutInline, Acquire, Release, Exists, Unpin,
+Request = Union[Hello, Ping, Alloc, Commit, Publish, Abort, PutInline, Acquire, Release, Exists, Unpin,
                 Delete, Stats, Bye]
 
 
@@ -235,6 +251,14 @@ class Acked(_Msg, tag="acked"):
     results: list[Union[Failure, None]]
 
 
+class Committed(_Msg, tag="committed"):
+    """Reply to Commit/Publish: per-item outcome, then the reservation asked for (if any)."""
+
+    id: int
+    results: list[Union[Failure, None]]
+    reservation: Union[Extent, Failure, None] = None
+
+
 class Flags(_Msg, tag="flags"):
     """Per-key booleans: Exists (present), Delete (was present), Unpin (was pinned)."""
 
@@ -253,7 +277,7 @@ class Error(_Msg, tag="error"):
     message: str
 
 
-Reply = Union[Welcome, Pong, Allocated, Acquired, Acked, Flags, StatsReply, Error]
+Reply = Union[Welcome, Pong, Allocated, Acquired, Acked, Committed, Flags, StatsReply, Error]
 
 encoder = msgspec.msgpack.Encoder()
 

@@ -27,9 +27,11 @@ from ..errors import (Code, DaemonUnavailable, EcdError, KeyNotFound, LimitExcee
                       StaleGeneration, error_from_code)
 from ..memory.host import ShmError, ShmFile
 from ..memory.ring import EventKind, RingReader, key_hash
+from ..memory.allocator import align_up
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, Delete, Error, Exists, Failure, Flags, Hello, Location, Ping,
-                        PutInline, Release, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
+                        Bye, Commit, Committed, Delete, Error, Exists, Extent, Failure, Flags, Hello,
+                        Location, Ping, Publish, PutInline, Release, Stats, StatsReply, Unpin, Welcome,
+                        encoder, reply_decoder)
 from .tensors import copy_into, copy_out, dtype_name, host_tensor, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
@@ -103,6 +105,10 @@ class Client:
         self._finalizer = weakref.finalize(self, self._res.close)
         self._closed = False
         self._session = 0
+        # (extent, aligned size, use-by monotonic time, session, epoch) of the daemon's
+        # reservation for this client's next put, and whether a put is filling it right now
+        self._reservation: tuple | None = None
+        self._reservation_busy = False
         self._map: _Mapping | None = None
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
@@ -203,12 +209,16 @@ class Client:
 
     def _put_once(self, tensors: dict[str, torch.Tensor]) -> None:
         ns = self.namespace
+        reserve = 0
         if len(tensors) == 1:
             (key, t), = tensors.items()
             nbytes = t.numel() * t.element_size()
-            if self._welcome is not None and nbytes <= self.limits.inline_max_bytes:
+            if nbytes <= self.limits.inline_max_bytes:
                 self._put_inline(key, t, nbytes)
                 return
+            if self._put_reserved(key, t, nbytes):
+                return
+            reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
         reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
@@ -226,10 +236,61 @@ class Client:
                 with contextlib.suppress(EcdError):
                     self._call(Abort(next(self._ids), generations))
             raise
-        acked: Acked = self._call(Commit(next(self._ids), generations))
-        self._raise_first(acked.results)
         with self._lock:
-            for key, generation in zip(tensors, generations):
+            if self._reservation is not None or self._reservation_busy:
+                reserve = 0  # the daemon keeps one reservation per client
+        committed: Committed = self._call(Commit(next(self._ids), generations, reserve))
+        self._keep_reservation(committed.reservation, reserve)
+        self._raise_first(committed.results)
+        self._remember(ns, list(tensors), generations)
+
+    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int) -> bool:
+        """Copy into the reservation the last put left, then Publish: one round trip. False
+        when there is no usable reservation (the caller takes the Alloc path)."""
+        with self._lock:
+            res = self._reservation
+            if res is None:
+                return False
+            extent, size, expires, session, epoch = res
+            self._reservation = None
+            if (align_up(max(nbytes, 1)) != size or time.monotonic() > expires
+                    or session != self._session or epoch != self._map.epoch):
+                # Not usable: hand it back (if it is still ours) so the next Commit can reserve anew.
+                if session == self._session and self._res.sock is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._res.sock.send(encoder.encode(Abort(0, [extent.generation])), zmq.NOBLOCK)
+                return False
+            self._reservation_busy = True
+            mapping = self._map
+        try:
+            copy_into(mapping.rw[extent.pool], extent.offset, t)
+            item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
+            committed: Committed = self._call(Publish(next(self._ids), self.namespace, extent.generation,
+                                                      item, nbytes))
+        finally:
+            with self._lock:
+                self._reservation_busy = False
+        self._keep_reservation(committed.reservation, nbytes)
+        result = committed.results[0]
+        if isinstance(result, Failure) and result.code in (Code.STALE, Code.INVALID):
+            return False  # the reservation was gone or unfit: put it the ordinary way
+        self._raise_first(committed.results)
+        self._remember(self.namespace, [key], [extent.generation])
+        return True
+
+    def _keep_reservation(self, reservation: Extent | Failure | None, nbytes: int) -> None:
+        if not isinstance(reservation, Extent):
+            return
+        with self._lock:
+            # Use it only well inside the daemon's write TTL: after that the extent may belong
+            # to someone else, and copying into it would corrupt their entry.
+            expires = time.monotonic() + self.limits.write_ttl_s / 2
+            self._reservation = (reservation, align_up(max(nbytes, 1)), expires, self._session,
+                                 self._map.epoch)
+
+    def _remember(self, ns: str, keys: list[str], generations: list[int]) -> None:
+        with self._lock:
+            for key, generation in zip(keys, generations):
                 self._cache[key_hash(ns, key)] = (ns, key, generation)
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int) -> None:

@@ -27,8 +27,8 @@ from ..errors import Code
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, DaemonStats, Delete, Error, Exists, Extent, Failure, Flags, Hello,
-                        Limits, Ping, PoolInfo, Pong, PutInline, Release, RingInfo, Stats, StatsReply,
+                        Bye, Commit, Committed, DaemonStats, Delete, Error, Exists, Extent, Failure, Flags, Hello,
+                        Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release, RingInfo, Stats, StatsReply,
                         Unpin, Welcome, encoder, request_decoder, salvage_request_id)
 from .store import RequestError, Session, State, Store, StoreLimits
 
@@ -270,7 +270,7 @@ class Daemon:
             elif session is None:
                 self._reply_error(identity, request.id, Code.NOT_REGISTERED,
                                   "unknown client: say Hello first (the daemon may have restarted)")
-            elif self._stopping.is_set() and isinstance(request, (Alloc, PutInline)):
+            elif self._stopping.is_set() and isinstance(request, (Alloc, PutInline, Publish)):
                 self._reply_error(identity, request.id, Code.SHUTTING_DOWN, "daemon is shutting down")
             else:
                 reply = self._dispatch(identity, session, request)
@@ -301,9 +301,13 @@ class Daemon:
             case Alloc(id=rid, ns=ns, items=items):
                 store.check_batch(len(items))
                 return Allocated(rid, [store.alloc(session, ns, item) for item in items])
-            case Commit(id=rid, generations=generations):
+            case Commit(id=rid, generations=generations, reserve=reserve):
                 store.check_batch(len(generations))
-                return Acked(rid, [store.commit(session, g) for g in generations])
+                results = [store.commit(session, g) for g in generations]
+                return Committed(rid, results, store.reserve(session, reserve) if reserve else None)
+            case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve):
+                result = store.publish(session, ns, generation, item)
+                return Committed(rid, [result], store.reserve(session, reserve) if reserve else None)
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
@@ -358,7 +362,7 @@ class Daemon:
             RingInfo(self.ring_file.name, self.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
-                   float(cfg.leases.max_pin))))
+                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl))))
 
     def _watch_pid(self, session: Session) -> None:
         """Reclaim a local client's leases the moment its process exits (a pidfd turns readable)."""
@@ -395,13 +399,15 @@ class Daemon:
         store = self.store
         states = store.count_states()
         leases, pins, waiters = store.lease_totals()
+        reservations, reserved_bytes = store.reservation_totals()
         pools = [(a.capacity, a.used) for a in store.allocators]
         c = store.counters
         return DaemonStats(
             node=self.node, epoch=self.epoch, version=__version__,
             uptime_s=time.monotonic() - self.started,
             capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
-            entries_ready=states[State.READY], entries_writing=states[State.WRITING],
+            entries_ready=states[State.READY], entries_writing=states[State.WRITING] - reservations,
+            reservations=reservations, reserved_bytes=reserved_bytes,
             entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
             pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
             reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],

@@ -70,7 +70,8 @@ class Session:
     id: int
     pid: int = 0
     leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
-    writes: dict[int, Entry] = field(default_factory=dict)
+    writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
+    reservation: Entry | None = None  # an anonymous WRITING extent for the next put
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
     closed: bool = False
@@ -143,6 +144,7 @@ class Store:
         for entry in list(session.writes.values()):
             self._free(entry)
         session.writes.clear()
+        session.reservation = None
         for generation, count in session.leases.items():
             entry = self.by_generation.get(generation)
             if entry is not None:
@@ -204,23 +206,64 @@ class Store:
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes))
-        pool, offset = placed
+        entry = self._new_write(session, placed, ns, item.key, item.dtype, list(item.shape), item.nbytes)
+        return Extent(entry.generation, entry.pool, entry.offset)
+
+    def reserve(self, session: Session, nbytes: int) -> Extent | Failure:
+        """An anonymous extent the client fills before naming it (Publish), saving the Alloc
+        round trip of its next put. Never evicts for it: a put that may not come must not cost
+        the cache anything, so under pressure the client simply falls back to Alloc."""
+        if session.reservation is not None:
+            return Failure(Code.LIMIT, "this client already holds a reservation")
+        if nbytes > max(a.capacity for a in self.allocators):
+            return Failure(Code.INVALID, f"cannot reserve {nbytes} bytes: larger than any pool segment")
+        placed = self._place(nbytes, evict=False)
+        if placed is None:
+            self.counters["reserve_refused"] += 1
+            return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
+        entry = self._new_write(session, placed, "", "", "uint8", [nbytes], nbytes)
+        session.reservation = entry
+        return Extent(entry.generation, entry.pool, entry.offset)
+
+    def publish(self, session: Session, ns: str, generation: int, item: AllocItem) -> Failure | None:
+        """Name this client's reservation and commit it."""
+        entry = session.reservation
+        if entry is None or entry.generation != generation:
+            return Failure(Code.STALE, f"generation {generation} is not this client's reservation "
+                                       "(expired, aborted or already published)")
+        session.reservation = None
+        failure = self._check_item(ns, item)
+        extent_size = self.allocators[entry.pool].extent_size(entry.offset)
+        if failure is None and align_up(max(item.nbytes, 1)) != extent_size:
+            failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {extent_size}")
+        if failure is not None:
+            del session.writes[generation]
+            self._free(entry)
+            return failure
+        entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
+        entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
+        return self.commit(session, generation)
+
+    def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
+                   shape: list[int], nbytes: int) -> Entry:
         generation = self._next_generation
         self._next_generation += 1
         now = self.clock()
-        entry = Entry(generation, ns, item.key, key_hash(ns, item.key), item.dtype, list(item.shape),
-                      item.nbytes, pool, offset, owner=session, last_access=now,
+        entry = Entry(generation, ns, key, key_hash(ns, key) if key else 0, dtype, shape, nbytes,
+                      placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry
         session.writes[generation] = entry
         heapq.heappush(self._deadlines, (entry.write_deadline, generation, 0))
-        return Extent(generation, pool, offset)
+        return entry
 
-    def _place(self, nbytes: int) -> tuple[int, int] | None:
+    def _place(self, nbytes: int, evict: bool = True) -> tuple[int, int] | None:
         for pool, allocator in enumerate(self.allocators):
             offset = allocator.alloc(nbytes)
             if offset is not None:
                 return pool, offset
+        if not evict:
+            return None
         # Evict least-recently-used unheld entries until one segment has a big enough hole, but
         # only from segments whose free plus evictable bytes could hold it at all: evicting from
         # the others would throw cached data away for nothing.
@@ -267,6 +310,8 @@ class Store:
                                        "(aborted, expired or already committed)")
         if entry.owner is not session:
             return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
+        if entry is session.reservation:
+            return Failure(Code.INVALID, f"generation {generation} is a reservation: Publish it with a key")
         del session.writes[generation]
         entry.owner = None
         entry.state = State.READY
@@ -292,6 +337,8 @@ class Store:
             if entry is not None and entry.state is State.WRITING:
                 return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
             return Failure(Code.STALE, f"generation {generation} is not an entry being written")
+        if entry is session.reservation:
+            session.reservation = None
         self._free(entry)
         return None
 
@@ -466,6 +513,8 @@ class Store:
             if session_id == 0:  # a write deadline
                 if entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
                     entry.owner.writes.pop(generation, None)
+                    if entry.owner.reservation is entry:
+                        entry.owner.reservation = None
                     self._free(entry)
                     self.counters["expired_writes"] += 1
                 continue
@@ -518,6 +567,11 @@ class Store:
     def count_states(self) -> dict[State, int]:
         counts = collections.Counter(e.state for e in self.by_generation.values())
         return {state: counts.get(state, 0) for state in State}
+
+    def reservation_totals(self) -> tuple[int, int]:
+        """(reservations, bytes they hold)."""
+        held = [s.reservation for s in self._sessions.values() if s.reservation is not None]
+        return len(held), sum(self.allocators[e.pool].extent_size(e.offset) for e in held)
 
     def lease_totals(self) -> tuple[int, int, int]:
         """(read leases, pins, parked waiters) over all sessions."""

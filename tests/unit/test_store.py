@@ -875,3 +875,65 @@ def test_max_leases_per_client():
         env.store.acquire(s, "ns", ["c"], 0, never)
     assert len(s.leases) == 2
     env.check()
+
+
+# ---- reservations: copy first, name it after ----------------------------------------------------
+
+def test_reservation_is_published_under_a_key(env):
+    s, reader = env.session(), env.session()
+    ext = env.store.reserve(s, A)
+    assert isinstance(ext, Extent) and env.used() == A
+    assert env.store.exists(reader, "ns", ["k"], 0) == [False]  # anonymous: invisible
+    assert env.store.publish(s, "ns", ext.generation, item("k", A)) is None
+    loc = env.lease(reader, "k")
+    assert (loc.generation, loc.pool, loc.offset) == (ext.generation, ext.pool, ext.offset)
+    assert s.reservation is None
+    env.check()
+
+
+def test_one_reservation_per_client_and_it_cannot_be_committed_nameless(env):
+    s = env.session()
+    ext = env.store.reserve(s, A)
+    again = env.store.reserve(s, A)
+    assert isinstance(again, Failure) and again.code == Code.LIMIT
+    refused = env.store.commit(s, ext.generation)
+    assert isinstance(refused, Failure) and refused.code == Code.INVALID
+    other = env.session()
+    stolen = env.store.publish(other, "ns", ext.generation, item("k", A))
+    assert isinstance(stolen, Failure) and stolen.code == Code.STALE
+    assert s.reservation is not None and env.used() == A
+    env.check()
+
+
+def test_publish_of_the_wrong_size_frees_the_reservation(env):
+    s = env.session()
+    ext = env.store.reserve(s, 2 * A)
+    failure = env.store.publish(s, "ns", ext.generation, item("k", A))
+    assert isinstance(failure, Failure) and failure.code == Code.INVALID
+    assert env.used() == 0 and s.reservation is None and not env.present("k")
+    env.check()
+
+
+def test_reserve_never_evicts(env):
+    s = env.session()
+    for k in ("k0", "k1", "k2", "k3"):
+        env.put(s, k)
+    refused = env.store.reserve(s, A)
+    assert isinstance(refused, Failure) and refused.code == Code.POOL_FULL
+    assert all(env.present(k) for k in ("k0", "k1", "k2", "k3"))
+    env.check()
+
+
+def test_reservation_expires_with_the_write_ttl_and_dies_with_its_client():
+    env = Env(write_ttl=5.0)
+    s = env.session()
+    ext = env.store.reserve(s, A)
+    env.clock.now += 6.0
+    env.store.expire()
+    assert s.reservation is None and env.used() == 0
+    late = env.store.publish(s, "ns", ext.generation, item("k", A))
+    assert isinstance(late, Failure) and late.code == Code.STALE
+    env.store.reserve(s, A)
+    env.store.close_session(s)
+    assert env.used() == 0
+    env.check()
