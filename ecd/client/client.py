@@ -109,6 +109,7 @@ class Client:
         # reservation for this client's next put, and whether a put is filling it right now
         self._reservation: tuple | None = None
         self._reservation_busy = False
+        self._writes_in_flight = 0  # puts between getting an extent and hearing back on it
         self._map: _Mapping | None = None
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
@@ -124,7 +125,11 @@ class Client:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         self._res.sock = sock
-        hello = Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._session)
+        # Naming the previous session makes the daemon reclaim it at once, but not while another
+        # thread is still copying into one of its extents: freed, that extent could be handed to
+        # someone else mid-copy. Then the old session's writes wait for the write TTL instead.
+        previous = self._session if not self._writes_in_flight else 0
+        hello = Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, previous)
         reply = self._roundtrip(hello, self.timeout)
         if isinstance(reply, Error):
             self._res.drop_socket()
@@ -221,9 +226,18 @@ class Client:
             reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
-        reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
-        mapping = self._map
-        extents = reply.results
+        with self._lock:
+            reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
+            mapping = self._map
+            self._writes_in_flight += 1
+        try:
+            self._fill_and_commit(ns, tensors, reply.results, mapping, reserve)
+        finally:
+            with self._lock:
+                self._writes_in_flight -= 1
+
+    def _fill_and_commit(self, ns: str, tensors: dict[str, torch.Tensor], extents: list,
+                         mapping: _Mapping, reserve: int) -> None:
         failed = next((r for r in extents if isinstance(r, Failure)), None)
         generations = [r.generation for r in extents if not isinstance(r, Failure)]
         try:
@@ -261,6 +275,7 @@ class Client:
                         self._res.sock.send(encoder.encode(Abort(0, [extent.generation])), zmq.NOBLOCK)
                 return False
             self._reservation_busy = True
+            self._writes_in_flight += 1
             mapping = self._map
         try:
             copy_into(mapping.rw[extent.pool], extent.offset, t)
@@ -270,6 +285,7 @@ class Client:
         finally:
             with self._lock:
                 self._reservation_busy = False
+                self._writes_in_flight -= 1
         self._keep_reservation(committed.reservation, nbytes)
         result = committed.results[0]
         if isinstance(result, Failure) and result.code in (Code.STALE, Code.INVALID):

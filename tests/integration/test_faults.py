@@ -212,3 +212,23 @@ def test_cached_location_is_dropped_when_another_process_evicts(daemon, actors):
         c.exists("unrelated")  # any call syncs the ring
         assert h not in c._cache  # the old generation's location was dropped
         assert c.exists("cached") is True
+
+
+def test_reconnect_reclaims_the_old_session_unless_a_copy_may_still_be_running(daemon):
+    from ecd.protocol import Alloc, AllocItem
+    with daemon.client() as c, daemon.client() as observer:
+        def stuck_write(key: str) -> None:
+            c._call(Alloc(next(c._ids), "default", [AllocItem(key, "uint8", [1 << 20], 1 << 20)]))
+
+        stuck_write("w1")
+        c._res.drop_socket()  # as after a timeout: the next call says hello again
+        c.ping()
+        assert observer.stats()["entries_writing"] == 0  # old session reclaimed at once
+        stuck_write("w2")
+        c._writes_in_flight += 1  # another thread is still copying into w2's extent
+        try:
+            c._res.drop_socket()
+            c.ping()
+            assert observer.stats()["entries_writing"] == 1  # w2's extent must not be reused yet
+        finally:
+            c._writes_in_flight -= 1
