@@ -128,7 +128,6 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     name: str = ""
-    previous_session: int = 0  # a reconnecting client's old session, reclaimed at once
 
 
 class Ping(_Msg, tag="ping"):
@@ -294,7 +293,7 @@ def salvage_request_id(frame: bytes) -> int:
     """Best-effort id of a request that failed to decode, so its Error reply can be matched."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except (msgspec.DecodeError, RecursionError):
+    except Exception:  # DecodeError, UnicodeDecodeError, RecursionError, ...: no id to salvage
         return 0
     if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
         return raw[1]

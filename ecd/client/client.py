@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import time
@@ -36,6 +37,9 @@ from .tensors import copy_into, copy_out, dtype_name, host_tensor, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
+
+
+_NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
 
 
 def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
@@ -109,7 +113,6 @@ class Client:
         # reservation for this client's next put, and whether a put is filling it right now
         self._reservation: tuple | None = None
         self._reservation_busy = False
-        self._writes_in_flight = 0  # puts between getting an extent and hearing back on it
         self._map: _Mapping | None = None
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
@@ -120,25 +123,29 @@ class Client:
     # ---- connection ---------------------------------------------------------------------
 
     def _connect(self) -> None:
-        self._res.drop_socket()
-        sock = self._res.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        self._res.sock = sock
-        # Naming the previous session makes the daemon reclaim it at once, but not while another
-        # thread is still copying into one of its extents: freed, that extent could be handed to
-        # someone else mid-copy. Then the old session's writes wait for the write TTL instead.
-        previous = self._session if not self._writes_in_flight else 0
-        hello = Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, previous)
-        reply = self._roundtrip(hello, self.timeout)
+        """Say hello (again). The socket is kept across timeouts: a daemon that was only slow
+        still knows this session and its leases; ZMQ reconnects it to a restarted daemon."""
+        if self._res.sock is None:
+            sock = self._res.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._res.sock = sock
+        reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name), self.timeout)
         if isinstance(reply, Error):
-            self._res.drop_socket()
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
         if self._map is None or self._map.epoch != reply.epoch:
-            self._map = _Mapping(reply, self.populate)  # a new daemon: new pools, new ring
+            try:
+                mapping = _Mapping(reply, self.populate)  # a new daemon: new pools, new ring
+            except EcdError:
+                # Leave no session behind that this client cannot use; keep nothing of it either.
+                with contextlib.suppress(zmq.ZMQError):
+                    self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
+                raise
+            self._map = mapping
             self._cache.clear()
+            self._reservation = None
         self._welcome = reply
         self._session = reply.session
 
@@ -156,10 +163,11 @@ class Client:
                 if remaining <= 0:
                     raise zmq.Again()
                 # A receive timeout on a blocking recv: cheaper than building a poller per call.
-                sock.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
+                sock.setsockopt(zmq.RCVTIMEO, min(max(1, int(remaining * 1000)), 2**31 - 1))
                 frame = sock.recv()
             except zmq.Again:
-                self._res.drop_socket()  # a late reply must not be read as the next call's
+                # The socket stays: a late reply is skipped by its id, and the session's leases
+                # stay valid in a daemon that was only slow.
                 raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
             try:
                 reply = self._decoder.decode(frame)
@@ -178,7 +186,11 @@ class Client:
                 self._connect()
             reply = self._roundtrip(request, self.timeout + wait_s)
             if isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED:
+                epoch = self._map.epoch
                 self._connect()
+                if isinstance(request, _NAMES_GENERATIONS) and self._map.epoch != epoch:
+                    # Generations of the old daemon mean nothing (or something else) to the new one.
+                    raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
                 reply = self._roundtrip(request, self.timeout + wait_s)
             if isinstance(reply, Error):
                 raise error_from_code(reply.code, reply.message)
@@ -228,16 +240,8 @@ class Client:
                  for key, t in tensors.items()]
         with self._lock:
             reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
-            mapping = self._map
-            self._writes_in_flight += 1
-        try:
-            self._fill_and_commit(ns, tensors, reply.results, mapping, reserve)
-        finally:
-            with self._lock:
-                self._writes_in_flight -= 1
-
-    def _fill_and_commit(self, ns: str, tensors: dict[str, torch.Tensor], extents: list,
-                         mapping: _Mapping, reserve: int) -> None:
+            mapping, ring_pos = self._map, self._map.ring.next_seq
+        extents = reply.results
         failed = next((r for r in extents if isinstance(r, Failure)), None)
         generations = [r.generation for r in extents if not isinstance(r, Failure)]
         try:
@@ -256,7 +260,7 @@ class Client:
         committed: Committed = self._call(Commit(next(self._ids), generations, reserve))
         self._keep_reservation(committed.reservation, reserve)
         self._raise_first(committed.results)
-        self._remember(ns, list(tensors), generations)
+        self._remember(ns, list(tensors), generations, ring_pos)
 
     def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int) -> bool:
         """Copy into the reservation the last put left, then Publish: one round trip. False
@@ -270,28 +274,29 @@ class Client:
             if (align_up(max(nbytes, 1)) != size or time.monotonic() > expires
                     or session != self._session or epoch != self._map.epoch):
                 # Not usable: hand it back (if it is still ours) so the next Commit can reserve anew.
-                if session == self._session and self._res.sock is not None:
-                    with contextlib.suppress(zmq.ZMQError):
-                        self._res.sock.send(encoder.encode(Abort(0, [extent.generation])), zmq.NOBLOCK)
+                if session == self._session and epoch == self._map.epoch:
+                    self._send_quietly(Abort(0, [extent.generation]))
                 return False
             self._reservation_busy = True
-            self._writes_in_flight += 1
-            mapping = self._map
+            mapping, ring_pos = self._map, self._map.ring.next_seq
         try:
-            copy_into(mapping.rw[extent.pool], extent.offset, t)
-            item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
+            try:
+                copy_into(mapping.rw[extent.pool], extent.offset, t)
+                item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
+            except BaseException:
+                self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
+                raise
             committed: Committed = self._call(Publish(next(self._ids), self.namespace, extent.generation,
                                                       item, nbytes))
         finally:
             with self._lock:
                 self._reservation_busy = False
-                self._writes_in_flight -= 1
         self._keep_reservation(committed.reservation, nbytes)
         result = committed.results[0]
         if isinstance(result, Failure) and result.code in (Code.STALE, Code.INVALID):
             return False  # the reservation was gone or unfit: put it the ordinary way
         self._raise_first(committed.results)
-        self._remember(self.namespace, [key], [extent.generation])
+        self._remember(self.namespace, [key], [extent.generation], ring_pos)
         return True
 
     def _keep_reservation(self, reservation: Extent | Failure | None, nbytes: int) -> None:
@@ -304,10 +309,21 @@ class Client:
             self._reservation = (reservation, align_up(max(nbytes, 1)), expires, self._session,
                                  self._map.epoch)
 
-    def _remember(self, ns: str, keys: list[str], generations: list[int]) -> None:
+    def _remember(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
+        """Cache locations learnt from a reply, unless ring events were consumed while the request
+        was out: one of them may have been this entry's eviction, read before it was cached."""
         with self._lock:
+            if self._map.ring.next_seq != ring_pos:
+                return
             for key, generation in zip(keys, generations):
                 self._cache[key_hash(ns, key)] = (ns, key, generation)
+
+    def _send_quietly(self, request) -> None:
+        """A fire-and-forget message (id 0) on the current socket; dropped if there is none."""
+        with self._lock:
+            if self._res.sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._res.sock.send(encoder.encode(request), zmq.NOBLOCK)
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int) -> None:
         data = bytearray(nbytes)
@@ -328,26 +344,28 @@ class Client:
 
     def _acquire(self, keys: list[str], timeout: float | None) -> tuple[list[Location | Failure], int, _Mapping]:
         wait_s = float(timeout) if timeout else 0.0
-        if wait_s < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout!r}")
+        if not 0 <= wait_s < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        wait_s = min(wait_s, self.limits.max_wait_s)  # the daemon would cut it there anyway
+        with self._lock:
+            ring_pos = self._map.ring.next_seq
         reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
         with self._lock:
             session, mapping = self._session, self._map
-            for key, result in zip(keys, reply.results):
-                if isinstance(result, Location):
-                    self._cache[key_hash(self.namespace, key)] = (self.namespace, key, result.generation)
+        found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
+        self._remember(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
         return reply.results, session, mapping
 
-    def _release(self, generations: list[int], session: int) -> None:
+    def _release(self, generations: list[int], session: int, epoch: int) -> None:
         """Fire-and-forget: the daemon frees the lease; no round trip is waited for."""
         with self._lock:
-            if session != self._session or self._res.sock is None or not generations:
-                return  # that session (and its leases) ended with a reconnect
-            with contextlib.suppress(zmq.ZMQError):
-                self._res.sock.send(encoder.encode(Release(0, generations)), zmq.NOBLOCK)
+            # Leases of another session or daemon run died with it; their numbers may already
+            # name someone else's leases in the new one.
+            if session == self._session and epoch == self._map.epoch and generations:
+                self._send_quietly(Release(0, generations))
 
     def _located(self, key: str, result: Location | Failure) -> Location:
         if isinstance(result, Failure):
@@ -376,7 +394,7 @@ class Client:
                 out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
             return out
         finally:
-            self._release(held, session)
+            self._release(held, session, mapping.epoch)
 
     @contextlib.contextmanager
     def view(self, key: str, timeout: float | None = None) -> Iterator[torch.Tensor]:
@@ -389,7 +407,7 @@ class Client:
         try:
             yield view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
         finally:
-            self._release([loc.generation], session)
+            self._release([loc.generation], session, mapping.epoch)
 
     # ---- exists / pins / delete ---------------------------------------------------------
 

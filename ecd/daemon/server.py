@@ -221,7 +221,12 @@ class Daemon:
                 # also what re-arms the edge-triggered FD after the sends made while handling.
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     return
-                self._handle(sock.recv_multipart(zmq.NOBLOCK))
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    self._handle(frames)
+                except Exception:  # never let one message stop the drain (and stall the socket)
+                    log.exception("unhandled error on a request")
+                    self._count_error("unhandled")
             self._schedule_drain()  # more may be queued: let timers run first
         finally:
             self._draining = False
@@ -255,8 +260,8 @@ class Daemon:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._reply_error(identity, salvage_request_id(payload), Code.PROTOCOL, f"malformed request: {exc}")
             return
-        except RecursionError:
-            self._reply_error(identity, 0, Code.PROTOCOL, "malformed request: nested too deeply")
+        except Exception as exc:  # e.g. RecursionError, UnicodeDecodeError from hostile bytes
+            self._reply_error(identity, 0, Code.PROTOCOL, f"malformed request: {type(exc).__name__}: {exc}")
             return
         op = type(request).__name__
         self.ops[op] = self.ops.get(op, 0) + 1
@@ -347,9 +352,6 @@ class Daemon:
         old = self._sessions_by_identity.get(identity)
         if old is not None:
             self._end_session(old)
-        previous = self.store.session(hello.previous_session) if hello.previous_session else None
-        if previous is not None and previous.pid == hello.pid:
-            self._end_session(previous)  # the same process reconnected: its old leases are void
         session = self.store.open_session(self._next_session, hello.pid)
         self._next_session += 1
         self._sessions_by_identity[identity] = session
@@ -366,11 +368,11 @@ class Daemon:
 
     def _watch_pid(self, session: Session) -> None:
         """Reclaim a local client's leases the moment its process exits (a pidfd turns readable)."""
-        if session.pid <= 0:
+        if not 0 < session.pid < 1 << 22:  # Linux pids stop below 2^22 (pid_max)
             return
         try:
             fd = os.pidfd_open(session.pid)
-        except OSError:  # another pid namespace, or a remote peer: write TTLs still apply
+        except (OSError, OverflowError, ValueError):  # another pid namespace, or a remote peer
             log.debug("session %d: cannot watch pid %d", session.id, session.pid)
             return
         self._pidfds[session.id] = fd

@@ -295,13 +295,15 @@ class Store:
             yield next(iter(self.evictable.values()))
 
     def _pool_full_message(self, nbytes: int) -> str:
+        # O(pools): this runs on every refused put, and a full pool can hold millions of entries.
         capacity = sum(a.capacity for a in self.allocators)
         used = sum(a.used for a in self.allocators)
         largest = max(a.largest_free for a in self.allocators)
-        writing = sum(1 for e in self.by_generation.values() if e.state is State.WRITING)
-        held = sum(1 for e in self.index.values() if e.readers or e.pins)
+        held = len(self.index) - len(self.evictable)
+        writing = sum(len(s.writes) - (s.reservation is not None) for s in self._sessions.values())
         return (f"no room for {nbytes} bytes: {used} of {capacity} bytes in use, largest free extent "
-                f"{largest}; nothing left to evict ({held} entries leased or pinned, {writing} being written)")
+                f"{largest}; evicting what may be evicted cannot make room ({held} entries leased or "
+                f"pinned, {writing} being written)")
 
     def commit(self, session: Session, generation: int) -> Failure | None:
         entry = self.by_generation.get(generation)

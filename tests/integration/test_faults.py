@@ -129,6 +129,7 @@ class RawPeer:
     ((b"",), Code.PROTOCOL),
     ((b"\xc1\xff\x00garbage",), Code.PROTOCOL),
     ((os.urandom(64),), Code.PROTOCOL),
+    ((b"\xa2\xbc\x00",), Code.PROTOCOL),  # a msgpack str that is not UTF-8
     ((encoder.encode(["no-such-tag", 7]),), Code.PROTOCOL),
     ((encoder.encode(["ping", "not-an-int"]),), Code.PROTOCOL),
     ((encoder.encode(["alloc", 9, "ns", [["k", "float32", [-1], 4]]]),), Code.PROTOCOL),
@@ -146,6 +147,21 @@ def test_malformed_frames_get_typed_errors_and_the_daemon_keeps_serving(daemon, 
     with daemon.client() as c:
         c.put("still", torch.ones(3))
         assert torch.equal(c.get("still"), torch.ones(3))
+
+
+def test_random_frames_each_get_an_error_reply(daemon):
+    import random
+    rng = random.Random(1234)
+    peer = RawPeer(daemon.endpoint)
+    try:
+        for _ in range(2000):
+            frame = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 96)))
+            reply = peer.send_frames(frame)  # raises zmq.Again if the daemon stays silent
+            assert isinstance(reply, Error) and reply.code in (Code.PROTOCOL, Code.NOT_REGISTERED)
+    finally:
+        peer.close()
+    with daemon.client() as c:
+        assert c.stats()["errors"].get("unhandled", 0) == 0
 
 
 def test_error_reply_carries_the_request_id_when_it_can_be_read(daemon):
@@ -174,7 +190,7 @@ def test_leases_and_writes_are_bound_to_their_client(daemon):
         finally:
             intruder.close()
         assert owner.stats()["read_leases"] == 1  # the intruder could not drop it
-        owner._release([generation], owner._session)
+        owner._release([generation], owner._session, owner.epoch)
         assert wait_for(lambda: owner.stats()["read_leases"] == 0)
 
 
@@ -214,21 +230,49 @@ def test_cached_location_is_dropped_when_another_process_evicts(daemon, actors):
         assert c.exists("cached") is True
 
 
-def test_reconnect_reclaims_the_old_session_unless_a_copy_may_still_be_running(daemon):
-    from ecd.protocol import Alloc, AllocItem
-    with daemon.client() as c, daemon.client() as observer:
-        def stuck_write(key: str) -> None:
-            c._call(Alloc(next(c._ids), "default", [AllocItem(key, "uint8", [1 << 20], 1 << 20)]))
+def test_a_timeout_does_not_cost_the_client_its_leases(daemon_factory):
+    d = daemon_factory(size="8MiB")
+    with d.client(timeout=0.5) as c, d.client() as other:
+        c.put("kept", torch.full((1 << 20,), 7.0))  # 4 of 8 MiB
+        with c.view("kept") as v:
+            os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon is slow, not gone
+            try:
+                with pytest.raises(ecd.DaemonUnavailable):
+                    c.ping()
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            assert c.ping() > 0  # same connection, same session
+            assert other.stats()["read_leases"] == 1
+            for i in range(4):  # pressure that would evict "kept" if its lease had been dropped
+                try:
+                    other.put(f"filler-{i}", torch.full((1 << 19,), float(i)))
+                except ecd.PoolFull:
+                    pass
+            assert other.exists("kept") is True
+            assert torch.equal(v, torch.full((1 << 20,), 7.0))
 
-        stuck_write("w1")
-        c._res.drop_socket()  # as after a timeout: the next call says hello again
-        c.ping()
-        assert observer.stats()["entries_writing"] == 0  # old session reclaimed at once
-        stuck_write("w2")
-        c._writes_in_flight += 1  # another thread is still copying into w2's extent
-        try:
-            c._res.drop_socket()
-            c.ping()
-            assert observer.stats()["entries_writing"] == 1  # w2's extent must not be reused yet
-        finally:
-            c._writes_in_flight -= 1
+
+def test_leases_of_a_previous_daemon_run_are_not_released_in_the_new_one(daemon):
+    with daemon.client() as c, daemon.client() as observer:
+        c.put("old", torch.ones(100_000))
+        held = c.view("old")
+        held.__enter__()
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        c.put("new", torch.ones(100_000))
+        with c.view("new"):
+            held.__exit__(None, None, None)  # its Release names numbers of the dead daemon
+            assert observer.stats()["read_leases"] == 1
+
+
+def test_bad_timeouts_are_refused_and_huge_ones_capped(daemon_factory):
+    d = daemon_factory(extra='[leases]\nmax_wait = "1s"\n')
+    with d.client() as c:
+        for bad in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(ValueError):
+                c.get("k", timeout=bad)
+        assert c.stats()["waiters"] == 0
+        started = time.monotonic()
+        with pytest.raises(ecd.KeyNotFound):
+            c.get("k", timeout=1e7)  # capped at leases.max_wait by client and daemon alike
+        assert time.monotonic() - started < 5.0

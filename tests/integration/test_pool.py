@@ -39,6 +39,7 @@ def test_pool_full_when_every_entry_is_leased(small):
             with pytest.raises(ecd.PoolFull, match="leased"):
                 other.put("c", mib_tensor(2, 3))
             assert other.exists(["a", "b", "c"]) == [True, True, False]
+        c.ping()  # releases are fire-and-forget: anything after them on c's connection follows them
         other.put("c", mib_tensor(2, 3))  # leases returned: eviction makes room again
         assert other.exists("c") is True
         assert torch.equal(other.get("c"), mib_tensor(2, 3))
