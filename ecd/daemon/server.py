@@ -376,6 +376,7 @@ class Daemon:
             log.debug("session %d: cannot watch pid %d", session.id, session.pid)
             return
         self._pidfds[session.id] = fd
+        session.watched = True
         self.loop.add_reader(fd, self._on_process_exit, session.pid)
 
     def _on_process_exit(self, pid: int) -> None:

@@ -72,6 +72,7 @@ class Session:
     leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
     writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
     reservation: Entry | None = None  # an anonymous WRITING extent for the next put
+    watched: bool = False  # the daemon learns at once when this client's process exits
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
     closed: bool = False
@@ -513,6 +514,11 @@ class Store:
             deadline, generation, session_id = heapq.heappop(self._deadlines)
             entry = self.by_generation.get(generation)
             if session_id == 0:  # a write deadline
+                if entry is not None and entry.owner is not None and entry is entry.owner.reservation \
+                        and entry.owner.watched:
+                    # An idle client's reservation: it may start copying into it at any moment,
+                    # and it goes away with the client's process; never hand it to anyone else.
+                    continue
                 if entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
                     entry.owner.writes.pop(generation, None)
                     if entry.owner.reservation is entry:

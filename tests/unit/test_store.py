@@ -937,3 +937,15 @@ def test_reservation_expires_with_the_write_ttl_and_dies_with_its_client():
     env.store.close_session(s)
     assert env.used() == 0
     env.check()
+
+
+def test_reservation_of_a_watched_client_is_never_expired():
+    env = Env(write_ttl=5.0)
+    s = env.session()
+    s.watched = True  # the daemon holds a pidfd: the reservation goes when the process goes
+    ext = env.store.reserve(s, A)
+    env.clock.now += 60.0
+    env.store.expire()
+    assert s.reservation is not None and env.used() == A
+    assert env.store.publish(s, "ns", ext.generation, item("k", A)) is None
+    env.check()
