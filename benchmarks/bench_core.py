@@ -609,7 +609,7 @@ def main() -> int:
             return parent
 
         echo_endpoint = f"ipc://{daemon.runtime_dir}/echo.sock"
-        echo = start(_echo_server, echo_endpoint)
+        start(_echo_server, echo_endpoint)
         consumer = start(_consumer, daemon.endpoint)
         small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
         for j in range(OPS_KEYS):

@@ -27,7 +27,7 @@ from ..errors import Code
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, Committed, DaemonStats, Delete, Error, Exists, Extent, Failure, Flags, Hello,
+                        Bye, Commit, Committed, DaemonStats, Delete, Error, Exists, Failure, Flags, Hello,
                         Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release, RingInfo, Stats, StatsReply,
                         Unpin, Welcome, encoder, request_decoder, salvage_request_id)
 from .store import RequestError, Session, State, Store, StoreLimits

@@ -5,7 +5,6 @@ import os
 import signal
 import time
 
-import msgspec
 import pytest
 import torch
 import zmq
