@@ -7,6 +7,7 @@ import time
 import torch
 
 from actor import make_tensor
+from conftest import wait_for
 
 
 def test_put_in_one_process_get_and_view_in_another(daemon, actors):
@@ -97,3 +98,20 @@ def test_threads_share_one_client(daemon):
         assert not errors, errors
         stats = c.stats()
         assert stats["entries_ready"] == 120 and stats["read_leases"] == 0
+
+
+def test_writing_into_a_view_faults_instead_of_corrupting_the_cache(daemon):
+    import subprocess
+    import sys
+    with daemon.client() as c:
+        c.put("ro", torch.ones(100_000))
+        script = ("import sys, torch, ecd\n"
+                  "c = ecd.Client(sys.argv[1])\n"
+                  "with c.view('ro') as v:\n"
+                  "    v.fill_(5.0)\n"
+                  "print('wrote')\n")
+        result = subprocess.run([sys.executable, "-c", script, daemon.endpoint],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == -11 and "wrote" not in result.stdout  # SIGSEGV
+        assert torch.equal(c.get("ro"), torch.ones(100_000))
+        assert wait_for(lambda: c.stats()["read_leases"] == 0)  # the crashed reader was reclaimed
