@@ -199,7 +199,7 @@ class DaemonProc:
         with open(self.config_path, "w") as f:
             f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
                     f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
-                    f'[pool.host]\nsize = "1GiB"\n')
+                    f'[pool.host]\nsize = "1GiB"\n\n[metrics]\nlisten = "127.0.0.1:0"\n')
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
@@ -464,7 +464,7 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
     req.close(0)
     ctx.term()
     # Proof of what crossed the socket: present lookups must all be round trips, absent ones none.
-    out["daemon_exists_requests"] = ops1.get("Exists", 0) - ops0.get("Exists", 0)
+    out["daemon_exists_requests"] = ops1.get("exists", 0) - ops0.get("exists", 0)
     out["expected_exists_requests"] = n_present
     pinned = [out[p]["ratio"]["exists_present"] for p in ("same_cpu", "cross_cpu") if p in out]
     out["verdict_ratio"] = max(pinned) if pinned else out["scheduler"]["ratio"]["exists_present"]

@@ -41,7 +41,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="node.toml"),
     except ConfigError as exc:
         _fail(f"config error: {exc}", EXIT_USAGE)
     _setup_logging(log_level or cfg.node.log_level)
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, str(config))
     try:
         daemon.prepare()
     except StartupError as exc:

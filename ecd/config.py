@@ -106,6 +106,9 @@ class NodeSection(_Section):
     name: str = "dev"
     runtime_dir: str = "/tmp/ecd"
     log_level: str = "info"
+    # On SIGTERM/SIGINT: refuse new writes, let puts in progress and parked gets finish for up
+    # to this long, then exit. A second signal cuts it short.
+    shutdown_grace: Duration = Duration(10.0)
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.name) is not None, "name",
@@ -114,6 +117,8 @@ class NodeSection(_Section):
                f"must be an absolute path, got {self.runtime_dir!r}")
         _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",
                f"must be one of debug, info, warning, error, got {self.log_level!r}")
+        _check(0 <= self.shutdown_grace <= 3600, "shutdown_grace",
+               f"must be between 0 and 1 hour, got {float(self.shutdown_grace)}")
 
 
 class ControlSection(_Section):
@@ -183,12 +188,21 @@ class LimitsSection(_Section):
 
 
 class MetricsSection(_Section):
-    listen: str = "127.0.0.1:9464"
+    listen: str = "127.0.0.1:9464"  # "" turns the HTTP endpoint off; port 0 picks a free port
 
     def __post_init__(self) -> None:
+        if self.listen == "":
+            return
         host, sep, port = self.listen.rpartition(":")
-        _check(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536, "listen",
-               f"must be HOST:PORT, got {self.listen!r}")
+        _check(bool(sep) and bool(host) and port.isdigit() and 0 <= int(port) < 65536, "listen",
+               f"must be HOST:PORT (or \"\" for off), got {self.listen!r}")
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        if not self.listen:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
 
 
 class Config(_Section):

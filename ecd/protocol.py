@@ -207,12 +207,46 @@ class Stats(_Msg, tag="stats"):
     id: int
 
 
+class Keys(_Msg, tag="keys"):
+    """List READY entries (for operators: `ecd keys`), ordered by namespace then key."""
+
+    id: int
+    ns: str = ""  # "" lists every namespace
+    limit: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+
+
+class Evict(_Msg, tag="evict"):
+    """Operator removal: the given keys, a whole namespace, or everything. Entries under a read
+    lease or pin are refused unless `force`, which retires them (freed when readers let go)."""
+
+    id: int
+    ns: str
+    keys: list[str]
+    whole_namespace: bool = False
+    everything: bool = False
+    force: bool = False
+
+
+class Held(_Msg, tag="held"):
+    """Which of these generations still hold their extent (an evicted entry drains its readers)."""
+
+    id: int
+    generations: list[int]
+
+
+class Report(_Msg, tag="report"):
+    """A client's counters the daemon cannot see itself (fire-and-forget, id 0)."""
+
+    id: int
+    ring_overruns: Annotated[int, Meta(ge=0, le=2**31)] = 0
+
+
 class Bye(_Msg, tag="bye"):
     id: int  # never answered; the daemon reclaims the session at once
 
 
 Request = Union[Hello, Ping, Alloc, Commit, Publish, Abort, PutInline, Acquire, Release, Exists, Unpin,
-                Delete, Stats, Bye]
+                Delete, Stats, Keys, Evict, Held, Report, Bye]
 
 
 # ---- replies --------------------------------------------------------------------------------
@@ -270,13 +304,41 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: DaemonStats
 
 
+class KeyInfo(Struct, array_like=True):
+    ns: str
+    key: str
+    generation: int
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    age_s: float  # since it was published
+    idle_s: float  # since it was last read or looked up
+    readers: int
+    pins: int
+
+
+class KeyList(_Msg, tag="key_list"):
+    id: int
+    total: int  # entries that matched, of which `entries` holds the first `limit`
+    entries: list[KeyInfo]
+
+
+class Evicted(_Msg, tag="evicted"):
+    id: int
+    evicted: int
+    refused: list[str]  # under a lease or pin (without force); at most the first 1000
+    missing: list[str]  # named keys that were not there
+    draining: list[int]  # generations evicted under force whose readers still hold them
+
+
 class Error(_Msg, tag="error"):
     id: int
     code: int
     message: str
 
 
-Reply = Union[Welcome, Pong, Allocated, Acquired, Acked, Committed, Flags, StatsReply, Error]
+Reply = Union[Welcome, Pong, Allocated, Acquired, Acked, Committed, Flags, StatsReply, KeyList, Evicted,
+              Error]
 
 encoder = msgspec.msgpack.Encoder()
 

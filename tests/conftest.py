@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,9 @@ def shm_files(node: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{node}."))
 
 
-def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "") -> Path:
+def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "",
+                 metrics: str = "127.0.0.1:0") -> Path:
+    """A node.toml for a test daemon; metrics on a free port so tests never fight over 9464."""
     path = Path(runtime_dir) / "node.toml"
     path.write_text(f"""
 [node]
@@ -33,6 +36,8 @@ log_level = "debug"
 endpoint = "ipc://{runtime_dir}/ecd.sock"
 [pool.host]
 size = "{size}"
+[metrics]
+listen = "{metrics}"
 {extra}
 """)
     return path
@@ -50,17 +55,21 @@ class DaemonProcess:
         self.config = write_config(self.runtime_dir, self.node, size, extra)
         self.log_path = Path(self.runtime_dir) / "daemon.log"
         self.proc: subprocess.Popen | None = None
+        self.metrics_port: int | None = None
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 20.0, env: dict | None = None) -> None:
         self._log = open(self.log_path, "ab")
         start_offset = self._log.tell()
         self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log()}")
-            if b"serving node" in self.log_path.read_bytes()[start_offset:]:
+            started = self.log_path.read_bytes()[start_offset:]
+            if b"serving node" in started:
+                match = re.search(rb"metrics on http://[^:]+:(\d+)/metrics", started)
+                self.metrics_port = int(match.group(1)) if match else None
                 return
             time.sleep(0.02)
         raise RuntimeError(f"daemon did not start within {timeout}s: {self.log()}")

@@ -27,16 +27,21 @@ from ..errors import Code
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, Committed, DaemonStats, Delete, Error, Exists, Failure, Flags, Hello,
-                        Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release, RingInfo, Stats, StatsReply,
-                        Unpin, Welcome, encoder, request_decoder, salvage_request_id)
+                        Bye, Commit, Committed, DaemonStats, Delete, Error, Evict, Evicted, Exists, Failure,
+                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish,
+                        PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
+                        request_decoder, salvage_request_id)
+from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
 from .store import RequestError, Session, State, Store, StoreLimits
+from .systemd import Notifier
 
 log = logging.getLogger("ecd.daemon")
 
 HEARTBEAT_INTERVAL_S = 0.1  # ring heartbeat; clients distrust a ring silent for 1 s
 EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
+STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
+DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
 
 
 class StartupError(Exception):
@@ -44,11 +49,20 @@ class StartupError(Exception):
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # re-read on SIGHUP
         self.node = config.node.name
         self.epoch = time.time_ns()
         self.started = time.monotonic()
+        self.start_wall_time = time.time()
+        self.state = "starting"  # -> serving -> draining (what /healthz reports)
+        self.requests = RequestStats()
+        self.ring_overruns = 0  # reported by clients
+        self.notifier = Notifier()
+        self.metrics_listener: socket.socket | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._signals_seen = 0
         self.endpoint = config.control.endpoint
         self._lock = NodeLock(self.node)
         self.pool: HostPool | None = None
@@ -66,8 +80,8 @@ class Daemon:
         self._drain_scheduled = False
         self._draining = False
         self._stopping: asyncio.Event | None = None
+        self._force_stop = asyncio.Event()
         self.errors: dict[str, int] = {}
-        self.ops: dict[str, int] = {}
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -85,6 +99,7 @@ class Daemon:
                 log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
             self._create_memory()
             self._bind()
+            self._bind_metrics()
         except BaseException:
             self.close()
             raise
@@ -135,8 +150,11 @@ class Daemon:
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
+        self.store_limits = self.build_store_limits()
+
+    def build_store_limits(self) -> StoreLimits:
         leases, limits = self.config.leases, self.config.limits
-        self.store_limits = StoreLimits(
+        return StoreLimits(
             max_key_bytes=limits.max_key_bytes, max_batch=limits.max_batch, max_ndim=limits.max_ndim,
             max_waiters_per_client=limits.max_waiters_per_client,
             max_leases_per_client=limits.max_leases_per_client, write_ttl=float(leases.write_ttl),
@@ -163,6 +181,16 @@ class Daemon:
             os.chmod(path, 0o660)
         self.sock = sock
 
+    def _bind_metrics(self) -> None:
+        address = self.config.metrics.address
+        if address is None:
+            return
+        try:
+            self.metrics_listener = bind_listener(*address)
+        except OSError as exc:
+            raise StartupError(f"metrics.listen: cannot bind {self.config.metrics.listen}: "
+                               f"{exc.strerror or exc}") from None
+
     # ---- serving ------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -174,19 +202,34 @@ class Daemon:
         self._stopping = asyncio.Event()
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
                            self.store_limits)
+        if self.metrics_listener is not None:
+            self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state)
+            await self.metrics_server.start()
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_listener.getsockname()[:2])
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, self._on_signal, sig)
+            self.loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        self.loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
-        heartbeat = self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat))
-        expiry = self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire))
+        tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
+                 self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
+                 self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status))]
+        if self.notifier.watchdog_interval:
+            # From the loop itself: a wedged loop stops the pings and systemd restarts the daemon.
+            tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
+                                                           self.notifier.watchdog)))
+        self.state = "serving"
         log.info("serving node %s on %s: host pool %d bytes in %d segment(s), epoch %d", self.node,
                  self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments), self.epoch)
+        self.notifier.ready(self.status_line())
         self._drain()  # messages that arrived before the reader was registered
         try:
             await self._stopping.wait()
+            await self._drain_gracefully()
         finally:
-            heartbeat.cancel()
-            expiry.cancel()
+            for task in tasks:
+                task.cancel()
+            if self.metrics_server is not None:
+                await self.metrics_server.stop()
             self._shutdown()
 
     async def _every(self, interval: float, tick) -> None:
@@ -195,9 +238,44 @@ class Daemon:
             tick()
             self._schedule_drain()
 
-    def _on_signal(self, sig: int) -> None:
-        log.info("received %s, shutting down", signal.Signals(sig).name)
-        self._stopping.set()
+    def status_line(self) -> str:
+        s = self.stats()
+        return (f"{s.entries_ready} entries, {s.used_bytes >> 20}/{s.capacity_bytes >> 20} MiB used, "
+                f"{s.clients} clients, {s.hits} hits / {s.misses} misses")
+
+    def _report_status(self) -> None:
+        self.notifier.status(self.status_line())
+
+    def _on_stop_signal(self, sig: int) -> None:
+        self._signals_seen += 1
+        name = signal.Signals(sig).name
+        if self._signals_seen == 1:
+            grace = float(self.config.node.shutdown_grace)
+            log.info("received %s: draining (new writes refused, up to %gs for puts in progress and "
+                     "parked gets; signal again to stop now)", name, grace)
+            self.state = "draining"
+            self.notifier.stopping("draining")
+            self._stopping.set()
+        else:
+            log.warning("received %s again: stopping now", name)
+            self._force_stop.set()
+
+    async def _drain_gracefully(self) -> None:
+        """Until the grace period ends, a second signal arrives, or nothing is left in flight:
+        commits of puts in progress and parked gets are still served, new writes are not."""
+        deadline = self.loop.time() + float(self.config.node.shutdown_grace)
+        while self.loop.time() < deadline and not self._force_stop.is_set():
+            writing = self.stats().entries_writing
+            _, _, waiters = self.store.lease_totals()
+            if not writing and not waiters:
+                return
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._force_stop.wait(), DRAIN_POLL_S)
+        log.info("shutdown grace over: abandoning writes in progress and parked requests")
+
+    def _on_reload_signal(self) -> None:
+        from .reload import reload_config
+        reload_config(self)
 
     def stop(self) -> None:
         """Thread-safe request to shut down (tests running the daemon in-process use it)."""
@@ -254,50 +332,63 @@ class Daemon:
     def _count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
-    def _reply_error(self, identity: bytes, request_id: int, code: Code, message: str) -> None:
-        self._count_error(code.name.lower())
+    def _reply_error(self, identity: bytes, request_id: int, code: Code, message: str) -> str:
+        """Send a typed error; returns the outcome label metrics record for the request."""
+        outcome = code.name.lower()
+        self._count_error(outcome)
         self._send(identity, Error(request_id, int(code), message))
+        return outcome
 
     # ---- dispatch -----------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
+        started = time.perf_counter()
+        op, outcome = "malformed", "internal"
+        try:
+            op, outcome = self._handle_request(frames)
+        finally:
+            self.requests.observe(op, outcome, time.perf_counter() - started)
+
+    def _handle_request(self, frames: list[bytes]) -> tuple[str, str]:
+        """Decode, check, dispatch and answer one request; returns (op, outcome) for metrics."""
         identity = frames[0]
         if len(frames) != 2:
-            self._reply_error(identity, 0, Code.PROTOCOL,
-                              f"expected one frame per request, got {len(frames) - 1}")
-            return
+            return "malformed", self._reply_error(identity, 0, Code.PROTOCOL,
+                                                  f"expected one frame per request, got {len(frames) - 1}")
         payload = frames[1]
         try:
             request = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._reply_error(identity, salvage_request_id(payload), Code.PROTOCOL, f"malformed request: {exc}")
-            return
+            return "malformed", self._reply_error(identity, salvage_request_id(payload), Code.PROTOCOL,
+                                                  f"malformed request: {exc}")
         except Exception as exc:  # e.g. RecursionError, UnicodeDecodeError from hostile bytes
-            self._reply_error(identity, 0, Code.PROTOCOL, f"malformed request: {type(exc).__name__}: {exc}")
-            return
-        op = type(request).__name__
-        self.ops[op] = self.ops.get(op, 0) + 1
+            return "malformed", self._reply_error(identity, 0, Code.PROTOCOL,
+                                                  f"malformed request: {type(exc).__name__}: {exc}")
+        op = request.__struct_config__.tag
         session = self._sessions_by_identity.get(identity)
         try:
             if isinstance(request, Hello):
-                self._on_hello(identity, request)
-            elif isinstance(request, Bye):
+                return op, self._on_hello(identity, request)
+            if isinstance(request, Bye):
                 if session is not None:
                     self._end_session(session)
-            elif session is None:
-                self._reply_error(identity, request.id, Code.NOT_REGISTERED,
-                                  "unknown client: say Hello first (the daemon may have restarted)")
-            elif self._stopping.is_set() and isinstance(request, (Alloc, PutInline, Publish)):
-                self._reply_error(identity, request.id, Code.SHUTTING_DOWN, "daemon is shutting down")
-            else:
-                reply = self._dispatch(identity, session, request)
-                if reply is not None and request.id != 0:
-                    self._send(identity, reply)
+                return op, "ok"
+            if session is None:
+                return op, self._reply_error(identity, request.id, Code.NOT_REGISTERED,
+                                             "unknown client: say Hello first (the daemon may have restarted)")
+            if self.state == "draining" and isinstance(request, (Alloc, PutInline, Publish)):
+                return op, self._reply_error(identity, request.id, Code.SHUTTING_DOWN,
+                                             "daemon is shutting down: no new writes")
+            reply = self._dispatch(identity, session, request)
+            if reply is not None and request.id != 0:
+                self._send(identity, reply)
+            return op, "ok"
         except RequestError as exc:
-            self._reply_error(identity, request.id, exc.code, str(exc))
+            return op, self._reply_error(identity, request.id, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("internal error handling %s", op)
-            self._reply_error(identity, getattr(request, "id", 0), Code.INTERNAL, f"internal error: {exc!r}")
+            return op, self._reply_error(identity, getattr(request, "id", 0), Code.INTERNAL,
+                                         f"internal error: {exc!r}")
 
     def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         store = self.store
@@ -338,6 +429,20 @@ class Daemon:
                 return Pong(rid, self.epoch)
             case Stats(id=rid):
                 return StatsReply(rid, self.stats())
+            case Keys(id=rid, ns=ns, limit=limit):
+                total, entries = store.list_keys(ns, limit)
+                now = time.monotonic()
+                return KeyList(rid, total, [
+                    KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, e.shape, now - e.published_at,
+                            now - e.last_access, e.readers, e.pins) for e in entries])
+            case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
+                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force)
+                return Evicted(rid, evicted, refused, missing, draining)
+            case Held(id=rid, generations=generations):
+                return Flags(rid, store.held(generations))
+            case Report(ring_overruns=overruns):
+                self.ring_overruns += overruns
+                return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
 
     def _put_inline(self, session: Session, request: PutInline) -> Failure | None:
@@ -356,11 +461,10 @@ class Daemon:
 
     # ---- sessions -----------------------------------------------------------------------
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+    def _on_hello(self, identity: bytes, hello: Hello) -> str:
         if hello.version != PROTOCOL_VERSION:
-            self._reply_error(identity, hello.id, Code.VERSION,
-                              f"protocol version {hello.version} not supported; daemon speaks {PROTOCOL_VERSION}")
-            return
+            return self._reply_error(identity, hello.id, Code.VERSION, f"protocol version {hello.version} "
+                                     f"not supported; daemon speaks {PROTOCOL_VERSION}")
         old = self._sessions_by_identity.get(identity)
         if old is not None:
             self._end_session(old)
@@ -377,6 +481,7 @@ class Daemon:
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl))))
+        return "ok"
 
     def _watch_pid(self, session: Session) -> None:
         """Reclaim a local client's leases the moment its process exits (a pidfd turns readable)."""
@@ -395,9 +500,9 @@ class Daemon:
         for session in [s for s in self._sessions_by_identity.values() if s.pid == pid]:
             log.info("client pid %d exited: reclaiming session %d", pid, session.id)
             self.store.counters["reclaimed_sessions"] += 1
-            self._end_session(session)
+            self._end_session(session, reclaimed=True)
 
-    def _end_session(self, session: Session) -> None:
+    def _end_session(self, session: Session, reclaimed: bool = False) -> None:
         identity = self._identity_of.pop(session.id, None)
         if identity is not None:
             self._sessions_by_identity.pop(identity, None)
@@ -405,7 +510,7 @@ class Daemon:
         if fd is not None:
             self.loop.remove_reader(fd)
             os.close(fd)
-        self.store.close_session(session)
+        self.store.close_session(session, reclaimed)
         self._schedule_drain()
 
     # ---- stats and shutdown -------------------------------------------------------------
@@ -426,7 +531,7 @@ class Daemon:
             entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
             pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
             reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
-            ring_events=self.ring.events_written, ops=dict(self.ops), errors=dict(self.errors))
+            ring_events=self.ring.events_written, ops=self.requests.by_op(), errors=dict(self.errors))
 
     def _shutdown(self) -> None:
         log.info("shutting down: unlinking shared memory and the control socket")

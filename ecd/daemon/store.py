@@ -48,6 +48,7 @@ class Entry:
     pins: int = 0
     last_access: float = 0.0
     write_deadline: float = 0.0
+    published_at: float = 0.0
 
     def location(self) -> Location:
         return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape)
@@ -134,11 +135,15 @@ class Store:
     def session(self, session_id: int) -> Session | None:
         return self._sessions.get(session_id)
 
-    def close_session(self, session: Session) -> None:
-        """Reclaim everything a departed client held: writes, read leases, pins, waiters."""
+    def close_session(self, session: Session, reclaimed: bool = False) -> None:
+        """Reclaim everything a departed client held: writes, read leases, pins, waiters.
+        `reclaimed`: the client died rather than said goodbye (counted for operators)."""
         if session.closed:
             return
         session.closed = True
+        if reclaimed:
+            self.counters["reclaimed_client_exit"] += (sum(session.leases.values()) + len(session.pins)
+                                                       + len(session.writes) - (session.reservation is not None))
         self._sessions.pop(session.id, None)
         for waiter in list(session.waiters):
             self._drop_waiter(waiter)
@@ -284,7 +289,7 @@ class Store:
                 continue
             self._unindex(victim, EventKind.EVICTED)
             self._free(victim)
-            self.counters["evictions"] += 1
+            self.counters["evictions"] += 1  # for room: "capacity" in metrics
             offset = self.allocators[victim.pool].alloc(nbytes)
             if offset is not None:
                 return victim.pool, offset
@@ -322,6 +327,7 @@ class Store:
         old = self.index.get((entry.ns, entry.key))
         if old is not None:  # an atomic replace: current readers keep the old bytes
             self._unindex(old, EventKind.DELETED)
+            self.counters["evicted_replaced"] += 1
             if old.pins:
                 self._move_pins(old, entry)
             self._retire_or_free(old)
@@ -329,7 +335,9 @@ class Store:
         if not entry.pins:
             self._make_evictable(entry)
         self.ring.publish(entry.keyhash, generation)
+        entry.published_at = entry.last_access
         self.counters["puts"] += 1
+        self.counters["written_bytes"] += entry.nbytes
         self._wake_waiters(entry.ns, entry.key)
         return None
 
@@ -383,6 +391,7 @@ class Store:
                 results.append(Failure(Code.KEY_NOT_FOUND, f"no entry {key!r} in namespace {ns!r}"))
                 continue
             self.counters["hits"] += 1
+            self.counters["read_bytes"] += entry.nbytes
             entry.readers += 1
             entry.last_access = now
             self._make_unevictable(entry)
@@ -502,10 +511,47 @@ class Store:
         for key in keys:
             entry = self.index.get((ns, key))
             if entry is not None:
-                self._unindex(entry, EventKind.DELETED)
-                self._retire_or_free(entry)
+                self._remove(entry)
             result.append(entry is not None)
         return result
+
+    def _remove(self, entry: Entry) -> None:
+        self._unindex(entry, EventKind.DELETED)
+        self.counters["evicted_deleted"] += 1
+        self._retire_or_free(entry)
+
+    # ---- operator requests --------------------------------------------------------------
+
+    def list_keys(self, ns: str, limit: int) -> tuple[int, list[Entry]]:
+        """(how many READY entries match, the first `limit` of them by namespace and key)."""
+        matching = [e for e in self.index.values() if not ns or e.ns == ns]
+        return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
+
+    def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
+              force: bool) -> tuple[int, list[str], list[str], list[int]]:
+        """(evicted, refused because leased/pinned, missing, generations still draining readers)."""
+        if everything or whole_namespace:
+            targets = [e for e in self.index.values() if everything or e.ns == ns]
+            missing: list[str] = []
+        else:
+            self.check_batch(len(keys))
+            targets = [self.index[(ns, k)] for k in keys if (ns, k) in self.index]
+            missing = [k for k in keys if (ns, k) not in self.index]
+        evicted, refused, draining = 0, [], []
+        for entry in targets:
+            if (entry.readers or entry.pins) and not force:
+                if len(refused) < 1000:
+                    refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
+                continue
+            self._remove(entry)
+            evicted += 1
+            if entry.readers:
+                draining.append(entry.generation)
+        return evicted, refused, missing, draining
+
+    def held(self, generations: list[int]) -> list[bool]:
+        self.check_batch(len(generations))
+        return [g in self.by_generation for g in generations]
 
     def expire(self) -> None:
         """Abort writes past their TTL and drop pins past their deadline (called periodically)."""
@@ -525,10 +571,12 @@ class Store:
                         entry.owner.reservation = None
                     self._free(entry)
                     self.counters["expired_writes"] += 1
+                    self.counters["reclaimed_write_ttl"] += 1
                 continue
             session = self._sessions.get(session_id)
             if session is not None and session.pins.get(generation) == deadline:
                 del session.pins[generation]
+                self.counters["reclaimed_pin_expired"] += 1
                 if entry is not None:
                     entry.pins -= 1
                     self._after_unhold(entry)

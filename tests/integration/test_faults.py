@@ -206,9 +206,9 @@ def test_oversized_batches_and_keys_are_refused(daemon):
 
 def test_exists_negatives_are_answered_from_the_ring(daemon, actors):
     with daemon.client() as c:
-        before = c.stats()["ops"].get("Exists", 0)
+        before = c.stats()["ops"].get("exists", 0)
         assert c.exists([f"absent-{i}" for i in range(100)]) == [False] * 100
-        assert c.stats()["ops"].get("Exists", 0) == before  # no round trip was needed
+        assert c.stats()["ops"].get("exists", 0) == before  # no round trip was needed
         producer = actors(daemon.endpoint)
         assert producer.ask("put fresh 1 10") == "ok"
         assert c.exists("fresh") is True  # published by another process: seen at once
@@ -219,9 +219,9 @@ def test_cached_location_is_dropped_when_another_process_evicts(daemon, actors):
         c.put("cached", torch.ones(100_000))
         h = key_hash("default", "cached")
         assert h in c._cache
-        before = c.stats()["ops"].get("Exists", 0)
+        before = c.stats()["ops"].get("exists", 0)
         assert c.exists("cached") is True
-        assert c.stats()["ops"].get("Exists", 0) == before  # answered from the cache
+        assert c.stats()["ops"].get("exists", 0) == before  # answered from the cache
         other = actors(daemon.endpoint)
         assert other.ask("put cached 3 10") == "ok"  # replaced by another process
         c.exists("unrelated")  # any call syncs the ring

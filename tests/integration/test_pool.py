@@ -111,7 +111,7 @@ def test_batched_put_and_get(small):
         with pytest.raises(ecd.KeyNotFound):
             c.get_many(["blk0", "missing"])
         ops = c.stats()["ops"]
-        assert ops["Alloc"] == 1 and ops["Commit"] == 1 and ops["Acquire"] == 2
+        assert ops["alloc"] == 1 and ops["commit"] == 1 and ops["acquire"] == 2
 
 
 def test_failed_batch_put_leaves_nothing_behind(small):

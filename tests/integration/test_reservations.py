@@ -17,7 +17,7 @@ def test_repeated_same_size_puts_take_one_round_trip_each(daemon, actors):
             g = torch.Generator().manual_seed(100 + i)
             c.put(f"emb-{i}", (torch.randn(N, generator=g) * 100))
         ops = c.stats()["ops"]
-        assert ops["Alloc"] == 1 and ops["Commit"] == 1 and ops["Publish"] == 4
+        assert ops["alloc"] == 1 and ops["commit"] == 1 and ops["publish"] == 4
         for i in range(5):  # published from a reservation, read by another process: identical
             assert consumer.ask(f"get emb-{i} {100 + i} {N}") == "ok"
         stats = c.stats()
@@ -31,7 +31,7 @@ def test_a_different_size_falls_back_to_alloc_and_drops_the_old_reservation(daem
         c.put("b", torch.ones(2 * N))  # does not fit the reservation: Abort it, Alloc instead
         assert torch.equal(c.get("b"), torch.ones(2 * N))
         stats = c.stats()
-        assert stats["ops"]["Alloc"] == 2 and stats["ops"]["Abort"] == 1
+        assert stats["ops"]["alloc"] == 2 and stats["ops"]["abort"] == 1
         assert stats["reservations"] == 1 and stats["reserved_bytes"] == 2 * N * 4  # for b's size
 
 
@@ -43,7 +43,7 @@ def test_an_old_reservation_is_not_used(daemon_factory):
         c.put("y", torch.full((N,), 2.0))
         assert torch.equal(c.get("y"), torch.full((N,), 2.0))
         assert torch.equal(c.get("x"), torch.ones(N))
-        assert c.stats()["ops"].get("Publish", 0) == 0
+        assert c.stats()["ops"].get("publish", 0) == 0
 
 
 def test_closing_the_client_frees_its_reservation(daemon):

@@ -1,0 +1,224 @@
+"""Prometheus metrics and the health endpoint.
+
+The hot path only bumps plain ints (a request costs the daemon ~30 µs; prometheus_client's
+labelled counters and histograms would add several µs to each), and a custom collector turns
+them, and the store's state, into metric families when Prometheus scrapes. The HTTP endpoint is
+a tiny asyncio server on the daemon's own loop: GET /metrics and GET /healthz, nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import socket
+import sys
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    InfoMetricFamily)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import __version__
+from .store import State
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import Daemon
+
+log = logging.getLogger("ecd.metrics")
+
+# 10 µs .. 1 s: a round trip is tens of µs, a parked request's handling is no different
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1.0)
+
+
+class RequestStats:
+    """Requests by (op, outcome) and handling-latency histograms by op, as plain ints."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self._hist: dict[str, list] = {}  # op -> [bucket counts..., +Inf count, sum]
+
+    def observe(self, op: str, outcome: str, seconds: float) -> None:
+        key = (op, outcome)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        hist = self._hist.get(op)
+        if hist is None:
+            hist = self._hist[op] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0]
+        hist[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        hist[-1] += seconds
+
+    def by_op(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for (op, _), n in self.counts.items():
+            totals[op] = totals.get(op, 0) + n
+        return totals
+
+    def histograms(self) -> Iterator[tuple[str, list[tuple[str, int]], float]]:
+        for op, hist in self._hist.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip(LATENCY_BUCKETS + (float("inf"),), hist[:-1]):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            yield op, buckets, hist[-1]
+
+
+class DaemonCollector:
+    """Reads the daemon's counters and the store's state at scrape time."""
+
+    def __init__(self, daemon: "Daemon") -> None:
+        self.daemon = daemon
+
+    def collect(self):
+        d = self.daemon
+        store = d.store
+        if store is None:
+            return
+        c = store.counters
+
+        requests = CounterMetricFamily("ecd_requests", "Requests handled, by operation and outcome",
+                                       labels=["op", "outcome"])
+        for (op, outcome), n in sorted(d.requests.counts.items()):
+            requests.add_metric([op, outcome], n)
+        yield requests
+
+        latency = HistogramMetricFamily("ecd_request_duration_seconds",
+                                        "Time the daemon spent handling a request (not time parked)",
+                                        labels=["op"])
+        for op, buckets, total in sorted(d.requests.histograms()):
+            latency.add_metric([op], buckets, total)
+        yield latency
+
+        yield CounterMetricFamily("ecd_written_bytes", "Bytes of entries published", value=c["written_bytes"])
+        yield CounterMetricFamily("ecd_read_bytes", "Bytes of entries handed out under read leases",
+                                  value=c["read_bytes"])
+
+        states = store.count_states()
+        reservations, reserved_bytes = store.reservation_totals()
+        entries = GaugeMetricFamily("ecd_entries", "Entries by state", labels=["state"])
+        for state, n in (("ready", states[State.READY]),
+                         ("writing", states[State.WRITING] - reservations),
+                         ("retired", states[State.RETIRED]), ("reserved", reservations)):
+            entries.add_metric([state], n)
+        yield entries
+
+        used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool segment", labels=["pool"])
+        capacity = GaugeMetricFamily("ecd_pool_capacity_bytes", "Size of each pool segment", labels=["pool"])
+        for i, allocator in enumerate(store.allocators):
+            used.add_metric([f"host{i}"], allocator.used)
+            capacity.add_metric([f"host{i}"], allocator.capacity)
+        yield used
+        yield capacity
+
+        evictions = CounterMetricFamily("ecd_evictions", "Entries removed, by reason", labels=["reason"])
+        for reason, key in (("capacity", "evictions"), ("deleted", "evicted_deleted"),
+                            ("replaced", "evicted_replaced")):
+            evictions.add_metric([reason], c[key])
+        yield evictions
+
+        lookups = CounterMetricFamily("ecd_lookups", "Key lookups (get, view, exists)", labels=["result"])
+        lookups.add_metric(["hit"], c["hits"])
+        lookups.add_metric(["miss"], c["misses"])
+        yield lookups
+
+        read, pins, waiters = store.lease_totals()
+        writes = states[State.WRITING] - reservations
+        leases = GaugeMetricFamily("ecd_leases", "Active leases", labels=["kind"])
+        for kind, n in (("read", read), ("pin", pins), ("write", writes)):
+            leases.add_metric([kind], n)
+        yield leases
+
+        reclaimed = CounterMetricFamily("ecd_leases_reclaimed", "Leases taken back from clients",
+                                        labels=["reason"])
+        for reason in ("client_exit", "write_ttl", "pin_expired"):
+            reclaimed.add_metric([reason], c[f"reclaimed_{reason}"])
+        yield reclaimed
+
+        yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions)
+        yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
+        yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
+                                  value=d.ring.events_written)
+        yield CounterMetricFamily("ecd_ring_reader_overruns", "Times a client's ring reader was lapped "
+                                  "(reported by clients)", value=d.ring_overruns)
+        yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
+                                value=d.start_wall_time)
+        info = InfoMetricFamily("ecd_build", "ecd build information")
+        info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
+        yield info
+
+
+def make_registry(daemon: "Daemon") -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    return registry
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind now (start-up errors are reported before READY); serve later on the loop."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class MetricsServer:
+    """GET /metrics and GET /healthz over HTTP/1.1 (one request per connection)."""
+
+    MAX_HEADER_BYTES = 8192
+    READ_TIMEOUT_S = 5.0
+
+    def __init__(self, listener: socket.socket, registry: CollectorRegistry,
+                 health: Callable[[], str]) -> None:
+        self.listener = listener
+        self.registry = registry
+        self.health = health  # "serving" -> 200, anything else -> 503
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, sock=self.listener,
+                                                  limit=self.MAX_HEADER_BYTES)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.READ_TIMEOUT_S)
+            method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
+            path = rest.split(" ", 1)[0].split("?", 1)[0]
+            status, ctype, body = self._respond(method, path)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError, ValueError):
+            status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+        try:
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if path not in ("/metrics", "/healthz"):
+            return "404 Not Found", "text/plain", b"not found: only /metrics and /healthz are served\n"
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"only GET\n"
+        if path == "/healthz":
+            state = self.health()
+            return ("200 OK" if state == "serving" else "503 Service Unavailable", "text/plain",
+                    b"ok\n" if state == "serving" else f"{state}\n".encode())
+        return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)

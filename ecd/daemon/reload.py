@@ -1,0 +1,67 @@
+"""SIGHUP: re-read node.toml and apply what can change while serving.
+
+Runtime-changeable: node.log_level, node.shutdown_grace, every [leases] and [limits] key (limits
+apply to requests from now on; a new limits.max_message_bytes only to connections made after
+it, and clients learn new limits when they next say hello). Anything else (node name, runtime
+dir, endpoint, pool, ring, metrics address) needs a restart: the change is logged and ignored.
+An invalid file is logged and nothing changes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import zmq
+
+from ..config import load_config_file
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import Daemon
+
+log = logging.getLogger("ecd.daemon")
+
+RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace"}
+RUNTIME_SECTIONS = {"leases", "limits"}
+
+
+def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def reload_config(daemon: "Daemon") -> None:
+    if daemon.config_path is None:
+        log.warning("SIGHUP: no config file to reload")
+        return
+    try:
+        new = load_config_file(daemon.config_path)
+    except ConfigError as exc:
+        log.error("SIGHUP: not reloading, the config is invalid: %s", exc)
+        return
+    old_flat, new_flat = _flatten(daemon.config.to_dict()), _flatten(new.to_dict())
+    changed = sorted(k for k in new_flat if new_flat[k] != old_flat.get(k))
+    applied = [k for k in changed if k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS]
+    refused = [k for k in changed if k not in applied]
+    if not changed:
+        log.info("SIGHUP: config unchanged")
+        return
+    # Keep the parts that cannot change; take the rest from the new file.
+    new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
+    new.control, new.pool, new.ring, new.metrics = (daemon.config.control, daemon.config.pool,
+                                                    daemon.config.ring, daemon.config.metrics)
+    daemon.config = new
+    logging.getLogger().setLevel(new.node.log_level.upper())
+    daemon.store.limits = daemon.build_store_limits()
+    daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
+    if applied:
+        log.info("SIGHUP: applied %s", ", ".join(f"{k}={new_flat[k]}" for k in applied))
+    for key in refused:
+        log.warning("SIGHUP: cannot change %s at runtime (%s -> %s): restart to apply",
+                    key, old_flat.get(key), new_flat[key])
