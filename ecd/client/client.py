@@ -30,9 +30,9 @@ from ..memory.host import ShmError, ShmFile
 from ..memory.ring import EventKind, RingReader, key_hash
 from ..memory.allocator import align_up
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, Committed, Delete, Error, Exists, Extent, Failure, Flags, Hello,
-                        Location, Ping, Publish, PutInline, Release, Stats, StatsReply, Unpin, Welcome,
-                        encoder, reply_decoder)
+                        Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
+                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
+                        Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
 from .tensors import copy_into, copy_out, dtype_name, host_tensor, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
@@ -423,6 +423,7 @@ class Client:
         events = ring.poll(RING_MAX_BACKLOG)
         if events is None:  # overrun: we may have missed an eviction
             self._cache.clear()
+            self._send_quietly(Report(0, 1))  # operators see overruns in ecd_ring_reader_overruns_total
             return True
         cache = self._cache
         for kind, keyhash, generation in events.tolist():
@@ -474,6 +475,32 @@ class Client:
         return reply.values[0] if single else reply.values
 
     # ---- misc ---------------------------------------------------------------------------
+
+    def keys(self, namespace: str | None = None, limit: int = 1000) -> tuple[int, list[dict]]:
+        """(number of matching entries, the first `limit` by namespace and key) for operators.
+        namespace None lists every namespace. Each entry: ns, key, generation, nbytes, dtype,
+        shape, age_s, idle_s, readers, pins."""
+        reply: KeyList = self._call(Keys(next(self._ids), namespace or "", limit))
+        fields = KeyInfo.__struct_fields__
+        return reply.total, [dict(zip(fields, msgspec.structs.astuple(e))) for e in reply.entries]
+
+    def evict(self, keys: Sequence[str] = (), *, namespace: str | None = None, everything: bool = False,
+              force: bool = False) -> dict:
+        """Operator removal of keys (in `namespace`, default this client's), of a whole namespace
+        (keys empty, namespace given), or of everything. Entries under a lease or pin are
+        refused unless force. Returns evicted/refused/missing/draining (draining: generations
+        whose readers still hold the bytes; see held())."""
+        whole = not keys and namespace is not None and not everything
+        if not keys and not whole and not everything:
+            raise ValueError("name keys, a namespace, or everything=True")
+        reply: Evicted = self._call(Evict(next(self._ids), namespace or self.namespace, list(keys),
+                                          whole, everything, force))
+        return {"evicted": reply.evicted, "refused": reply.refused, "missing": reply.missing,
+                "draining": reply.draining}
+
+    def held(self, generations: Sequence[int]) -> list[bool]:
+        """Which of these generations still hold their bytes (evicted entries drain readers)."""
+        return self._call(Held(next(self._ids), list(generations))).values
 
     def stats(self) -> dict:
         reply: StatsReply = self._call(Stats(next(self._ids)))
