@@ -1,22 +1,33 @@
 """The `ecd` command line (typer)."""
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
 from . import __version__
-from .config import dumps_toml, load_config_file
-from .errors import ConfigError
+from .cli_output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
+                         stderr_console, stdout_console)
+from .config import ControlSection, dumps_toml, load_config_file, parse_size
+from .errors import ConfigError, DaemonUnavailable, EcdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ecd: per-node tensor hand-off daemon for disaggregated LLM serving.")
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class BenchOp(str, enum.Enum):
+    put = "put"
+    get = "get"
+    both = "both"
 
 
 def _fail(message: str, code: int) -> None:
@@ -63,6 +74,239 @@ def check_config(path: Path = typer.Argument(..., help="node.toml to validate"))
 def version() -> None:
     """Print the ecd version."""
     typer.echo(__version__)
+
+
+# ---- operator commands: options every daemon-facing command shares -------------------------
+
+DEFAULT_ENDPOINT = ControlSection().endpoint  # configs/node.toml's
+
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="node.toml whose [control] endpoint to use", show_default=False)]
+EndpointOpt = Annotated[Optional[str], typer.Option(
+    "--endpoint", "-e", help=f"daemon endpoint [default: {DEFAULT_ENDPOINT}]", show_default=False)]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, help="seconds to wait for each daemon reply")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
+
+
+def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
+    if config is not None and endpoint is not None:
+        _fail("give --config or --endpoint, not both", EXIT_USAGE)
+    if config is not None:
+        try:
+            return load_config_file(config).control.endpoint
+        except ConfigError as exc:
+            _fail(f"config error: {exc}", EXIT_USAGE)
+    return endpoint or DEFAULT_ENDPOINT
+
+
+@contextlib.contextmanager
+def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
+    """Daemon trouble as one line and an exit code, never a traceback."""
+    try:
+        yield
+    except DaemonUnavailable as exc:
+        why = f"no answer within {timeout:g}s" if "within" in str(exc) else str(exc)
+        _fail(f"daemon unreachable at {endpoint}: {why} (is `ecd serve` running?)", EXIT_UNREACHABLE)
+    except EcdError as exc:
+        _fail(f"daemon error: {exc}", EXIT_DAEMON)
+
+
+def _client(endpoint: str, timeout: float, namespace: str = "default"):
+    from .client.client import Client
+    # populate=False: an operator command touches no tensor bytes, so it maps the pools lazily.
+    return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False)
+
+
+@app.command()
+def status(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
+           interval: Annotated[float, typer.Option("--interval", min=0.0, max=3600.0,
+                                                   help="seconds between the two samples ops/s is measured "
+                                                        "over (0: one sample, no ops/s)")] = 1.0,
+           as_json: JsonOpt = False) -> None:
+    """Pools, entries, clients, holds, hit rate and request rate of the daemon."""
+    ep = _endpoint(config, endpoint)
+    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+        first, t_first = client.stats(), time.monotonic()
+        last, t_last = first, t_first
+        if interval > 0:
+            time.sleep(interval)
+            last, t_last = client.stats(), time.monotonic()
+    doc = status_document(ep, first, last, t_last - t_first)
+    if as_json:
+        print_json(doc)
+    else:
+        render_status(doc, stdout_console())
+
+
+def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> dict:
+    ops_per_s = None
+    if elapsed > 0:
+        # Of this command's own requests, exactly one of its two Stats calls falls between the
+        # samples (a daemon counts a request either before or after answering it: either way).
+        delta = sum(last["ops"].values()) - sum(first["ops"].values()) - 1
+        ops_per_s = max(0, delta) / elapsed
+    lookups = last["hits"] + last["misses"]
+    return {
+        "endpoint": endpoint, "version": last["version"], "node": last["node"], "epoch": last["epoch"],
+        "uptime_s": last["uptime_s"], "capacity_bytes": last["capacity_bytes"], "used_bytes": last["used_bytes"],
+        "used_pct": percent(last["used_bytes"], last["capacity_bytes"]),
+        "pools": [{"segment": i, "capacity_bytes": cap, "used_bytes": used, "used_pct": percent(used, cap)}
+                  for i, (cap, used) in enumerate(last["pools"])],
+        "entries": {"ready": last["entries_ready"], "writing": last["entries_writing"],
+                    "retired": last["entries_retired"], "reservations": last["reservations"],
+                    "reserved_bytes": last["reserved_bytes"]},
+        "clients": max(0, last["clients"] - 1),  # not counting this command's own session
+        "read_leases": last["read_leases"], "pins": last["pins"], "waiters": last["waiters"],
+        "hits": last["hits"], "misses": last["misses"], "hit_rate": last["hits"] / lookups if lookups else None,
+        "evictions": last["evictions"], "reclaimed_sessions": last["reclaimed_sessions"],
+        "expired_writes": last["expired_writes"], "ring_events": last["ring_events"],
+        "ops_per_s": ops_per_s, "interval_s": elapsed, "ops": last["ops"], "errors": last["errors"],
+    }
+
+
+@app.command()
+def keys(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
+         namespace: Annotated[Optional[str], typer.Option("--namespace", "-n",
+                                                          help="only this namespace [default: all]")] = None,
+         limit: Annotated[int, typer.Option("--limit", min=1, max=1_000_000, help="list at most this many")] = 100,
+         as_json: JsonOpt = False) -> None:
+    """List ready entries by namespace and key."""
+    ep = _endpoint(config, endpoint)
+    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+        total, entries = client.keys(namespace=namespace, limit=limit)
+    if as_json:
+        print_json({"total": total, "shown": len(entries), "namespace": namespace, "entries": entries})
+    else:
+        render_keys(total, entries, stdout_console())
+
+
+@app.command()
+def evict(keys: Annotated[Optional[list[str]], typer.Argument(help="keys to evict", show_default=False)] = None,
+          namespace: Annotated[Optional[str], typer.Option(
+              "--namespace", "-n", help="the keys' namespace [default: default]; without keys: the whole "
+                                        "namespace", show_default=False)] = None,
+          everything: Annotated[bool, typer.Option("--all", help="evict every entry of every namespace")] = False,
+          force: Annotated[bool, typer.Option("--force", help="evict leased/pinned entries too, then wait "
+                                                              "for their readers to let go")] = False,
+          wait: Annotated[float, typer.Option("--wait", min=0.0, help="with --force: seconds to wait for "
+                                                                      "readers")] = 30.0,
+          config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
+          as_json: JsonOpt = False) -> None:
+    """Evict keys, a whole namespace (--namespace, no keys), or everything (--all).
+
+    Exit 1 if an entry was refused (leased or pinned, without --force) or readers of forced
+    entries did not let go within --wait."""
+    keys = keys or []
+    if everything and (keys or namespace is not None):
+        _fail("--all evicts everything: give no keys and no --namespace with it", EXIT_USAGE)
+    if not keys and namespace is None and not everything:
+        _fail("name the keys to evict, a --namespace to empty, or --all", EXIT_USAGE)
+    ep = _endpoint(config, endpoint)
+    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+        if everything:
+            result = client.evict(everything=True, force=force)
+        elif keys:
+            result = {"evicted": 0, "refused": [], "missing": [], "draining": []}
+            batch = max(1, client.limits.max_batch)
+            for start in range(0, len(keys), batch):
+                part = client.evict(keys[start:start + batch], namespace=namespace or "default", force=force)
+                for name in result:
+                    result[name] += part[name]
+        else:
+            result = client.evict(namespace=namespace, force=force)
+        still, waited = _drain(client, result["draining"], wait, show=not as_json)
+    doc = {**result, "namespace": None if everything else (namespace or "default"), "all": everything,
+           "force": force, "drained": not still, "still_held": len(still), "drain_wait_s": waited}
+    if as_json:
+        print_json(doc)
+    else:
+        render_evict(doc, stdout_console())
+    if doc["refused"] or still:
+        raise typer.Exit(EXIT_DAEMON)
+
+
+def _drain(client, generations: list[int], wait: float, show: bool) -> tuple[list[int], float]:
+    """Poll held() every 50 ms until the forced entries' readers let go or `wait` runs out;
+    returns (generations still held, seconds waited)."""
+    started = time.monotonic()
+    still = list(generations)
+    if not still:
+        return still, 0.0
+    batch = max(1, client.limits.max_batch)
+    spinner = stderr_console().status("") if show else contextlib.nullcontext()
+    try:
+        with spinner:
+            while True:
+                flags = [f for i in range(0, len(still), batch) for f in client.held(still[i:i + batch])]
+                still = [g for g, held in zip(still, flags) if held]
+                waited = time.monotonic() - started
+                if not still or waited >= wait:
+                    return still, waited
+                if show:
+                    spinner.update(f"waiting for readers of {len(still)} forced entr"
+                                   f"{'y' if len(still) == 1 else 'ies'} to let go ({waited:.1f}s of {wait:g}s)")
+                time.sleep(min(0.05, max(0.0, wait - waited)))
+    except KeyboardInterrupt:
+        _fail(f"stopped waiting: {len(still)} evicted entries still held by readers "
+              "(freed when they release)", 130)
+
+
+@app.command()
+def bench(size: Annotated[Optional[list[str]], typer.Option(
+              "--size", "-s", help="tensor size, repeatable (like the config: 1MiB, 64KiB) "
+                                   "[default: 1MiB, 16MiB]", show_default=False)] = None,
+          clients: Annotated[int, typer.Option("--clients", min=1, max=256, help="client processes")] = 4,
+          seconds: Annotated[float, typer.Option("--seconds", min=0.1, max=3600.0, help="run time")] = 5.0,
+          op: Annotated[BenchOp, typer.Option("--op", help="what each client loops")] = BenchOp.both,
+          namespace: Annotated[str, typer.Option("--namespace", "-n", help="namespace of the bench keys "
+                                                                            "(evicted at the end)")] = "ecd-bench",
+          config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
+          as_json: JsonOpt = False) -> None:
+    """Measure put/get throughput and latency against a running daemon."""
+    from .bench import run_bench
+    sizes = []
+    for text in size or ["1MiB", "16MiB"]:
+        try:
+            n = parse_size(text)
+        except ValueError as exc:
+            _fail(f"--size: {exc}", EXIT_USAGE)
+        if n <= 0:
+            _fail(f"--size: must be > 0, got {text!r}", EXIT_USAGE)
+        sizes.append(n)
+    ep = _endpoint(config, endpoint)
+    with _daemon_errors(ep, timeout):
+        try:
+            if as_json:
+                doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace)
+            else:
+                with _bench_progress() as progress:
+                    doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace, progress)
+        except ValueError as exc:
+            _fail(str(exc), EXIT_USAGE)
+        except KeyboardInterrupt:
+            _fail("bench interrupted before it measured anything; its keys were evicted", 130)
+    if as_json:
+        print_json(doc)
+    else:
+        render_bench(doc, stdout_console())
+
+
+@contextlib.contextmanager
+def _bench_progress() -> Iterator:
+    from rich.progress import (BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn,
+                               TimeRemainingColumn)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                  TimeRemainingColumn(), TextColumn("{task.fields[ops]} ops"),
+                  console=stderr_console(), transient=True) as bar:
+        task = bar.add_task("starting clients", total=1.0, ops=0)
+        phase = ["start"]
+
+        def update(now: str, fraction: float, ops: int) -> None:
+            if now != phase[0]:
+                phase[0] = now
+                bar.reset(task, description="running", total=1.0, ops=0)
+            bar.update(task, completed=fraction, ops=ops)
+        yield update
 
 
 def main() -> None:

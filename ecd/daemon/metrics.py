@@ -195,10 +195,13 @@ class MetricsServer:
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method = "GET"
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.READ_TIMEOUT_S)
-            method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-            path = rest.split(" ", 1)[0].split("?", 1)[0]
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            if len(parts) != 3 or not parts[2].startswith("HTTP/") or not parts[1].startswith("/"):
+                raise ValueError("not an HTTP request line")
+            method, path = parts[0], parts[1].split("?", 1)[0]
             status, ctype, body = self._respond(method, path)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError, ValueError):

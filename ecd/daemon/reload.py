@@ -56,12 +56,13 @@ def reload_config(daemon: "Daemon") -> None:
     new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
     new.control, new.pool, new.ring, new.metrics = (daemon.config.control, daemon.config.pool,
                                                     daemon.config.ring, daemon.config.metrics)
-    daemon.config = new
-    logging.getLogger().setLevel(new.node.log_level.upper())
-    daemon.store.limits = daemon.build_store_limits()
-    daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
+    # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
         log.info("SIGHUP: applied %s", ", ".join(f"{k}={new_flat[k]}" for k in applied))
     for key in refused:
         log.warning("SIGHUP: cannot change %s at runtime (%s -> %s): restart to apply",
                     key, old_flat.get(key), new_flat[key])
+    daemon.config = new
+    logging.getLogger().setLevel(new.node.log_level.upper())
+    daemon.store.limits = daemon.build_store_limits()
+    daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))

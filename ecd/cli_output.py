@@ -1,0 +1,173 @@
+"""Human (rich) and machine (JSON) output of the operator commands: `ecd status|keys|evict|bench`.
+
+Nothing here talks to the daemon: each function turns a plain dict into text, so the formatting
+can be read (and changed) apart from the request logic in cli.py and bench.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def stdout_console() -> Console:
+    return Console(highlight=False)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document on stdout (and nothing else goes there with --json)."""
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def human_size(n: float) -> str:
+    """1536 -> '1.5 KiB', 1572864 -> '1.5 MiB', 512 -> '512 B'."""
+    n = float(n)
+    for unit in _UNITS:
+        if abs(n) < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float) -> str:
+    """0.25 -> '250ms', 42 -> '42.0s', 3700 -> '1h01m', 200000 -> '2d07h'."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def percent(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
+
+
+def _rate(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+
+# ---- status ------------------------------------------------------------------------------
+
+def render_status(doc: dict, console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("daemon", f"ecd {doc['version']} on node {doc['node']} (epoch {doc['epoch']})")
+    grid.add_row("endpoint", doc["endpoint"])
+    grid.add_row("uptime", human_duration(doc["uptime_s"]))
+    entries = doc["entries"]
+    grid.add_row("entries", f"{entries['ready']} ready, {entries['writing']} writing, "
+                            f"{entries['retired']} retired (draining readers), "
+                            f"{entries['reservations']} reservations ({human_size(entries['reserved_bytes'])})")
+    grid.add_row("clients", f"{doc['clients']} connected (not counting this command)")
+    grid.add_row("holds", f"{doc['read_leases']} read leases, {doc['pins']} pins, {doc['waiters']} waiters")
+    lookups = doc["hits"] + doc["misses"]
+    hit = "n/a (no lookups yet)" if doc["hit_rate"] is None else f"{doc['hit_rate'] * 100:.1f}%"
+    grid.add_row("hit rate", f"{hit}  ({doc['hits']} hits / {lookups} lookups)")
+    ops = "n/a (--interval 0)" if doc["ops_per_s"] is None else \
+        f"{doc['ops_per_s']:.1f} ops/s (over {doc['interval_s']:g}s)"
+    grid.add_row("requests", ops)
+    grid.add_row("evictions", f"{doc['evictions']} (LRU), {doc['reclaimed_sessions']} sessions reclaimed, "
+                              f"{doc['expired_writes']} writes expired")
+    if doc["errors"]:
+        grid.add_row("errors", ", ".join(f"{k}={v}" for k, v in sorted(doc["errors"].items())))
+    console.print(grid)
+
+    pools = Table(title="pools", title_justify="left", show_edge=False)
+    pools.add_column("segment")
+    for name in ("used", "capacity", "used %"):
+        pools.add_column(name, justify="right")
+    for i, p in enumerate(doc["pools"]):
+        pools.add_row(str(i), human_size(p["used_bytes"]), human_size(p["capacity_bytes"]), f"{p['used_pct']:.1f}%")
+    pools.add_row("total", human_size(doc["used_bytes"]), human_size(doc["capacity_bytes"]),
+                  f"{doc['used_pct']:.1f}%", style="bold")
+    console.print(pools)
+
+
+# ---- keys --------------------------------------------------------------------------------
+
+def render_keys(total: int, entries: Sequence[dict], console: Console) -> None:
+    table = Table(show_edge=False)
+    table.add_column("namespace")
+    table.add_column("key", overflow="fold")
+    table.add_column("size", justify="right")
+    table.add_column("dtype")
+    table.add_column("shape")
+    table.add_column("age", justify="right")
+    table.add_column("idle", justify="right")
+    table.add_column("readers", justify="right")
+    table.add_column("pins", justify="right")
+    for e in entries:
+        table.add_row(e["ns"], e["key"], human_size(e["nbytes"]), e["dtype"],
+                      "(" + ", ".join(map(str, e["shape"])) + ")", human_duration(e["age_s"]),
+                      human_duration(e["idle_s"]), str(e["readers"]), str(e["pins"]))
+    if entries:
+        console.print(table)
+    console.print(f"showing {len(entries)} of {total}")
+
+
+# ---- evict -------------------------------------------------------------------------------
+
+def render_evict(doc: dict, console: Console) -> None:
+    console.print(f"evicted {doc['evicted']} entr{'y' if doc['evicted'] == 1 else 'ies'}")
+    if doc["refused"]:
+        console.print(f"[bold red]refused[/] {len(doc['refused'])} (leased or pinned; --force evicts them): "
+                      + ", ".join(doc["refused"]))
+    if doc["missing"]:
+        console.print(f"missing {len(doc['missing'])}: " + ", ".join(doc["missing"]))
+    if doc["draining"]:
+        if doc["drained"]:
+            console.print(f"{len(doc['draining'])} forced entr{'y' if len(doc['draining']) == 1 else 'ies'}: "
+                          f"readers let go after {doc['drain_wait_s']:.2f}s, memory freed")
+        else:
+            console.print(f"[bold red]drain timed out[/]: {doc['still_held']} of {len(doc['draining'])} "
+                          f"forced entries still held by readers after {doc['drain_wait_s']:.1f}s "
+                          "(their memory is freed when the readers release)")
+
+
+# ---- bench -------------------------------------------------------------------------------
+
+def render_bench(doc: dict, console: Console) -> None:
+    console.print(f"{doc['clients']} client(s), {doc['elapsed_s']:.2f}s, op={doc['op']}, "
+                  f"endpoint {doc['endpoint']}")
+    table = Table(show_edge=False)
+    for name, justify in (("op", "left"), ("size", "right"), ("ops", "right"), ("ops/s", "right"),
+                          ("GB/s", "right"), ("p50", "right"), ("p90", "right"), ("p99", "right"),
+                          ("errors", "right")):
+        table.add_column(name, justify=justify)
+    for r in doc["results"]:
+        table.add_row(r["op"], human_size(r["size"]), str(r["ops"]), f"{r['ops_per_s']:.1f}",
+                      f"{r['gb_per_s']:.3f}", _ms(r["p50_ms"]), _ms(r["p90_ms"]), _ms(r["p99_ms"]),
+                      str(r["errors"]))
+    t = doc["total"]
+    table.add_row("total", "", str(t["ops"]), f"{t['ops_per_s']:.1f}", f"{t['gb_per_s']:.3f}", "", "", "",
+                  str(t["errors"]), style="bold")
+    console.print(table)
+    console.print(f"latencies are per call, as a client sees them; cleanup evicted {doc['cleanup']['evicted']} "
+                  f"bench entr{'y' if doc['cleanup']['evicted'] == 1 else 'ies'}")
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f}µs" if value < 1 else f"{value:.2f}ms"
