@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench install venv clean
+.PHONY: serve test bench install uninstall venv clean promtool
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,16 +22,93 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-venv install: $(VENV)/.installed
+venv: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/ecd serve --config $(CONFIG)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed promtool
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# promtool (Debian package prometheus) checks the /metrics exposition in the tests. Installed
+# when we can (root with apt); otherwise that one test skips and says why.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
+	    echo "promtool not available: the promtool check in tests/ops will be skipped"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# ---- system install (docs/operating.md) -------------------------------------------------------
+# `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the
+# engines' environment, which provides its dependencies (torch, pyzmq, uvloop, numpy, ...): ecd
+# itself goes in with --no-deps. BUILD_ISOLATION=auto builds the wheel with that interpreter's
+# setuptools when it is >= 71 (nothing is fetched), otherwise pip fetches setuptools for the build.
+# The wheel is built from a copy of the sources, so no build/ or stale modules stay in the tree.
+# Packagers: `make install DESTDIR=/tmp/stage PREFIX=/usr`.
+#   PREFIX       where pip puts the `ecd` entry point (PREFIX/bin) and the package; may be the
+#                engines' venv itself, then nothing else is needed to import it
+#   SYSCONFDIR   node.toml goes to SYSCONFDIR/ecd/node.toml, only if there is none yet
+#   UNITDIR      fixed rather than under PREFIX, so that PREFIX may be a venv: /lib/systemd/system
+#                is systemd's package unit directory (= /usr/lib/systemd/system on merged-/usr)
+#   SYSUSERSDIR  ecd.sysusers goes there as ecd.conf
+PREFIX ?= /usr/local
+DESTDIR ?=
+SYSCONFDIR ?= /etc
+UNITDIR ?= /lib/systemd/system
+SYSUSERSDIR ?= /usr/lib/sysusers.d
+PIP_ARGS ?=
+BUILD_ISOLATION ?= auto
+# Where pip installs for --prefix PREFIX with this interpreter (Debian's python3 maps /usr to
+# /usr/local), and whether that site directory is already on the interpreter's sys.path.
+ECD_PATHS = $(PYTHON) -c 'import os, sys, sysconfig as s; p = s.get_paths(s.get_preferred_scheme("prefix"), vars={"base": sys.argv[1], "platbase": sys.argv[1]}); print(p["scripts"], p["purelib"], int(p["purelib"] in sys.path)); home = [d for d in (os.path.realpath(sys.executable), sys.base_prefix) if d.split("/")[1:2] in (["home"], ["root"])]; home and print("make install: warning: %s is under /home or /root, which ProtectHome=yes hides from the service: use an interpreter outside them" % home[0], file=sys.stderr)' "$(PREFIX)"
+
+install:
+	@set -e; \
+	paths=$$($(ECD_PATHS)); set -- $$paths; bindir=$$1; sitedir=$$2; onpath=$$3; \
+	echo "installing the ecd package into $(DESTDIR)$$sitedir (--no-deps: dependencies come from $(PYTHON)'s environment)"; \
+	isolation=$(BUILD_ISOLATION); \
+	if [ "$$isolation" = auto ]; then \
+	    if $(PYTHON) -c 'import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' 2>/dev/null; \
+	    then isolation=no; else isolation=yes; fi; \
+	fi; \
+	if [ "$$isolation" = no ]; then build=--no-build-isolation; else build=; \
+	    echo "building in an isolated environment: pip fetches setuptools>=68 (only that) from its index"; fi; \
+	src=$$(mktemp -d); trap 'rm -rf "$$src"' EXIT; \
+	tar -c --exclude=__pycache__ pyproject.toml README.md ecd | tar -x -C "$$src"; \
+	$(PYTHON) -m pip install --quiet --no-deps $$build --ignore-installed \
+	    --no-warn-script-location $(if $(DESTDIR),--root "$(DESTDIR)") --prefix "$(PREFIX)" $(PIP_ARGS) "$$src"; \
+	test -x "$(DESTDIR)$$bindir/ecd" || { echo "make install: pip did not create $(DESTDIR)$$bindir/ecd" >&2; exit 1; }; \
+	install -d "$(DESTDIR)$(SYSCONFDIR)/ecd"; \
+	if [ -e "$(DESTDIR)$(SYSCONFDIR)/ecd/node.toml" ]; then \
+	    echo "keeping the existing $(DESTDIR)$(SYSCONFDIR)/ecd/node.toml (example: configs/production.toml)"; \
+	else \
+	    install -m 0644 configs/production.toml "$(DESTDIR)$(SYSCONFDIR)/ecd/node.toml"; \
+	fi; \
+	install -d "$(DESTDIR)$(UNITDIR)" "$(DESTDIR)$(SYSUSERSDIR)"; \
+	sed -e "s|^ExecStart=/usr/bin/env ecd |ExecStart=$$bindir/ecd |" \
+	    -e "s|/etc/ecd/node.toml|$(SYSCONFDIR)/ecd/node.toml|g" systemd/ecd.service > "$(DESTDIR)$(UNITDIR)/ecd.service.tmp"; \
+	if [ "$$onpath" = 0 ]; then \
+	    sed -i -e "/^ExecStart=/i Environment=PYTHONPATH=$$sitedir" "$(DESTDIR)$(UNITDIR)/ecd.service.tmp"; \
+	fi; \
+	chmod 0644 "$(DESTDIR)$(UNITDIR)/ecd.service.tmp"; \
+	mv "$(DESTDIR)$(UNITDIR)/ecd.service.tmp" "$(DESTDIR)$(UNITDIR)/ecd.service"; \
+	install -m 0644 systemd/ecd.sysusers "$(DESTDIR)$(SYSUSERSDIR)/ecd.conf"; \
+	echo "installed $(DESTDIR)$$bindir/ecd, $(DESTDIR)$(UNITDIR)/ecd.service, $(DESTDIR)$(SYSUSERSDIR)/ecd.conf"; \
+	if [ -z "$(DESTDIR)" ]; then \
+	    echo "next: systemd-sysusers; systemctl daemon-reload; systemctl enable --now ecd; usermod -aG ecd ENGINE_USER"; \
+	fi
+
+# Leaves SYSCONFDIR/ecd/node.toml (and the ecd user) in place.
+uninstall:
+	@set -e; \
+	paths=$$($(ECD_PATHS) 2>/dev/null); set -- $$paths; bindir=$$1; sitedir=$$2; \
+	rm -f "$(DESTDIR)$$bindir/ecd" "$(DESTDIR)$(UNITDIR)/ecd.service" "$(DESTDIR)$(SYSUSERSDIR)/ecd.conf"; \
+	rm -rf "$(DESTDIR)$$sitedir/ecd" "$(DESTDIR)$$sitedir"/ecd-*.dist-info; \
+	echo "removed ecd from $(DESTDIR)$$bindir and $(DESTDIR)$$sitedir; kept $(DESTDIR)$(SYSCONFDIR)/ecd/node.toml"
