@@ -17,6 +17,7 @@ import signal
 import time
 from typing import Callable
 
+from .cli_output import human_size
 from .errors import DaemonUnavailable, EcdError
 
 KEYS_PER_SIZE = 64
@@ -159,12 +160,13 @@ def run_bench(endpoint: str, timeout: float, sizes: list[int], clients: int, sec
     from .client.client import Client
 
     admin = Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-bench", populate=False)
+    restore = _interrupt_on_signals()
     try:
         segment = max(cap for cap, _ in admin.stats()["pools"])
         too_big = [s for s in sizes if s > segment]
         if too_big:
-            raise ValueError(f"--size {too_big[0]} bytes does not fit in the daemon's largest pool segment "
-                             f"({segment} bytes)")
+            raise ValueError(f"--size {human_size(too_big[0])} does not fit in the daemon's largest pool "
+                             f"segment ({human_size(segment)})")
         ctx = mp.get_context("spawn")
         messages, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
         counts = ctx.Array("q", clients, lock=False)
@@ -202,7 +204,22 @@ def run_bench(endpoint: str, timeout: float, sizes: list[int], clients: int, sec
             cleanup = _cleanup(admin, [p.pid for p in procs if p.pid], len(sizes), namespace)
         return _report(endpoint, namespace, clients, seconds, op, sizes, results, cleanup, interrupted)
     finally:
+        restore()
         admin.close()
+
+
+def _interrupt_on_signals() -> Callable[[], None]:
+    """SIGTERM (and SIGINT, even where a shell started us with it ignored) stop the run the way
+    Ctrl-C does: workers stop, keys are evicted. Returns what puts the old handlers back."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()] and None
 
 
 def _wait_for(messages, procs, what: str, limit_s: float, results: dict, tick: Callable) -> None:

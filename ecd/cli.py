@@ -233,7 +233,9 @@ def _drain(client, generations: list[int], wait: float, show: bool) -> tuple[lis
     if not still:
         return still, 0.0
     batch = max(1, client.limits.max_batch)
-    spinner = stderr_console().status("") if show else contextlib.nullcontext()
+    console = stderr_console()
+    show = show and console.is_terminal  # a spinner only where there is someone to watch it
+    spinner = console.status("") if show else contextlib.nullcontext()
     try:
         with spinner:
             while True:
@@ -293,20 +295,30 @@ def bench(size: Annotated[Optional[list[str]], typer.Option(
 
 @contextlib.contextmanager
 def _bench_progress() -> Iterator:
+    """A progress bar on stderr, shown from the first update on (an early error prints alone)."""
     from rich.progress import (BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn,
                                TimeRemainingColumn)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.fields[ops]} ops"),
-                  console=stderr_console(), transient=True) as bar:
-        task = bar.add_task("starting clients", total=1.0, ops=0)
-        phase = ["start"]
+    console = stderr_console()
+    if not console.is_terminal:  # nothing to animate into a log file
+        yield None
+        return
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                   TimeRemainingColumn(), TextColumn("{task.fields[ops]} ops"), console=console, transient=True)
+    task = bar.add_task("starting clients", total=1.0, ops=0)
+    phase: list[str | None] = [None]
 
-        def update(now: str, fraction: float, ops: int) -> None:
-            if now != phase[0]:
-                phase[0] = now
-                bar.reset(task, description="running", total=1.0, ops=0)
-            bar.update(task, completed=fraction, ops=ops)
+    def update(now: str, fraction: float, ops: int) -> None:
+        if phase[0] is None:
+            bar.start()
+        elif now != phase[0]:
+            bar.reset(task, description="running", total=1.0, ops=0)
+        phase[0] = now
+        bar.update(task, completed=fraction, ops=ops)
+    try:
         yield update
+    finally:
+        if phase[0] is not None:
+            bar.stop()
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ can be read (and changed) apart from the request logic in cli.py and bench.py.
 from __future__ import annotations
 
 import json
-import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -17,7 +17,9 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def stdout_console() -> Console:
-    return Console(highlight=False)
+    # Piped into grep or a file: do not wrap rows at 80 columns (a terminal keeps its own width).
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=200 if wide else None)
 
 
 def stderr_console() -> Console:
@@ -31,13 +33,13 @@ def print_json(doc: Any) -> None:
 
 
 def human_size(n: float) -> str:
-    """1536 -> '1.5 KiB', 1572864 -> '1.5 MiB', 512 -> '512 B'."""
+    """1536 -> '1.5 KiB', 1572864 -> '1.5 MiB', 512 -> '512 B', 64 << 20 -> '64 MiB'."""
     n = float(n)
     for unit in _UNITS:
         if abs(n) < 1024 or unit == _UNITS[-1]:
             if unit == "B":
                 return f"{int(n)} B"
-            return f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+            return f"{n:.1f} {unit}" if abs(n) < 100 and n != int(n) else f"{n:.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
@@ -62,10 +64,6 @@ def percent(part: float, whole: float) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
-def _rate(value: float | None, fmt: str = "{:.1f}") -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
-
-
 # ---- status ------------------------------------------------------------------------------
 
 def render_status(doc: dict, console: Console) -> None:
@@ -85,7 +83,7 @@ def render_status(doc: dict, console: Console) -> None:
     hit = "n/a (no lookups yet)" if doc["hit_rate"] is None else f"{doc['hit_rate'] * 100:.1f}%"
     grid.add_row("hit rate", f"{hit}  ({doc['hits']} hits / {lookups} lookups)")
     ops = "n/a (--interval 0)" if doc["ops_per_s"] is None else \
-        f"{doc['ops_per_s']:.1f} ops/s (over {doc['interval_s']:g}s)"
+        f"{doc['ops_per_s']:.1f} ops/s (over {doc['interval_s']:.1f}s, not counting this command)"
     grid.add_row("requests", ops)
     grid.add_row("evictions", f"{doc['evictions']} (LRU), {doc['reclaimed_sessions']} sessions reclaimed, "
                               f"{doc['expired_writes']} writes expired")
@@ -109,17 +107,12 @@ def render_status(doc: dict, console: Console) -> None:
 def render_keys(total: int, entries: Sequence[dict], console: Console) -> None:
     table = Table(show_edge=False)
     table.add_column("namespace")
-    table.add_column("key", overflow="fold")
-    table.add_column("size", justify="right")
-    table.add_column("dtype")
-    table.add_column("shape")
-    table.add_column("age", justify="right")
-    table.add_column("idle", justify="right")
-    table.add_column("readers", justify="right")
-    table.add_column("pins", justify="right")
+    table.add_column("key", overflow="fold", min_width=10)  # on a narrow terminal the key stays whole
+    for name in ("size", "dtype", "shape", "age", "idle", "readers", "pins"):
+        table.add_column(name, justify="left" if name in ("dtype", "shape") else "right")
     for e in entries:
         table.add_row(e["ns"], e["key"], human_size(e["nbytes"]), e["dtype"],
-                      "(" + ", ".join(map(str, e["shape"])) + ")", human_duration(e["age_s"]),
+                      "[" + ", ".join(map(str, e["shape"])) + "]", human_duration(e["age_s"]),
                       human_duration(e["idle_s"]), str(e["readers"]), str(e["pins"]))
     if entries:
         console.print(table)
