@@ -241,3 +241,16 @@ def test_logs_have_no_timestamps_under_journald(daemon_factory):
     d.start(env=dict(os.environ, JOURNAL_STREAM="8:1234"))
     line = next(l for l in d.log().splitlines() if "serving node" in l)
     assert line.startswith("INFO ecd.daemon: serving node")
+
+
+def test_a_lapped_ring_reader_is_counted(daemon_factory):
+    d = daemon_factory(extra="[ring]\nslots = 64\npresence_buckets = 1024\n")
+    with d.client() as reader, d.client() as writer:
+        reader.put("mine", torch.ones(100_000))  # a cached location: the reader follows the ring
+        for i in range(100):  # more events than the ring holds
+            writer.put(f"w{i}", torch.ones(10))
+        assert reader.exists("mine") is True
+        reader.ping()  # the overrun report went out on this connection before the ping
+        body = http_get(d.metrics_port, "/metrics")[1]
+        assert metric(body, "ecd_ring_reader_overruns_total") == 1
+        assert metric(body, "ecd_ring_events_total") >= 101
