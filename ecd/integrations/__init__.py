@@ -1,0 +1,1 @@
+"""Engine integrations built on ecd.Client. Each imports its engine lazily."""

@@ -1,0 +1,57 @@
+"""The `*_connector_extra_config` keys both connectors accept, validated, plus the default
+namespace: a fingerprint of what makes bytes interchangeable, so engines that disagree on model,
+dtype or layout never read each other's entries."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+
+from ...errors import InvalidRequest
+
+DEFAULT_ENDPOINT = "ipc:///run/ecd/ecd.sock"
+
+
+class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    endpoint: str = DEFAULT_ENDPOINT
+    namespace: str = ""  # "" = derived from model, dtype and layout
+    pin_seconds: float = 60.0  # how long a scheduler-side hit stays pinned for the worker's load
+    load_timeout_s: float = 5.0  # per daemon round trip (and the longest a load may wait)
+
+    def __post_init__(self) -> None:
+        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://")):
+            raise ValueError(f"endpoint: must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        if not 0 < self.pin_seconds <= 86400:
+            raise ValueError(f"pin_seconds: must be in (0, 86400], got {self.pin_seconds}")
+        if not 0 < self.load_timeout_s <= 3600:
+            raise ValueError(f"load_timeout_s: must be in (0, 3600], got {self.load_timeout_s}")
+        if len(self.namespace) > 256:
+            raise ValueError("namespace: longer than 256 characters")
+
+
+def parse_settings(extra_config: dict[str, Any] | None, which: str) -> ConnectorSettings:
+    """`which` names the vLLM option in errors, e.g. "ec_connector_extra_config"."""
+    try:
+        return msgspec.convert(extra_config or {}, ConnectorSettings)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        if message.startswith("Object contains unknown field"):
+            known = ", ".join(ConnectorSettings.__struct_fields__)
+            message = f"{message.split('`')[1]}: unknown key (known: {known})"
+        raise InvalidRequest(f"{which}: {message}") from None
+
+
+def default_namespace(kind: str, vllm_config: Any, layout: dict[str, Any]) -> str:
+    """e.g. "vllm-ec-3f2a…": hash of model, dtype, the connector kind and its layout facts."""
+    model_config = getattr(vllm_config, "model_config", None)
+    facts = {
+        "kind": kind,
+        "model": getattr(model_config, "model", None),
+        "revision": getattr(model_config, "revision", None),
+        "dtype": str(getattr(model_config, "dtype", None)),
+        **layout,
+    }
+    digest = hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=8)
+    return f"vllm-{kind}-{digest.hexdigest()}"
