@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,3 +55,11 @@ def make_vllm_config(model_dir: str, *, ec_role: str | None = None, kv_role: str
     if block_size is not None:
         config.cache_config.block_size = block_size
     return config
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Import this fixture into a test module (`from vllm_env import tiny_model_dir`). It lives
+    here, not in a tests/vllm/conftest.py: a second module named `conftest` would shadow
+    tests/conftest.py for the `from conftest import ...` lines of other test directories."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-paligemma"))

@@ -1,0 +1,726 @@
+"""EcdKVConnector: vLLM's paged KV cache, block by block, through the node's ecd daemon.
+
+Name it with `--kv-transfer-config '{"kv_connector": "EcdKVConnector",
+"kv_connector_module_path": "ecd.integrations.vllm", "kv_role": "kv_both",
+"kv_connector_extra_config": {"endpoint": "ipc:///run/ecd/ecd.sock"}}'`.
+
+Entries: one per full block of tokens, holding that block of every layer this worker owns
+(`[layers, *block]`, the KV dtype), keyed by vLLM's chained block hash in hex, so a prefix shared
+by many prompts is stored once and a key names its whole prefix. docs/vllm.md (## KV connector)
+explains the choice of granularity with measurements.
+
+Scheduler side: one batched `exists(pin_s=...)` per lookup gives the longest run of present
+blocks after the local prefix-cache hit (never the prompt's last token) and pins it until the
+request finishes; `build_connector_meta` names the blocks to load (into which block ids) and the
+new full prompt blocks to save. Worker side: `start_load_kv` fetches every block of the step with
+one `get_many` and copies it into the paged cache; `wait_for_save` writes the step's new blocks
+with one `put_many`, copying straight out of the paged cache. Loads are synchronous (the step
+that consumes them waits for them); a save is finished when `wait_for_save` returns.
+
+Every daemon failure is caught, logged (rate-limited) and becomes a miss, a skipped save, or a
+load error reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks
+with `kv_load_failure_policy: "recompute"`, or fails the request with the default "fail").
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...client.client import Client
+from ...errors import DaemonUnavailable
+from .settings import ConnectorSettings, default_namespace, parse_settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 10.0  # the same kind of failure is logged at most once per interval
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0  # no daemon calls for this long after it was unreachable
+NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: never loaded or saved
+STAGING_MAX_BYTES = 256 << 20  # saves that must be staged (layers not in one allocation) go in
+                               # put_many batches of at most this many bytes
+
+
+# ---- metadata: scheduler -> worker ----------------------------------------------------------
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request: keys[i] (a chained block hash, hex) <-> paged block block_ids[i]."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class EcdKVConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+class _RateLimitedLog:
+    """One log line per kind of failure per LOG_INTERVAL_S, counting the ones it held back."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -math.inf) < LOG_INTERVAL_S:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        if held:
+            message += " (and %d more like this since the last such message)"
+            args = (*args, held)
+        logger.warning("ecd kv connector: " + message, *args)
+
+
+class _ClientHolder:
+    """The connector's ecd.Client: created on first use, dropped and recreated after the daemon
+    was unavailable, and not asked at all for a backoff period after that (a missing daemon
+    must cost a cache miss, not a client timeout on every scheduler step)."""
+
+    def __init__(self, settings: ConnectorSettings, namespace: str, name: str, log: _RateLimitedLog,
+                 populate: bool) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.name = name
+        self.populate = populate
+        self._log = log
+        self._client: Client | None = None
+        # A daemon that stopped unlinked its socket: known without waiting for a timeout.
+        endpoint = settings.endpoint
+        self._socket_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_MIN_S
+        self._lock = threading.Lock()
+
+    def get(self) -> Client | None:
+        with self._lock:
+            if self._socket_path is not None and not os.path.exists(self._socket_path):
+                client, self._client = self._client, None
+                if client is not None:
+                    self._back_off()
+                    self._close(client)
+                self._log.warning("socket", "the ecd daemon's socket %s is missing (daemon stopped?); "
+                                  "treating the KV cache as empty", self._socket_path)
+                return None
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._retry_at:
+                return None
+            try:
+                self._client = Client(self.settings.endpoint, self.namespace, timeout=self.settings.load_timeout_s,
+                                      name=self.name, populate=self.populate)
+            except Exception as exc:  # DaemonUnavailable, a shared-memory mapping error, ...
+                self._back_off()
+                self._log.warning("connect", "cannot reach the ecd daemon at %s (%s: %s); treating "
+                                  "the KV cache as empty for %.1fs", self.settings.endpoint,
+                                  type(exc).__name__, exc, self._retry_at - time.monotonic())
+                return None
+            self._backoff = BACKOFF_MIN_S
+            return self._client
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Log a failed call; after DaemonUnavailable drop the client and back off."""
+        if isinstance(exc, DaemonUnavailable):
+            with self._lock:
+                client, self._client = self._client, None
+                self._back_off()
+            if client is not None:
+                self._close(client)
+        self._log.warning(what, "%s failed: %s: %s", what, type(exc).__name__, exc)
+
+    def _back_off(self) -> None:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._close(client)
+
+    @staticmethod
+    def _close(client: Client) -> None:
+        try:
+            client.close()  # says bye: the daemon drops this session's pins and leases
+        except Exception:  # pragma: no cover - closing never matters here
+            pass
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), max(1, size)):
+        yield items[i:i + size]
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _np(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array over the tensor's memory (bf16/fp8 seen as same-width integers)."""
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
+
+
+def _hash_hex(block_hash: Any) -> str:
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        return bytes(block_hash).hex()
+    return hashlib.blake2b(repr(block_hash).encode(), digest_size=16).hexdigest()
+
+
+def _kv_dtype_name(vllm_config: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        return str(getattr(vllm_config.model_config, "dtype", None))
+    return cache_dtype
+
+
+def _layout_facts(vllm_config: Any) -> dict[str, Any]:
+    """What makes two engines' KV blocks interchangeable (the default namespace hashes it)."""
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        from vllm.platforms import current_platform
+        platform = current_platform.device_type
+    except Exception:  # pragma: no cover
+        platform = None
+    attention = getattr(vllm_config, "attention_config", None)
+    return {
+        "block_size": vllm_config.cache_config.block_size,
+        "num_layers": model_config.get_total_num_hidden_layers(),
+        "num_kv_heads": model_config.get_num_kv_heads(parallel),  # per tensor-parallel rank
+        "head_size": model_config.get_head_size(),
+        "kv_cache_dtype": _kv_dtype_name(vllm_config),
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "platform": platform,
+        "attention_backend": str(getattr(attention, "backend", None)),
+        "hash_algo": getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None),
+    }
+
+
+# ---- scheduler-side state -------------------------------------------------------------------
+
+@dataclass
+class _RequestState:
+    request: Any  # vllm Request (the scheduler's own object; its block_hashes grow with it)
+    keys: list[str]  # one per full block of the request's tokens, at lookup time
+    present: list[bool]  # per key: in ecd at lookup time (and pinned)
+    start_block: int  # blocks below this were a local prefix-cache hit
+    pinned: set[str] = field(default_factory=set)
+    load: BlockTransfer | None = None  # planned by update_state_after_alloc, sent once
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0  # blocks below this were saved or skipped already
+
+
+# ---- worker-side view of the paged KV cache -------------------------------------------------
+
+class _PagedKV:
+    """The registered per-layer caches as block-major views `[num_blocks, *block]`, and, when the
+    layers sit in one allocation at a constant distance (vLLM's own allocation), one strided
+    view `[num_blocks, layers, *block]`: a block of every layer is then a single tensor that
+    ecd copies straight into or out of its pool (no staging copy)."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None) -> None:
+        layers: list[torch.Tensor] = []
+        self.names: list[str] = []
+        seen: set[tuple] = set()
+        for name, kv in kv_caches.items():
+            if not isinstance(kv, torch.Tensor):
+                raise ValueError(f"layer {name}: KV cache is a {type(kv).__name__}, not a tensor")
+            ident = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype)
+            if ident in seen:  # a layer sharing another layer's KV cache: store it once
+                continue
+            seen.add(ident)
+            layers.append(self._block_major(name, kv, num_blocks))
+            self.names.append(name)
+        if not layers:
+            raise ValueError("no KV cache layers were registered")
+        first = layers[0]
+        self.block_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self.num_blocks = first.shape[0]
+        for name, t in zip(self.names, layers):
+            if tuple(t.shape[1:]) != self.block_shape or t.dtype != self.dtype or t.device != self.device \
+                    or t.shape[0] != self.num_blocks:
+                raise ValueError(f"layer {name}: block {tuple(t.shape)} {t.dtype} differs from "
+                                 f"{self.names[0]}'s {tuple(first.shape)} {first.dtype}; "
+                                 "layers of different shapes are not supported")
+        self.layers = layers
+        self.entry_shape = (len(layers), *self.block_shape)
+        self.stacked = self._stack(layers)
+        self.use_numpy = self.device.type == "cpu"
+        self._np_layers = [_np(t) for t in layers] if self.use_numpy else None
+        self._np_stacked = _np(self.stacked) if self.use_numpy and self.stacked is not None else None
+        self._staging_buf: torch.Tensor | None = None
+
+    @staticmethod
+    def _block_major(name: str, kv: torch.Tensor, num_blocks: int | None) -> torch.Tensor:
+        # vLLM 0.33 hands connectors per-layer views [num_blocks, H, N, C]; older attention
+        # backends used [2, num_blocks, ...] (K and V outermost). Blocks go first either way.
+        if kv.ndim >= 2 and num_blocks is not None:
+            if kv.shape[0] == num_blocks:
+                return kv
+            if kv.shape[0] == 2 and kv.shape[1] == num_blocks:
+                return kv.movedim(1, 0)
+            raise ValueError(f"layer {name}: no dimension of {tuple(kv.shape)} counts the "
+                             f"{num_blocks} KV cache blocks in the first two places")
+        if kv.ndim == 5 and kv.shape[0] == 2:
+            return kv.movedim(1, 0)
+        if kv.ndim >= 2:
+            return kv
+        raise ValueError(f"layer {name}: unsupported KV cache shape {tuple(kv.shape)}")
+
+    @staticmethod
+    def _stack(layers: list[torch.Tensor]) -> torch.Tensor | None:
+        first = layers[0]
+        if len(layers) == 1:
+            return first.unsqueeze(1)
+        item = first.element_size()
+        step_bytes = layers[1].data_ptr() - first.data_ptr()
+        if step_bytes <= 0 or step_bytes % item:
+            return None
+        base = first.untyped_storage().data_ptr()
+        for i, t in enumerate(layers):
+            if (t.stride() != first.stride() or t.untyped_storage().data_ptr() != base
+                    or t.data_ptr() - first.data_ptr() != i * step_bytes):
+                return None
+        step = step_bytes // item
+        return first.as_strided((first.shape[0], len(layers), *first.shape[1:]),
+                                (first.stride(0), step, *first.stride()[1:]), first.storage_offset())
+
+    @property
+    def entry_nbytes(self) -> int:
+        return math.prod(self.entry_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    # save ------------------------------------------------------------------------------------
+
+    def gather(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """One host tensor `[layers, *block]` per block: views into the paged cache when the
+        layers share one allocation, else rows of a reused staging buffer. Valid until the
+        next gather; the caller hands them to put_many, which copies them right away."""
+        if self.use_numpy:
+            if self.stacked is not None:
+                return [self.stacked[b] for b in block_ids]  # ecd copies these strided views
+            staging = self._staging(len(block_ids))
+            staging_np = _np(staging)
+            for row, b in zip(staging_np, block_ids):
+                for layer, src in enumerate(self._np_layers):
+                    row[layer] = src[b]
+            return list(staging)
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.stacked is not None:
+            staged = self.stacked.index_select(0, idx)
+        else:
+            staged = torch.stack([t.index_select(0, idx) for t in self.layers], dim=1)
+        return list(staged.cpu())
+
+    def _staging(self, rows: int) -> torch.Tensor:
+        # Reused: fresh memory for every step would pay a page fault per 4 KiB on each save.
+        if self._staging_buf is None or self._staging_buf.shape[0] < rows:
+            self._staging_buf = torch.empty((rows, *self.entry_shape), dtype=self.dtype)
+        return self._staging_buf[:rows]
+
+    # load ------------------------------------------------------------------------------------
+
+    def scatter(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
+        if not block_ids:
+            return
+        if self.use_numpy:
+            for b, t in zip(block_ids, entries):
+                src = _np(t)
+                if self._np_stacked is not None:
+                    np.copyto(self._np_stacked[b], src)
+                else:
+                    for layer, dst in enumerate(self._np_layers):
+                        dst[b] = src[layer]
+            return
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        src = torch.stack(entries).to(self.device)
+        if self.stacked is not None:
+            self.stacked[idx] = src
+        else:
+            for layer, dst in enumerate(self.layers):
+                dst.index_copy_(0, idx, src[:, layer])
+
+
+# ---- the connector --------------------------------------------------------------------------
+
+class EcdKVConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector keeping full KV blocks in the node's ecd daemon."""
+
+    _cache_hit_source = CacheHitSource.HOST  # ecd's pool is host shared memory
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = parse_settings(transfer.kv_connector_extra_config, "kv_connector_extra_config")
+        self.namespace = self.settings.namespace or default_namespace("kv", vllm_config, _layout_facts(vllm_config))
+        self._block_size = vllm_config.cache_config.block_size
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self._block_size
+        if self._block_size % hash_block_size:
+            raise ValueError(f"block size {self._block_size} is not a multiple of vLLM's block hash "
+                             f"size {hash_block_size}")
+        self._hashes_per_block = self._block_size // hash_block_size
+        self._loads_enabled = transfer.is_kv_consumer
+        self._saves_enabled = transfer.is_kv_producer
+        parallel = vllm_config.parallel_config
+        self._world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self._log = _RateLimitedLog()
+        # The scheduler only asks exists/unpin: no need to pre-fault the pool's pages into it.
+        self._client = _ClientHolder(self.settings, self.namespace, f"vllm-kv-{role.name.lower()}",
+                                     self._log, populate=role == KVConnectorRole.WORKER)
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        # worker side
+        self._paged: _PagedKV | None = None
+        self._rank_suffix = ""
+        self._load_errors: set[int] = set()
+        logger.info("ecd kv connector (%s): endpoint %s, namespace %s", role.name.lower(),
+                    self.settings.endpoint, self.namespace)
+        if (role == KVConnectorRole.SCHEDULER and self._loads_enabled
+                and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute"):
+            logger.warning("ecd kv connector: kv_load_failure_policy is %r: a block evicted or lost "
+                           "between lookup and load fails its request instead of being recomputed; "
+                           "set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config",
+                           transfer.kv_load_failure_policy)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save that never happened is a later miss
+
+    # ==== keys ===================================================================================
+
+    def _block_keys(self, request: "Request") -> list[str]:
+        """Hex of vLLM's chained hash of each full block (the hash of a block's last hash unit
+        when hashes are finer than blocks). They already cover multimodal inputs, LoRA and the
+        cache salt. Without them (no hasher configured), plain token prompts are hashed here."""
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        per = self._hashes_per_block
+        if hashes:
+            return [_hash_hex(hashes[(i + 1) * per - 1]) for i in range(len(hashes) // per)]
+        if (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
+                or getattr(request, "prompt_embeds", None) is not None
+                or getattr(request, "cache_salt", None)):
+            return []  # the tokens alone do not determine the KV: never share it
+        tokens = list(request.all_token_ids)
+        keys, parent = [], b"ecd-kv"
+        for start in range(0, len(tokens) - self._block_size + 1, self._block_size):
+            block = np.asarray(tokens[start:start + self._block_size], dtype=np.int64).tobytes()
+            parent = hashlib.blake2b(parent + block, digest_size=32).digest()
+            keys.append(parent.hex())
+        return keys
+
+    def _rank_keys(self, key: str) -> list[str]:
+        """Every worker's entry for one block (tensor/pipeline-parallel ranks store their part)."""
+        if self._world == 1:
+            return [key]
+        return [f"{key}.{rank}" for rank in range(self._world)]
+
+    # ==== scheduler side =========================================================================
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            return self._match(request, num_computed_tokens), False
+        except Exception as exc:  # never out of the connector: a miss
+            self._log.warning("lookup", "lookup for %s failed: %s: %s", request.request_id,
+                              type(exc).__name__, exc)
+            return 0, False
+
+    def _match(self, request: "Request", num_computed_tokens: int) -> int:
+        bs = self._block_size
+        keys = self._block_keys(request) if self._loads_enabled or self._saves_enabled else []
+        # The last token is always computed here (vLLM needs its logits): at most num_tokens - 1.
+        loadable = min(len(keys), (request.num_tokens - 1) // bs) if self._loads_enabled else 0
+        wanted = min(len(keys), max(loadable, request.num_prompt_tokens // bs))
+        keys = keys[:wanted]
+        start = num_computed_tokens // bs
+        state = self._requests.get(request.request_id)
+        pinned = state.pinned if state is not None else set()
+        present = [False] * len(keys)
+        if keys and not getattr(request, "skip_reading_prefix_cache", False):
+            present = self._lookup(keys, pinned)
+        self._requests[request.request_id] = _RequestState(request, keys, present, start, pinned)
+        end = start
+        while end < loadable and present[end]:
+            end += 1
+        return (end - start) * bs if end > start else 0
+
+    def _lookup(self, keys: list[str], pinned: set[str]) -> list[bool]:
+        """One batched exists (pinning hits) over every block's keys; False for all on failure."""
+        client = self._client.get()
+        if client is None:
+            return [False] * len(keys)
+        asked = [k for key in keys for k in self._rank_keys(key)]
+        pin_s = self.settings.pin_seconds if self._loads_enabled else 0.0
+        try:
+            found: list[bool] = []
+            for chunk in _chunks(asked, client.limits.max_batch):
+                found.extend(client.exists(chunk, pin_s=pin_s))
+        except Exception as exc:
+            self._client.failed("exists", exc)
+            return [False] * len(keys)
+        if pin_s > 0:
+            pinned.update(k for k, hit in zip(asked, found) if hit)
+        per = len(asked) // len(keys) if keys else 1
+        return [all(found[i * per:(i + 1) * per]) for i in range(len(keys))]
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        try:
+            state = self._requests.get(request.request_id)
+            if state is None:
+                return
+            state.load = None
+            if num_external_tokens <= 0 or not self._loads_enabled:
+                return
+            (block_ids, *_) = blocks.get_block_ids()
+            count = -(-num_external_tokens // self._block_size)
+            first = state.start_block
+            ids = list(block_ids[first:first + count])
+            keys = state.keys[first:first + len(ids)]
+            if len(keys) < len(ids) or len(ids) < count:
+                self._log.warning("plan", "%s: %d blocks to load from block %d, but it has %d keys and "
+                                  "%d blocks", request.request_id, count, first, len(state.keys), len(block_ids))
+                keys += [""] * (len(ids) - len(keys))  # no key: the worker reports a load error
+            state.load = BlockTransfer(request.request_id, keys, ids)
+        except Exception as exc:
+            self._log.warning("plan", "planning the load of %s failed: %s: %s", request.request_id,
+                              type(exc).__name__, exc)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = EcdKVConnectorMetadata()
+        try:
+            self._build(scheduler_output, meta)
+        except Exception as exc:  # keep what was planned; a failure is a skipped save
+            self._log.warning("meta", "building the step's metadata failed: %s: %s", type(exc).__name__, exc)
+        return meta
+
+    def _build(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
+        scheduled: list[tuple[_RequestState, int]] = []
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                scheduled.append((state, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            scheduled.append((state, cached.num_computed_tokens[i]))
+        bs = self._block_size
+        for state, computed in scheduled:
+            req_id = state.request.request_id
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load = None
+            if not self._saves_enabled:
+                continue
+            # Blocks whose KV exists once this step ran: the prompt's full blocks only.
+            done = computed + out.num_scheduled_tokens.get(req_id, 0)
+            full = min(done, state.request.num_prompt_tokens) // bs
+            full = min(full, len(state.keys), len(state.block_ids))
+            keys, ids = [], []
+            for b in range(state.next_save, full):
+                if not state.present[b] and state.block_ids[b] != NULL_BLOCK_ID:
+                    keys.append(state.keys[b])
+                    ids.append(state.block_ids[b])
+                    state.present[b] = True
+            state.next_save = max(state.next_save, full)
+            if keys:
+                meta.saves.append(BlockTransfer(req_id, keys, ids))
+
+    def update_connector_output(self, connector_output: Any):
+        """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
+        try:
+            invalid = getattr(connector_output, "invalid_block_ids", None)
+            if not invalid:
+                return
+            for state in self._requests.values():
+                for b, block_id in enumerate(state.block_ids[:len(state.keys)]):
+                    if block_id in invalid:
+                        state.present[b] = False
+                        state.next_save = min(state.next_save, b)
+        except Exception as exc:
+            self._log.warning("output", "handling the workers' output failed: %s: %s", type(exc).__name__, exc)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(getattr(request, "request_id", None), None)
+        if state is not None and state.pinned:
+            client = self._client.get()
+            if client is not None:
+                try:
+                    client.unpin(sorted(state.pinned))
+                except Exception as exc:  # the pins run out by themselves after pin_seconds
+                    self._client.failed("unpin", exc)
+        return False, None  # saves finish inside the step (wait_for_save): free the blocks now
+
+    # ==== worker side ============================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        try:
+            self._paged = _PagedKV(kv_caches, num_blocks)
+        except Exception as exc:
+            self._paged = None
+            logger.error("ecd kv connector: cannot use these KV caches (%s); loads will be reported "
+                         "as failed and nothing will be saved", exc)
+            return
+        if self._world > 1:
+            self._rank_suffix = f".{self._worker_rank()}"
+        logger.info("ecd kv connector: %d layers, entry %s %s (%.1f KiB per block), %s", len(self._paged.names),
+                    list(self._paged.entry_shape), self._paged.dtype, self._paged.entry_nbytes / 1024,
+                    "zero-staging strided copies" if self._paged.stacked is not None else "staged copies")
+
+    @staticmethod
+    def _worker_rank() -> int:
+        """This worker's place among the tensor x pipeline parallel workers."""
+        try:
+            from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                                          get_tensor_model_parallel_world_size)
+            return get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + \
+                get_tensor_model_parallel_rank()
+        except Exception:  # pragma: no cover - no distributed environment (single-process tests)
+            return 0
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, EcdKVConnectorMetadata) or not meta.loads:
+            return
+        try:
+            self._load(meta)
+        except Exception as exc:  # never out of the connector: every planned block failed
+            self._load_errors.update(b for t in meta.loads for b in t.block_ids if b != NULL_BLOCK_ID)
+            self._log.warning("load", "loading failed: %s: %s", type(exc).__name__, exc)
+
+    def _load(self, meta: EcdKVConnectorMetadata) -> None:
+        keys: list[str] = []
+        ids: list[int] = []
+        for transfer in meta.loads:
+            for key, block_id in zip(transfer.keys, transfer.block_ids):
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                if not key:  # the scheduler could not name this block's entry
+                    self._load_errors.add(block_id)
+                    continue
+                keys.append(key + self._rank_suffix)
+                ids.append(block_id)
+        if not keys:
+            return
+        paged = self._paged
+        client = self._client.get() if paged is not None else None
+        if client is None:
+            self._load_errors.update(ids)
+            self._log.warning("load", "cannot load %d blocks: %s", len(ids),
+                              "no usable KV caches" if paged is None else "the daemon is unavailable")
+            return
+        good_ids: list[int] = []
+        good: list[torch.Tensor] = []
+        missing = 0
+        for key_chunk, id_chunk in zip(_chunks(keys, client.limits.max_batch),
+                                       _chunks(ids, client.limits.max_batch)):
+            try:
+                got = client.get_many(key_chunk, missing_ok=True)
+            except Exception as exc:
+                self._client.failed("get_many", exc)
+                self._load_errors.update(id_chunk)
+                continue
+            for block_id, tensor in zip(id_chunk, got):
+                if tensor is None or tuple(tensor.shape) != paged.entry_shape or tensor.dtype != paged.dtype:
+                    missing += 1
+                    self._load_errors.add(block_id)
+                else:
+                    good_ids.append(block_id)
+                    good.append(tensor)
+        if missing:
+            self._log.warning("load-miss", "%d of %d pinned blocks could not be read (evicted, deleted "
+                              "or of another layout); vLLM recomputes them", missing, len(ids))
+        try:
+            paged.scatter(good_ids, good)
+        except Exception as exc:
+            self._load_errors.update(good_ids)
+            self._log.warning("scatter", "copying %d blocks into the KV cache failed: %s: %s",
+                              len(good_ids), type(exc).__name__, exc)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv finished every layer before the forward pass started
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        # Nothing per layer: the blocks to save stay where they are until the step ends, and
+        # wait_for_save copies them, every layer of a block at once, straight into ecd's pool
+        # (docs/vllm.md: staging per layer here costs a copy on the forward pass and saves none).
+        return
+
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        if not isinstance(meta, EcdKVConnectorMetadata) or not meta.saves or self._paged is None:
+            return
+        try:
+            self._save(meta)
+        except Exception as exc:  # never out of the connector: a skipped save is a later miss
+            self._log.warning("save", "saving failed: %s: %s", type(exc).__name__, exc)
+
+    def _save(self, meta: EcdKVConnectorMetadata) -> None:
+        items: list[tuple[str, int]] = []
+        for transfer in meta.saves:
+            items.extend((k + self._rank_suffix, b) for k, b in zip(transfer.keys, transfer.block_ids)
+                         if b != NULL_BLOCK_ID)
+        if not items:
+            return
+        client = self._client.get()
+        if client is None:
+            self._log.warning("save", "skipped saving %d blocks: the daemon is unavailable", len(items))
+            return
+        # One put_many (one allocation, one commit) for all of them, unless there are more
+        # than the daemon takes in one batch or they must be staged through a bounded buffer.
+        per_put = client.limits.max_batch
+        if self._paged.stacked is None or not self._paged.use_numpy:
+            per_put = min(per_put, max(1, STAGING_MAX_BYTES // self._paged.entry_nbytes))
+        for chunk in _chunks(items, per_put):
+            try:
+                tensors = self._paged.gather([b for _, b in chunk])
+                client.put_many({key: t for (key, _), t in zip(chunk, tensors)})
+            except Exception as exc:
+                self._client.failed("put_many", exc)
+                if isinstance(exc, DaemonUnavailable):
+                    return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self):
+        self._client.close()
+        return None
