@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the example connectors log every load
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # config notices; the example connectors log every load
 
 import numpy as np  # noqa: E402
 import safetensors  # noqa: E402
@@ -537,7 +537,8 @@ def bench_kv(model_dir: str, endpoint: str, stores: dict[str, str], admin: dict[
     src_ids = list(range(1, 1 + KV_BLOCKS))
     dst_ids = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - KV_BLOCKS, -1))  # other ids, descending
     ecd_t = {"kv_connector": "EcdKVConnector", "kv_connector_module_path": "ecd.integrations.vllm",
-             "kv_role": "kv_both", "kv_connector_extra_config": {"endpoint": endpoint, "pin_seconds": 60.0}}
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",  # as docs/vllm.md advises
+             "kv_connector_extra_config": {"endpoint": endpoint, "pin_seconds": 60.0}}
     kinds = {"ecd": ecd_t, **{f"example_{place}": {
         "kv_connector": "ExampleConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": path}} for place, path in stores.items()}}
@@ -588,7 +589,8 @@ def bench_kv(model_dir: str, endpoint: str, stores: dict[str, str], admin: dict[
            "bytes_loaded": expect * block_bytes}
     for name, s in samples.items():
         res[name] = {"bit_identical": bad[name] == 0, "mismatches": bad[name], "blocks_saved": stored_blocks[name],
-                     **{k: stats_ms(v) for k, v in s.items()}}
+                     **{k: stats_ms(v) for k, v in s.items()},
+                     "total_samples_ms": [round(v / 1e6, 3) for v in s["total"]]}
     # diagnostic: gathering the 127 blocks of every layer into one buffer (one memcpy's worth)
     buf = torch.empty((LAYERS_N, expect, *src[LAYERS[0]].shape[1:]), dtype=torch.bfloat16)
     gather = []
@@ -615,7 +617,8 @@ def report(res: dict, stores: dict[str, str]) -> None:
     p(f"example connectors' shared_storage_path: /tmp -> {stores['tmp']}, /dev/shm -> {stores['shm']}")
     p("ms, p50 of each phase; total = save + lookup + load of the same rep (p50, p90); +read = total plus the "
       "first read of the loaded tensor; ecd/x = ecd's p50 / this row's p50 (below 1: ecd faster)\n")
-    p("| case | connector | save | lookup | load | total p50 | total p90 | ecd/x | +read p50 | ecd/x (+read) | bit-identical |")
+    p("| case | connector | save | lookup | load | total p50 | total p90 | ecd/x | +read p50 | ecd/x (+read) "
+      "| bit-identical |")
     p("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
 
     def row(case: str, label: str, r: dict, ecd: dict, extra: str = "") -> None:
@@ -663,8 +666,10 @@ def report(res: dict, stores: dict[str, str]) -> None:
     p(f"  KV: {k['block_bytes'] / 2**20:.0f} MiB per block (all {LAYERS_N} layers); stored per prompt: ecd "
       f"{k['ecd']['blocks_saved']} blocks (every full prompt block), example {k['example_tmp']['blocks_saved']} "
       f"(its file key leaves out the last token's block); both load {k['blocks_loaded']}. Gathering those blocks "
-      f"of all layers into one buffer (index_select, a copy-speed reference): {k['gather_all_layers_ref']['p50_ms']:.1f} ms")
-    p(f"  request_finished, not in the totals: EC (ecd: unpin) {res['ec'][str(EC_SIZES[0])]['ecd']['finish']['p50_ms']:.2f} ms, "
+      f"of all layers into one buffer (index_select, a copy-speed reference): "
+      f"{k['gather_all_layers_ref']['p50_ms']:.1f} ms")
+    p(f"  request_finished, not in the totals: EC (ecd: unpin) "
+      f"{res['ec'][str(EC_SIZES[0])]['ecd']['finish']['p50_ms']:.2f} ms, "
       f"KV (ecd: unpin of 128 blocks) {k['ecd']['load_finish']['p50_ms']:.2f} ms")
 
 
@@ -675,8 +680,8 @@ def shm_names() -> set[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--reps", type=int, default=30, help="timed reps per EC case (>= 20 advised; default 30)")
-    ap.add_argument("--kv-reps", type=int, default=7, help="timed reps per KV connector (default 7)")
+    ap.add_argument("--reps", type=int, default=40, help="timed reps per EC case (>= 20 advised; default 40)")
+    ap.add_argument("--kv-reps", type=int, default=12, help="timed reps per KV connector (>= 5 advised; default 12)")
     ap.add_argument("--no-cross-process", action="store_true", help="skip the cross-process EC variant")
     args = ap.parse_args()
     t_start = time.monotonic()
@@ -712,7 +717,8 @@ def main() -> int:
         report(res, stores)
     bad = [f"{sec} {case} {name}" for sec in ("ec", "ec_cross") for case, r in res.get(sec, {}).items()
            for name, v in r.items() if isinstance(v, dict) and v.get("bit_identical") is False]
-    bad += [f"kv {name}" for name, v in res.get("kv", {}).items() if isinstance(v, dict) and v.get("bit_identical") is False]
+    bad += [f"kv {name}" for name, v in res.get("kv", {}).items()
+            if isinstance(v, dict) and v.get("bit_identical") is False]
     print(f"\ndaemon stopped with SIGTERM: exit code {rc}; files left in /dev/shm and the tmp dirs: "
           f"{left or 'none'}; bit mismatches: {bad or 'none'}; benchmark took {time.monotonic() - t_start:.0f}s")
     if rc != 0:
