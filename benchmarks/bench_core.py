@@ -24,8 +24,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +32,9 @@ import numpy as np
 import torch
 
 from ecd.client.client import Client
-from ecd.errors import EcdError
 from ecd.memory.host import ShmFile
+
+from bench_daemon import BenchDaemon
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -181,62 +180,6 @@ def _ops_worker(endpoint: str, wid: int, conn) -> None:
 
 
 # ---- daemon ------------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """In the daemon's child before exec: SIGTERM it if this benchmark dies (even by SIGKILL)."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class DaemonProc:
-    def __init__(self, workdir: str) -> None:
-        self.node = f"bench{os.getpid()}"
-        self.runtime_dir = os.path.join(workdir, "run")
-        self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
-        self.config_path = os.path.join(workdir, "node.toml")
-        self.log_path = os.path.join(workdir, "daemon.log")
-        with open(self.config_path, "w") as f:
-            f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
-                    f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
-                    f'[pool.host]\nsize = "1GiB"\n\n[metrics]\nlisten = "127.0.0.1:0"\n')
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-
-    def connect(self, timeout_s: float = 60.0) -> Client:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                return Client(self.endpoint, timeout=0.5, name="bench-main")
-            except EcdError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not answer within {timeout_s}s:\n{self.log_tail()}")
-                time.sleep(0.1)
-
-    def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
-    def log_tail(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-20:])
-
 
 # ---- 1. bulk hand-off ----------------------------------------------------------------------
 
@@ -473,7 +416,7 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
 
 # ---- 3. unbatched throughput ---------------------------------------------------------------
 
-def run_ops(daemon: DaemonProc, workers, duration_s: float) -> dict:
+def run_ops(daemon: BenchDaemon, workers, duration_s: float) -> dict:
     start_at = now_ns() + 100_000_000
     cpu0, busy0, me0 = daemon.cpu_s(), machine_busy_s(), time.process_time()
     for conn in workers:
@@ -593,12 +536,12 @@ def main() -> int:
               file=sys.stderr)
     t_start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="ecd-bench-")
-    daemon = DaemonProc(workdir)
+    daemon = BenchDaemon(workdir)
     spawn = mp.get_context("spawn")
     procs, conns = [], []
     ok_exit = False
     try:
-        c = daemon.connect()
+        c = daemon.connect(timeout=0.5)
 
         def start(target, *a):
             parent, child = spawn.Pipe()

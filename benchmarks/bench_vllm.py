@@ -34,8 +34,6 @@ import os
 import pickle
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,10 +65,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from bench_daemon import BenchDaemon  # noqa: E402
 from ecd.client.client import Client  # noqa: E402
-from ecd.errors import EcdError  # noqa: E402
-from ecd.integrations.vllm import EcdKVConnector  # noqa: E402
-from ecd.integrations.vllm.ec_connector import EcdECConnector  # noqa: E402
 
 now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: stamps from two processes subtract
 
@@ -159,57 +155,6 @@ def embeddings(n: int) -> torch.Tensor:
 def mark(t: torch.Tensor, marker: int) -> None:
     """A per-rep value at both ends, so a stale or half-written load cannot compare equal."""
     t[0, 0] = t[-1, -1] = float(marker % 251 + 1)
-
-
-# ---- daemon (as benchmarks/bench_core.py) -------------------------------------------------
-
-def _die_with_parent() -> None:
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class DaemonProc:
-    def __init__(self, workdir: str, pool: str = "1GiB") -> None:
-        self.node = f"benchvllm{os.getpid()}"
-        self.runtime_dir = os.path.join(workdir, "run")
-        self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
-        self.config_path = os.path.join(workdir, "node.toml")
-        self.log_path = os.path.join(workdir, "daemon.log")
-        with open(self.config_path, "w") as f:
-            f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
-                    f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
-                    f'[pool.host]\nsize = "{pool}"\n\n[metrics]\nlisten = "127.0.0.1:0"\n')
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-
-    def connect(self, namespace: str = "default", timeout_s: float = 60.0) -> Client:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                return Client(self.endpoint, namespace, timeout=5.0, name="bench-vllm-main")
-            except EcdError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not answer within {timeout_s}s:\n{self.log_tail()}")
-                time.sleep(0.1)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
-    def log_tail(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-20:])
 
 
 # ---- 1. EC ------------------------------------------------------------------------------------
@@ -691,14 +636,14 @@ def main() -> int:
     stores = {"tmp": os.path.join(workdir, "store"), "shm": os.path.join(shm_dir, "store")}
     for path in stores.values():
         os.makedirs(path)
-    daemon = DaemonProc(workdir)
+    daemon = BenchDaemon(workdir, node_prefix="benchvllm")
     admin: dict[str, Client] = {}
     ok = False
     res: dict = {"env": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                          "vllm": vllm.__version__, "reps": args.reps, "kv_reps": args.kv_reps,
                          "storage": stores, "loadavg_start": os.getloadavg()}}
     try:
-        daemon.connect().close()
+        daemon.connect(name="bench-vllm-main").close()
         model_dir = write_model(os.path.join(workdir, "model"))
         res["ec"] = ec_one_process(model_dir, daemon.endpoint, stores, admin, args.reps)
         if not args.no_cross_process:
@@ -711,7 +656,10 @@ def main() -> int:
         rc = daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
-        left = sorted(shm_names() - shm_before) + [p for p in (workdir, shm_dir) if os.path.exists(p)]
+        # only what this run made: other processes (a test suite, another daemon) may come and go
+        mine = (f"ecd.{daemon.node}.", os.path.basename(shm_dir))
+        left = sorted(n for n in shm_names() - shm_before if n.startswith(mine))
+        left += [p for p in (workdir, shm_dir) if os.path.exists(p)]
         res["daemon_exit_code"], res["files_left"] = rc, left
     if ok:
         report(res, stores)
