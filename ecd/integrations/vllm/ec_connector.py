@@ -59,6 +59,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (ECConnectorBase, ECC
 
 from ... import Client
 from ...errors import DaemonUnavailable, EcdError
+from .ratelimit import RateLimitedLog
 from .settings import ConnectorSettings, default_namespace, parse_settings
 
 if TYPE_CHECKING:
@@ -117,28 +118,6 @@ class EcdECWorkerMetadata(ECConnectorWorkerMetadata):
 
 # ---- helpers --------------------------------------------------------------------------------
 
-class _RateLimitedLog:
-    """At most one line per key per interval; the lines in between are counted, then reported."""
-
-    def __init__(self, interval: float = LOG_INTERVAL_S) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval:
-            self._suppressed[key] += 1
-            return
-        self._last[key] = now
-        suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            message += " (%d similar since the last report)"
-            args = (*args, suppressed)
-        logger.log(level, message, *args, exc_info=exc_info)
-
-
 def _listening(path: str) -> bool:
     """Whether a unix socket at `path` accepts connections (one connect, closed at once)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -182,7 +161,7 @@ class EcdECConnector(ECConnectorBase):
             "embed_size": model_config.get_inputs_embeds_size() if model_config else None,
             "embed_dtype": str(getattr(model_config, "dtype", None)),
         })
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger, LOG_INTERVAL_S)
         self._client: Client | None = None
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST_S

@@ -40,6 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...client.client import Client
 from ...errors import DaemonUnavailable
+from .ratelimit import RateLimitedLog
 from .settings import ConnectorSettings, default_namespace, parse_settings
 
 if TYPE_CHECKING:
@@ -78,34 +79,12 @@ class EcdKVConnectorMetadata(KVConnectorMetadata):
 
 # ---- helpers --------------------------------------------------------------------------------
 
-class _RateLimitedLog:
-    """One log line per kind of failure per LOG_INTERVAL_S, counting the ones it held back."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -math.inf) < LOG_INTERVAL_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        if held:
-            message += " (and %d more like this since the last such message)"
-            args = (*args, held)
-        logger.warning("ecd kv connector: " + message, *args)
-
-
 class _ClientHolder:
     """The connector's ecd.Client: created on first use, dropped and recreated after the daemon
     was unavailable, and not asked at all for a backoff period after that (a missing daemon
     must cost a cache miss, not a client timeout on every scheduler step)."""
 
-    def __init__(self, settings: ConnectorSettings, namespace: str, name: str, log: _RateLimitedLog,
+    def __init__(self, settings: ConnectorSettings, namespace: str, name: str, log: RateLimitedLog,
                  populate: bool) -> None:
         self.settings = settings
         self.namespace = namespace
@@ -392,7 +371,7 @@ class EcdKVConnector(KVConnectorBase_V1):
         self._saves_enabled = transfer.is_kv_producer
         parallel = vllm_config.parallel_config
         self._world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger, LOG_INTERVAL_S, prefix="ecd kv connector: ")
         # The scheduler only asks exists/unpin: no need to pre-fault the pool's pages into it.
         self._client = _ClientHolder(self.settings, self.namespace, f"vllm-kv-{role.name.lower()}",
                                      self._log, populate=role == KVConnectorRole.WORKER)

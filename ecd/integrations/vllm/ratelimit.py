@@ -1,0 +1,35 @@
+"""Log lines for failures that repeat every step: one line per kind per interval, and the
+lines held back in between are counted into the next one. Thread-safe."""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+
+class RateLimitedLog:
+    def __init__(self, logger: logging.Logger, interval: float, prefix: str = "") -> None:
+        self.logger = logger
+        self.interval = interval
+        self.prefix = prefix
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -math.inf) < self.interval:
+                self._held[key] = self._held.get(key, 0) + 1
+                return
+            self._last[key] = now
+            held = self._held.pop(key, 0)
+        if held:
+            message += " (%d similar since the last report)"
+            args = (*args, held)
+        self.logger.log(level, self.prefix + message, *args, exc_info=exc_info)
+
+    def warning(self, key: str, message: str, *args: Any) -> None:
+        self.log(logging.WARNING, key, message, *args)
