@@ -159,6 +159,15 @@ def mark(t: torch.Tensor, marker: int) -> None:
 
 # ---- 1. EC ------------------------------------------------------------------------------------
 
+def drop_item(kind: str, admin: dict, storage: str, mm_hash: str) -> None:
+    """Remove one saved item so the next rep writes into a fresh place (ecd: delete; example:
+    its safetensors directory)."""
+    if kind == "ecd":
+        admin["ec"].delete(mm_hash)
+    else:
+        shutil.rmtree(os.path.join(storage, mm_hash))
+
+
 def image_request(req_id: str, mm_hash: str, num_embeds: int) -> Request:
     """tests/vllm/test_ec_connector.py's image_request for one image: a real Request whose
     prompt is the image's placeholder (media attached, as vLLM's EPD proxy sends it)."""
@@ -266,10 +275,7 @@ def ec_one_process(model_dir: str, endpoint: str, stores: dict[str, str], admin:
                 loaded = ec_consume(consumers[name], mm_hash, n, t)
                 bad[name] += not same_bits(loaded, src)
                 del loaded
-                if kind == "ecd":
-                    admin["ec"].delete(mm_hash)
-                else:
-                    shutil.rmtree(os.path.join(storage, mm_hash))
+                drop_item(kind, admin, storage, mm_hash)
                 if i >= EC_WARMUP:
                     t["total"] = t["save"] + t["lookup"] + t["load"]
                     t["total_read"] = t["total"] + t["read"]
@@ -361,10 +367,7 @@ def ec_cross_process(model_dir: str, endpoint: str, storage: str, admin: dict[st
                     mark(src, i)
                     bad[kind] += not same_bits(loaded, src)
                     del loaded
-                    if kind == "ecd":
-                        admin["ec"].delete(mm_hash)
-                    else:
-                        shutil.rmtree(os.path.join(storage, mm_hash))
+                    drop_item(kind, admin, storage, mm_hash)
                     if i >= EC_WARMUP:
                         s = samples[kind]
                         s["save"].append(t1 - t0)

@@ -97,7 +97,7 @@ class DaemonCollector:
         reservations, reserved_bytes = store.reservation_totals()
         entries = GaugeMetricFamily("ecd_entries", "Entries by state", labels=["state"])
         for state, n in (("ready", states[State.READY]),
-                         ("writing", states[State.WRITING] - reservations),
+                         ("writing", store.writes_in_progress()),
                          ("retired", states[State.RETIRED]), ("reserved", reservations)):
             entries.add_metric([state], n)
         yield entries
@@ -122,7 +122,7 @@ class DaemonCollector:
         yield lookups
 
         read, pins, waiters = store.lease_totals()
-        writes = states[State.WRITING] - reservations
+        writes = store.writes_in_progress()
         leases = GaugeMetricFamily("ecd_leases", "Active leases", labels=["kind"])
         for kind, n in (("read", read), ("pin", pins), ("write", writes)):
             leases.add_metric([kind], n)

@@ -265,9 +265,8 @@ class Daemon:
         commits of puts in progress and parked gets are still served, new writes are not."""
         deadline = self.loop.time() + float(self.config.node.shutdown_grace)
         while self.loop.time() < deadline and not self._force_stop.is_set():
-            writing = self.stats().entries_writing
-            _, _, waiters = self.store.lease_totals()
-            if not writing and not waiters:
+            # cheap checks (no full stats): this runs every DRAIN_POLL_S
+            if not self.store.writes_in_progress() and not self.store.waiters:
                 return
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._force_stop.wait(), DRAIN_POLL_S)
@@ -276,11 +275,6 @@ class Daemon:
     def _on_reload_signal(self) -> None:
         from .reload import reload_config
         reload_config(self)
-
-    def stop(self) -> None:
-        """Thread-safe request to shut down (tests running the daemon in-process use it)."""
-        if self.loop is not None and self._stopping is not None:
-            self.loop.call_soon_threadsafe(self._stopping.set)
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled:
@@ -526,7 +520,7 @@ class Daemon:
             node=self.node, epoch=self.epoch, version=__version__,
             uptime_s=time.monotonic() - self.started,
             capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
-            entries_ready=states[State.READY], entries_writing=states[State.WRITING] - reservations,
+            entries_ready=states[State.READY], entries_writing=store.writes_in_progress(),
             reservations=reservations, reserved_bytes=reserved_bytes,
             entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
             pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],

@@ -111,6 +111,7 @@ class Store:
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.allocators = [ExtentAllocator(size) for size in pool_sizes]
+        self.largest_segment = max(pool_sizes)  # no entry can be bigger than this
         self.ring = ring
         self.scheduler = scheduler
         self.limits = limits
@@ -196,9 +197,9 @@ class Store:
         if want != item.nbytes:
             return Failure(Code.INVALID, f"nbytes={item.nbytes} but shape {list(item.shape)} of "
                                          f"{item.dtype} needs {want}")
-        biggest = max(a.capacity for a in self.allocators)
-        if item.nbytes > biggest:
-            return Failure(Code.INVALID, f"{item.nbytes} bytes is larger than the largest pool segment ({biggest} bytes)")
+        if item.nbytes > self.largest_segment:
+            return Failure(Code.INVALID, f"{item.nbytes} bytes is larger than the largest pool segment "
+                                         f"({self.largest_segment} bytes)")
         return None
 
     # ---- put ----------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class Store:
         the cache anything, so under pressure the client simply falls back to Alloc."""
         if session.reservation is not None:
             return Failure(Code.LIMIT, "this client already holds a reservation")
-        if nbytes > max(a.capacity for a in self.allocators):
+        if nbytes > self.largest_segment:
             return Failure(Code.INVALID, f"cannot reserve {nbytes} bytes: larger than any pool segment")
         placed = self._place(nbytes, evict=False)
         if placed is None:
@@ -306,7 +307,7 @@ class Store:
         used = sum(a.used for a in self.allocators)
         largest = max(a.largest_free for a in self.allocators)
         held = len(self.index) - len(self.evictable)
-        writing = sum(len(s.writes) - (s.reservation is not None) for s in self._sessions.values())
+        writing = self.writes_in_progress()
         return (f"no room for {nbytes} bytes: {used} of {capacity} bytes in use, largest free extent "
                 f"{largest}; evicting what may be evicted cannot make room ({held} entries leased or "
                 f"pinned, {writing} being written)")
@@ -623,6 +624,10 @@ class Store:
     def count_states(self) -> dict[State, int]:
         counts = collections.Counter(e.state for e in self.by_generation.values())
         return {state: counts.get(state, 0) for state in State}
+
+    def writes_in_progress(self) -> int:
+        """Named puts between alloc and commit (reservations are not puts yet). O(sessions)."""
+        return sum(len(s.writes) - (s.reservation is not None) for s in self._sessions.values())
 
     def reservation_totals(self) -> tuple[int, int]:
         """(reservations, bytes they hold)."""
