@@ -205,6 +205,24 @@ class MetricsSection(_Section):
         return host.strip("[]"), int(port)
 
 
+class NamespaceSection(_Section):
+    """`[namespaces.NAME]`: per-tenant policy for the keys of one namespace."""
+
+    # Most bytes this namespace may hold in the host pool (0: no quota). Over it, the namespace
+    # evicts its own least recently used entries first; QuotaExceeded when none can go.
+    quota: ByteSize = ByteSize(0)
+    # Bytes of this namespace that other namespaces' allocations never evict.
+    guaranteed: ByteSize = ByteSize(0)
+    # Producers store an xxh3-64 checksum with every entry; consumers verify it on every read.
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.quota >= 0, "quota", f"must be >= 0, got {int(self.quota)}")
+        _check(self.guaranteed >= 0, "guaranteed", f"must be >= 0, got {int(self.guaranteed)}")
+        _check(self.quota == 0 or self.guaranteed <= self.quota, "guaranteed",
+               f"must be <= quota ({int(self.quota)}), got {int(self.guaranteed)}")
+
+
 class Config(_Section):
     node: NodeSection = msgspec.field(default_factory=NodeSection)
     control: ControlSection = msgspec.field(default_factory=ControlSection)
@@ -213,6 +231,18 @@ class Config(_Section):
     leases: LeasesSection = msgspec.field(default_factory=LeasesSection)
     limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    namespaces: dict[str, NamespaceSection] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        pool = int(self.pool.host.size)
+        for name, ns in self.namespaces.items():
+            _check(0 < len(name.encode()) <= self.limits.max_key_bytes, f"namespaces.{name}",
+                   "namespace name must be 1 to limits.max_key_bytes bytes")
+            _check(ns.quota <= pool, f"namespaces.{name}.quota",
+                   f"must be <= pool.host.size ({pool}), got {int(ns.quota)}")
+        guaranteed = sum(int(ns.guaranteed) for ns in self.namespaces.values())
+        _check(guaranteed <= pool, "namespaces",
+               f"guaranteed shares add up to {guaranteed} bytes, more than pool.host.size ({pool})")
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self, enc_hook=_enc_hook)
@@ -238,7 +268,23 @@ def _one_line(error: msgspec.ValidationError) -> str:
     return f"{path}: {message[0].lower()}{message[1:]}" if path else message
 
 
+def _check_namespace_tables(data: dict[str, Any]) -> None:
+    """msgspec reports a bad value inside a dict as `namespaces[...]`; check each table first so
+    the error names the namespace: `namespaces.tenant-a.quota: ...`."""
+    tables = data.get("namespaces")
+    if not isinstance(tables, dict):
+        return
+    for name, table in tables.items():
+        try:
+            msgspec.convert(table, NamespaceSection, dec_hook=_dec_hook)
+        except msgspec.ValidationError as exc:
+            line = _one_line(exc)
+            where = f"namespaces.{name}" if line.startswith("Expected") else f"namespaces.{name}."
+            raise ConfigError(f"{where}{line}".replace("Expected", ": expected", 1)) from None
+
+
 def load_config(data: dict[str, Any]) -> Config:
+    _check_namespace_tables(data)
     try:
         return msgspec.convert(data, Config, dec_hook=_dec_hook)
     except msgspec.ValidationError as exc:

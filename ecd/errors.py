@@ -18,6 +18,8 @@ class Code(enum.IntEnum):
     LIMIT = 9  # a configured limit (key length, batch size, waiters, leases) was exceeded
     SHUTTING_DOWN = 10
     INTERNAL = 11
+    QUOTA_EXCEEDED = 12  # the namespace is at its byte quota and none of its own entries can go
+    CORRUPT = 13  # the bytes read do not match the checksum their producer stored
 
 
 class EcdError(Exception):
@@ -74,6 +76,18 @@ class ShuttingDown(EcdError):
     code = Code.SHUTTING_DOWN
 
 
+class QuotaExceeded(EcdError):
+    """The namespace is at its configured quota and none of its own entries can be evicted."""
+
+    code = Code.QUOTA_EXCEEDED
+
+
+class IntegrityError(EcdError):
+    """An entry's bytes do not match the checksum its producer stored with it."""
+
+    code = Code.CORRUPT
+
+
 class DaemonUnavailable(EcdError):
     """The daemon is down or did not answer within the client's timeout."""
 
@@ -96,6 +110,8 @@ _BY_CODE: dict[int, type[EcdError]] = {
         NotOwner,
         LimitExceeded,
         ShuttingDown,
+        QuotaExceeded,
+        IntegrityError,
     )
 }
 
