@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ecd.metrics")
 
+# Why a request or a reply went nowhere (Daemon.dropped); every reason is exported, 0 or not.
+DROP_REASONS = ("refused", "unanswerable", "send_failed")
+
 # 10 µs .. 1 s: a round trip is tens of µs, a parked request's handling is no different
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                    0.1, 0.25, 0.5, 1.0)
@@ -133,6 +136,14 @@ class DaemonCollector:
         for reason in ("client_exit", "write_ttl", "pin_expired"):
             reclaimed.add_metric([reason], c[f"reclaimed_{reason}"])
         yield reclaimed
+
+        dropped = CounterMetricFamily("ecd_frames_dropped", "Requests and replies dropped unanswered, by "
+                                      "reason: refused (a fire-and-forget request, id 0, was refused), "
+                                      "unanswerable (id 0 on a request that wants a reply), send_failed "
+                                      "(the reply could not be queued to its peer)", labels=["reason"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], d.dropped.get(reason, 0))
+        yield dropped
 
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)

@@ -82,6 +82,7 @@ class Daemon:
         self._stopping: asyncio.Event | None = None
         self._force_stop = asyncio.Event()
         self.errors: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}  # requests and replies nobody could be told about, by reason
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -320,11 +321,25 @@ class Daemon:
             self.sock.send(encoder.encode(reply), zmq.NOBLOCK)
         except zmq.ZMQError:
             self._count_error("send_dropped")  # peer gone or not reading; never block on it
+            self._count_drop("send_failed")
         if not self._draining:  # a send from a timer or a client exit: re-check the edge
             self._schedule_drain()
 
     def _count_error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
+
+    def _count_drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def _refuse(self, identity: bytes, request: Any, code: Code, message: str) -> str:
+        """Error for a decoded request; one with id 0 (fire-and-forget) is never answered: an
+        Error(0) would be taken by that client as the reply to whatever it asks next."""
+        if request.id == 0:
+            outcome = code.name.lower()
+            self._count_error(outcome)
+            self._count_drop("refused")
+            return outcome
+        return self._reply_error(identity, request.id, code, message)
 
     def _reply_error(self, identity: bytes, request_id: int, code: Code, message: str) -> str:
         """Send a typed error; returns the outcome label metrics record for the request."""
@@ -366,23 +381,27 @@ class Daemon:
             if isinstance(request, Bye):
                 if session is not None:
                     self._end_session(session)
+                else:
+                    self._count_drop("refused")
                 return op, "ok"
             if session is None:
-                return op, self._reply_error(identity, request.id, Code.NOT_REGISTERED,
-                                             "unknown client: say Hello first (the daemon may have restarted)")
+                return op, self._refuse(identity, request, Code.NOT_REGISTERED,
+                                        "unknown client: say Hello first (the daemon may have restarted)")
             if self.state == "draining" and isinstance(request, (Alloc, PutInline, Publish)):
-                return op, self._reply_error(identity, request.id, Code.SHUTTING_DOWN,
-                                             "daemon is shutting down: no new writes")
+                return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
+                                        "daemon is shutting down: no new writes")
             reply = self._dispatch(identity, session, request)
-            if reply is not None and request.id != 0:
-                self._send(identity, reply)
+            if reply is not None:
+                if request.id != 0:
+                    self._send(identity, reply)
+                elif not isinstance(request, Release):
+                    self._count_drop("unanswerable")  # a request that wants a reply, sent with id 0
             return op, "ok"
         except RequestError as exc:
-            return op, self._reply_error(identity, request.id, exc.code, str(exc))
+            return op, self._refuse(identity, request, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("internal error handling %s", op)
-            return op, self._reply_error(identity, getattr(request, "id", 0), Code.INTERNAL,
-                                         f"internal error: {exc!r}")
+            return op, self._refuse(identity, request, Code.INTERNAL, f"internal error: {exc!r}")
 
     def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         store = self.store
@@ -399,6 +418,7 @@ class Daemon:
                 results = [store.release(session, g) for g in generations]
                 if rid == 0 and any(results):
                     self._count_error("release_refused")
+                    self._count_drop("refused")
                 return Acked(rid, results)
             case Alloc(id=rid, ns=ns, items=items):
                 store.check_batch(len(items))

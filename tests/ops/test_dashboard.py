@@ -26,6 +26,7 @@ METRICS: dict[str, dict[str, set[str] | None]] = {
     "ecd_lookups_total": {"result": {"hit", "miss"}},
     "ecd_leases": {"kind": {"read", "pin", "write"}},
     "ecd_leases_reclaimed_total": {"reason": {"client_exit", "write_ttl", "pin_expired"}},
+    "ecd_frames_dropped_total": {"reason": {"refused", "unanswerable", "send_failed"}},
     "ecd_clients": {},
     "ecd_waiters": {},
     "ecd_ring_events_total": {},
