@@ -20,7 +20,9 @@ def _die_with_parent() -> None:
 
 
 class BenchDaemon:
-    def __init__(self, workdir: str, node_prefix: str = "bench", pool: str = "1GiB") -> None:
+    def __init__(self, workdir: str, node_prefix: str = "bench", pool: str = "1GiB",
+                 metrics: str = "127.0.0.1:0", extra: str = "") -> None:
+        """`metrics`: [metrics] listen; `extra`: more TOML appended to the config."""
         self.node = f"{node_prefix}{os.getpid()}"
         self.runtime_dir = os.path.join(workdir, "run")
         self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
@@ -29,7 +31,7 @@ class BenchDaemon:
         with open(self.config_path, "w") as f:
             f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
                     f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
-                    f'[pool.host]\nsize = "{pool}"\n\n[metrics]\nlisten = "127.0.0.1:0"\n')
+                    f'[pool.host]\nsize = "{pool}"\n\n[metrics]\nlisten = "{metrics}"\n{extra}')
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],
                                      stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)

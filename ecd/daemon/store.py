@@ -536,7 +536,8 @@ class Store:
             missing: list[str] = []
         else:
             self.check_batch(len(keys))
-            targets = [self.index[(ns, k)] for k in keys if (ns, k) in self.index]
+            # a key named twice is evicted once (a second removal of the same entry would fail)
+            targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
             missing = [k for k in keys if (ns, k) not in self.index]
         evicted, refused, draining = 0, [], []
         for entry in targets:

@@ -581,6 +581,18 @@ def test_oversized_frames_cut_the_connection_and_others_are_served(world):
     assert reply.values == [False]
 
 
+def test_evict_naming_a_key_twice_is_not_an_internal_error(world):
+    """Regression (found by benchmarks/fuzz.py): Evict with a repeated present key answered
+    INTERNAL after a KeyError half-way through."""
+    f = world.fuzzer
+    assert f.ask(PutInline(f.next_id(), FUZZ_NS, "twice", "uint8", [1], b"x")).results == [None]
+    reply = f.ask(Evict(f.next_id(), FUZZ_NS, ["twice", "twice", "nope"]))
+    assert isinstance(reply, Evicted) and reply.evicted == 1 and reply.missing == ["nope"]
+    assert f.ask(Exists(f.next_id(), FUZZ_NS, ["twice"])).values == [False]
+    world.check_alive()
+
+
+
 # ---- last: nothing of the bystander was touched, and the books balance ----------------------
 
 def test_zz_bystander_is_intact_and_the_pool_adds_up(world):

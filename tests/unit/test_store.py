@@ -949,3 +949,15 @@ def test_reservation_of_a_watched_client_is_never_expired():
     assert s.reservation is not None and env.used() == A
     assert env.store.publish(s, "ns", ext.generation, item("k", A)) is None
     env.check()
+
+
+def test_evict_of_a_key_named_twice_evicts_it_once(env):
+    """Found by benchmarks/fuzz.py: a repeated key made the second removal raise KeyError."""
+    s = env.session()
+    env.put(s, "dup")
+    env.put(s, "kept")
+    assert env.store.evict("ns", ["dup", "dup", "absent", "dup"], False, False, False) == (1, [], ["absent"], [])
+    assert not env.present("dup") and env.present("kept")
+    loc = env.lease(s, "kept")
+    assert env.store.evict("ns", ["kept", "kept"], False, False, True) == (1, [], [], [loc.generation])
+    env.check()
