@@ -8,7 +8,7 @@ from ecd.daemon.store import State
 from ecd.errors import Code
 from ecd.protocol import Extent, Failure
 
-from test_store import A, Env, item
+from test_store import A, Env, item, never
 
 
 def ns(quota: int = 0, guaranteed: int = 0) -> NamespaceSection:
@@ -270,3 +270,73 @@ def test_lowered_quota_applies_at_the_next_allocation():
         env.put(s, f"a{i}", ns="a")
     assert env.store.ns_used == {"a": 6 * A} and env.store.quota_refused == 0
     env.check()
+
+
+# ---- randomized: the invariants hold after every operation --------------------------------------
+
+def test_random_operations_keep_quotas_guarantees_and_invariants():
+    import random
+
+    rng = random.Random(5)
+    policies = {"q": ns(quota=6 * A, guaranteed=2 * A), "g": ns(guaranteed=4 * A), "h": ns(quota=4 * A)}
+    env = Env(pool_sizes=(12 * A, 8 * A), namespaces=policies)
+    store = env.store
+    sessions = [env.session() for _ in range(3)]
+    current = {"ns": None}
+    evicted = []
+    real_evict = store._evict
+
+    def spy(victim, counter):
+        before = store.ns_used[victim.ns]
+        real_evict(victim, counter)
+        evicted.append((victim.ns, counter, before - store.ns_used.get(victim.ns, 0), current["ns"]))
+
+    store._evict = spy
+    names = ["q", "g", "h", "u", "v"]
+    for step in range(3000):
+        s = rng.choice(sessions)
+        name = rng.choice(names)
+        key = f"k{rng.randrange(12)}"
+        op = rng.random()
+        current["ns"] = name
+        evicted.clear()
+        if op < 0.45:
+            result = store.alloc(s, name, item(key, A * rng.choice((1, 1, 2, 3))))
+            if isinstance(result, Extent) and rng.random() < 0.9:
+                assert store.commit(s, result.generation) is None
+            elif isinstance(result, Failure):
+                assert result.code in (Code.POOL_FULL, Code.QUOTA_EXCEEDED), result
+                assert not evicted, "a refused put evicted something"
+        elif op < 0.55:
+            if s.reservation is None:
+                store.reserve(s, A)
+            else:
+                store.publish(s, name, s.reservation.generation, item(key, A))
+        elif op < 0.7:
+            store.acquire(s, name, [key], 0, never)
+        elif op < 0.8 and s.leases:
+            store.release(s, rng.choice(list(s.leases)))
+        elif op < 0.85:
+            store.exists(s, name, [key], pin_s=rng.choice((0, 5)))
+        elif op < 0.9:
+            pending = [g for g, e in s.writes.items() if e is not s.reservation]
+            if pending:
+                store.abort(s, rng.choice(pending))
+        elif op < 0.93:
+            store.delete(name, [key])
+        elif op < 0.95:
+            env.clock.now += 3
+            store.expire()
+        elif op < 0.96:
+            store.close_session(s)
+            sessions[sessions.index(s)] = env.session()
+        for victim_ns, counter, _, by in evicted:
+            if counter == "evicted_quota":
+                assert victim_ns == by, "a quota evicted another namespace"
+            elif victim_ns != by and victim_ns in store.guarantees:
+                assert store.ns_used.get(victim_ns, 0) >= store.guarantees[victim_ns], \
+                    f"step {step}: {by} took {victim_ns} below its guaranteed share"
+        for quota_ns, quota in store.quotas.items():
+            assert store.ns_used.get(quota_ns, 0) <= quota, f"step {step}: {quota_ns} over its quota"
+        env.check()
+    assert store.counters["evicted_quota"] and store.counters["evictions"] and store.quota_refused
