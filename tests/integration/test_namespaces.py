@@ -78,6 +78,11 @@ def test_quota_and_guarantee_across_processes(daemon_factory, actors):
                           for op in ("alloc", "publish") if f'op="{op}",outcome="quota_exceeded"' in body)
             assert refused == 2
             assert 'namespace="default"' not in body  # unconfigured: no series of its own
+            with pytest.raises(ecd.QuotaExceeded):
+                a.put("tiny", torch.zeros(16))  # inline puts are held to the quota too
+            with pytest.raises(ecd.QuotaExceeded):
+                a.put_many({"m0": tensor(8), "m1": tensor(9)})
+            assert a.exists(["tiny", "m0", "m1"]) == [False, False, False]
         a.ping()  # the views' releases reach the daemon before anything after them
         a.put("a5", tensor(5))  # leases returned: a evicts its own again
         assert torch.equal(a.get("a5"), tensor(5))
