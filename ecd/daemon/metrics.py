@@ -114,10 +114,31 @@ class DaemonCollector:
         yield capacity
 
         evictions = CounterMetricFamily("ecd_evictions", "Entries removed, by reason", labels=["reason"])
-        for reason, key in (("capacity", "evictions"), ("deleted", "evicted_deleted"),
-                            ("replaced", "evicted_replaced")):
+        for reason, key in (("capacity", "evictions"), ("quota", "evicted_quota"),
+                            ("deleted", "evicted_deleted"), ("replaced", "evicted_replaced")):
             evictions.add_metric([reason], c[key])
         yield evictions
+
+        # Configured namespaces only: clients choose namespace names, so unconfigured ones would
+        # make the label set unbounded.
+        ns_used = GaugeMetricFamily("ecd_namespace_used_bytes", "Bytes held by a configured "
+                                    "namespace's entries (being written, ready, or replaced while read)",
+                                    labels=["namespace"])
+        ns_quota = GaugeMetricFamily("ecd_namespace_quota_bytes", "A configured namespace's byte quota "
+                                     "(0: none)", labels=["namespace"])
+        ns_guaranteed = GaugeMetricFamily("ecd_namespace_guaranteed_bytes", "Bytes of a configured "
+                                          "namespace other namespaces never evict", labels=["namespace"])
+        ns_refused = CounterMetricFamily("ecd_namespace_quota_exceeded", "Items refused QuotaExceeded",
+                                         labels=["namespace"])
+        for name, (quota, guaranteed) in sorted(store.policies.items()):
+            ns_used.add_metric([name], store.ns_used.get(name, 0))
+            ns_quota.add_metric([name], quota)
+            ns_guaranteed.add_metric([name], guaranteed)
+            ns_refused.add_metric([name], store.quota_refusals.get(name, 0))
+        yield ns_used
+        yield ns_quota
+        yield ns_guaranteed
+        yield ns_refused
 
         lookups = CounterMetricFamily("ecd_lookups", "Key lookups (get, view, exists)", labels=["result"])
         lookups.add_metric(["hit"], c["hits"])

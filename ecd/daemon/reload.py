@@ -2,7 +2,9 @@
 
 Runtime-changeable: node.log_level, node.shutdown_grace, every [leases] and [limits] key (limits
 apply to requests from now on; a new limits.max_message_bytes only to connections made after
-it, and clients learn new limits when they next say hello). Anything else (node name, runtime
+it, and clients learn new limits when they next say hello), and [namespaces.*] tables (quotas
+and guaranteed shares apply to allocations from now on: a namespace already over a lowered quota
+is not evicted at once, its next allocation evicts its own entries). Anything else (node name, runtime
 dir, endpoint, pool, ring, metrics address) needs a restart: the change is logged and ignored.
 An invalid file is logged and nothing changes.
 """
@@ -22,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ecd.daemon")
 
 RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace"}
-RUNTIME_SECTIONS = {"leases", "limits"}
+RUNTIME_SECTIONS = {"leases", "limits", "namespaces"}
 
 
 def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
@@ -46,7 +48,8 @@ def reload_config(daemon: "Daemon") -> None:
         log.error("SIGHUP: not reloading, the config is invalid: %s", exc)
         return
     old_flat, new_flat = _flatten(daemon.config.to_dict()), _flatten(new.to_dict())
-    changed = sorted(k for k in new_flat if new_flat[k] != old_flat.get(k))
+    # both ways: a [namespaces.NAME] table can be removed
+    changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
     applied = [k for k in changed if k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS]
     refused = [k for k in changed if k not in applied]
     if not changed:
@@ -58,11 +61,13 @@ def reload_config(daemon: "Daemon") -> None:
                                                     daemon.config.ring, daemon.config.metrics)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
-        log.info("SIGHUP: applied %s", ", ".join(f"{k}={new_flat[k]}" for k in applied))
+        log.info("SIGHUP: applied %s", ", ".join(
+            f"{k}={new_flat[k]}" if k in new_flat else f"{k} removed" for k in applied))
     for key in refused:
         log.warning("SIGHUP: cannot change %s at runtime (%s -> %s): restart to apply",
-                    key, old_flat.get(key), new_flat[key])
+                    key, old_flat.get(key), new_flat.get(key))
     daemon.config = new
     logging.getLogger().setLevel(new.node.log_level.upper())
     daemon.store.limits = daemon.build_store_limits()
+    daemon.store.set_namespaces(new.namespaces)
     daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))

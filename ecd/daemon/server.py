@@ -202,7 +202,7 @@ class Daemon:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
-                           self.store_limits)
+                           self.store_limits, namespaces=self.config.namespaces)
         if self.metrics_listener is not None:
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state)
             await self.metrics_server.start()
@@ -390,13 +390,15 @@ class Daemon:
             if self.state == "draining" and isinstance(request, (Alloc, PutInline, Publish)):
                 return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
                                         "daemon is shutting down: no new writes")
+            refused = self.store.quota_refused
             reply = self._dispatch(identity, session, request)
             if reply is not None:
                 if request.id != 0:
                     self._send(identity, reply)
                 elif not isinstance(request, Release):
                     self._count_drop("unanswerable")  # a request that wants a reply, sent with id 0
-            return op, "ok"
+            # an item refused for its namespace's quota labels the whole request (metrics)
+            return op, "ok" if self.store.quota_refused == refused else "quota_exceeded"
         except RequestError as exc:
             return op, self._refuse(identity, request, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, never the daemon

@@ -9,6 +9,14 @@ Entry life:  alloc -> WRITING --commit--> READY --(replace | delete)--> RETIRED 
                         +--abort/TTL/death--+--evict (no readers, no pins)--> freed
 WRITING and RETIRED entries are invisible to lookups; a READY entry with a reader or a pin is
 never evicted. Generations come from one counter, so a generation names exactly one entry.
+
+Namespaces (`[namespaces.NAME]` in node.toml): every named entry (WRITING, READY or RETIRED)
+counts its extent's bytes toward its namespace until it is freed; an anonymous reservation counts
+toward none until Publish names it. A namespace with a quota that would go over it evicts its
+own least recently used entries first, and gets QUOTA_EXCEEDED when they cannot make room; it
+never evicts another namespace for its quota. Eviction for room (no hole big enough) never takes
+an entry of another namespace below that namespace's guaranteed share, and evicts nothing at all
+unless it first finds that evicting what it may would open a big enough contiguous hole.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import enum
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
@@ -109,7 +117,8 @@ class RequestError(Exception):
 
 class Store:
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
-                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic) -> None:
+                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
+                 namespaces: Mapping[str, Any] | None = None) -> None:
         self.allocators = [ExtentAllocator(size) for size in pool_sizes]
         self.largest_segment = max(pool_sizes)  # no entry can be bigger than this
         self.ring = ring
@@ -125,6 +134,64 @@ class Store:
         self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._sessions: dict[int, Session] = {}
         self.counters = collections.Counter()
+        # Namespaces: bytes held by each one's named entries, and the configured policies.
+        self.ns_used: dict[str, int] = {}
+        self.policies: dict[str, tuple[int, int]] = {}  # configured namespace -> (quota, guaranteed)
+        self.quotas: dict[str, int] = {}  # only namespaces with a quota
+        self.guarantees: dict[str, int] = {}  # only namespaces with a guaranteed share
+        # Each quota'd namespace's evictable entries in LRU order, kept with `evictable`.
+        self._quota_lru: dict[str, collections.OrderedDict[int, Entry]] = {}
+        self._quota_evictable_bytes: dict[str, int] = {}
+        self.quota_refusals = collections.Counter()  # namespace -> items refused QUOTA_EXCEEDED
+        self.quota_refused = 0  # all of them: the server compares it to label a request's outcome
+        self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
+        self.set_namespaces(namespaces or {})
+
+    # ---- namespaces ---------------------------------------------------------------------
+
+    def set_namespaces(self, namespaces: Mapping[str, Any]) -> None:
+        """Apply `[namespaces.NAME]` policies (objects with .quota and .guaranteed, in bytes; 0:
+        none). Also used by SIGHUP: a namespace already over a lowered quota is not evicted now;
+        its next allocation evicts its own entries. O(evictable entries)."""
+        self.policies = {name: (int(ns.quota), int(ns.guaranteed)) for name, ns in namespaces.items()}
+        self.quotas = {name: q for name, (q, _) in self.policies.items() if q > 0}
+        self.guarantees = {name: g for name, (_, g) in self.policies.items() if g > 0}
+        self._quota_lru = {name: collections.OrderedDict() for name in self.quotas}
+        self._quota_evictable_bytes = dict.fromkeys(self.quotas, 0)
+        for entry in self.evictable.values():  # LRU first, so each namespace's order is kept
+            lru = self._quota_lru.get(entry.ns)
+            if lru is not None:
+                lru[entry.generation] = entry
+                self._quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
+
+    def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
+        """The namespace's own LRU entries that must go for `size` more bytes to fit under its
+        quota ([] when it fits or has no quota), or QUOTA_EXCEEDED when they cannot make it fit."""
+        quota = self.quotas.get(ns)
+        if quota is None:
+            return []
+        used = self.ns_used.get(ns, 0)
+        over = used + size - quota
+        if over <= 0:
+            return []
+        evictable = self._quota_evictable_bytes[ns]
+        if size > quota or evictable < over:
+            self.quota_refusals[ns] += 1
+            self.quota_refused += 1
+            if size > quota:
+                why = f"an entry of {size} bytes is larger than the quota itself"
+            else:
+                why = (f"{used - evictable} bytes of it are held (leased, pinned, being written or "
+                       f"replaced while still read) and only {evictable} may be evicted")
+            return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
+                                                f"{used} bytes in use, {size} more requested; {why}")
+        victims = []
+        for entry in self._quota_lru[ns].values():
+            victims.append(entry)
+            over -= align_up(max(entry.nbytes, 1))
+            if over <= 0:
+                break
+        return victims
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -209,7 +276,10 @@ class Store:
         if failure is not None:
             self.counters["alloc_refused"] += 1
             return failure
-        placed = self._place(item.nbytes)
+        victims = self._quota_victims(ns, align_up(max(item.nbytes, 1)))
+        if isinstance(victims, Failure):
+            return victims
+        placed = self._place(item.nbytes, ns, victims)
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes))
@@ -224,7 +294,7 @@ class Store:
             return Failure(Code.LIMIT, "this client already holds a reservation")
         if nbytes > self.largest_segment:
             return Failure(Code.INVALID, f"cannot reserve {nbytes} bytes: larger than any pool segment")
-        placed = self._place(nbytes, evict=False)
+        placed = self._place(nbytes, None, (), evict=False)
         if placed is None:
             self.counters["reserve_refused"] += 1
             return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
@@ -243,12 +313,20 @@ class Store:
         extent_size = self.allocators[entry.pool].extent_size(entry.offset)
         if failure is None and align_up(max(item.nbytes, 1)) != extent_size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {extent_size}")
+        victims: list[Entry] | Failure = []
+        if failure is None:  # named now: the bytes count toward the namespace from here on
+            victims = self._quota_victims(ns, extent_size)
+            if isinstance(victims, Failure):
+                failure = victims
         if failure is not None:
             del session.writes[generation]
-            self._free(entry)
+            self._free(entry)  # still anonymous: no namespace was charged for it
             return failure
+        for victim in victims:
+            self._evict(victim, "evicted_quota")
         entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
         entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
+        self.ns_used[ns] = self.ns_used.get(ns, 0) + extent_size
         return self.commit(session, generation)
 
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
@@ -260,46 +338,115 @@ class Store:
                       placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry
+        if key:  # a reservation (no key yet) counts toward no namespace until it is published
+            self.ns_used[ns] = self.ns_used.get(ns, 0) + align_up(max(nbytes, 1))
         session.writes[generation] = entry
         heapq.heappush(self._deadlines, (entry.write_deadline, generation, 0))
         return entry
 
-    def _place(self, nbytes: int, evict: bool = True) -> tuple[int, int] | None:
-        for pool, allocator in enumerate(self.allocators):
-            offset = allocator.alloc(nbytes)
-            if offset is not None:
-                return pool, offset
+    def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
+               evict: bool = True) -> tuple[int, int] | None:
+        """(pool, offset) of a new extent, evicting `required` (the namespace's own entries its
+        quota demands) and, when no hole is big enough, what else may be evicted for room; None
+        (and nothing evicted) when that cannot make a big enough contiguous hole."""
+        size = align_up(max(nbytes, 1))
+        if required and any(a.largest_free >= size for a in self.allocators):
+            self._evict_all(required, ())
+            required = ()
+        if not required:  # the common path: O(log n) per pool, no eviction
+            for pool, allocator in enumerate(self.allocators):
+                offset = allocator.alloc(size)
+                if offset is not None:
+                    return pool, offset
         if not evict:
             return None
-        # Evict least-recently-used unheld entries until one segment has a big enough hole, but
-        # only from segments whose free plus evictable bytes could hold it at all: evicting from
-        # the others would throw cached data away for nothing.
-        size = align_up(max(nbytes, 1))
-        candidates = {pool for pool, a in enumerate(self.allocators)
-                      if a.free + self.evictable_bytes[pool] >= size}
-        if not candidates:
+        victims = self._plan_room(size, ns, required)
+        if victims is None:
             return None
-        # Every pool a candidate (always so with one pool): LRU order at O(1) per eviction;
-        # otherwise walk a snapshot of the LRU order and skip the hopeless pools.
-        if len(candidates) == len(self.allocators):
-            lru_order = self._lru_drain()
-        else:
-            lru_order = list(self.evictable.values())
-        for victim in lru_order:
-            if victim.pool not in candidates:
-                continue
-            self._unindex(victim, EventKind.EVICTED)
-            self._free(victim)
-            self.counters["evictions"] += 1  # for room: "capacity" in metrics
-            offset = self.allocators[victim.pool].alloc(nbytes)
+        self._evict_all(required, victims)
+        for pool, allocator in enumerate(self.allocators):
+            offset = allocator.alloc(size)
             if offset is not None:
-                return victim.pool, offset
-        return None
+                return pool, offset
+        raise AssertionError("eviction plan did not make the room it promised")
 
-    def _lru_drain(self):
-        """The least recently used entry, again and again, while the caller evicts each one."""
-        while self.evictable:
-            yield next(iter(self.evictable.values()))
+    def _evict_all(self, required, victims) -> None:
+        for victim in required:
+            self._evict(victim, "evicted_quota")
+        for victim in victims:
+            self._evict(victim, "evictions")  # for room: "capacity" in metrics
+
+    def _evict(self, victim: Entry, counter: str) -> None:
+        self._unindex(victim, EventKind.EVICTED)
+        self._free(victim)
+        self.counters[counter] += 1
+
+    def _plan_room(self, size: int, ns: str | None, required) -> list[Entry] | None:
+        """The entries to evict for a contiguous hole of `size` bytes, found without evicting:
+        walk the LRU order (after `required`), freeing each victim on paper and merging it with
+        its free or already-freed neighbours, until one run is big enough. Only the victims in
+        that run are returned, so entries elsewhere are not thrown away for nothing. An entry of
+        another namespace is skipped when evicting it would take that namespace below its
+        guaranteed share; `ns`'s own entries may always go. O(entries walked)."""
+        self._protected = 0
+        allocators = self.allocators
+        run_end = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
+        run_start = [{} for _ in allocators]  # end -> start
+
+        def free_on_paper(entry: Entry) -> tuple[int, int]:
+            allocator, ends, starts = allocators[entry.pool], run_end[entry.pool], run_start[entry.pool]
+            start = entry.offset
+            end = start + allocator.extent_size(start)
+            left = starts.pop(start, None)
+            if left is not None:
+                del ends[left]
+            else:
+                left = allocator.free_ending_at(start)
+            if left is not None:
+                start = left
+            right = ends.pop(end, None)
+            if right is not None:
+                del starts[right]
+            else:
+                right = allocator.free_starting_at(end)
+            if right is not None:
+                end = right
+            ends[start] = end
+            starts[end] = start
+            return start, end
+
+        def in_run(pool: int, start: int, end: int, walked) -> list[Entry]:
+            return [v for v in walked if v.pool == pool and start <= v.offset < end]
+
+        for entry in required:  # they go whatever happens: the quota needs them gone
+            start, end = free_on_paper(entry)
+            if end - start >= size:
+                return []
+        # Only segments whose free plus evictable bytes could hold it at all are worth a look.
+        candidates = [a.free + self.evictable_bytes[pool] >= size for pool, a in enumerate(allocators)]
+        if not any(candidates):
+            return None
+        skip = {e.generation for e in required}
+        guarantees = self.guarantees
+        planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
+        walked: list[Entry] = []
+        for entry in self.evictable.values():
+            if not candidates[entry.pool] or entry.generation in skip:
+                continue
+            if guarantees and entry.ns != ns:
+                share = guarantees.get(entry.ns)
+                if share is not None:
+                    nbytes = align_up(max(entry.nbytes, 1))
+                    taken = planned.get(entry.ns, 0) + nbytes
+                    if self.ns_used[entry.ns] - taken < share:
+                        self._protected += 1
+                        continue
+                    planned[entry.ns] = taken
+            walked.append(entry)
+            start, end = free_on_paper(entry)
+            if end - start >= size:
+                return in_run(entry.pool, start, end, walked)
+        return None
 
     def _pool_full_message(self, nbytes: int) -> str:
         # O(pools): this runs on every refused put, and a full pool can hold millions of entries.
@@ -308,9 +455,11 @@ class Store:
         largest = max(a.largest_free for a in self.allocators)
         held = len(self.index) - len(self.evictable)
         writing = self.writes_in_progress()
+        protected = (f", {self._protected} kept for their namespace's guaranteed share"
+                     if self._protected else "")
         return (f"no room for {nbytes} bytes: {used} of {capacity} bytes in use, largest free extent "
-                f"{largest}; evicting what may be evicted cannot make room ({held} entries leased or "
-                f"pinned, {writing} being written)")
+                f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
+                f"({held} entries leased or pinned, {writing} being written{protected})")
 
     def commit(self, session: Session, generation: int) -> Failure | None:
         entry = self.by_generation.get(generation)
@@ -473,7 +622,7 @@ class Store:
             if pin_s > 0:
                 self._pin(session, entry, now + min(pin_s, self.limits.max_pin))
             elif entry.generation in self.evictable:
-                self.evictable.move_to_end(entry.generation)
+                self._make_evictable(entry)  # to the most recently used end
         return found
 
     def _pin(self, session: Session, entry: Entry, deadline: float) -> None:
@@ -595,15 +744,27 @@ class Store:
             self._make_evictable(entry)
 
     def _make_evictable(self, entry: Entry) -> None:
+        lru = self._quota_lru.get(entry.ns) if self._quota_lru else None
         if entry.generation in self.evictable:
             self.evictable.move_to_end(entry.generation)
+            if lru is not None:
+                lru.move_to_end(entry.generation)
         else:
-            self.evictable_bytes[entry.pool] += align_up(max(entry.nbytes, 1))
+            nbytes = align_up(max(entry.nbytes, 1))
+            self.evictable_bytes[entry.pool] += nbytes
             self.evictable[entry.generation] = entry  # the most recently used end
+            if lru is not None:
+                lru[entry.generation] = entry
+                self._quota_evictable_bytes[entry.ns] += nbytes
 
     def _make_unevictable(self, entry: Entry) -> None:
         if self.evictable.pop(entry.generation, None) is not None:
-            self.evictable_bytes[entry.pool] -= align_up(max(entry.nbytes, 1))
+            nbytes = align_up(max(entry.nbytes, 1))
+            self.evictable_bytes[entry.pool] -= nbytes
+            lru = self._quota_lru.get(entry.ns) if self._quota_lru else None
+            if lru is not None:
+                del lru[entry.generation]
+                self._quota_evictable_bytes[entry.ns] -= nbytes
 
     def _unindex(self, entry: Entry, kind: EventKind) -> None:
         del self.index[(entry.ns, entry.key)]
@@ -619,6 +780,12 @@ class Store:
     def _free(self, entry: Entry) -> None:
         self.allocators[entry.pool].free_extent(entry.offset)
         del self.by_generation[entry.generation]
+        if entry.key:  # named: it counted toward its namespace
+            left = self.ns_used[entry.ns] - align_up(max(entry.nbytes, 1))
+            if left:
+                self.ns_used[entry.ns] = left
+            else:
+                del self.ns_used[entry.ns]
 
     # ---- introspection ------------------------------------------------------------------
 

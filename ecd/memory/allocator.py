@@ -82,6 +82,15 @@ class ExtentAllocator:
     def extent_size(self, offset: int) -> int:
         return self._allocated[offset]
 
+    def free_ending_at(self, end: int) -> int | None:
+        """Start of the free extent that ends at `end`, if there is one (O(1))."""
+        return self._free_end.get(end)
+
+    def free_starting_at(self, offset: int) -> int | None:
+        """End of the free extent that starts at `offset`, if there is one (O(1))."""
+        size = self._free_start.get(offset)
+        return None if size is None else offset + size
+
     def free_extents(self) -> list[tuple[int, int]]:
         """(offset, size) of every free extent, by offset (for tests and invariant checks)."""
         return sorted(self._free_start.items())
