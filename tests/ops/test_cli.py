@@ -154,26 +154,19 @@ def test_evict_refuses_a_leased_entry_and_force_waits_for_the_reader(daemon):
             assert "refused 1" in refused.stdout and "held" in refused.stdout and "evicted 1 entry" in refused.stdout
             assert c.exists(["held", "free"]) == [True, False]
 
-            # --force evicts at once, then waits until this reader lets go (in 1.5 s)
-            def let_go() -> None:
-                time.sleep(1.5)
-                released.set()
-
-            thread = threading.Thread(target=let_go)
-            thread.start()
+            # --force evicts at once, then waits until this reader lets go; the view is released
+            # only after the eviction is seen, so the CLI is certain to find the reader still there
             proc = subprocess.Popen([sys.executable, "-m", "ecd", "evict", "held", "--force", "--wait", "20",
                                      "--json", "--endpoint", daemon.endpoint],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
             assert wait_for(lambda: not c.exists("held"), timeout=15), "forced eviction never happened"
             assert float(view.sum()) == 1000  # the reader's bytes stay valid while it holds them
-            released.wait()
-        thread.join()
+            assert proc.poll() is None, "evict --force returned while the reader still held the entry"
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     doc = json.loads(out)
     assert doc["evicted"] == 1 and doc["refused"] == [] and doc["drained"] is True
-    assert len(doc["draining"]) == 1 and doc["still_held"] == 0
-    assert doc["drain_wait_s"] > 0.2  # it really waited for the release
+    assert len(doc["draining"]) == 1 and doc["still_held"] == 0  # it saw the reader, then its release
 
 
 def test_force_drain_that_times_out_exits_1(daemon):
