@@ -4,7 +4,9 @@ Runtime-changeable: node.log_level, node.shutdown_grace, every [leases] and [lim
 apply to requests from now on; a new limits.max_message_bytes only to connections made after
 it, and clients learn new limits when they next say hello). Anything else (node name, runtime
 dir, endpoint, pool, ring, metrics address) needs a restart: the change is logged and ignored.
-An invalid file is logged and nothing changes.
+An invalid file is logged and nothing changes. The directory of allowed CURVE client keys
+(control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
+clients' heartbeat interval when they next say hello.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
 
 
 def reload_config(daemon: "Daemon") -> None:
+    if daemon.curve is not None:
+        daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
     if daemon.config_path is None:
         log.warning("SIGHUP: no config file to reload")
         return
