@@ -57,6 +57,7 @@ class CurveAuth:
         self.rejected = 0  # handshakes refused (read by stats; written only by the ZAP thread)
         self._authenticator = None
         self._lock = threading.Lock()
+        self._logged: set[bytes] = set()
 
     @classmethod
     def load(cls, config: Config) -> "CurveAuth":
@@ -93,8 +94,13 @@ class CurveAuth:
             return True
         with self._lock:
             self.rejected += 1
-        log.warning("refused a CURVE client: public key %s is not in %s", client_key.decode(errors="replace"),
-                    self.directory)
+            first = client_key not in self._logged and len(self._logged) < 1024
+            if first:
+                self._logged.add(client_key)  # a refused client retries: log each key once
+        if first:
+            log.warning("refused a CURVE client: public key %s is not in %s (logged once per key; "
+                        "auth_rejected in stats counts them all)", client_key.decode(errors="replace"),
+                        self.directory)
         return False
 
     def reload(self) -> None:
@@ -106,6 +112,8 @@ class CurveAuth:
             return
         added, removed = len(allowed - self.allowed), len(self.allowed - allowed)
         self.allowed = allowed
+        with self._lock:
+            self._logged.clear()
         log.info("SIGHUP: %d allowed CURVE client key(s) (%d added, %d removed); connected clients "
                  "keep their sessions", len(allowed), added, removed)
 
