@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound, LimitExceeded,  # noqa: E402
+from .errors import (AuthenticationFailed, DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound, LimitExceeded,  # noqa: E402
                      NotOwner, PoolFull, ProtocolError, ShuttingDown, StaleGeneration)
 from .errors import QuotaExceeded  # noqa: E402
 
@@ -16,7 +16,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ecd' has no attribute {name!r}")
 
 
-__all__ = ["Client", "EcdError", "KeyNotFound", "PoolFull", "DaemonUnavailable", "ProtocolError",
+__all__ = ["Client", "AuthenticationFailed", "EcdError", "KeyNotFound", "PoolFull", "DaemonUnavailable", "ProtocolError",
            "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
            "__version__"]
 __all__ += ["QuotaExceeded"]

@@ -16,7 +16,7 @@ from . import __version__
 from .cli_output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
                          stderr_console, stdout_console)
 from .config import ControlSection, dumps_toml, load_config_file, parse_size
-from .errors import ConfigError, DaemonUnavailable, EcdError
+from .errors import AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ecd: per-node tensor hand-off daemon for disaggregated LLM serving.")
@@ -62,12 +62,35 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="node.toml"),
 
 @app.command("check-config")
 def check_config(path: Path = typer.Argument(..., help="node.toml to validate")) -> None:
-    """Validate a config file and print the effective configuration."""
+    """Validate a config file (and what `ecd serve` checks at start: the tcp/CURVE rule, key
+    files, node.group) and print the effective configuration."""
+    from .daemon.security import check_security
     try:
         cfg = load_config_file(path)
+        check_security(cfg)
     except ConfigError as exc:
         _fail(f"config error: {exc}", EXIT_USAGE)
     typer.echo(dumps_toml(cfg), nl=False)
+
+
+@app.command()
+def keygen(directory: Path = typer.Argument(..., help="where to write the key pair (created if missing)"),
+           name: str = typer.Option("ecd", "--name", help="file name stem: NAME.key and NAME.key_secret"),
+           force: bool = typer.Option(False, "--force", help="overwrite an existing key pair")) -> None:
+    """Write a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600).
+
+    The daemon's pair: point control.curve_secret_key at its .key_secret and give clients its
+    .key. A client's pair: copy its .key into the daemon's control.curve_allowed_keys directory."""
+    from .curve import write_keypair
+    if not name or "/" in name or name.startswith("."):
+        _fail(f"--name: must be a plain file name, got {name!r}", EXIT_USAGE)
+    try:
+        public, secret = write_keypair(str(directory), name, force)
+    except FileExistsError as exc:
+        _fail(f"{exc} exists: not overwriting it (use --force)", EXIT_USAGE)
+    except OSError as exc:
+        _fail(f"cannot write keys in {directory}: {exc.strerror or exc}", EXIT_USAGE)
+    typer.echo(f"public key: {public}\nsecret key: {secret}")
 
 
 @app.command()
@@ -86,6 +109,12 @@ EndpointOpt = Annotated[Optional[str], typer.Option(
     "--endpoint", "-e", help=f"daemon endpoint [default: {DEFAULT_ENDPOINT}]", show_default=False)]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.001, help="seconds to wait for each daemon reply")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
+CurveSecretOpt = Annotated[Optional[str], typer.Option(
+    "--curve-secret-key", envvar="ECD_CURVE_SECRET_KEY", show_default=False,
+    help="this client's CURVE key file (NAME.key_secret from `ecd keygen`), for a daemon with CURVE")]
+CurveServerOpt = Annotated[Optional[str], typer.Option(
+    "--curve-server-key", envvar="ECD_CURVE_SERVER_KEY", show_default=False,
+    help="the daemon's CURVE public key: its .key file or the 40-character Z85 text")]
 
 
 def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
@@ -107,14 +136,24 @@ def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
     except DaemonUnavailable as exc:
         why = f"no answer within {timeout:g}s" if "within" in str(exc) else str(exc)
         _fail(f"daemon unreachable at {endpoint}: {why} (is `ecd serve` running?)", EXIT_UNREACHABLE)
+    except AuthenticationFailed as exc:
+        _fail(f"authentication failed: {exc}", EXIT_DAEMON)
     except EcdError as exc:
         _fail(f"daemon error: {exc}", EXIT_DAEMON)
 
 
-def _client(endpoint: str, timeout: float, namespace: str = "default"):
+def _client(endpoint: str, timeout: float, namespace: str = "default", curve_secret_key: str | None = None,
+            curve_server_key: str | None = None):
     from .client.client import Client
     # populate=False: an operator command touches no tensor bytes, so it maps the pools lazily.
-    return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False)
+    try:
+        return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False,
+                      curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
+    except ValueError as exc:  # the CURVE options
+        message = str(exc)
+        for arg in ("curve_secret_key", "curve_server_key"):
+            message = message.replace(arg, "--" + arg.replace("_", "-"))
+        _fail(message, EXIT_USAGE)
 
 
 @app.command()
@@ -122,10 +161,11 @@ def status(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Time
            interval: Annotated[float, typer.Option("--interval", min=0.0, max=3600.0,
                                                    help="seconds between the two samples ops/s is measured "
                                                         "over (0: one sample, no ops/s)")] = 1.0,
-           as_json: JsonOpt = False) -> None:
+           as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
+           curve_server_key: CurveServerOpt = None) -> None:
     """Pools, entries, clients, holds, hit rate and request rate of the daemon."""
     ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         first, t_first = client.stats(), time.monotonic()
         last, t_last = first, t_first
         if interval > 0:
@@ -169,10 +209,11 @@ def keys(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Timeou
          namespace: Annotated[Optional[str], typer.Option("--namespace", "-n",
                                                           help="only this namespace [default: all]")] = None,
          limit: Annotated[int, typer.Option("--limit", min=1, max=1_000_000, help="list at most this many")] = 100,
-         as_json: JsonOpt = False) -> None:
+         as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
+         curve_server_key: CurveServerOpt = None) -> None:
     """List ready entries by namespace and key."""
     ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         total, entries = client.keys(namespace=namespace, limit=limit)
     if as_json:
         print_json({"total": total, "shown": len(entries), "namespace": namespace, "entries": entries})
@@ -191,7 +232,8 @@ def evict(keys: Annotated[Optional[list[str]], typer.Argument(help="keys to evic
           wait: Annotated[float, typer.Option("--wait", min=0.0, help="with --force: seconds to wait for "
                                                                       "readers")] = 30.0,
           config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
-          as_json: JsonOpt = False) -> None:
+          as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
+          curve_server_key: CurveServerOpt = None) -> None:
     """Evict keys, a whole namespace (--namespace, no keys), or everything (--all).
 
     Exit 1 if an entry was refused (leased or pinned, without --force) or readers of forced
@@ -202,7 +244,7 @@ def evict(keys: Annotated[Optional[list[str]], typer.Argument(help="keys to evic
     if not keys and namespace is None and not everything:
         _fail("name the keys to evict, a --namespace to empty, or --all", EXIT_USAGE)
     ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout) as client:
+    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         if everything:
             result = client.evict(everything=True, force=force)
         elif keys:

@@ -6,6 +6,7 @@ are parsed into plain ints/floats, and limits are checked. Every failure becomes
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import tomllib
@@ -106,6 +107,9 @@ class NodeSection(_Section):
     name: str = "dev"
     runtime_dir: str = "/tmp/ecd"
     log_level: str = "info"
+    # Group that owns the control socket, the runtime dir and the /dev/shm files (engines join
+    # it); "" is the daemon's own primary group. A name or a numeric gid, resolved at start.
+    group: str = ""
     # On SIGTERM/SIGINT: refuse new writes, let puts in progress and parked gets finish for up
     # to this long, then exit. A second signal cuts it short.
     shutdown_grace: Duration = Duration(10.0)
@@ -123,10 +127,23 @@ class NodeSection(_Section):
 
 class ControlSection(_Section):
     endpoint: str = "ipc:///tmp/ecd/ecd.sock"
+    # CURVE (pyzmq's zmq.auth): the server's secret key file (as `ecd keygen` writes it) and a
+    # directory of allowed client public keys (*.key). Both or neither; applies to any endpoint.
+    curve_secret_key: str = ""
+    curve_allowed_keys: str = ""
+    # A tcp endpoint on a non-loopback address without CURVE is refused unless this is true.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"(ipc://.+|tcp://[^:]+:\d+)", self.endpoint) is not None, "endpoint",
                f"must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        _check(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
+               "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
+               "curve_secret_key and curve_allowed_keys must be set together")
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_secret_key)
 
 
 class HostPoolSection(_Section):
@@ -163,10 +180,13 @@ class LeasesSection(_Section):
     write_ttl: Duration = Duration(60.0)  # an uncommitted put is aborted after this
     max_pin: Duration = Duration(600.0)  # longest pin exists(pin_s=...) may ask for
     max_wait: Duration = Duration(300.0)  # longest a get may wait for a key to be published
+    # Sessions the daemon cannot watch by pid (tcp peers, clients in another pid namespace) send
+    # heartbeats; one silent this long loses its leases, pins, parked gets and reservation.
+    session_ttl: Duration = Duration(30.0)
 
     def __post_init__(self) -> None:
         for key, value in (("write_ttl", self.write_ttl), ("max_pin", self.max_pin),
-                           ("max_wait", self.max_wait)):
+                           ("max_wait", self.max_wait), ("session_ttl", self.session_ttl)):
             _check(0 < value <= 86400, key, f"must be between 0 and 1 day, got {float(value)}")
 
 
@@ -246,6 +266,29 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self, enc_hook=_enc_hook)
+
+
+def endpoint_is_loopback(endpoint: str) -> bool:
+    """True for ipc:// and for tcp:// on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name, a hostname or "*": may face the network
+        return False
+
+
+def check_control_policy(config: Config) -> None:
+    """Start-time rule (also run by `ecd check-config`): a tcp endpoint reachable from the network
+    needs CURVE, or an explicit `insecure = true`. Raises ConfigError naming the key."""
+    control = config.control
+    if not endpoint_is_loopback(control.endpoint) and not control.curve and not control.insecure:
+        raise ConfigError(f"control.endpoint: {control.endpoint} is not a loopback address: set "
+                          "control.curve_secret_key and control.curve_allowed_keys, or "
+                          "control.insecure = true to serve it without authentication")
 
 
 _PATH_IN_MESSAGE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)

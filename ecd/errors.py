@@ -94,6 +94,13 @@ class DaemonUnavailable(EcdError):
     code = Code.INTERNAL
 
 
+class AuthenticationFailed(EcdError):
+    """The daemon refused this client's CURVE handshake (unknown key, wrong server key, or a
+    plaintext client at a CURVE daemon and vice versa). Client-side only: it has no wire code."""
+
+    code = Code.INTERNAL
+
+
 class ConfigError(EcdError):
     """A node.toml that cannot be used; the message names the key and the problem."""
 

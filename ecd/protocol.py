@@ -128,6 +128,9 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     name: str = ""
+    # Inode of the client's /proc/self/ns/pid (0: unknown). The daemon watches `pid` only for an
+    # ipc client in its own pid namespace; any other session must heartbeat (Welcome.heartbeat_s).
+    pid_ns: int = 0
 
 
 class Ping(_Msg, tag="ping"):
@@ -260,6 +263,9 @@ class Welcome(_Msg, tag="welcome"):
     pools: list[PoolInfo]
     ring: RingInfo
     limits: Limits
+    # > 0: the daemon cannot watch this client's process; send a request (a `ping` with id 0 will
+    # do) after this many idle seconds, or the session is reclaimed after leases.session_ttl.
+    heartbeat_s: float = 0.0
 
 
 class Pong(_Msg, tag="pong"):

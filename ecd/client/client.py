@@ -8,6 +8,12 @@ cached locations of entries that were evicted or replaced.
 
 Thread-safety: one lock serialises socket round trips; copies run outside it, so threads of one
 process can put/get concurrently through one Client.
+
+Remote use: with curve_secret_key/curve_server_key the DEALER is a CURVE client (a refused
+handshake raises AuthenticationFailed). A daemon that cannot watch this process (tcp, another pid
+namespace) asks for heartbeats in its Welcome: a small daemon thread then pings when the client
+has been idle that long. A client on another host cannot map the pools: control operations and
+inline-sized puts work, bulk put/get/view raise InvalidRequest.
 """
 from __future__ import annotations
 
@@ -24,9 +30,9 @@ import msgspec
 import torch
 import zmq
 
-from ..errors import (Code, DaemonUnavailable, EcdError, KeyNotFound, LimitExceeded, ProtocolError,
-                      StaleGeneration, error_from_code)
-from ..memory.host import ShmError, ShmFile
+from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound,
+                      LimitExceeded, ProtocolError, StaleGeneration, error_from_code)
+from ..memory.host import ShmError, ShmFile, shm_path
 from ..memory.ring import EventKind, RingReader, key_hash
 from ..memory.allocator import align_up
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
@@ -40,6 +46,55 @@ RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache
 
 
 _NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
+# Handshake outcomes the socket monitor reports: AUTH (the daemon's ZAP handler refused the key),
+# PROTOCOL (e.g. a plaintext client at a CURVE daemon), NO_DETAIL (the daemon dropped the
+# connection mid-handshake: once may be chance, again and again is a wrong server key).
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _curve_keys(secret_key: str | None, server_key: str | None) -> tuple[bytes, bytes, bytes] | None:
+    """(client public, client secret, server public) from the constructor's arguments."""
+    if secret_key is None and server_key is None:
+        return None
+    if not secret_key or not server_key:
+        raise ValueError("give both curve_secret_key and curve_server_key, or neither")
+    from ..curve import load_keyfile, load_public_key
+    try:
+        public, secret = load_keyfile(str(secret_key), need_secret=True)
+    except ValueError as exc:
+        raise ValueError(f"curve_secret_key: {exc}") from None
+    try:
+        server = load_public_key(str(server_key))
+    except ValueError as exc:
+        raise ValueError(f"curve_server_key: {exc}") from None
+    return public, secret, server
+
+
+def _heartbeat(client_ref: "weakref.ref[Client]", stop: threading.Event) -> None:
+    """Ping (fire-and-forget) whenever the client has been idle for its heartbeat interval."""
+    while True:
+        client = client_ref()
+        if client is None:
+            return
+        interval = client._heartbeat_s
+        del client  # never keep the Client alive from here
+        if stop.wait(max(0.05, interval / 4)):
+            return
+        client = client_ref()
+        if client is None:
+            return
+        if client._heartbeat_s and time.monotonic() - client._last_sent >= client._heartbeat_s:
+            client._ping_quietly()
+        del client
 
 
 def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
@@ -53,6 +108,8 @@ class _Resources:
     def __init__(self) -> None:
         self.ctx = zmq.Context(io_threads=1)
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None  # handshake failures of `sock`
+        self.stop = threading.Event()  # ends the heartbeat thread
 
     def drop_socket(self, say_bye: bool = False) -> None:
         if self.sock is None:
@@ -60,12 +117,29 @@ class _Resources:
         if say_bye:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         self.sock.close(linger=100 if say_bye else 0)
         self.sock = None
 
     def close(self) -> None:
+        self.stop.set()
         self.drop_socket(say_bye=True)
         self.ctx.term()
+
+
+class _NoRing:
+    """The event ring of a daemon on another host: never trusted, so every lookup asks."""
+
+    next_seq = 0
+    epoch = 0
+
+    @staticmethod
+    def alive(max_silence_s: float) -> bool:
+        return False
 
 
 class _Mapping:
@@ -73,16 +147,39 @@ class _Mapping:
 
     def __init__(self, welcome: Welcome, populate: bool) -> None:
         self.epoch = welcome.epoch
+        self.node = welcome.node
+        self.sizes = [p.size for p in welcome.pools]
+        self.local = True
         try:
+            # The ring first: missing, or another daemon's (its epoch differs), means the daemon
+            # is on another host and its pools are out of reach.
+            try:
+                ring_file = ShmFile.attach(welcome.ring.name, welcome.ring.size, writable=False)
+            except ShmError:
+                if os.path.exists(shm_path(welcome.ring.name)):
+                    raise
+                ring_file = None
+            ring = None if ring_file is None else RingReader(ring_file.buf, welcome.ring.slots,
+                                                             welcome.ring.buckets)
+            if ring is None or ring.epoch != welcome.epoch:
+                self.local = False
+                self.rw = self.ro = []
+                self.ring = _NoRing()
+                return
+            self.ring = ring
             self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
                        for p in welcome.pools]
             self.ro = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
                        for p in welcome.pools]
-            ring_file = ShmFile.attach(welcome.ring.name, welcome.ring.size, writable=False)
-            self.ring = RingReader(ring_file.buf, welcome.ring.slots, welcome.ring.buckets)
         except (ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory: {exc}") from None
-        self.sizes = [p.size for p in welcome.pools]
+
+    def require_local(self, what: str, inline_max: int) -> None:
+        if not self.local:
+            raise InvalidRequest(
+                f"pools are not mapped: this client is not on the daemon's node ({self.node}); {what} "
+                f"moves bytes through /dev/shm. From here: exists, delete, keys, stats, evict, ping "
+                f"and puts of up to {inline_max} bytes")
 
     def check(self, loc: Location) -> None:
         if not (0 <= loc.pool < len(self.sizes) and 0 <= loc.offset
@@ -90,13 +187,26 @@ class _Mapping:
             raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
 
 
+def _protocol_error(value: int) -> str:
+    """libzmq's name for a handshake protocol error code (PROTOCOL_ERROR_ZMTP_...)."""
+    import zmq.constants
+    names = [n for n in dir(zmq.constants) if n.startswith("PROTOCOL_ERROR_")
+             and getattr(zmq.constants, n) == int(value)]
+    return names[0].lower().replace("_", " ") if names else f"protocol error {int(value):#x}"
+
+
 class Client:
     """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
 
     def __init__(self, endpoint: str = "ipc:///tmp/ecd/ecd.sock", namespace: str = "default",
-                 timeout: float = 5.0, *, name: str = "", populate: bool = True) -> None:
+                 timeout: float = 5.0, *, name: str = "", populate: bool = True,
+                 curve_secret_key: str | None = None, curve_server_key: str | None = None) -> None:
+        """`curve_secret_key`: this client's key file (NAME.key_secret from `ecd keygen`) and
+        `curve_server_key`: the daemon's public key (its .key file, or the 40-character Z85
+        text), for a daemon with CURVE (remote tcp endpoints). Both or neither."""
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._curve = _curve_keys(curve_secret_key, curve_server_key)
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout = float(timeout)
@@ -117,6 +227,11 @@ class Client:
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
         self._cache: dict[int, tuple[str, str, int]] = {}
+        self._pid_ns = _pid_namespace()
+        self._heartbeat_s = 0.0  # from Welcome: ping when idle this long (0: not needed)
+        self._last_sent = time.monotonic()  # any message sent counts as activity
+        self._heartbeat_thread: threading.Thread | None = None
+        self._handshake_drops = 0  # consecutive handshakes the daemon cut short
         with self._lock:
             self._connect()
 
@@ -128,9 +243,15 @@ class Client:
         if self._res.sock is None:
             sock = self._res.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+            # Before connect, so the first handshake's failure is seen.
+            self._res.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self._handshake_drops = 0
             sock.connect(self.endpoint)
             self._res.sock = sock
-        reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name), self.timeout)
+        reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._pid_ns),
+                                self.timeout)
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, Welcome):
@@ -148,7 +269,51 @@ class Client:
             self._reservation = None
         self._welcome = reply
         self._session = reply.session
+        self._heartbeat_s = reply.heartbeat_s
+        if self._heartbeat_s > 0 and self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(target=_heartbeat, args=(weakref.ref(self), self._res.stop),
+                                                      name="ecd-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
 
+    def _ping_quietly(self) -> None:
+        """The heartbeat: a fire-and-forget Ping, unless a request is in flight (that is activity)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._send_quietly(Ping(0))
+            finally:
+                self._lock.release()
+
+    def _handshake_failure(self) -> str | None:
+        """Why the security handshake failed, if the socket monitor says it did."""
+        from zmq.utils.monitor import recv_monitor_message
+        monitor = self._res.monitor
+        while monitor is not None:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return None
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_drops = 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._handshake_drops += 1
+                if self._handshake_drops >= _HANDSHAKE_RETRIES:
+                    return (f"the daemon at {self.endpoint} dropped {self._handshake_drops} security "
+                            f"handshakes in a row ({os.strerror(int(value))})"
+                            + (": is curve_server_key the daemon's public key?" if self._curve else
+                               ": does it require CURVE keys?"))
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return (f"the daemon at {self.endpoint} refused this client's key (ZAP status {int(value)}): "
+                        "is its public key in the daemon's control.curve_allowed_keys?")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                return (f"security handshake with {self.endpoint} failed ({_protocol_error(value)}): the "
+                        "daemon requires CURVE and this client has no keys, or the other way round")
+        return None
+
+    def _auth_failed(self, why: str) -> AuthenticationFailed:
+        self._res.drop_socket()  # ZMQ would retry the same handshake forever; the next call starts afresh
+        return AuthenticationFailed(why)
     def _roundtrip(self, request, timeout: float):
         sock = self._res.sock
         try:
@@ -156,16 +321,38 @@ class Client:
         except zmq.ZMQError:
             self._res.drop_socket()
             raise DaemonUnavailable(f"cannot send to the daemon at {self.endpoint}") from None
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        self._last_sent = now
+        deadline = now + timeout
+        # A hello may be the first message on a fresh connection: watch its handshake too, so a
+        # refused key is reported at once rather than as a timeout.
+        poller = None
+        if isinstance(request, Hello) and self._res.monitor is not None:
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(self._res.monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0:
                     raise zmq.Again()
-                # A receive timeout on a blocking recv: cheaper than building a poller per call.
-                sock.setsockopt(zmq.RCVTIMEO, min(max(1, int(remaining * 1000)), 2**31 - 1))
-                frame = sock.recv()
+                if poller is not None:
+                    ready = dict(poller.poll(min(max(1, int(remaining * 1000)), 2**31 - 1)))
+                    if self._res.monitor in ready:
+                        why = self._handshake_failure()
+                        if why is not None:
+                            raise self._auth_failed(why)
+                    if sock not in ready:
+                        continue
+                    frame = sock.recv(zmq.NOBLOCK)
+                else:
+                    # A receive timeout on a blocking recv: cheaper than building a poller per call.
+                    sock.setsockopt(zmq.RCVTIMEO, min(max(1, int(remaining * 1000)), 2**31 - 1))
+                    frame = sock.recv()
             except zmq.Again:
+                why = self._handshake_failure()  # e.g. a reconnect to a daemon with other keys
+                if why is not None:
+                    raise self._auth_failed(why) from None
                 # The socket stays: a late reply is skipped by its id, and the session's leases
                 # stay valid in a daemon that was only slow.
                 raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
@@ -236,6 +423,9 @@ class Client:
             if self._put_reserved(key, t, nbytes):
                 return
             reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
+        if not self._map.local:
+            self._put_unmapped(tensors)
+            return
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
         with self._lock:
@@ -261,6 +451,15 @@ class Client:
         self._keep_reservation(committed.reservation, reserve)
         self._raise_first(committed.results)
         self._remember(ns, list(tensors), generations, ring_pos)
+
+    def _put_unmapped(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A client off the daemon's node: only puts small enough to ride inline."""
+        inline_max = self.limits.inline_max_bytes
+        sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
+        if max(sizes.values()) > inline_max:
+            self._map.require_local("a put larger than limits.inline_max_bytes", inline_max)
+        for key, t in tensors.items():
+            self._put_inline(key, t, sizes[key])
 
     def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int) -> bool:
         """Copy into the reservation the last put left, then Publish: one round trip. False
@@ -324,6 +523,7 @@ class Client:
             if self._res.sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._res.sock.send(encoder.encode(request), zmq.NOBLOCK)
+                    self._last_sent = time.monotonic()
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int) -> None:
         data = bytearray(nbytes)
@@ -348,6 +548,7 @@ class Client:
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         wait_s = min(wait_s, self.limits.max_wait_s)  # the daemon would cut it there anyway
         with self._lock:
+            self._map.require_local("get/view", self.limits.inline_max_bytes)
             ring_pos = self._map.ring.next_seq
         reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
         with self._lock:

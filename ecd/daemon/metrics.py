@@ -154,7 +154,7 @@ class DaemonCollector:
 
         reclaimed = CounterMetricFamily("ecd_leases_reclaimed", "Leases taken back from clients",
                                         labels=["reason"])
-        for reason in ("client_exit", "write_ttl", "pin_expired"):
+        for reason in ("client_exit", "session_ttl", "write_ttl", "pin_expired"):
             reclaimed.add_metric([reason], c[f"reclaimed_{reason}"])
         yield reclaimed
 

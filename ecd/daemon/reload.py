@@ -6,7 +6,9 @@ it, and clients learn new limits when they next say hello), and [namespaces.*] t
 and guaranteed shares apply to allocations from now on: a namespace already over a lowered quota
 is not evicted at once, its next allocation evicts its own entries). Anything else (node name, runtime
 dir, endpoint, pool, ring, metrics address) needs a restart: the change is logged and ignored.
-An invalid file is logged and nothing changes.
+An invalid file is logged and nothing changes. The directory of allowed CURVE client keys
+(control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
+clients' heartbeat interval when they next say hello.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
 
 
 def reload_config(daemon: "Daemon") -> None:
+    if daemon.curve is not None:
+        daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
     if daemon.config_path is None:
         log.warning("SIGHUP: no config file to reload")
         return

@@ -22,8 +22,8 @@ import msgspec
 import zmq
 
 from .. import __version__
-from ..config import Config
-from ..errors import Code
+from ..config import Config, check_control_policy
+from ..errors import Code, ConfigError
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
@@ -32,6 +32,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
                         request_decoder, salvage_request_id)
 from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
+from .security import CurveAuth, resolve_group
 from .store import RequestError, Session, State, Store, StoreLimits
 from .systemd import Notifier
 
@@ -42,6 +43,15 @@ EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
+SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where /proc does not tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class StartupError(Exception):
@@ -75,6 +85,10 @@ class Daemon:
         self._sessions_by_identity: dict[bytes, Session] = {}
         self._identity_of: dict[int, bytes] = {}
         self._pidfds: dict[int, int] = {}  # session id -> pidfd watched for the client's exit
+        self._unwatched: dict[int, Session] = {}  # sessions kept alive by heartbeats (session_ttl)
+        self.pid_ns = pid_namespace()
+        self.gid = -1  # node.group, resolved in prepare()
+        self.curve: CurveAuth | None = None
         self._next_session = 1
         self._decoder = request_decoder()
         self._drain_scheduled = False
@@ -88,6 +102,13 @@ class Daemon:
 
     def prepare(self) -> None:
         """Everything that can fail at start, in an order that leaves nothing behind on failure."""
+        try:
+            check_control_policy(self.config)
+            self.gid = resolve_group(self.config.node.group)
+            self.curve = CurveAuth.load(self.config) if self.config.control.curve else None
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+        self._lock.group = self.gid
         self._prepare_runtime_dir()
         try:
             self._lock.acquire()
@@ -110,7 +131,11 @@ class Daemon:
         try:
             if not os.path.isdir(path):
                 os.makedirs(path, exist_ok=True)
-                os.chmod(path, 0o770)  # owner and group: engines join the daemon's group
+                os.chown(path, -1, self.gid)  # node.group: engines join it
+                os.chmod(path, 0o770)  # owner and group only
+            elif os.stat(path).st_mode & 0o007:
+                log.warning("node.runtime_dir: %s is accessible to all users; the control socket "
+                            "in it is not (0660, group %s)", path, self.gid)
             probe = os.path.join(path, f".ecd-write-test-{os.getpid()}")
             with open(probe, "w"):
                 pass
@@ -146,8 +171,9 @@ class Daemon:
         host = self.config.pool.host
         ring_cfg = self.config.ring
         try:
-            self.pool = HostPool(self.node, int(host.size), int(host.segment_size))
-            self.ring_file = ShmFile.create(ring_name(self.node), ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets))
+            self.pool = HostPool(self.node, int(host.size), int(host.segment_size), self.gid)
+            self.ring_file = ShmFile.create(ring_name(self.node), ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets),
+                                            self.gid)
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
@@ -163,7 +189,11 @@ class Daemon:
 
     def _bind(self) -> None:
         self.ctx = zmq.Context(io_threads=1)
+        if self.curve is not None:
+            self.curve.start(self.ctx)  # the ZAP handler, on its own thread
         sock = self.ctx.socket(zmq.ROUTER)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, int(self.config.limits.max_message_bytes))
         sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -179,7 +209,10 @@ class Daemon:
             os.umask(old_umask)
         path = self._ipc_path()
         if path is not None:
+            os.chown(path, -1, self.gid)
             os.chmod(path, 0o660)
+        else:  # tcp: port 0 picks a free port; log the one bound
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
 
     def _bind_metrics(self) -> None:
@@ -213,7 +246,8 @@ class Daemon:
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
                  self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
-                 self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status))]
+                 self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status)),
+                 self.loop.create_task(self._every(SESSION_SWEEP_S, self._reap_silent_sessions))]
         if self.notifier.watchdog_interval:
             # From the loop itself: a wedged loop stops the pings and systemd restarts the daemon.
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
@@ -387,6 +421,8 @@ class Daemon:
             if session is None:
                 return op, self._refuse(identity, request, Code.NOT_REGISTERED,
                                         "unknown client: say Hello first (the daemon may have restarted)")
+            if not session.watched:
+                session.last_seen = time.monotonic()
             if self.state == "draining" and isinstance(request, (Alloc, PutInline, Publish)):
                 return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
                                         "daemon is shutting down: no new writes")
@@ -395,7 +431,7 @@ class Daemon:
             if reply is not None:
                 if request.id != 0:
                     self._send(identity, reply)
-                elif not isinstance(request, Release):
+                elif not isinstance(request, (Release, Ping)):  # Ping(0) is a session's heartbeat
                     self._count_drop("unanswerable")  # a request that wants a reply, sent with id 0
             # an item refused for its namespace's quota labels the whole request (metrics)
             return op, "ok" if self.store.quota_refused == refused else "quota_exceeded"
@@ -488,15 +524,23 @@ class Daemon:
         self._next_session += 1
         self._sessions_by_identity[identity] = session
         self._identity_of[session.id] = identity
-        self._watch_pid(session)
+        # A pid means something only to a local (ipc) client in the daemon's pid namespace; a tcp
+        # peer may be another host, a container's pid names some other process here.
+        if self.endpoint.startswith("ipc://") and hello.pid_ns and hello.pid_ns == self.pid_ns:
+            self._watch_pid(session)
         limits, cfg = self.config.limits, self.config
+        heartbeat_s = 0.0
+        if not session.watched:
+            session.last_seen = time.monotonic()
+            self._unwatched[session.id] = session
+            heartbeat_s = float(cfg.leases.session_ttl) / 3
         self._send(identity, Welcome(
             hello.id, PROTOCOL_VERSION, session.id, self.epoch, self.node,
             [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(self.pool.segments)],
             RingInfo(self.ring_file.name, self.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
-                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl))))
+                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s))
         return "ok"
 
     def _watch_pid(self, session: Session) -> None:
@@ -518,7 +562,24 @@ class Daemon:
             self.store.counters["reclaimed_sessions"] += 1
             self._end_session(session, reclaimed=True)
 
-    def _end_session(self, session: Session, reclaimed: bool = False) -> None:
+    def _reap_silent_sessions(self) -> None:
+        """Reclaim sessions that cannot be watched by pid and sent nothing for leases.session_ttl.
+        A session with a parked get is waiting on the daemon, not silent: its clock restarts."""
+        if not self._unwatched:
+            return
+        now = time.monotonic()
+        cutoff = now - float(self.config.leases.session_ttl)
+        for session in [s for s in self._unwatched.values() if s.last_seen < cutoff]:
+            if session.waiters:
+                session.last_seen = now
+                continue
+            log.info("session %d (pid %d, not watchable) silent for %gs: reclaiming it", session.id,
+                     session.pid, now - session.last_seen)
+            self.store.counters["reclaimed_sessions"] += 1
+            self._end_session(session, reclaimed=True, reason="session_ttl")
+
+    def _end_session(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:
+        self._unwatched.pop(session.id, None)
         identity = self._identity_of.pop(session.id, None)
         if identity is not None:
             self._sessions_by_identity.pop(identity, None)
@@ -526,7 +587,7 @@ class Daemon:
         if fd is not None:
             self.loop.remove_reader(fd)
             os.close(fd)
-        self.store.close_session(session, reclaimed)
+        self.store.close_session(session, reclaimed, reason)
         self._schedule_drain()
 
     # ---- stats and shutdown -------------------------------------------------------------
@@ -547,7 +608,13 @@ class Daemon:
             entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
             pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
             reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
-            ring_events=self.ring.events_written, ops=self.requests.by_op(), errors=dict(self.errors))
+            ring_events=self.ring.events_written, ops=self.requests.by_op(), errors=self._error_counts())
+
+    def _error_counts(self) -> dict[str, int]:
+        errors = dict(self.errors)
+        if self.curve is not None and self.curve.rejected:
+            errors["auth_rejected"] = self.curve.rejected  # counted on the ZAP thread
+        return errors
 
     def _shutdown(self) -> None:
         log.info("shutting down: unlinking shared memory and the control socket")
@@ -572,6 +639,8 @@ class Daemon:
             if path is not None:
                 with suppress(FileNotFoundError):
                     os.unlink(path)
+        if self.curve is not None:
+            self.curve.stop()
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None

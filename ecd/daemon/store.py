@@ -82,6 +82,7 @@ class Session:
     writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
     reservation: Entry | None = None  # an anonymous WRITING extent for the next put
     watched: bool = False  # the daemon learns at once when this client's process exits
+    last_seen: float = 0.0  # monotonic time of the last request (kept for unwatched sessions only)
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
     closed: bool = False
@@ -203,15 +204,16 @@ class Store:
     def session(self, session_id: int) -> Session | None:
         return self._sessions.get(session_id)
 
-    def close_session(self, session: Session, reclaimed: bool = False) -> None:
+    def close_session(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:
         """Reclaim everything a departed client held: writes, read leases, pins, waiters.
-        `reclaimed`: the client died rather than said goodbye (counted for operators)."""
+        `reclaimed`: the client died (`reason` client_exit) or went silent (session_ttl) rather
+        than said goodbye (counted for operators by reason)."""
         if session.closed:
             return
         session.closed = True
         if reclaimed:
-            self.counters["reclaimed_client_exit"] += (sum(session.leases.values()) + len(session.pins)
-                                                       + len(session.writes) - (session.reservation is not None))
+            self.counters[f"reclaimed_{reason}"] += (sum(session.leases.values()) + len(session.pins)
+                                                     + len(session.writes) - (session.reservation is not None))
         self._sessions.pop(session.id, None)
         for waiter in list(session.waiters):
             self._drop_waiter(waiter)

@@ -48,7 +48,7 @@ class ShmFile:
     buf: mmap.mmap = field(repr=False)
 
     @classmethod
-    def create(cls, name: str, size: int) -> "ShmFile":
+    def create(cls, name: str, size: int, group: int = -1) -> "ShmFile":
         path = shm_path(name)
         free = _shm_free_bytes()
         if free is not None and size > free:
@@ -61,6 +61,8 @@ class ShmFile:
             raise ShmError(f"cannot create {path}: {exc.strerror}") from None
         try:
             os.fchmod(fd, FILE_MODE)  # the umask must not widen or narrow what clients need
+            if group >= 0:
+                os.fchown(fd, -1, group)  # node.group: the engines' group
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
@@ -129,8 +131,9 @@ def remove_stale(node: str) -> list[str]:
 class NodeLock:
     """flock on /dev/shm/ecd.<node>.lock: one daemon per node name, released by the kernel on death."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, group: int = -1) -> None:
         self.path = shm_path(lock_name(node))
+        self.group = group
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -142,6 +145,8 @@ class NodeLock:
             os.close(fd)
             raise ShmError(f"another ecd daemon (pid {holder}) is serving this node") from None
         os.fchmod(fd, FILE_MODE)
+        if self.group >= 0:
+            os.fchown(fd, -1, self.group)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -156,7 +161,7 @@ class NodeLock:
 class HostPool:
     """The daemon's host pool: `size` bytes split into segments of at most `segment_size`."""
 
-    def __init__(self, node: str, size: int, segment_size: int) -> None:
+    def __init__(self, node: str, size: int, segment_size: int, group: int = -1) -> None:
         self.segments: list[ShmFile] = []
         # Check the whole pool up front: filling /dev/shm segment by segment before failing would
         # take the node's memory with it (tmpfs is RAM) and invite the OOM killer.
@@ -168,7 +173,7 @@ class HostPool:
         try:
             while remaining > 0:
                 seg_size = min(remaining, segment_size)
-                self.segments.append(ShmFile.create(segment_name(node, index), seg_size))
+                self.segments.append(ShmFile.create(segment_name(node, index), seg_size, group))
                 remaining -= seg_size
                 index += 1
         except BaseException:

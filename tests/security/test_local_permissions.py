@@ -1,0 +1,71 @@
+"""node.group: the runtime dir, the ipc socket and every /dev/shm file belong to it, and nothing
+the daemon creates is open to other users."""
+from __future__ import annotations
+
+import grp
+import os
+import stat
+
+import pytest
+
+from conftest import shm_files
+from secutil import ecd, serve_error, write_node_toml
+
+
+def _other_group() -> grp.struct_group | None:
+    """An existing group that is not the daemon's (this test's) primary group."""
+    for name in ("nogroup", "daemon", "users", "bin"):
+        try:
+            entry = grp.getgrnam(name)
+        except KeyError:
+            continue
+        if entry.gr_gid != os.getegid():
+            return entry
+    return None
+
+
+@pytest.mark.parametrize("which", ["primary", "other"])
+def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, which):
+    if which == "primary":
+        group_setting, gid = "", os.getegid()
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving files to a group the user is not in needs root (the daemon runs as root here "
+                        "only in CI containers)")
+        other = _other_group()
+        if other is None:
+            pytest.skip("no group other than the primary one exists on this host")
+        group_setting, gid = other.gr_name, other.gr_gid
+    d = daemon_factory(start=False)
+    run_dir = os.path.join(d.runtime_dir, "run")  # created by the daemon
+    write_node_toml(d, runtime_dir=run_dir, endpoint=f"ipc://{run_dir}/ecd.sock",
+                    node=f'group = "{group_setting}"')
+    d.start()
+
+    st = os.stat(run_dir)
+    assert stat.S_IMODE(st.st_mode) == 0o770 and st.st_gid == gid
+    created = [os.path.join(run_dir, n) for n in os.listdir(run_dir)]
+    created += [f"/dev/shm/{n}" for n in shm_files(d.node)]
+    kinds = {os.path.basename(p).rsplit(".", 1)[-1] for p in created}
+    assert {"sock", "0", "ring", "lock"} <= kinds, created
+    for path in created:
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o660, (path, oct(st.st_mode))
+        assert st.st_gid == gid, (path, st.st_gid, gid)
+        assert st.st_mode & 0o007 == 0
+    with d.client() as c:  # and it still serves
+        assert c.ping() > 0
+    assert d.stop() == 0
+    assert shm_files(d.node) == []
+
+
+def test_unknown_group_is_a_one_line_start_error(daemon_factory):
+    d = daemon_factory(start=False)
+    write_node_toml(d, node='group = "no-such-group-ecd"')
+    rc, err = serve_error(d.config)
+    assert rc == 2
+    assert err.strip().splitlines() == [err.strip()]
+    assert "node.group: unknown group 'no-such-group-ecd'" in err
+    check = ecd("check-config", str(d.config))
+    assert check.returncode == 2 and "node.group" in check.stderr
+    assert shm_files(d.node) == []
