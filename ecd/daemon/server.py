@@ -367,8 +367,9 @@ class Daemon:
 
     def _refuse(self, identity: bytes, request: Any, code: Code, message: str) -> str:
         """Error for a decoded request; one with id 0 (fire-and-forget) is never answered: an
-        Error(0) would be taken by that client as the reply to whatever it asks next."""
-        if request.id == 0:
+        Error(0) would be taken by that client as the reply to whatever it asks next. A Report is
+        fire-and-forget whatever its id."""
+        if request.id == 0 or isinstance(request, Report):
             outcome = code.name.lower()
             self._count_error(outcome)
             self._count_drop("refused")

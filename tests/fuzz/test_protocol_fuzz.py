@@ -91,7 +91,9 @@ class Peer:
         return others, registered
 
     def hello(self, name: str = "fuzz", pid: int | None = None) -> Welcome:
-        reply = self.ask(Hello(self.next_id(), PROTOCOL_VERSION, os.getpid() if pid is None else pid, name))
+        # our pid namespace, so the daemon watches the pid like a real local client's
+        reply = self.ask(Hello(self.next_id(), PROTOCOL_VERSION, os.getpid() if pid is None else pid, name,
+                               os.stat("/proc/self/ns/pid").st_ino))
         assert isinstance(reply, Welcome)
         return reply
 
