@@ -172,6 +172,9 @@ class DaemonCollector:
                                   value=d.ring.events_written)
         yield CounterMetricFamily("ecd_ring_reader_overruns", "Times a client's ring reader was lapped "
                                   "(reported by clients)", value=d.ring_overruns)
+        if d.curve is not None:
+            yield CounterMetricFamily("ecd_auth_rejected", "CURVE handshakes refused (unknown client key)",
+                                      value=d.curve.rejected)
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
         info = InfoMetricFamily("ecd_build", "ecd build information")
