@@ -49,9 +49,11 @@ class Entry:
     last_access: float = 0.0
     write_deadline: float = 0.0
     published_at: float = 0.0
+    checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
 
     def location(self) -> Location:
-        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape)
+        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape,
+                        self.checksum)
 
 
 @dataclass(eq=False)
@@ -109,7 +111,8 @@ class RequestError(Exception):
 
 class Store:
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
-                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic) -> None:
+                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
+                 verify_namespaces: frozenset[str] = frozenset()) -> None:
         self.allocators = [ExtentAllocator(size) for size in pool_sizes]
         self.largest_segment = max(pool_sizes)  # no entry can be bigger than this
         self.ring = ring
@@ -125,6 +128,8 @@ class Store:
         self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._sessions: dict[int, Session] = {}
         self.counters = collections.Counter()
+        # `[namespaces.X] verify = true`: commits into these must carry a checksum
+        self.verify_namespaces = frozenset(verify_namespaces)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -232,7 +237,8 @@ class Store:
         session.reservation = entry
         return Extent(entry.generation, entry.pool, entry.offset)
 
-    def publish(self, session: Session, ns: str, generation: int, item: AllocItem) -> Failure | None:
+    def publish(self, session: Session, ns: str, generation: int, item: AllocItem,
+                checksum: int = 0) -> Failure | None:
         """Name this client's reservation and commit it."""
         entry = session.reservation
         if entry is None or entry.generation != generation:
@@ -249,7 +255,7 @@ class Store:
             return failure
         entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
         entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
-        return self.commit(session, generation)
+        return self.commit(session, generation, checksum)
 
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
                    shape: list[int], nbytes: int) -> Entry:
@@ -312,7 +318,8 @@ class Store:
                 f"{largest}; evicting what may be evicted cannot make room ({held} entries leased or "
                 f"pinned, {writing} being written)")
 
-    def commit(self, session: Session, generation: int) -> Failure | None:
+    def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
+        """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
         entry = self.by_generation.get(generation)
         if entry is None or entry.state is not State.WRITING:
             return Failure(Code.STALE, f"generation {generation} is not an entry being written "
@@ -322,6 +329,12 @@ class Store:
         if entry is session.reservation:
             return Failure(Code.INVALID, f"generation {generation} is a reservation: Publish it with a key")
         del session.writes[generation]
+        if not checksum and entry.ns in self.verify_namespaces:
+            self._free(entry)  # refused, not left WRITING until its TTL
+            self.counters["unchecksummed_refused"] += 1
+            return Failure(Code.INVALID, f"namespace {entry.ns!r} is configured with verify = true: a put "
+                                         f"into it must carry a checksum (key {entry.key!r} not stored)")
+        entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
         entry.last_access = self.clock()
