@@ -291,6 +291,8 @@ def run(args) -> dict:
             conns.append(parent)
         rss_peak = dict(res["daemon_rss_start"])
         next_note = start_at + 30
+        timeline = res["daemon_rss_anon_timeline"] = []  # (seconds into the run, RssAnon bytes)
+        next_sample = start_at
         results = []
         pending = dict(enumerate(conns))
         while pending:
@@ -312,6 +314,9 @@ def run(args) -> dict:
                 break
             sample = rss(daemon.proc.pid)
             rss_peak = {k: max(v, rss_peak.get(k, 0)) for k, v in sample.items()}
+            if time.time() >= next_sample and time.time() < deadline:
+                timeline.append((round(time.time() - start_at), sample["RssAnon"]))
+                next_sample += max(5.0, duration / 20)
             if not args.quiet and time.time() >= next_note and time.time() < deadline:
                 s = c.stats()
                 print(f"  {time.time() - start_at:5.0f}s: {s['entries_ready']} entries, "
@@ -419,6 +424,9 @@ def report(res: dict) -> None:
     p(f"daemon RSS MiB (total / anon / shm pages): start {mib(s, 'VmRSS')} / {mib(s, 'RssAnon')} / "
       f"{mib(s, 'RssShmem')}, end {mib(e, 'VmRSS')} / {mib(e, 'RssAnon')} / {mib(e, 'RssShmem')}, "
       f"peak {mib(pk, 'VmRSS')}")
+    tl = res.get("daemon_rss_anon_timeline")
+    if tl:
+        p("daemon RssAnon over the run (s: MiB): " + ", ".join(f"{t}: {v / 2**20:.0f}" for t, v in tl))
     a = res.get("after_workers")
     if a:
         p(f"after the workers stopped: {a['read_leases']} read leases, {a['pins']} pins, {a['waiters']} "

@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 
 from .errors import (DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound, LimitExceeded,  # noqa: E402
                      NotOwner, PoolFull, ProtocolError, ShuttingDown, StaleGeneration)
+from .errors import IntegrityError  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -17,4 +18,4 @@ def __getattr__(name: str):
 
 __all__ = ["Client", "EcdError", "KeyNotFound", "PoolFull", "DaemonUnavailable", "ProtocolError",
            "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
-           "__version__"]
+           "__version__", "IntegrityError"]
