@@ -11,13 +11,11 @@ import torch
 import xxhash
 
 from ecd.client.tensors import CHECKSUM_CHUNK, copy_into, copy_out_checked
-from ecd.daemon.store import State, Store, StoreLimits
+from ecd.daemon.store import State
 from ecd.errors import Code, IntegrityError, error_from_code
 from ecd.integrity import EMPTY_CHECKSUM, checksum
-from ecd.protocol import (Acquired, Commit, Location, Publish, PutInline, Report, Welcome, encoder,
-                          reply_decoder, request_decoder)
-from test_store import BUCKETS, SLOTS, Env, FakeClock, FakeScheduler, item, never  # noqa: F401
-from ecd.memory.ring import RingWriter, ring_bytes
+from ecd.protocol import Commit, Location, Report, encoder, reply_decoder, request_decoder
+from test_store import Env, item
 
 
 def verify_env(**kw) -> Env:
