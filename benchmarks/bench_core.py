@@ -12,6 +12,8 @@ arguments; `--json PATH` also writes the results.
      keys (answered from the event ring, no round trip) vs. a bare pyzmq REQ/REP ipc round trip
      to a separate echo process.
   3. unbatched ops/s from 4 client processes (exists with round trip / 4 KiB put / 4 KiB get).
+  4. the cost of end-to-end integrity at 16 MiB: put(checksum=True) + view(verify=True) (and
+     get(verify=True)) against the same calls without, interleaved rep by rep.
 
 Every cross-process time uses time.perf_counter_ns, which on Linux is CLOCK_MONOTONIC: one clock
 for the whole machine, so a stamp taken in the producer and one taken in the consumer subtract.
@@ -30,6 +32,7 @@ import time
 
 import numpy as np
 import torch
+import xxhash
 
 from ecd.client.client import Client
 from ecd.memory.host import ShmFile
@@ -318,6 +321,63 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf) -> dict:
     return out
 
 
+# ---- 4. integrity cost ----------------------------------------------------------------------
+
+INTEGRITY_MIB, INTEGRITY_REPS, INTEGRITY_WARMUP = 16, 120, 10
+
+
+def bench_integrity(c: Client) -> dict:
+    """put + view with checksum/verify vs without, one process, alternating rep by rep so drift
+    hits both alike. Same-sized puts take the reserved-extent path in both arms."""
+    nbytes = INTEGRITY_MIB * MIB
+    src_np = prefaulted(nbytes)
+    src = torch.from_numpy(src_np)
+    ref_dst = prefaulted(nbytes)
+    arms = {False: {"put": [], "view": [], "get": [], "put_view": []},
+            True: {"put": [], "view": [], "get": [], "put_view": []}}
+    memcpy, hash_only = [], []
+    bad = 0
+    for i in range(INTEGRITY_WARMUP + INTEGRITY_REPS):
+        for checked in ((False, True) if i % 2 else (True, False)):
+            src_np[0] = src_np[-1] = i
+            key = f"ck/{int(checked)}/{i}"
+            t0 = now_ns()
+            c.put(key, src, checksum=checked)
+            t1 = now_ns()
+            with c.view(key, verify=checked) as v:
+                t2 = now_ns()
+                bad += not (v[0].item() == i and v[-1].item() == i)
+            t3 = now_ns()
+            out = c.get(key, verify=checked)
+            t4 = now_ns()
+            bad += not (out[0].item() == i and out[-1].item() == i)
+            del out
+            c.delete(key)
+            if i >= INTEGRITY_WARMUP:
+                arm = arms[checked]
+                arm["put"].append(t1 - t0)
+                arm["view"].append(t2 - t1)
+                arm["put_view"].append(t2 - t0)
+                arm["get"].append(t4 - t3)
+        t0 = now_ns()
+        np.copyto(ref_dst, src_np)
+        t1 = now_ns()
+        xxhash.xxh3_64_intdigest(ref_dst)
+        t2 = now_ns()
+        if i >= INTEGRITY_WARMUP:
+            memcpy.append(t1 - t0)
+            hash_only.append(t2 - t1)
+    out = {"mib": INTEGRITY_MIB, "bad_payloads": bad, "memcpy": summary_us(memcpy),
+           "xxh3_hot": summary_us(hash_only)}
+    for checked, name in ((False, "plain"), (True, "checked")):
+        out[name] = {k: summary_us(v) for k, v in arms[checked].items()}
+    out["ratio"] = {k: out["checked"][k]["p50_us"] / out["plain"][k]["p50_us"] for k in ("put", "put_view", "get")}
+    out["ratio"]["xxh3_vs_memcpy"] = out["xxh3_hot"]["p50_us"] / out["memcpy"]["p50_us"]
+    out["extra_us"] = {k: out["checked"][k]["p50_us"] - out["plain"][k]["p50_us"]
+                       for k in ("put", "view", "put_view", "get")}
+    return out
+
+
 # ---- 2. exists vs bare round trip ----------------------------------------------------------
 
 def pin_process(pid: int, cpus: set[int]) -> None:
@@ -507,6 +567,17 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
         p(f"      daemon CPU {o['daemon_cpu_util'] * 100:.0f}% ({o['daemon_cpu_us_per_op']:.1f} us/op), "
           f"clients CPU {o['clients_cpu_us_per_op']:.1f} us/op; machine busy {o['machine_busy_cpus']:.2f} "
           f"CPUs, of which other processes {o['other_processes_cpus']:.2f}")
+    ig = res.get("integrity")
+    if ig:
+        p(f"\n4. integrity at {ig['mib']} MiB, p50 in us (checked: put(checksum=True), view/get(verify=True))")
+        p(f"{'':34}{'without':>10}{'with':>10}{'extra':>10}{'ratio':>8}")
+        for label, k in (("put", "put"), ("view (verify hashes the mapping)", "view"),
+                         ("put + view", "put_view"), ("get (copy)", "get")):
+            ratio = f"{ig['checked'][k]['p50_us'] / ig['plain'][k]['p50_us']:.2f}x"
+            p(f"  {label:32}{ig['plain'][k]['p50_us']:>10.1f}{ig['checked'][k]['p50_us']:>10.1f}"
+              f"{ig['extra_us'][k]:>10.1f}{ratio:>8}")
+        p(f"  references: memcpy {ig['memcpy']['p50_us']:.1f} us, xxh3-64 of a cache-hot buffer "
+          f"{ig['xxh3_hot']['p50_us']:.1f} us ({ig['ratio']['xxh3_vs_memcpy']:.2f}x memcpy)")
     c16 = res["copy"]["16"]
     agg = res["ops"][-1]
     targets = [
@@ -573,6 +644,7 @@ def main() -> int:
         finally:
             created.unlink()  # the mapping keeps the memory; the name goes now
         res["copy"] = {str(m): bench_copies(c, consumer, m, diag.buf) for m in SIZES_MIB}
+        res["integrity"] = bench_integrity(c)
         res["exists"] = bench_exists(c, echo_endpoint, [daemon.proc.pid, procs[0].pid])
         res["ops"] = [run_ops(daemon, workers[:1], min(2.0, args.ops_seconds)),
                       run_ops(daemon, workers, args.ops_seconds)]
@@ -582,7 +654,7 @@ def main() -> int:
             pr.join(15)
         res["daemon_stats"] = c.stats()
         c.close()
-        bad = sum(r["bad_payloads"] for r in res["copy"].values())
+        bad = sum(r["bad_payloads"] for r in res["copy"].values()) + res["integrity"]["bad_payloads"]
         targets = report(res)
         res["targets"] = [{"name": n, "pass": ok, "detail": d} for n, ok, d in targets]
         if bad:

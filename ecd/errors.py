@@ -83,9 +83,17 @@ class QuotaExceeded(EcdError):
 
 
 class IntegrityError(EcdError):
-    """An entry's bytes do not match the checksum its producer stored with it."""
+    """An entry's bytes do not match the checksum its producer stored with it.
+
+    Raised by a verifying read (`key`, `expected` and `actual` set) and for a PutInline whose
+    data does not match the checksum sent with it (from the daemon's reply: message only)."""
 
     code = Code.CORRUPT
+
+    def __init__(self, message: str = "", *, code: Code | None = None, key: str | None = None,
+                 expected: int | None = None, actual: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.key, self.expected, self.actual = key, expected, actual
 
 
 class DaemonUnavailable(EcdError):

@@ -26,6 +26,8 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+# An xxh3-64 digest of an entry's bytes (ecd.client.tensors.checksum); 0 means "none stored".
+Checksum = Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1 anyway
 Seconds = Annotated[float, Meta(ge=0.0)]
 
 
@@ -87,6 +89,7 @@ class Location(_Msg, tag="location"):
     nbytes: int
     dtype: str
     shape: list[int]
+    checksum: int = 0  # what the producer stored (0: none): readers asked to verify compare it
 
 
 class Failure(_Msg, tag="failure"):
@@ -119,6 +122,7 @@ class DaemonStats(Struct):
     ring_events: int
     ops: dict[str, int]
     errors: dict[str, int]
+    integrity_failures: int = 0  # reads clients reported as not matching the stored checksum
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -149,6 +153,8 @@ class Commit(_Msg, tag="commit"):
     # Also reserve an anonymous extent of this many bytes for this client's next put, so that put
     # can copy first and Publish after: one round trip instead of Alloc + Commit.
     reserve: U64 = 0
+    # Per generation, the checksum of the bytes written (0: none). Empty: none for any of them.
+    checksums: list[Checksum] = []
 
 
 class Publish(_Msg, tag="publish"):
@@ -159,6 +165,7 @@ class Publish(_Msg, tag="publish"):
     generation: int
     item: AllocItem
     reserve: U64 = 0
+    checksum: Checksum = 0  # of the bytes written (0: none)
 
 
 class Abort(_Msg, tag="abort"):
@@ -173,6 +180,7 @@ class PutInline(_Msg, tag="put_inline"):
     dtype: str
     shape: list[U64]
     data: bytes
+    checksum: Checksum = 0  # of `data` (0: none); the daemon checks it before storing
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -242,6 +250,7 @@ class Report(_Msg, tag="report"):
 
     id: int
     ring_overruns: Annotated[int, Meta(ge=0, le=2**31)] = 0
+    integrity_failures: Annotated[int, Meta(ge=0, le=2**31)] = 0  # reads that failed verification
 
 
 class Bye(_Msg, tag="bye"):
@@ -266,6 +275,8 @@ class Welcome(_Msg, tag="welcome"):
     # > 0: the daemon cannot watch this client's process; send a request (a `ping` with id 0 will
     # do) after this many idle seconds, or the session is reclaimed after leases.session_ttl.
     heartbeat_s: float = 0.0
+    # Namespaces configured `verify = true`: producers must send checksums, consumers verify.
+    verify_namespaces: list[str] = []
 
 
 class Pong(_Msg, tag="pong"):

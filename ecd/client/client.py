@@ -30,8 +30,9 @@ import msgspec
 import torch
 import zmq
 
-from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound,
-                      LimitExceeded, ProtocolError, StaleGeneration, error_from_code)
+from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, IntegrityError, InvalidRequest,
+                      KeyNotFound, LimitExceeded, ProtocolError, StaleGeneration, error_from_code)
+from ..integrity import checksum as checksum_of, describe
 from ..memory.host import ShmError, ShmFile, shm_path
 from ..memory.ring import EventKind, RingReader, key_hash
 from ..memory.allocator import align_up
@@ -39,7 +40,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
                         Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
-from .tensors import copy_into, copy_out, dtype_name, host_tensor, view_of
+from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
@@ -391,13 +392,24 @@ class Client:
     def epoch(self) -> int:
         return self._map.epoch
 
+    @property
+    def verify_namespaces(self) -> frozenset[str]:
+        """Namespaces the daemon is configured to checksum (`verify = true`): puts into them
+        always store a checksum and reads from them always verify it."""
+        return frozenset(self._welcome.verify_namespaces)
+
+    def _verifies(self, asked: bool) -> bool:
+        return asked or self.namespace in self._welcome.verify_namespaces
+
     # ---- put ----------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically."""
-        self.put_many({key: tensor})
+    def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False) -> None:
+        """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically.
+        With `checksum` (always in a verify namespace) an xxh3-64 of the stored bytes is kept
+        with the entry, for readers that verify."""
+        self.put_many({key: tensor}, checksum=checksum)
 
-    def put_many(self, items: Mapping[str, torch.Tensor]) -> None:
+    def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False) -> None:
         """Store several tensors with one allocation and one commit round trip."""
         tensors = {key: host_tensor(t) for key, t in items.items()}
         if not tensors:
@@ -405,26 +417,26 @@ class Client:
         for attempt in range(2):
             epoch = self._map.epoch
             try:
-                return self._put_once(tensors)
+                return self._put_once(tensors, self._verifies(checksum))
             except StaleGeneration:
                 # The daemon restarted between alloc and commit: the bytes went with it. Retry once.
                 if attempt or self._map.epoch == epoch:
                     raise
 
-    def _put_once(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
         ns = self.namespace
         reserve = 0
         if len(tensors) == 1:
             (key, t), = tensors.items()
             nbytes = t.numel() * t.element_size()
             if nbytes <= self.limits.inline_max_bytes:
-                self._put_inline(key, t, nbytes)
+                self._put_inline(key, t, nbytes, checksum)
                 return
-            if self._put_reserved(key, t, nbytes):
+            if self._put_reserved(key, t, nbytes, checksum):
                 return
             reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
         if not self._map.local:
-            self._put_unmapped(tensors)
+            self._put_unmapped(tensors, checksum)
             return
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
@@ -434,11 +446,12 @@ class Client:
         extents = reply.results
         failed = next((r for r in extents if isinstance(r, Failure)), None)
         generations = [r.generation for r in extents if not isinstance(r, Failure)]
+        digests: list[int] = []
         try:
             if failed is not None:
                 raise error_from_code(failed.code, failed.message)
             for extent, t in zip(extents, tensors.values()):
-                copy_into(mapping.rw[extent.pool], extent.offset, t)
+                digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
         except BaseException:
             if generations:
                 with contextlib.suppress(EcdError):
@@ -447,21 +460,22 @@ class Client:
         with self._lock:
             if self._reservation is not None or self._reservation_busy:
                 reserve = 0  # the daemon keeps one reservation per client
-        committed: Committed = self._call(Commit(next(self._ids), generations, reserve))
+        committed: Committed = self._call(Commit(next(self._ids), generations, reserve,
+                                                 digests if checksum else []))
         self._keep_reservation(committed.reservation, reserve)
         self._raise_first(committed.results)
         self._remember(ns, list(tensors), generations, ring_pos)
 
-    def _put_unmapped(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _put_unmapped(self, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
         """A client off the daemon's node: only puts small enough to ride inline."""
         inline_max = self.limits.inline_max_bytes
         sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
         if max(sizes.values()) > inline_max:
             self._map.require_local("a put larger than limits.inline_max_bytes", inline_max)
         for key, t in tensors.items():
-            self._put_inline(key, t, sizes[key])
+            self._put_inline(key, t, sizes[key], checksum)
 
-    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int) -> bool:
+    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> bool:
         """Copy into the reservation the last put left, then Publish: one round trip. False
         when there is no usable reservation (the caller takes the Alloc path)."""
         with self._lock:
@@ -480,13 +494,13 @@ class Client:
             mapping, ring_pos = self._map, self._map.ring.next_seq
         try:
             try:
-                copy_into(mapping.rw[extent.pool], extent.offset, t)
+                digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
                 item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
             except BaseException:
                 self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
                 raise
             committed: Committed = self._call(Publish(next(self._ids), self.namespace, extent.generation,
-                                                      item, nbytes))
+                                                      item, nbytes, digest))
         finally:
             with self._lock:
                 self._reservation_busy = False
@@ -525,11 +539,12 @@ class Client:
                     self._res.sock.send(encoder.encode(request), zmq.NOBLOCK)
                     self._last_sent = time.monotonic()
 
-    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int) -> None:
+    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
         data = bytearray(nbytes)
         copy_into(data, 0, t)
+        data = bytes(data)
         acked: Acked = self._call(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype),
-                                            list(t.shape), bytes(data)))
+                                            list(t.shape), data, checksum_of(data) if checksum else 0))
         self._raise_first(acked.results)
         with self._lock:
             self._cache.pop(key_hash(self.namespace, key), None)  # generation unknown: ask next time
@@ -575,14 +590,28 @@ class Client:
             raise error_from_code(result.code, result.message)
         return result
 
-    def get(self, key: str, timeout: float | None = None) -> torch.Tensor:
-        """A copy of the tensor under `key`; with `timeout`, wait that long for it to be published."""
-        return self.get_many([key], timeout)[0]
+    def _corrupt(self, key: str, loc: Location, actual: int) -> IntegrityError:
+        """Count a failed verification with the daemon (ecd_integrity_failures_total) and build
+        the error; the caller releases the lease."""
+        self._send_quietly(Report(0, integrity_failures=1))
+        with self._lock:
+            self._cache.pop(key_hash(self.namespace, key), None)
+        return IntegrityError(
+            f"{key!r} in namespace {self.namespace!r} (generation {loc.generation}, {loc.nbytes} bytes) "
+            f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "
+            f"read hash to {describe(actual)}", key=key, expected=loc.checksum, actual=actual)
+
+    def get(self, key: str, timeout: float | None = None, *, verify: bool = False) -> torch.Tensor:
+        """A copy of the tensor under `key`; with `timeout`, wait that long for it to be published.
+        With `verify` (always in a verify namespace), the copy is checked against the checksum
+        stored with the entry (entries stored without one are not checked): IntegrityError."""
+        return self.get_many([key], timeout, verify=verify)[0]
 
     def get_many(self, keys: Sequence[str], timeout: float | None = None, *,
-                 missing_ok: bool = False) -> list[torch.Tensor | None]:
+                 missing_ok: bool = False, verify: bool = False) -> list[torch.Tensor | None]:
         """Copies of several tensors in one round trip (None for a missing key if missing_ok)."""
         keys = list(keys)
+        verify = self._verifies(verify)
         results, session, mapping = self._acquire(keys, timeout)
         held = [r.generation for r in results if isinstance(r, Location)]
         try:
@@ -592,20 +621,34 @@ class Client:
                     out.append(None)
                     continue
                 loc = self._located(key, result)
-                out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
+                if verify and loc.checksum:
+                    tensor, actual = copy_out_checked(mapping.rw[loc.pool], loc.offset, loc.nbytes,
+                                                      loc.dtype, loc.shape)
+                    if actual != loc.checksum:
+                        raise self._corrupt(key, loc, actual)
+                    out.append(tensor)
+                else:
+                    out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
             return out
         finally:
             self._release(held, session, mapping.epoch)
 
     @contextlib.contextmanager
-    def view(self, key: str, timeout: float | None = None) -> Iterator[torch.Tensor]:
+    def view(self, key: str, timeout: float | None = None, *, verify: bool = False) -> Iterator[torch.Tensor]:
         """A zero-copy, read-only tensor over the entry, valid inside the `with` block only.
 
-        Writing to it faults (the memory is mapped read-only): copy it to modify it.
+        Writing to it faults (the memory is mapped read-only): copy it to modify it. With
+        `verify` (always in a verify namespace) the mapped bytes are checked against the stored
+        checksum before the view is handed out (one read of the entry): IntegrityError.
         """
+        verify = self._verifies(verify)
         (result,), session, mapping = self._acquire([key], timeout)
         loc = self._located(key, result) if isinstance(result, Failure) else result
         try:
+            if verify and loc.checksum:
+                actual = checksum_of(mapping.ro[loc.pool], loc.offset, loc.nbytes)
+                if actual != loc.checksum:
+                    raise self._corrupt(key, loc, actual)
             yield view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
         finally:
             self._release([loc.generation], session, mapping.epoch)

@@ -11,8 +11,10 @@ import warnings
 
 import numpy as np
 import torch
+import xxhash
 
 from ..errors import InvalidRequest
+from ..integrity import EMPTY_CHECKSUM, checksum, finish
 from ..protocol import DTYPE_ITEMSIZE
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -20,6 +22,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 _SAME_WIDTH_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Copies that also checksum go in pieces this big: each piece is hashed while it is still in the
+# L2 cache, instead of reading the whole destination back from L3/DRAM after the copy.
+CHECKSUM_CHUNK = 256 << 10
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,27 +65,56 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def copy_into(buf, offset: int, tensor: torch.Tensor) -> None:
-    """Write `tensor`'s elements, in row-major order, to buf[offset:offset + nbytes]."""
+def _copy_hashing(dst: np.ndarray, src: np.ndarray) -> int:
+    """dst[:] = src (flat uint8 arrays), hashing each piece of dst right after it is written."""
+    h = xxhash.xxh3_64()
+    with memoryview(dst) as mv:
+        for start in range(0, dst.size, CHECKSUM_CHUNK):
+            end = start + CHECKSUM_CHUNK
+            np.copyto(dst[start:end], src[start:end])
+            h.update(mv[start:end])
+    return finish(h.intdigest())
+
+
+def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = False) -> int:
+    """Write `tensor`'s elements, in row-major order, to buf[offset:offset + nbytes]. With
+    `with_checksum`, returns the checksum of the bytes written (read back from `buf`), else 0."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
-        return
+        return EMPTY_CHECKSUM if with_checksum else 0
     dst = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
     if tensor.is_contiguous():
         src = _numpy_view(tensor.reshape(-1)).view(np.uint8)
+        if with_checksum:
+            return _copy_hashing(dst, src)
         np.copyto(dst, src)
     else:
         src = _numpy_view(tensor)
         np.copyto(dst.view(src.dtype).reshape(src.shape), src)
+        if with_checksum:
+            return checksum(buf, offset, nbytes)
+    return 0
 
 
 def copy_out(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
     """A new tensor holding a copy of buf[offset:offset + nbytes]."""
+    return copy_out_checked(buf, offset, nbytes, dtype, shape, with_checksum=False)[0]
+
+
+def copy_out_checked(buf, offset: int, nbytes: int, dtype: str, shape: list[int], *,
+                     with_checksum: bool = True) -> tuple[torch.Tensor, int]:
+    """(a new tensor holding a copy of buf[offset:offset + nbytes], the checksum of the copy's
+    bytes or 0): hashing the copy, not the source, checks exactly the bytes handed back."""
     out = torch.empty(shape, dtype=torch_dtype(dtype))
+    digest = EMPTY_CHECKSUM if with_checksum else 0
     if nbytes:
         src = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
-        np.copyto(_numpy_view(out.reshape(-1)).view(np.uint8), src)
-    return out
+        dst = _numpy_view(out.reshape(-1)).view(np.uint8)
+        if with_checksum:
+            digest = _copy_hashing(dst, src)
+        else:
+            np.copyto(dst, src)
+    return out, digest
 
 
 def view_of(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:

@@ -175,6 +175,12 @@ class DaemonCollector:
         if d.curve is not None:
             yield CounterMetricFamily("ecd_auth_rejected", "CURVE handshakes refused (unknown client key)",
                                       value=d.curve.rejected)
+        integrity = CounterMetricFamily("ecd_integrity_failures", "Bytes that did not match their checksum: "
+                                        "reads reported by verifying clients, inline puts seen by the daemon",
+                                        labels=["where"])
+        for where, n in sorted(d.integrity_failures.items()):
+            integrity.add_metric([where], n)
+        yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
         info = InfoMetricFamily("ecd_build", "ecd build information")

@@ -2,10 +2,10 @@
 
 Runtime-changeable: node.log_level, node.shutdown_grace, every [leases] and [limits] key (limits
 apply to requests from now on; a new limits.max_message_bytes only to connections made after
-it, and clients learn new limits when they next say hello), and [namespaces.*] tables (quotas
-and guaranteed shares apply to allocations from now on: a namespace already over a lowered quota
+it, and clients learn new limits when they next say hello), and [namespaces.*] quotas
+and guaranteed shares (they apply to allocations from now on: a namespace already over a lowered quota
 is not evicted at once, its next allocation evicts its own entries). Anything else (node name, runtime
-dir, endpoint, pool, ring, metrics address) needs a restart: the change is logged and ignored.
+dir, endpoint, pool, ring, metrics address, a namespace's verify flag) needs a restart: the change is logged and ignored.
 An invalid file is logged and nothing changes. The directory of allowed CURVE client keys
 (control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
 clients' heartbeat interval when they next say hello.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ..config import load_config_file
+from ..config import NamespaceSection, load_config_file
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +40,17 @@ def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _keep_verify_flags(old: dict[str, NamespaceSection], new: dict[str, NamespaceSection]) -> None:
+    """`[namespaces.X] verify` needs a restart: connected clients learned it in their Welcome, and
+    flipping it under them would refuse their unchecksummed puts."""
+    for name in old.keys() | new.keys():
+        verify = old[name].verify if name in old else False
+        if name in new:
+            new[name].verify = verify
+        elif verify:
+            new[name] = NamespaceSection(verify=True)
+
+
 def reload_config(daemon: "Daemon") -> None:
     if daemon.curve is not None:
         daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
@@ -54,7 +65,8 @@ def reload_config(daemon: "Daemon") -> None:
     old_flat, new_flat = _flatten(daemon.config.to_dict()), _flatten(new.to_dict())
     # both ways: a [namespaces.NAME] table can be removed
     changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
-    applied = [k for k in changed if k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS]
+    applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS)
+               and not k.endswith(".verify")]
     refused = [k for k in changed if k not in applied]
     if not changed:
         log.info("SIGHUP: config unchanged")
@@ -63,6 +75,7 @@ def reload_config(daemon: "Daemon") -> None:
     new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
     new.control, new.pool, new.ring, new.metrics = (daemon.config.control, daemon.config.pool,
                                                     daemon.config.ring, daemon.config.metrics)
+    _keep_verify_flags(daemon.config.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
         log.info("SIGHUP: applied %s", ", ".join(

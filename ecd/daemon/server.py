@@ -24,6 +24,7 @@ import zmq
 from .. import __version__
 from ..config import Config, check_control_policy
 from ..errors import Code, ConfigError
+from ..integrity import checksum as checksum_of, describe
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
@@ -69,6 +70,9 @@ class Daemon:
         self.state = "starting"  # -> serving -> draining (what /healthz reports)
         self.requests = RequestStats()
         self.ring_overruns = 0  # reported by clients
+        # reads that did not match their stored checksum (reported by clients), and inline puts
+        # whose data did not match the checksum sent with it (seen here)
+        self.integrity_failures = {"read": 0, "inline_put": 0}
         self.notifier = Notifier()
         self.metrics_listener: socket.socket | None = None
         self.metrics_server: MetricsServer | None = None
@@ -462,12 +466,17 @@ class Daemon:
             case Alloc(id=rid, ns=ns, items=items):
                 store.check_batch(len(items))
                 return Allocated(rid, [store.alloc(session, ns, item) for item in items])
-            case Commit(id=rid, generations=generations, reserve=reserve):
+            case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums):
                 store.check_batch(len(generations))
-                results = [store.commit(session, g) for g in generations]
+                if checksums and len(checksums) != len(generations):
+                    raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
+                                                     f"{len(generations)} generations")
+                checksums = checksums or [0] * len(generations)
+                results = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
                 return Committed(rid, results, store.reserve(session, reserve) if reserve else None)
-            case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve):
-                result = store.publish(session, ns, generation, item)
+            case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
+                         checksum=checksum):
+                result = store.publish(session, ns, generation, item, checksum)
                 return Committed(rid, [result], store.reserve(session, reserve) if reserve else None)
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
@@ -493,8 +502,13 @@ class Daemon:
                 return Evicted(rid, evicted, refused, missing, draining)
             case Held(id=rid, generations=generations):
                 return Flags(rid, store.held(generations))
-            case Report(ring_overruns=overruns):
+            case Report(ring_overruns=overruns, integrity_failures=corrupt):
                 self.ring_overruns += overruns
+                if corrupt:
+                    self.integrity_failures["read"] += corrupt
+                    log.warning("client pid %d (session %d) read %d entr%s whose bytes do not match "
+                                "their stored checksum", session.pid, session.id, corrupt,
+                                "y" if corrupt == 1 else "ies")
                 return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
 
@@ -503,6 +517,12 @@ class Daemon:
         if len(request.data) > limit:
             return Failure(Code.LIMIT, f"inline payload of {len(request.data)} bytes exceeds "
                                        f"limits.inline_max_bytes={limit}")
+        if request.checksum:
+            actual = checksum_of(request.data)
+            if actual != request.checksum:
+                self.integrity_failures["inline_put"] += 1
+                return Failure(Code.CORRUPT, f"inline put of {request.key!r}: data checksum {describe(actual)} "
+                                             f"does not match the {describe(request.checksum)} sent with it")
         item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
         placed = self.store.alloc(session, request.ns, item)
         if isinstance(placed, Failure):
@@ -510,7 +530,7 @@ class Daemon:
         # Small enough that copying in the daemon costs less than the round trip it saves.
         segment = self.pool.segments[placed.pool].buf
         segment[placed.offset:placed.offset + len(request.data)] = request.data
-        return self.store.commit(session, placed.generation)
+        return self.store.commit(session, placed.generation, request.checksum)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -541,7 +561,8 @@ class Daemon:
             RingInfo(self.ring_file.name, self.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
-                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s))
+                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
+            sorted(self.store.verify_namespaces)))
         return "ok"
 
     def _watch_pid(self, session: Session) -> None:
@@ -609,7 +630,8 @@ class Daemon:
             entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
             pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
             reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
-            ring_events=self.ring.events_written, ops=self.requests.by_op(), errors=self._error_counts())
+            ring_events=self.ring.events_written, ops=self.requests.by_op(), errors=self._error_counts(),
+            integrity_failures=sum(self.integrity_failures.values()))
 
     def _error_counts(self) -> dict[str, int]:
         errors = dict(self.errors)

@@ -57,9 +57,11 @@ class Entry:
     last_access: float = 0.0
     write_deadline: float = 0.0
     published_at: float = 0.0
+    checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
 
     def location(self) -> Location:
-        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape)
+        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape,
+                        self.checksum)
 
 
 @dataclass(eq=False)
@@ -146,15 +148,17 @@ class Store:
         self.quota_refusals = collections.Counter()  # namespace -> items refused QUOTA_EXCEEDED
         self.quota_refused = 0  # all of them: the server compares it to label a request's outcome
         self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
+        self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
         self.set_namespaces(namespaces or {})
 
     # ---- namespaces ---------------------------------------------------------------------
 
     def set_namespaces(self, namespaces: Mapping[str, Any]) -> None:
         """Apply `[namespaces.NAME]` policies (objects with .quota and .guaranteed, in bytes; 0:
-        none). Also used by SIGHUP: a namespace already over a lowered quota is not evicted now;
+        none; and .verify: commits need a checksum). Also used by SIGHUP: a namespace already over a lowered quota is not evicted now;
         its next allocation evicts its own entries. O(evictable entries)."""
         self.policies = {name: (int(ns.quota), int(ns.guaranteed)) for name, ns in namespaces.items()}
+        self.verify_namespaces = frozenset(name for name, ns in namespaces.items() if getattr(ns, "verify", False))
         self.quotas = {name: q for name, (q, _) in self.policies.items() if q > 0}
         self.guarantees = {name: g for name, (_, g) in self.policies.items() if g > 0}
         self._quota_lru = {name: collections.OrderedDict() for name in self.quotas}
@@ -304,7 +308,8 @@ class Store:
         session.reservation = entry
         return Extent(entry.generation, entry.pool, entry.offset)
 
-    def publish(self, session: Session, ns: str, generation: int, item: AllocItem) -> Failure | None:
+    def publish(self, session: Session, ns: str, generation: int, item: AllocItem,
+                checksum: int = 0) -> Failure | None:
         """Name this client's reservation and commit it."""
         entry = session.reservation
         if entry is None or entry.generation != generation:
@@ -329,7 +334,7 @@ class Store:
         entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
         entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
         self.ns_used[ns] = self.ns_used.get(ns, 0) + extent_size
-        return self.commit(session, generation)
+        return self.commit(session, generation, checksum)
 
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
                    shape: list[int], nbytes: int) -> Entry:
@@ -463,7 +468,8 @@ class Store:
                 f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
                 f"({held} entries leased or pinned, {writing} being written{protected})")
 
-    def commit(self, session: Session, generation: int) -> Failure | None:
+    def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
+        """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
         entry = self.by_generation.get(generation)
         if entry is None or entry.state is not State.WRITING:
             return Failure(Code.STALE, f"generation {generation} is not an entry being written "
@@ -473,6 +479,12 @@ class Store:
         if entry is session.reservation:
             return Failure(Code.INVALID, f"generation {generation} is a reservation: Publish it with a key")
         del session.writes[generation]
+        if not checksum and entry.ns in self.verify_namespaces:
+            self._free(entry)  # refused, not left WRITING until its TTL
+            self.counters["unchecksummed_refused"] += 1
+            return Failure(Code.INVALID, f"namespace {entry.ns!r} is configured with verify = true: a put "
+                                         f"into it must carry a checksum (key {entry.key!r} not stored)")
+        entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
         entry.last_access = self.clock()

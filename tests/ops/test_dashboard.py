@@ -36,6 +36,7 @@ METRICS: dict[str, dict[str, set[str] | None]] = {
     "ecd_ring_events_total": {},
     "ecd_ring_reader_overruns_total": {},
     "ecd_auth_rejected_total": {},
+    "ecd_integrity_failures_total": {"where": {"read", "inline_put"}},
     "ecd_start_time_seconds": {},
     "ecd_build_info": {"version": None, "python": None, "node": None},
 }
