@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
