@@ -5,8 +5,6 @@ import os
 import signal
 import tempfile
 
-import pytest
-
 from chaos_worker import payload
 from conftest import entry_bytes, wait_for
 from invariants import Worker, assert_healthy, serving_worker

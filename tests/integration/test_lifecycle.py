@@ -97,16 +97,6 @@ def test_second_daemon_for_the_same_node_is_refused(daemon):
         assert c.ping() > 0
 
 
-def test_pool_bigger_than_dev_shm_is_refused(tmp_path):
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    node = f"huge{os.getpid()}"
-    config = write_config(str(tmp_path), node, size=str(free + (1 << 30)))
-    result = serve(config)
-    assert result.returncode == 2
-    assert "pool.host.size" in result.stderr and "/dev/shm" in result.stderr
-    assert shm_files(node) == []
-
-
 def test_check_config_prints_effective_config(tmp_path):
     config = write_config(str(tmp_path), "cc", size="512MiB")
     result = subprocess.run([sys.executable, "-m", "ecd", "check-config", str(config)],
