@@ -239,6 +239,8 @@ class Client:
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
         with self._lock:
+            # Taken before the request: the daemon's write TTL starts later, when it allocates.
+            use_by = time.monotonic() + self.limits.write_ttl_s / 2
             reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
             mapping, ring_pos = self._map, self._map.ring.next_seq
         extents = reply.results
@@ -248,6 +250,12 @@ class Client:
             if failed is not None:
                 raise error_from_code(failed.code, failed.message)
             for extent, t in zip(extents, tensors.values()):
+                if time.monotonic() > use_by:
+                    # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired
+                    # the write and handed the extent to another entry; copying now would
+                    # corrupt that entry, so give up as a commit of an expired write would.
+                    raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                          "its bytes were copied: put again")
                 copy_into(mapping.rw[extent.pool], extent.offset, t)
         except BaseException:
             if generations:
