@@ -441,6 +441,8 @@ class Client:
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
         with self._lock:
+            # Taken before the request: the daemon's write TTL starts later, when it allocates.
+            use_by = time.monotonic() + self._safe_write_window()
             reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
             mapping, ring_pos = self._map, self._map.ring.next_seq
         extents = reply.results
@@ -451,6 +453,12 @@ class Client:
             if failed is not None:
                 raise error_from_code(failed.code, failed.message)
             for extent, t in zip(extents, tensors.values()):
+                if time.monotonic() > use_by:
+                    # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired
+                    # the write and handed the extent to another entry; copying now would
+                    # corrupt that entry, so give up as a commit of an expired write would.
+                    raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                          "its bytes were copied: put again")
                 digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
         except BaseException:
             if generations:
@@ -465,6 +473,15 @@ class Client:
         self._keep_reservation(committed.reservation, reserve)
         self._raise_first(committed.results)
         self._remember(ns, list(tensors), generations, ring_pos)
+
+    def _safe_write_window(self) -> float:
+        """How long after an Alloc (or reservation) this client may still start copying: half of
+        what the daemon waits before it takes the extent back — the write TTL, or for a session it
+        cannot watch by pid the session TTL (three heartbeat intervals)."""
+        window = self.limits.write_ttl_s / 2
+        if self._heartbeat_s:
+            window = min(window, 1.5 * self._heartbeat_s)
+        return window
 
     def _put_unmapped(self, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
         """A client off the daemon's node: only puts small enough to ride inline."""
@@ -516,9 +533,9 @@ class Client:
         if not isinstance(reservation, Extent):
             return
         with self._lock:
-            # Use it only well inside the daemon's write TTL: after that the extent may belong
+            # Use it only well inside the time the daemon gives it: after that the extent may belong
             # to someone else, and copying into it would corrupt their entry.
-            expires = time.monotonic() + self.limits.write_ttl_s / 2
+            expires = time.monotonic() + self._safe_write_window()
             self._reservation = (reservation, align_up(max(nbytes, 1)), expires, self._session,
                                  self._map.epoch)
 

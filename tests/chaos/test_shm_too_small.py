@@ -1,0 +1,30 @@
+"""/dev/shm too small for the configured pool: a clear start-up error naming the size, exit 2,
+nothing left in /dev/shm, and the node starts fine with a pool that fits."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import DaemonProcess, shm_files, write_config
+from invariants import assert_healthy
+
+
+def test_pool_bigger_than_dev_shm_is_refused(daemon_factory):
+    d: DaemonProcess = daemon_factory(start=False)
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    size = free + (1 << 30)
+    write_config(d.runtime_dir, d.node, size=str(size))
+    result = subprocess.run([sys.executable, "-m", "ecd", "serve", "--config", str(d.config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pool.host.size" in lines[0] and "/dev/shm" in lines[0]
+    assert str(size) in lines[0], lines[0]  # names the size it was asked for
+    assert shm_files(d.node) == []
+    assert not os.path.exists(d.socket_path)
+    # The same node with a pool that fits starts and serves.
+    write_config(d.runtime_dir, d.node, size="16MiB")
+    d.start()
+    assert_healthy(d)
