@@ -196,9 +196,9 @@ def slow_put(endpoint: str, key: str, numel: int) -> None:
     import ecd.client.client as client_module
     real_copy = client_module.copy_into
 
-    def half_then_hang(buf, offset, tensor):
+    def half_then_hang(buf, offset, tensor, **kwargs):
         half = tensor.numel() // 2
-        real_copy(buf, offset, tensor[:half])
+        real_copy(buf, offset, tensor[:half], **kwargs)
         say("copying")
         while True:
             time.sleep(60)
