@@ -135,6 +135,7 @@ class Store:
         self.evictable_bytes = [0] * len(self.allocators)  # per pool, kept with `evictable`
         self.waiters: dict[tuple[str, str], set[Waiter]] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
+        self._compact_deadlines_at = 4096  # heap size at which stale deadlines are swept out
         self._sessions: dict[int, Session] = {}
         self.counters = collections.Counter()
         # Namespaces: bytes held by each one's named entries, and the configured policies.
@@ -348,7 +349,7 @@ class Store:
         if key:  # a reservation (no key yet) counts toward no namespace until it is published
             self.ns_used[ns] = self.ns_used.get(ns, 0) + align_up(max(nbytes, 1))
         session.writes[generation] = entry
-        heapq.heappush(self._deadlines, (entry.write_deadline, generation, 0))
+        self._push_deadline(entry.write_deadline, generation, 0)
         return entry
 
     def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
@@ -647,7 +648,25 @@ class Store:
         elif previous >= deadline:
             return
         session.pins[entry.generation] = deadline
-        heapq.heappush(self._deadlines, (deadline, entry.generation, session.id))
+        self._push_deadline(deadline, entry.generation, session.id)
+
+    def _push_deadline(self, deadline: float, generation: int, session_id: int) -> None:
+        """Deadlines are deleted lazily (a commit or unpin leaves its tuple in the heap), so at
+        thousands of puts per second the heap would hold a write TTL's worth of dead tuples.
+        Sweeping them whenever the heap doubles keeps it proportional to the live ones, O(1)
+        amortized per push."""
+        heapq.heappush(self._deadlines, (deadline, generation, session_id))
+        if len(self._deadlines) >= self._compact_deadlines_at:
+            self._deadlines = [d for d in self._deadlines if self._deadline_is_live(*d)]
+            heapq.heapify(self._deadlines)
+            self._compact_deadlines_at = max(4096, 2 * len(self._deadlines))
+
+    def _deadline_is_live(self, deadline: float, generation: int, session_id: int) -> bool:
+        if session_id == 0:  # a write deadline: the write (or reservation) has not been committed
+            entry = self.by_generation.get(generation)
+            return entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline
+        session = self._sessions.get(session_id)
+        return session is not None and session.pins.get(generation) == deadline
 
     def _move_pins(self, old: Entry, new: Entry) -> None:
         """A pin promises the key stays loadable: it moves to the generation that replaced it."""
