@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,38 @@ def actors():
 def entry_bytes(stats: dict) -> int:
     """Pool bytes held by entries, leaving out the extents reserved for clients' next puts."""
     return stats["used_bytes"] - stats["reserved_bytes"]
+
+
+def scrape_metrics(port: int) -> str:
+    """The daemon's /metrics text exposition."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def metric_samples(body: str) -> dict[str, float]:
+    """A text exposition as {series: value}, e.g. {'ecd_leases{kind="read"}': 0.0}."""
+    samples = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            samples[series] = float(value)
+    return samples
+
+
+def metric(body: str, name: str, **labels) -> float:
+    """The value of one sample (KeyError if absent); labels not given match anything."""
+    for series, value in metric_samples(body).items():
+        if series == name if not labels else series.startswith(name + "{") and all(
+                f'{k}="{v}"' in series for k, v in labels.items()):
+            return value
+    raise KeyError(f"{name}{labels or ''}")
+
+
+def metric_by_label(body: str, name: str, label: str) -> dict[str, float]:
+    """{label value: sample value} of a family with one label, e.g. reasons of a counter."""
+    pattern = re.compile(rf'^{re.escape(name)}\{{{label}="([^"]*)"\}}$')
+    return {m.group(1): value for series, value in metric_samples(body).items()
+            if (m := pattern.match(series))}
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):

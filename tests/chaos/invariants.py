@@ -13,11 +13,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 from chaos_worker import matches
-from conftest import shm_files, wait_for
+from conftest import metric_samples, scrape_metrics, shm_files, wait_for
 from ecd.memory.allocator import align_up
 
 WORKER = Path(__file__).resolve().parent / "chaos_worker.py"
@@ -73,14 +72,7 @@ def stopped(pid: int) -> bool:
 
 def scrape(port: int) -> dict[str, float]:
     """The /metrics exposition as {series: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    samples = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            samples[series] = float(value)
-    return samples
+    return metric_samples(scrape_metrics(port))
 
 
 def _quiescent(c, pins: int):

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import subprocess
 import time
-import urllib.request
 
 import msgspec
 import pytest
@@ -19,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, metric_by_label, scrape_metrics
 from ecd.errors import Code
 from ecd.memory.allocator import align_up
 from ecd.protocol import (DTYPE_ITEMSIZE, PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated,
@@ -441,10 +439,7 @@ def test_leases_per_client_are_limited(world):
 
 
 def scrape_dropped(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        body = resp.read().decode()
-    found = re.findall(r'^ecd_frames_dropped_total\{reason="(\w+)"\} (\S+)$', body, re.M)
-    return {reason: float(value) for reason, value in found}
+    return metric_by_label(scrape_metrics(port), "ecd_frames_dropped_total", "reason")
 
 
 def wait_leases(world: World, predicate, timeout: float = 5.0) -> None:

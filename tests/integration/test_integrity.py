@@ -3,16 +3,14 @@ verifies them, bytes corrupted in /dev/shm behind the daemon's back (by a third 
 caught and counted, and a `verify = true` namespace forces checksums on everyone."""
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 import torch
 
-from conftest import REPO, wait_for
+from conftest import REPO, metric_by_label, scrape_metrics, wait_for
 from ecd import Client
 from ecd.errors import IntegrityError, InvalidRequest
 from ecd.integrity import checksum
@@ -76,10 +74,7 @@ def corrupt(c: Client, key: str) -> Location:
 
 
 def integrity_metric(daemon) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5) as resp:
-        body = resp.read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^ecd_integrity_failures_total\{where="(\w+)"\} (\S+)$', body, re.M)}
+    return metric_by_label(scrape_metrics(daemon.metrics_port), "ecd_integrity_failures_total", "where")
 
 
 def test_producer_checksums_and_consumer_verifies(daemon):

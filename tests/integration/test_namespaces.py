@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import urllib.request
 
 import pytest
 import torch
 
 import ecd
-from conftest import wait_for
+from conftest import metric, scrape_metrics as scrape, wait_for
 
 MiB = 1 << 20
 NUMEL = MiB // 4  # float32 tensors of exactly 1 MiB (the actor's `put KEY SEED NUMEL`)
@@ -24,20 +23,8 @@ guaranteed = "4MiB"
 """
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
 
 
-def metric(body: str, name: str, **labels) -> float:
-    for line in body.splitlines():
-        if line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        if (series == name) if not labels else series.startswith(name + "{") and all(
-                f'{k}="{v}"' in series for k, v in labels.items()):
-            return float(value)
-    raise KeyError(f"{name}{labels}")
 
 
 def tensor(seed: int) -> torch.Tensor:

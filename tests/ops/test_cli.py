@@ -147,7 +147,6 @@ def test_evict_refuses_a_leased_entry_and_force_waits_for_the_reader(daemon):
     with daemon.client() as c:
         c.put("held", torch.ones(1000))
         c.put("free", torch.ones(1000))
-        released = threading.Event()
         with c.view("held") as view:
             refused = ecd("evict", "held", "free", "--endpoint", daemon.endpoint)
             assert refused.returncode == 1, refused.stdout + refused.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ecd
-from conftest import wait_for
+from conftest import metric, wait_for
 from ecd.protocol import Alloc, AllocItem, Commit
 
 
@@ -27,17 +27,6 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def metric(body: str, name: str, **labels) -> float:
-    """The value of one sample in a text exposition (KeyError if absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in body.splitlines():
-        if line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        if series == name if not want else series.startswith(name + "{") and all(
-                f'{k}="{v}"' in series for k, v in labels.items()):
-            return float(value)
-    raise KeyError(f"{name}{{{want}}}")
 
 
 def test_metrics_follow_what_clients_do(daemon, actors):

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, DaemonProcess
+from conftest import REPO, DaemonProcess, scrape_metrics
+from conftest import metric as conftest_metric
 
 ECD = [sys.executable, "-m", "ecd"]
 
@@ -72,11 +73,9 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
         time.sleep(interval)
 
 
-def metric(d: DaemonProcess, name: str, labels: str = "") -> float:
+def metric(d: DaemonProcess, name: str, **labels) -> float:
     """One sample from the daemon's /metrics (0 when absent)."""
-    import urllib.request
-    body = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith(name + (f"{{{labels}}}" if labels else " ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    try:
+        return conftest_metric(scrape_metrics(d.metrics_port), name, **labels)
+    except KeyError:
+        return 0.0

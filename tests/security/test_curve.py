@@ -11,7 +11,7 @@ import torch
 import zmq.auth
 
 from ecd import AuthenticationFailed, Client
-from secutil import ecd, keygen, serve_error, start_tcp, wait_for, write_node_toml
+from secutil import ecd, keygen, metric, serve_error, start_tcp, wait_for, write_node_toml
 
 
 @pytest.fixture
@@ -93,6 +93,7 @@ def test_allowed_key_works_unknown_and_plaintext_clients_are_refused(daemon_fact
                curve_server_key=str(keys["stranger_pub"]))
 
     assert "refused a CURVE client" in d.log()
+    assert metric(d, "ecd_auth_rejected_total") >= 1  # the stranger (a plaintext client never reaches ZAP)
     assert d.alive()
 
     # SIGHUP re-reads the allowed keys: the stranger gets in.

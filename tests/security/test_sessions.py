@@ -7,7 +7,6 @@ import signal
 import subprocess
 import time
 
-import msgspec
 import pytest
 import torch
 import zmq
@@ -42,7 +41,7 @@ def test_silent_tcp_client_is_reclaimed_heartbeating_idle_client_keeps_its_holds
             try:
                 reclaimed = wait_for(lambda: observer.stats()["read_leases"] == 1, timeout=60)
                 assert reclaimed, observer.stats()
-                assert metric(d, "ecd_leases_reclaimed_total", 'reason="session_ttl"') >= 1
+                assert metric(d, "ecd_leases_reclaimed_total", reason="session_ttl") >= 1
                 assert "not watchable) silent" in d.log()
                 # The idle holder keeps heartbeating: over several TTLs its view and pin stay.
                 deadline = time.monotonic() + 6
