@@ -162,8 +162,30 @@ class HostPoolSection(_Section):
         self.segment_size = ByteSize(-(-int(self.segment_size) // 4096) * 4096)
 
 
+class CudaPoolSection(_Section):
+    """`[pool.cuda]`: one daemon-owned arena of `size` bytes on each of `devices`."""
+
+    # CUDA device ordinals as the daemon sees them (its CUDA_VISIBLE_DEVICES applies) or device
+    # UUIDs ("GPU-8d0b…", as `nvidia-smi -L` prints them), which do not depend on it.
+    devices: list[int | str] = msgspec.field(default_factory=list)
+    size: ByteSize = ByteSize(0)  # per device
+
+    def __post_init__(self) -> None:
+        _check(len(self.devices) > 0, "devices", "must name at least one device (an ordinal or a GPU UUID)")
+        for device in self.devices:
+            _check(isinstance(device, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", device) is not None
+                   or isinstance(device, int) and 0 <= device < 1024, "devices",
+                   f"each must be an ordinal >= 0 or a UUID like 'GPU-8d0b...', got {device!r}")
+        _check(len(set(map(str, self.devices))) == len(self.devices), "devices",
+               f"lists a device twice: {self.devices!r}")
+        _check(self.size > 0, "size", f"must be > 0, got {int(self.size)}")
+        # CUDA IPC exports whole allocations; 2 MiB is the allocation granularity on current GPUs.
+        self.size = ByteSize(-(-int(self.size) // (2 << 20)) * (2 << 20))
+
+
 class PoolSection(_Section):
     host: HostPoolSection = msgspec.field(default_factory=HostPoolSection)
+    cuda: CudaPoolSection | None = None
 
 
 class RingSection(_Section):
@@ -358,11 +380,12 @@ def dumps_toml(config: Config) -> str:
     lines: list[str] = []
 
     def emit(prefix: str, table: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        # None is an absent optional table (e.g. [pool.cuda]): TOML has no null
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and v is not None}
         if scalars:
             lines.append(f"[{prefix}]")
             for key, value in scalars.items():
-                if isinstance(value, str):
+                if isinstance(value, (str, list)):  # JSON strings and arrays of them are TOML too
                     lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
                 elif isinstance(value, bool):
                     lines.append(f"{key} = {str(value).lower()}")

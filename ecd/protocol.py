@@ -47,6 +47,19 @@ class PoolInfo(Struct, array_like=True):
     size: int
 
 
+class ArenaInfo(Struct, array_like=True):
+    """A daemon-owned CUDA arena: one device allocation exported once as a CUDA IPC handle.
+
+    `index` is its pool number (Extent.pool / Location.pool): host segments come first, arenas
+    after them. Processes see different device ordinals under different CUDA_VISIBLE_DEVICES, so
+    clients find the arena's device by `device_uuid` ("GPU-…", as nvidia-smi -L prints it)."""
+
+    index: int
+    device_uuid: str
+    size: int
+    handle: bytes  # the 64-byte cudaIpcMemHandle_t of the arena's base pointer
+
+
 class RingInfo(Struct, array_like=True):
     name: str
     size: int
@@ -145,13 +158,16 @@ class Alloc(_Msg, tag="alloc"):
     id: int
     ns: str
     items: list[AllocItem]
+    # The pool (ArenaInfo.index) of the CUDA arena to place every item in; -1: the host pool.
+    arena: int = -1
 
 
 class Commit(_Msg, tag="commit"):
     id: int
     generations: list[int]
     # Also reserve an anonymous extent of this many bytes for this client's next put, so that put
-    # can copy first and Publish after: one round trip instead of Alloc + Commit.
+    # can copy first and Publish after: one round trip instead of Alloc + Commit. It is placed in
+    # the tier of the first committed item: its CUDA arena, or the host pool.
     reserve: U64 = 0
     # Per generation, the checksum of the bytes written (0: none). Empty: none for any of them.
     checksums: list[Checksum] = []
@@ -277,6 +293,8 @@ class Welcome(_Msg, tag="welcome"):
     heartbeat_s: float = 0.0
     # Namespaces configured `verify = true`: producers must send checksums, consumers verify.
     verify_namespaces: list[str] = []
+    # `[pool.cuda]`: one arena per configured device (empty without it).
+    arenas: list[ArenaInfo] = []
 
 
 class Pong(_Msg, tag="pong"):
