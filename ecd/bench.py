@@ -78,7 +78,7 @@ class _Series:
 
 
 def _worker(index: int, endpoint: str, timeout: float, namespace: str, sizes: list[int], op: str,
-            seconds: float, messages, go, stop, counts) -> None:
+            seconds: float, messages, go, stop, counts, client_options: dict) -> None:
     """One bench client process. Reports ("ready"|"done"|"error", index, payload) on `messages`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and tells us to stop
     try:
@@ -87,7 +87,8 @@ def _worker(index: int, endpoint: str, timeout: float, namespace: str, sizes: li
         from .client.client import Client
         from .errors import KeyNotFound
 
-        client = Client(endpoint, namespace=namespace, timeout=timeout, name=f"ecd-bench-{index}")
+        client = Client(endpoint, namespace=namespace, timeout=timeout, name=f"ecd-bench-{index}",
+                        **client_options)
         pid = os.getpid()
         tensors = [torch.ones(size, dtype=torch.uint8) for size in sizes]
         if op == "get":  # something to read: one entry per size
@@ -154,12 +155,15 @@ def _worker(index: int, endpoint: str, timeout: float, namespace: str, sizes: li
 
 
 def run_bench(endpoint: str, timeout: float, sizes: list[int], clients: int, seconds: float, op: str,
-              namespace: str, progress: Callable | None = None) -> dict:
+              namespace: str, progress: Callable | None = None, client_options: dict | None = None) -> dict:
     """Run the benchmark; returns the result document. `progress(phase, fraction, ops)` is called
-    a few times a second (phase "start" while workers connect, then "run")."""
+    a few times a second (phase "start" while workers connect, then "run"). `client_options` go
+    to every Client (e.g. the CURVE keys)."""
     from .client.client import Client
 
-    admin = Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-bench", populate=False)
+    client_options = client_options or {}
+    admin = Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-bench", populate=False,
+                   **client_options)
     restore = _interrupt_on_signals()
     try:
         segment = max(cap for cap, _ in admin.stats()["pools"])
@@ -171,7 +175,8 @@ def run_bench(endpoint: str, timeout: float, sizes: list[int], clients: int, sec
         messages, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
         counts = ctx.Array("q", clients, lock=False)
         procs = [ctx.Process(target=_worker, daemon=True, name=f"ecd-bench-{i}",
-                             args=(i, endpoint, timeout, namespace, sizes, op, seconds, messages, go, stop, counts))
+                             args=(i, endpoint, timeout, namespace, sizes, op, seconds, messages, go, stop, counts,
+                                   client_options))
                  for i in range(clients)]
         results: dict[int, dict] = {}
         interrupted = False

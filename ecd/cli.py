@@ -142,18 +142,25 @@ def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
         _fail(f"daemon error: {exc}", EXIT_DAEMON)
 
 
-def _client(endpoint: str, timeout: float, namespace: str = "default", curve_secret_key: str | None = None,
-            curve_server_key: str | None = None):
-    from .client.client import Client
-    # populate=False: an operator command touches no tensor bytes, so it maps the pools lazily.
+def _check_curve_options(curve_secret_key: str | None, curve_server_key: str | None) -> None:
+    """Bad --curve-* options are a usage error (exit 2), named as the user typed them."""
+    from .client.client import _curve_keys
     try:
-        return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False,
-                      curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
-    except ValueError as exc:  # the CURVE options
+        _curve_keys(curve_secret_key, curve_server_key)
+    except ValueError as exc:
         message = str(exc)
         for arg in ("curve_secret_key", "curve_server_key"):
             message = message.replace(arg, "--" + arg.replace("_", "-"))
         _fail(message, EXIT_USAGE)
+
+
+def _client(endpoint: str, timeout: float, namespace: str = "default", curve_secret_key: str | None = None,
+            curve_server_key: str | None = None):
+    from .client.client import Client
+    _check_curve_options(curve_secret_key, curve_server_key)
+    # populate=False: an operator command touches no tensor bytes, so it maps the pools lazily.
+    return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False,
+                  curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
 
 
 @app.command()
@@ -305,7 +312,8 @@ def bench(size: Annotated[Optional[list[str]], typer.Option(
           namespace: Annotated[str, typer.Option("--namespace", "-n", help="namespace of the bench keys "
                                                                             "(evicted at the end)")] = "ecd-bench",
           config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: TimeoutOpt = 5.0,
-          as_json: JsonOpt = False) -> None:
+          as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
+          curve_server_key: CurveServerOpt = None) -> None:
     """Measure put/get throughput and latency against a running daemon."""
     from .bench import run_bench
     sizes = []
@@ -318,13 +326,17 @@ def bench(size: Annotated[Optional[list[str]], typer.Option(
             _fail(f"--size: must be > 0, got {text!r}", EXIT_USAGE)
         sizes.append(n)
     ep = _endpoint(config, endpoint)
+    # Checked here, once, so a bad key file is a usage error rather than N failing workers.
+    _check_curve_options(curve_secret_key, curve_server_key)
+    curve = {"curve_secret_key": curve_secret_key, "curve_server_key": curve_server_key}
     with _daemon_errors(ep, timeout):
         try:
             if as_json:
-                doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace)
+                doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace, client_options=curve)
             else:
                 with _bench_progress() as progress:
-                    doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace, progress)
+                    doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace, progress,
+                                    client_options=curve)
         except ValueError as exc:
             _fail(str(exc), EXIT_USAGE)
         except KeyboardInterrupt:

@@ -235,7 +235,7 @@ def test_bench_json_gives_sane_numbers_and_leaves_no_keys(daemon):
     assert total == 0 and left == []
     assert doc["cleanup"]["left"] == 0 and doc["cleanup"]["evicted"] > 0
     assert doc["clients"] == 2 and doc["op"] == "both" and doc["sizes"] == [4096, 65536]
-    assert 0.9 < doc["elapsed_s"] < 5
+    assert 0.9 < doc["elapsed_s"] < 30  # it ran for --seconds 1 (bound only catches a runaway)
     assert [(r["op"], r["size"]) for r in doc["results"]] == [("put", 4096), ("put", 65536), ("get", 4096),
                                                               ("get", 65536)]
     for r in doc["results"]:

@@ -1,6 +1,7 @@
 """CURVE on tcp://: keygen, allowed/unknown/plaintext clients, the start-time rule, bad key files."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -125,6 +126,13 @@ def test_cli_takes_curve_keys_from_options_and_environment(daemon_factory, keys)
     assert "authentication failed" in refused.stderr
     half = ecd("status", "--endpoint", endpoint, "--curve-secret-key", str(keys["client_sec"]))
     assert half.returncode == 2 and "--curve-server-key" in half.stderr
+    # bench: its worker processes connect with the same keys (tcp on this node maps the pool)
+    bench = ecd("bench", "--endpoint", endpoint, "--clients", "2", "--seconds", "0.5", "--size", "64KiB",
+                "--json", "--curve-secret-key", str(keys["client_sec"]), "--curve-server-key", str(keys["server_pub"]))
+    assert bench.returncode == 0, bench.stderr
+    assert json.loads(bench.stdout)["total"]["ops"] > 0
+    bench_half = ecd("bench", "--endpoint", endpoint, "--curve-server-key", str(keys["server_pub"]))
+    assert bench_half.returncode == 2 and "--curve-secret-key" in bench_half.stderr
 
 
 # ---- start-time rules ---------------------------------------------------------------------------
