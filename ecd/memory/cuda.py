@@ -274,3 +274,94 @@ def load_driver() -> Driver:
             driver.init()
             _driver = driver
         return _driver
+
+
+# ---- the daemon's arenas (the handle registry) ----------------------------------------------
+
+class DriverApi(Protocol):
+    """What the arenas need of a Driver (tests pass a fake)."""
+
+    def device_count(self) -> int: ...
+    def device_uuid(self, ordinal: int) -> str: ...
+    def ordinal_of(self, uuid: str) -> int | None: ...
+    def mem_alloc(self, ordinal: int, size: int) -> int: ...
+    def mem_free(self, ordinal: int, ptr: int) -> None: ...
+    def ipc_get_handle(self, ordinal: int, ptr: int) -> bytes: ...
+
+
+class DeviceNotFound(EcdError):
+    """A configured device is not visible to this process; the message lists the visible ones."""
+
+
+def visible_devices(driver: DriverApi) -> str:
+    count = driver.device_count()
+    listed = ", ".join(f"{i} {driver.device_uuid(i)}" for i in range(count))
+    return f"{count} visible: {listed}" if count else "none visible"
+
+
+def resolve_devices(driver: DriverApi, devices: Iterable[int | str]) -> list[int]:
+    """Configured devices (ordinals or "GPU-…" UUIDs) -> ordinals in this process, in order.
+    An unknown device, or two entries naming the same device, raise DeviceNotFound."""
+    ordinals: list[int] = []
+    count = driver.device_count()
+    for device in devices:
+        if isinstance(device, int):
+            ordinal = device if 0 <= device < count else None
+        else:
+            ordinal = driver.ordinal_of(device)
+        if ordinal is None:
+            raise DeviceNotFound(f"no CUDA device {device!r} on this node ({visible_devices(driver)})")
+        if ordinal in ordinals:
+            raise DeviceNotFound(f"{device!r} is device {ordinal} ({driver.device_uuid(ordinal)}), "
+                                 "which is already listed")
+        ordinals.append(ordinal)
+    return ordinals
+
+
+@dataclass
+class Arena:
+    """One daemon-owned device allocation and the IPC handle exported for it at start."""
+
+    ordinal: int
+    uuid: str
+    size: int
+    ptr: int = field(repr=False)
+    handle: bytes = field(repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"cuda{self.ordinal}"  # the `pool` label of its metrics
+
+
+class CudaArenas:
+    """One arena of `size` bytes per device, each exported once (the handle registry). On any
+    failure, what was allocated so far is freed before the error propagates."""
+
+    def __init__(self, driver: DriverApi, ordinals: list[int], size: int) -> None:
+        self.driver = driver
+        self.arenas: list[Arena] = []
+        try:
+            for ordinal in ordinals:
+                uuid = driver.device_uuid(ordinal)
+                ptr = driver.mem_alloc(ordinal, size)
+                arena = Arena(ordinal, uuid, size, ptr, b"")
+                self.arenas.append(arena)  # freed by close() even if the export fails
+                arena.handle = driver.ipc_get_handle(ordinal, ptr)
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self):
+        return iter(self.arenas)
+
+    def __len__(self) -> int:
+        return len(self.arenas)
+
+    def close(self) -> None:
+        """Free every arena (at exit: clients drop their mappings when the daemon's epoch changes)."""
+        while self.arenas:
+            arena = self.arenas.pop()
+            try:
+                self.driver.mem_free(arena.ordinal, arena.ptr)
+            except CudaError:
+                pass  # exiting anyway: the driver reclaims a dead process's memory
