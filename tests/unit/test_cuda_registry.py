@@ -70,3 +70,13 @@ def test_config_section():
     assert load_config_text("").pool.cuda is None
     with pytest.raises(ConfigError, match="pool.cuda.devices"):
         load_config_text('[pool.cuda]\ndevices = []\nsize = "1GiB"\n')
+
+
+def test_quotas_may_count_the_arenas():
+    text = ('[pool.host]\nsize = "1GiB"\n[pool.cuda]\ndevices = [0, 1]\nsize = "2GiB"\n'
+            '[namespaces.big]\nquota = "5GiB"\nguaranteed = "4GiB"\n')
+    assert load_config_text(text).namespaces["big"].quota == 5 << 30
+    with pytest.raises(ConfigError, match=r"plus the CUDA arenas \(5368709120\)"):
+        load_config_text(text.replace('quota = "5GiB"', 'quota = "6GiB"'))
+    with pytest.raises(ConfigError, match=r"must be <= pool.host.size \(1073741824\)"):
+        load_config_text('[pool.host]\nsize = "1GiB"\n[namespaces.big]\nquota = "2GiB"\n')
