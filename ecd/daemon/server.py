@@ -308,8 +308,9 @@ class Daemon:
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
                                                            self.notifier.watchdog)))
         self.state = "serving"
-        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), epoch %d", self.node,
-                 self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments), self.epoch)
+        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), %d CUDA arena(s), epoch %d",
+                 self.node, self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments),
+                 len(self.arenas) if self.arenas is not None else 0, self.epoch)
         self.notifier.ready(self.status_line())
         self._drain()  # messages that arrived before the reader was registered
         try:
