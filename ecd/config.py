@@ -276,15 +276,19 @@ class Config(_Section):
     namespaces: dict[str, NamespaceSection] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        pool = int(self.pool.host.size)
+        # Quotas and guaranteed shares count an entry's bytes in every tier (host and CUDA arenas).
+        pool, what = int(self.pool.host.size), "pool.host.size"
+        if self.pool.cuda is not None:
+            pool += int(self.pool.cuda.size) * len(self.pool.cuda.devices)
+            what = "pool.host.size plus the CUDA arenas"
         for name, ns in self.namespaces.items():
             _check(0 < len(name.encode()) <= self.limits.max_key_bytes, f"namespaces.{name}",
                    "namespace name must be 1 to limits.max_key_bytes bytes")
             _check(ns.quota <= pool, f"namespaces.{name}.quota",
-                   f"must be <= pool.host.size ({pool}), got {int(ns.quota)}")
+                   f"must be <= {what} ({pool}), got {int(ns.quota)}")
         guaranteed = sum(int(ns.guaranteed) for ns in self.namespaces.values())
         _check(guaranteed <= pool, "namespaces",
-               f"guaranteed shares add up to {guaranteed} bytes, more than pool.host.size ({pool})")
+               f"guaranteed shares add up to {guaranteed} bytes, more than {what} ({pool})")
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self, enc_hook=_enc_hook)

@@ -105,13 +105,22 @@ class DaemonCollector:
             entries.add_metric([state], n)
         yield entries
 
-        used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool segment", labels=["pool"])
-        capacity = GaugeMetricFamily("ecd_pool_capacity_bytes", "Size of each pool segment", labels=["pool"])
-        for i, allocator in enumerate(store.allocators):
-            used.add_metric([f"host{i}"], allocator.used)
-            capacity.add_metric([f"host{i}"], allocator.capacity)
+        used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool: host<n> segments, "
+                                 "cuda<ordinal> arenas", labels=["pool"])
+        capacity = GaugeMetricFamily("ecd_pool_capacity_bytes", "Size of each pool: host<n> segments, "
+                                     "cuda<ordinal> arenas", labels=["pool"])
+        for label, allocator in zip(d.pool_labels(), store.allocators):
+            used.add_metric([label], allocator.used)
+            capacity.add_metric([label], allocator.capacity)
         yield used
         yield capacity
+        if d.arenas is not None and len(d.arenas):
+            arenas = GaugeMetricFamily("ecd_cuda_arena_info", "A daemon-owned CUDA arena ([pool.cuda]): its "
+                                       "pool label and the device's UUID (always 1)",
+                                       labels=["pool", "device_uuid"])
+            for arena in d.arenas:
+                arenas.add_metric([arena.label, arena.uuid], 1)
+            yield arenas
 
         evictions = CounterMetricFamily("ecd_evictions", "Entries removed, by reason", labels=["reason"])
         for reason, key in (("capacity", "evictions"), ("quota", "evicted_quota"),

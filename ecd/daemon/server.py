@@ -27,7 +27,7 @@ from ..errors import Code, ConfigError
 from ..integrity import checksum as checksum_of, describe
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
-from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
+from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, ArenaInfo,
                         Bye, Commit, Committed, DaemonStats, Delete, Error, Evict, Evicted, Exists, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish,
                         PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
@@ -60,8 +60,13 @@ class StartupError(Exception):
 
 
 class Daemon:
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
+    def __init__(self, config: Config, config_path: str | None = None, cuda_driver: Any = None) -> None:
         self.config = config
+        # `[pool.cuda]`: the driver (ecd.memory.cuda.load_driver() unless a test passes a fake),
+        # the configured devices' ordinals, and the arenas allocated on them (the handle registry).
+        self.cuda_driver = cuda_driver
+        self._cuda_ordinals: list[int] = []
+        self.arenas: Any = None  # ecd.memory.cuda.CudaArenas
         self.config_path = config_path  # re-read on SIGHUP
         self.node = config.node.name
         self.epoch = time.time_ns()
@@ -112,6 +117,8 @@ class Daemon:
             self.curve = CurveAuth.load(self.config) if self.config.control.curve else None
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
+        if self.config.pool.cuda is not None:
+            self._open_cuda()  # before anything is created: a node without CUDA leaves nothing behind
         self._lock.group = self.gid
         self._prepare_runtime_dir()
         try:
@@ -124,6 +131,7 @@ class Daemon:
             if stale:
                 log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
             self._create_memory()
+            self._create_arenas()
             self._bind()
             self._bind_metrics()
         except BaseException:
@@ -183,6 +191,48 @@ class Daemon:
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
         self.store_limits = self.build_store_limits()
 
+    def _open_cuda(self) -> None:
+        """Load the CUDA driver and map `[pool.cuda] devices` to this process's ordinals."""
+        from ..memory.cuda import CudaError, CudaUnavailable, DeviceNotFound, load_driver, resolve_devices
+        try:
+            if self.cuda_driver is None:
+                self.cuda_driver = load_driver()
+            self._cuda_ordinals = resolve_devices(self.cuda_driver, self.config.pool.cuda.devices)
+        except CudaUnavailable as exc:
+            raise StartupError(f"pool.cuda: CUDA is not available on this node: {exc}") from None
+        except DeviceNotFound as exc:
+            raise StartupError(f"pool.cuda.devices: {exc}") from None
+        except CudaError as exc:
+            raise StartupError(f"pool.cuda: {exc}") from None
+
+    def _create_arenas(self) -> None:
+        """One arena of `[pool.cuda] size` per device, exported once as a CUDA IPC handle."""
+        if self.config.pool.cuda is None:
+            return
+        from ..memory.cuda import CudaArenas, CudaError
+        size = int(self.config.pool.cuda.size)
+        try:
+            self.arenas = CudaArenas(self.cuda_driver, self._cuda_ordinals, size)
+        except CudaError as exc:
+            raise StartupError(f"pool.cuda.size: cannot allocate and export {size} bytes on each of "
+                               f"devices {self._cuda_ordinals}: {exc}") from None
+        for arena in self.arenas:
+            log.info("CUDA arena on device %d (%s): %d bytes", arena.ordinal, arena.uuid, arena.size)
+
+    def arena_infos(self) -> list[ArenaInfo]:
+        """Welcome.arenas: pool indices follow the host segments."""
+        if self.arenas is None:
+            return []
+        first = len(self.pool.segments)
+        return [ArenaInfo(first + i, a.uuid, a.size, a.handle) for i, a in enumerate(self.arenas)]
+
+    def pool_labels(self) -> list[str]:
+        """The `pool` label of each pool's metrics: host<n> for segments, cuda<ordinal> for arenas."""
+        labels = [f"host{i}" for i in range(len(self.pool.segments) if self.pool is not None else 0)]
+        if self.arenas is not None:
+            labels += [a.label for a in self.arenas]
+        return labels
+
     def build_store_limits(self) -> StoreLimits:
         leases, limits = self.config.leases, self.config.limits
         return StoreLimits(
@@ -239,7 +289,8 @@ class Daemon:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
-                           self.store_limits, namespaces=self.config.namespaces)
+                           self.store_limits, namespaces=self.config.namespaces,
+                           arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
         if self.metrics_listener is not None:
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state)
             await self.metrics_server.start()
@@ -257,8 +308,9 @@ class Daemon:
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
                                                            self.notifier.watchdog)))
         self.state = "serving"
-        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), epoch %d", self.node,
-                 self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments), self.epoch)
+        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), %d CUDA arena(s), epoch %d",
+                 self.node, self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments),
+                 len(self.arenas) if self.arenas is not None else 0, self.epoch)
         self.notifier.ready(self.status_line())
         self._drain()  # messages that arrived before the reader was registered
         try:
@@ -463,21 +515,25 @@ class Daemon:
                     self._count_error("release_refused")
                     self._count_drop("refused")
                 return Acked(rid, results)
-            case Alloc(id=rid, ns=ns, items=items):
+            case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
-                return Allocated(rid, [store.alloc(session, ns, item) for item in items])
+                pools = store.tier(arena)
+                return Allocated(rid, [store.alloc(session, ns, item, pools) for item in items])
             case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums):
                 store.check_batch(len(generations))
                 if checksums and len(checksums) != len(generations):
                     raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
                                                      f"{len(generations)} generations")
                 checksums = checksums or [0] * len(generations)
+                # the reservation goes in the tier of the first committed item (host if none)
+                tier = store.tier_of(generations[0]) if reserve and generations else None
                 results = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
-                return Committed(rid, results, store.reserve(session, reserve) if reserve else None)
+                return Committed(rid, results, store.reserve(session, reserve, tier) if reserve else None)
             case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
                          checksum=checksum):
+                tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
                 result = store.publish(session, ns, generation, item, checksum)
-                return Committed(rid, [result], store.reserve(session, reserve) if reserve else None)
+                return Committed(rid, [result], store.reserve(session, reserve, tier) if reserve else None)
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
@@ -562,7 +618,7 @@ class Daemon:
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
-            sorted(self.store.verify_namespaces)))
+            sorted(self.store.verify_namespaces), self.arena_infos()))
         return "ok"
 
     def _watch_pid(self, session: Session) -> None:
@@ -675,4 +731,7 @@ class Daemon:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.arenas is not None:
+            self.arenas.close()
+            self.arenas = None
         self._lock.release()

@@ -17,6 +17,12 @@ own least recently used entries first, and gets QUOTA_EXCEEDED when they cannot 
 never evicts another namespace for its quota. Eviction for room (no hole big enough) never takes
 an entry of another namespace below that namespace's guaranteed share, and evicts nothing at all
 unless it first finds that evicting what it may would open a big enough contiguous hole.
+
+Tiers: the host pool (its segments, pools 0..n-1) and, with `[pool.cuda]`, one CUDA arena per
+device (pools n, n+1, ...), each with its own allocator. An allocation names its tier (Alloc.arena):
+it is placed, and evicts for room, only there; host placement never spills into an arena nor an
+arena into the host pool. A reservation lives in the tier it was asked for (that of the commit it
+rides on). Namespace quotas and guaranteed shares count an entry's bytes whatever its tier.
 """
 from __future__ import annotations
 
@@ -121,9 +127,11 @@ class RequestError(Exception):
 class Store:
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
-                 namespaces: Mapping[str, Any] | None = None) -> None:
-        self.allocators = [ExtentAllocator(size) for size in pool_sizes]
-        self.largest_segment = max(pool_sizes)  # no entry can be bigger than this
+                 namespaces: Mapping[str, Any] | None = None, arena_sizes: list[int] | tuple = ()) -> None:
+        self.allocators = [ExtentAllocator(size) for size in [*pool_sizes, *arena_sizes]]
+        self.host_pools = tuple(range(len(pool_sizes)))  # the host tier: every shm segment
+        self.arena_pools = tuple(range(len(pool_sizes), len(self.allocators)))  # one per CUDA arena
+        self.largest_segment = max(pool_sizes)  # no host entry can be bigger than this
         self.ring = ring
         self.scheduler = scheduler
         self.limits = limits
@@ -259,7 +267,36 @@ class Store:
             return Failure(Code.LIMIT, f"namespace longer than limits.max_key_bytes={limit}")
         return None
 
-    def _check_item(self, ns: str, item: AllocItem) -> Failure | None:
+    def tier(self, arena: int) -> tuple[int, ...]:
+        """The pools an Alloc with this `arena` may use: -1 the host pool's segments, else exactly
+        that arena (RequestError INVALID when `arena` is not an arena's pool index)."""
+        if arena == -1:
+            return self.host_pools
+        if arena in self.arena_pools:
+            return (arena,)
+        arenas = (f"pools {self.arena_pools[0]}..{self.arena_pools[-1]} are CUDA arenas"
+                  if self.arena_pools else "this daemon has no CUDA arenas ([pool.cuda])")
+        raise RequestError(Code.INVALID, f"arena={arena} is not a CUDA arena: {arenas}; -1 is the host pool")
+
+    def tier_of(self, generation: int) -> tuple[int, ...]:
+        """The tier of an entry (the host pool when the generation names none)."""
+        entry = self.by_generation.get(generation)
+        return (entry.pool,) if entry is not None and entry.pool in self.arena_pools else self.host_pools
+
+    def _largest_in(self, pools: tuple[int, ...]) -> int:
+        if pools == self.host_pools:
+            return self.largest_segment
+        return max(self.allocators[p].capacity for p in pools)
+
+    def _too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
+        largest = self._largest_in(pools)
+        if nbytes <= largest:
+            return None
+        where = ("the largest pool segment" if pools == self.host_pools
+                 else f"CUDA arena {pools[0]}")
+        return f"{nbytes} bytes is larger than {where} ({largest} bytes)"
+
+    def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
         failure = self.check_key(ns, item.key)
         if failure is not None:
             return failure
@@ -271,37 +308,43 @@ class Store:
         if want != item.nbytes:
             return Failure(Code.INVALID, f"nbytes={item.nbytes} but shape {list(item.shape)} of "
                                          f"{item.dtype} needs {want}")
-        if item.nbytes > self.largest_segment:
-            return Failure(Code.INVALID, f"{item.nbytes} bytes is larger than the largest pool segment "
-                                         f"({self.largest_segment} bytes)")
+        too_large = self._too_large(item.nbytes, self.host_pools if pools is None else pools)
+        if too_large:
+            return Failure(Code.INVALID, too_large)
         return None
 
     # ---- put ----------------------------------------------------------------------------
 
-    def alloc(self, session: Session, ns: str, item: AllocItem) -> Extent | Failure:
-        failure = self._check_item(ns, item)
+    def alloc(self, session: Session, ns: str, item: AllocItem,
+              pools: tuple[int, ...] | None = None) -> Extent | Failure:
+        """Place a new WRITING entry in `pools` (a tier(): default the host pool)."""
+        pools = self.host_pools if pools is None else pools
+        failure = self._check_item(ns, item, pools)
         if failure is not None:
             self.counters["alloc_refused"] += 1
             return failure
         victims = self._quota_victims(ns, align_up(max(item.nbytes, 1)))
         if isinstance(victims, Failure):
             return victims
-        placed = self._place(item.nbytes, ns, victims)
+        placed = self._place(item.nbytes, ns, victims, pools=pools)
         if placed is None:
             self.counters["pool_full"] += 1
-            return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes))
+            return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes, pools))
         entry = self._new_write(session, placed, ns, item.key, item.dtype, list(item.shape), item.nbytes)
         return Extent(entry.generation, entry.pool, entry.offset)
 
-    def reserve(self, session: Session, nbytes: int) -> Extent | Failure:
+    def reserve(self, session: Session, nbytes: int, pools: tuple[int, ...] | None = None) -> Extent | Failure:
         """An anonymous extent the client fills before naming it (Publish), saving the Alloc
         round trip of its next put. Never evicts for it: a put that may not come must not cost
-        the cache anything, so under pressure the client simply falls back to Alloc."""
+        the cache anything, so under pressure the client simply falls back to Alloc. Placed in
+        `pools` (a tier: the one of the commit it rides on; default the host pool)."""
+        pools = self.host_pools if pools is None else pools
         if session.reservation is not None:
             return Failure(Code.LIMIT, "this client already holds a reservation")
-        if nbytes > self.largest_segment:
-            return Failure(Code.INVALID, f"cannot reserve {nbytes} bytes: larger than any pool segment")
-        placed = self._place(nbytes, None, (), evict=False)
+        too_large = self._too_large(nbytes, pools)
+        if too_large:
+            return Failure(Code.INVALID, f"cannot reserve: {too_large}")
+        placed = self._place(nbytes, None, (), evict=False, pools=pools)
         if placed is None:
             self.counters["reserve_refused"] += 1
             return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
@@ -317,7 +360,7 @@ class Store:
             return Failure(Code.STALE, f"generation {generation} is not this client's reservation "
                                        "(expired, aborted or already published)")
         session.reservation = None
-        failure = self._check_item(ns, item)
+        failure = self._check_item(ns, item, self.tier_of(generation))
         extent_size = self.allocators[entry.pool].extent_size(entry.offset)
         if failure is None and align_up(max(item.nbytes, 1)) != extent_size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {extent_size}")
@@ -353,27 +396,30 @@ class Store:
         return entry
 
     def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
-               evict: bool = True) -> tuple[int, int] | None:
-        """(pool, offset) of a new extent, evicting `required` (the namespace's own entries its
-        quota demands) and, when no hole is big enough, what else may be evicted for room; None
-        (and nothing evicted) when that cannot make a big enough contiguous hole."""
+               evict: bool = True, pools: tuple[int, ...] | None = None) -> tuple[int, int] | None:
+        """(pool, offset) of a new extent in one of `pools` (default the host pool), evicting
+        `required` (the namespace's own entries its quota demands, in any tier) and, when no hole
+        is big enough, what else in `pools` may be evicted for room; None (and nothing evicted)
+        when that cannot make a big enough contiguous hole."""
+        pools = self.host_pools if pools is None else pools
+        allocators = self.allocators
         size = align_up(max(nbytes, 1))
-        if required and any(a.largest_free >= size for a in self.allocators):
+        if required and any(allocators[p].largest_free >= size for p in pools):
             self._evict_all(required, ())
             required = ()
         if not required:  # the common path: O(log n) per pool, no eviction
-            for pool, allocator in enumerate(self.allocators):
-                offset = allocator.alloc(size)
+            for pool in pools:
+                offset = allocators[pool].alloc(size)
                 if offset is not None:
                     return pool, offset
         if not evict:
             return None
-        victims = self._plan_room(size, ns, required)
+        victims = self._plan_room(size, ns, required, pools)
         if victims is None:
             return None
         self._evict_all(required, victims)
-        for pool, allocator in enumerate(self.allocators):
-            offset = allocator.alloc(size)
+        for pool in pools:
+            offset = allocators[pool].alloc(size)
             if offset is not None:
                 return pool, offset
         raise AssertionError("eviction plan did not make the room it promised")
@@ -389,7 +435,7 @@ class Store:
         self._free(victim)
         self.counters[counter] += 1
 
-    def _plan_room(self, size: int, ns: str | None, required) -> list[Entry] | None:
+    def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...]) -> list[Entry] | None:
         """The entries to evict for a contiguous hole of `size` bytes, found without evicting:
         walk the LRU order (after `required`), freeing each victim on paper and merging it with
         its free or already-freed neighbours, until one run is big enough. Only the victims in
@@ -428,10 +474,12 @@ class Store:
 
         for entry in required:  # they go whatever happens: the quota needs them gone
             start, end = free_on_paper(entry)
-            if end - start >= size:
+            if end - start >= size and entry.pool in pools:
                 return []
-        # Only segments whose free plus evictable bytes could hold it at all are worth a look.
-        candidates = [a.free + self.evictable_bytes[pool] >= size for pool, a in enumerate(allocators)]
+        # Only segments of the tier whose free plus evictable bytes could hold it are worth a look.
+        candidates = [False] * len(allocators)
+        for pool in pools:
+            candidates[pool] = allocators[pool].free + self.evictable_bytes[pool] >= size
         if not any(candidates):
             return None
         skip = {e.generation for e in required}
@@ -456,16 +504,18 @@ class Store:
                 return in_run(entry.pool, start, end, walked)
         return None
 
-    def _pool_full_message(self, nbytes: int) -> str:
+    def _pool_full_message(self, nbytes: int, pools: tuple[int, ...]) -> str:
         # O(pools): this runs on every refused put, and a full pool can hold millions of entries.
-        capacity = sum(a.capacity for a in self.allocators)
-        used = sum(a.used for a in self.allocators)
-        largest = max(a.largest_free for a in self.allocators)
+        tier = [self.allocators[p] for p in pools]
+        capacity = sum(a.capacity for a in tier)
+        used = sum(a.used for a in tier)
+        largest = max(a.largest_free for a in tier)
+        where = "" if pools == self.host_pools else f" in CUDA arena {pools[0]}"
         held = len(self.index) - len(self.evictable)
         writing = self.writes_in_progress()
         protected = (f", {self._protected} kept for their namespace's guaranteed share"
                      if self._protected else "")
-        return (f"no room for {nbytes} bytes: {used} of {capacity} bytes in use, largest free extent "
+        return (f"no room for {nbytes} bytes{where}: {used} of {capacity} bytes in use, largest free extent "
                 f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
                 f"({held} entries leased or pinned, {writing} being written{protected})")
 

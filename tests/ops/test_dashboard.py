@@ -22,6 +22,7 @@ METRICS: dict[str, dict[str, set[str] | None]] = {
     "ecd_entries": {"state": {"ready", "writing", "retired", "reserved"}},
     "ecd_pool_used_bytes": {"pool": None},
     "ecd_pool_capacity_bytes": {"pool": None},
+    "ecd_cuda_arena_info": {"pool": None, "device_uuid": None},  # only with [pool.cuda]
     "ecd_evictions_total": {"reason": {"capacity", "quota", "deleted", "replaced"}},
     "ecd_namespace_used_bytes": {"namespace": None},
     "ecd_namespace_quota_bytes": {"namespace": None},

@@ -1,0 +1,61 @@
+"""A Python stand-in for ecd.memory.cuda.Driver (no GPU needed), and a launcher that runs
+`ecd serve` with it: `python tests/fake_cuda.py serve --config node.toml`.
+
+The launcher's fake logs every allocation and free to $ECD_FAKE_CUDA_LOG (one line each), so a
+test can check the daemon freed its arenas at exit."""
+from __future__ import annotations
+
+import os
+import sys
+
+UUIDS = ["GPU-8d0b3c5e-1f2a-4b6c-9d7e-0f1a2b3c4d5e", "GPU-11111111-2222-3333-4444-555555555555"]
+
+
+class FakeDriver:
+    def __init__(self, uuids=UUIDS, fail_alloc_on: int | None = None, log: str | None = None) -> None:
+        self.uuids = list(uuids)
+        self.fail_alloc_on = fail_alloc_on
+        self.log = log
+        self.live: dict[int, tuple[int, int]] = {}  # ptr -> (ordinal, size)
+        self.next_ptr = 0x7F00_0000_0000
+
+    def _note(self, line: str) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(line + "\n")
+
+    def device_count(self) -> int:
+        return len(self.uuids)
+
+    def device_uuid(self, ordinal: int) -> str:
+        return self.uuids[ordinal]
+
+    def ordinal_of(self, uuid: str) -> int | None:
+        lowered = [u.lower() for u in self.uuids]
+        return lowered.index(uuid.lower()) if uuid.lower() in lowered else None
+
+    def mem_alloc(self, ordinal: int, size: int) -> int:
+        from ecd.memory.cuda import CudaError
+        if ordinal == self.fail_alloc_on:
+            raise CudaError("cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory", result=2)
+        ptr = self.next_ptr
+        self.next_ptr += size
+        self.live[ptr] = (ordinal, size)
+        self._note(f"alloc {ordinal} {ptr:#x} {size}")
+        return ptr
+
+    def mem_free(self, ordinal: int, ptr: int) -> None:
+        assert self.live.pop(ptr)[0] == ordinal
+        self._note(f"free {ordinal} {ptr:#x}")
+
+    def ipc_get_handle(self, ordinal: int, ptr: int) -> bytes:
+        assert ptr in self.live
+        return ptr.to_bytes(8, "little") + bytes([ordinal]) * 56
+
+
+if __name__ == "__main__":
+    from ecd.memory import cuda
+    driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"))
+    cuda.load_driver = lambda: driver
+    from ecd.cli import app
+    sys.exit(app(prog_name="ecd"))
