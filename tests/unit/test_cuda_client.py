@@ -244,3 +244,23 @@ def test_client_refuses_unknown_tier_and_device(daemon):
         c.put("a", torch.ones(1 << 12))
         with pytest.raises(InvalidRequest, match="cpu or cuda"):
             c.get("a", device="meta")
+
+
+def test_mapping_accepts_arena_locations_and_places_reservations_by_tier():
+    from ecd.client.client import _Mapping
+    from ecd.errors import ProtocolError
+    from ecd.protocol import Extent, Location
+    m = object.__new__(_Mapping)  # the bookkeeping only: no shared memory attached
+    m.sizes, m.arena_sizes = [1000], {1: 2000}
+
+    def loc(pool, offset, nbytes):
+        return Location(1, pool, offset, nbytes, "uint8", [nbytes])
+
+    m.check(loc(0, 500, 500))
+    m.check(loc(1, 1000, 1000))
+    for bad in [loc(0, 600, 500), loc(1, 1500, 600), loc(2, 0, 1), loc(-1, 0, 1)]:
+        with pytest.raises(ProtocolError):
+            m.check(bad)
+    assert not m.is_arena(0) and m.is_arena(1)
+    assert m.fits(Extent(1, 0, 0), -1) and not m.fits(Extent(1, 1, 0), -1)
+    assert m.fits(Extent(1, 1, 0), 1) and not m.fits(Extent(1, 0, 0), 1)
