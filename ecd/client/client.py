@@ -40,7 +40,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
                         Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
-from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, view_of
+from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
@@ -111,6 +111,13 @@ class _Resources:
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None  # handshake failures of `sock`
         self.stop = threading.Event()  # ends the heartbeat thread
+        self.cuda = None  # ecd.client.cuda.CudaPlane of the current epoch, once CUDA was involved
+
+    def close_cuda(self) -> None:
+        """Close the arena handles and unregister the host mappings (client close, new epoch)."""
+        plane, self.cuda = self.cuda, None
+        if plane is not None:
+            plane.close()
 
     def drop_socket(self, say_bye: bool = False) -> None:
         if self.sock is None:
@@ -128,6 +135,7 @@ class _Resources:
 
     def close(self) -> None:
         self.stop.set()
+        self.close_cuda()
         self.drop_socket(say_bye=True)
         self.ctx.term()
 
@@ -150,6 +158,9 @@ class _Mapping:
         self.epoch = welcome.epoch
         self.node = welcome.node
         self.sizes = [p.size for p in welcome.pools]
+        # `[pool.cuda]` arenas: pool numbers after the host segments' (ecd.client.cuda opens them)
+        self.arenas = list(welcome.arenas)
+        self.arena_sizes = {a.index: a.size for a in welcome.arenas}
         self.local = True
         try:
             # The ring first: missing, or another daemon's (its epoch differs), means the daemon
@@ -183,9 +194,16 @@ class _Mapping:
                 f"and puts of up to {inline_max} bytes")
 
     def check(self, loc: Location) -> None:
-        if not (0 <= loc.pool < len(self.sizes) and 0 <= loc.offset
-                and loc.offset + loc.nbytes <= self.sizes[loc.pool]):
+        size = self.sizes[loc.pool] if 0 <= loc.pool < len(self.sizes) else self.arena_sizes.get(loc.pool)
+        if size is None or not (0 <= loc.offset and loc.offset + loc.nbytes <= size):
             raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
+
+    def is_arena(self, pool: int) -> bool:
+        return pool >= len(self.sizes)
+
+    def fits(self, extent: Extent, arena: int) -> bool:
+        """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
+        return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
 
 
 def _protocol_error(value: int) -> str:
@@ -265,6 +283,7 @@ class Client:
                 with contextlib.suppress(zmq.ZMQError):
                     self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
                 raise
+            self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
             self._map = mapping
             self._cache.clear()
             self._reservation = None
@@ -403,14 +422,28 @@ class Client:
 
     # ---- put ----------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False) -> None:
+    def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False, tier: str | None = None) -> None:
         """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically.
         With `checksum` (always in a verify namespace) an xxh3-64 of the stored bytes is kept
-        with the entry, for readers that verify."""
-        self.put_many({key: tensor}, checksum=checksum)
+        with the entry, for readers that verify (for bytes on a GPU it is computed by staging
+        them to host memory: slow).
 
-    def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False) -> None:
-        """Store several tensors with one allocation and one commit round trip."""
+        A CUDA tensor goes to the daemon's arena on its device (`[pool.cuda]`), copied on the
+        caller's current stream; the entry is published only once that copy has completed. Without
+        an arena on that device it goes to the host pool (an asynchronous device-to-host copy into
+        the CUDA-registered mapping), as it does with tier="host"; tier="cuda" refuses the
+        fallback (InvalidRequest). CPU tensors always go to the host pool."""
+        self.put_many({key: tensor}, checksum=checksum, tier=tier)
+
+    def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False,
+                 tier: str | None = None) -> None:
+        """Store several tensors with one allocation and one commit round trip per tier (the
+        host pool, and each arena the CUDA tensors go to: see put)."""
+        if tier is not None and tier not in ("host", "cuda"):
+            raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values()):
+            self._put_cuda_many(items, checksum, tier)
+            return
         tensors = {key: host_tensor(t) for key, t in items.items()}
         if not tensors:
             return
@@ -423,16 +456,73 @@ class Client:
                 if attempt or self._map.epoch == epoch:
                     raise
 
-    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+    def _put_cuda_many(self, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None) -> None:
+        """put_many with CUDA tensors among the items: one Alloc/Commit per tier."""
+        from . import cuda
+        pending = dict(items)
+        for attempt in range(2):
+            epoch = self._map.epoch
+            plane = self._cuda_plane(self._map)
+            groups: dict[int, dict[str, torch.Tensor]] = {}
+            for key, t in pending.items():
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t = cuda.device_tensor(t)
+                    arena = plane.tier_for(t, tier)
+                else:
+                    t, arena = host_tensor(t), cuda.HOST
+                groups.setdefault(arena, {})[key] = t
+            try:
+                for arena, tensors in groups.items():
+                    self._put_once(tensors, self._verifies(checksum), arena)
+                    for key in tensors:
+                        del pending[key]
+                return
+            except StaleGeneration:
+                if attempt or self._map.epoch == epoch:
+                    raise
+
+    def _cuda_plane(self, mapping: _Mapping):
+        """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
+        with self._lock:
+            if mapping is not self._map:
+                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+            plane = self._res.cuda
+            if plane is None or plane.epoch != mapping.epoch:
+                from .cuda import CudaPlane
+                self._res.close_cuda()
+                plane = CudaPlane(mapping.epoch, mapping.arenas if mapping.local else [], mapping.rw,
+                                  len(mapping.sizes))
+                self._res.cuda = plane
+            return plane
+
+    def _copy_cuda(self, mapping: _Mapping, extents: Sequence[Extent], tensors: Sequence[torch.Tensor],
+                   checksum: bool) -> list[int]:
+        """Copy tensors into extents on the callers' current streams and wait for the copies: the
+        bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
+        plane = self._cuda_plane(mapping)
+        batch = plane.batch()
+        try:
+            for extent, t in zip(extents, tensors):
+                batch.put(extent.pool, extent.offset, t)
+            batch.wait()
+        except BaseException:
+            batch.wait_quietly()  # never give an extent back while a copy may still write into it
+            raise
+        if not checksum:
+            return [0] * len(extents)
+        return [plane.extent_checksum(e.pool, e.offset, t.numel() * t.element_size())
+                for e, t in zip(extents, tensors)]
+
+    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int = -1) -> None:
         ns = self.namespace
         reserve = 0
         if len(tensors) == 1:
             (key, t), = tensors.items()
             nbytes = t.numel() * t.element_size()
-            if nbytes <= self.limits.inline_max_bytes:
+            if arena < 0 and nbytes <= self.limits.inline_max_bytes:
                 self._put_inline(key, t, nbytes, checksum)
                 return
-            if self._put_reserved(key, t, nbytes, checksum):
+            if self._put_reserved(key, t, nbytes, checksum, arena):
                 return
             reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
         if not self._map.local:
@@ -443,23 +533,34 @@ class Client:
         with self._lock:
             # Taken before the request: the daemon's write TTL starts later, when it allocates.
             use_by = time.monotonic() + self._safe_write_window()
-            reply: Allocated = self._call(Alloc(next(self._ids), ns, items))
+            reply: Allocated = self._call(Alloc(next(self._ids), ns, items, arena))
             mapping, ring_pos = self._map, self._map.ring.next_seq
         extents = reply.results
         failed = next((r for r in extents if isinstance(r, Failure)), None)
         generations = [r.generation for r in extents if not isinstance(r, Failure)]
         digests: list[int] = []
+        on_device: list[int] = []  # items whose copy runs on a GPU (after the host copies)
         try:
             if failed is not None:
                 raise error_from_code(failed.code, failed.message)
-            for extent, t in zip(extents, tensors.values()):
+            for i, (extent, t) in enumerate(zip(extents, tensors.values())):
                 if time.monotonic() > use_by:
                     # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired
                     # the write and handed the extent to another entry; copying now would
                     # corrupt that entry, so give up as a commit of an expired write would.
                     raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
                                           "its bytes were copied: put again")
+                if t.is_cuda or mapping.is_arena(extent.pool):
+                    on_device.append(i)
+                    digests.append(0)
+                    continue
                 digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
+            if on_device:
+                values = list(tensors.values())
+                done = self._copy_cuda(mapping, [extents[i] for i in on_device], [values[i] for i in on_device],
+                                       checksum)
+                for i, digest in zip(on_device, done):
+                    digests[i] = digest
         except BaseException:
             if generations:
                 with contextlib.suppress(EcdError):
@@ -492,7 +593,7 @@ class Client:
         for key, t in tensors.items():
             self._put_inline(key, t, sizes[key], checksum)
 
-    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> bool:
+    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int = -1) -> bool:
         """Copy into the reservation the last put left, then Publish: one round trip. False
         when there is no usable reservation (the caller takes the Alloc path)."""
         with self._lock:
@@ -502,7 +603,8 @@ class Client:
             extent, size, expires, session, epoch = res
             self._reservation = None
             if (align_up(max(nbytes, 1)) != size or time.monotonic() > expires
-                    or session != self._session or epoch != self._map.epoch):
+                    or session != self._session or epoch != self._map.epoch
+                    or not self._map.fits(extent, arena)):  # the last put left it in another tier
                 # Not usable: hand it back (if it is still ours) so the next Commit can reserve anew.
                 if session == self._session and epoch == self._map.epoch:
                     self._send_quietly(Abort(0, [extent.generation]))
@@ -511,7 +613,10 @@ class Client:
             mapping, ring_pos = self._map, self._map.ring.next_seq
         try:
             try:
-                digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
+                if t.is_cuda or mapping.is_arena(extent.pool):
+                    digest, = self._copy_cuda(mapping, [extent], [t], checksum)
+                else:
+                    digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
                 item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
             except BaseException:
                 self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
@@ -557,6 +662,8 @@ class Client:
                     self._last_sent = time.monotonic()
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
+        if t.is_cuda:
+            t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
         data = bytearray(nbytes)
         copy_into(data, 0, t)
         data = bytes(data)
@@ -618,26 +725,51 @@ class Client:
             f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "
             f"read hash to {describe(actual)}", key=key, expected=loc.checksum, actual=actual)
 
-    def get(self, key: str, timeout: float | None = None, *, verify: bool = False) -> torch.Tensor:
+    def get(self, key: str, timeout: float | None = None, *, verify: bool = False,
+            device=None) -> torch.Tensor:
         """A copy of the tensor under `key`; with `timeout`, wait that long for it to be published.
         With `verify` (always in a verify namespace), the copy is checked against the checksum
-        stored with the entry (entries stored without one are not checked): IntegrityError."""
-        return self.get_many([key], timeout, verify=verify)[0]
+        stored with the entry (entries stored without one are not checked): IntegrityError; a
+        copy on a GPU is checked by staging it to host memory (slow).
+
+        `device`: where the copy goes: None (where the entry lives: an arena entry to this
+        process's device of that arena, a host entry to the CPU), "cpu", "cuda", "cuda:N", N or a
+        torch.device. Copies to a GPU run on the caller's current stream (peer-to-peer from
+        another device's arena; from the CUDA-registered host mapping for a host entry) and have
+        completed when get returns (the read lease is released only then)."""
+        return self.get_many([key], timeout, verify=verify, device=device)[0]
 
     def get_many(self, keys: Sequence[str], timeout: float | None = None, *,
-                 missing_ok: bool = False, verify: bool = False) -> list[torch.Tensor | None]:
-        """Copies of several tensors in one round trip (None for a missing key if missing_ok)."""
+                 missing_ok: bool = False, verify: bool = False, device=None) -> list[torch.Tensor | None]:
+        """Copies of several tensors in one round trip (None for a missing key if missing_ok);
+        `device` as in get."""
         keys = list(keys)
         verify = self._verifies(verify)
+        target = parse_device(device)
+        to_gpu = target is not None and target.type == "cuda"
         results, session, mapping = self._acquire(keys, timeout)
         held = [r.generation for r in results if isinstance(r, Location)]
+        batch = None
         try:
             out: list[torch.Tensor | None] = []
+            checks: list[tuple[int, str, Location]] = []  # copies made on a GPU, verified after the wait
             for key, result in zip(keys, results):
                 if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
                     out.append(None)
                     continue
                 loc = self._located(key, result)
+                if to_gpu or mapping.is_arena(loc.pool):
+                    if batch is None:
+                        plane = self._cuda_plane(mapping)
+                        batch = plane.batch()
+                    src = plane.location_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                    dst = target if target is not None else src.device
+                    if dst.type == "cuda" and dst.index is None:
+                        dst = torch.device("cuda", torch.cuda.current_device())
+                    out.append(batch.get(src, dst))
+                    if verify and loc.checksum:
+                        checks.append((len(out) - 1, key, loc))
+                    continue
                 if verify and loc.checksum:
                     tensor, actual = copy_out_checked(mapping.rw[loc.pool], loc.offset, loc.nbytes,
                                                       loc.dtype, loc.shape)
@@ -646,8 +778,17 @@ class Client:
                     out.append(tensor)
                 else:
                     out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
+            if batch is not None:
+                batch.wait()
+                from .cuda import tensor_checksum
+                for i, key, loc in checks:
+                    actual = tensor_checksum(out[i])
+                    if actual != loc.checksum:
+                        raise self._corrupt(key, loc, actual)
             return out
         finally:
+            if batch is not None:
+                batch.wait_quietly()  # the lease goes only once no copy reads the extent any more
             self._release(held, session, mapping.epoch)
 
     @contextlib.contextmanager
@@ -657,10 +798,34 @@ class Client:
         Writing to it faults (the memory is mapped read-only): copy it to modify it. With
         `verify` (always in a verify namespace) the mapped bytes are checked against the stored
         checksum before the view is handed out (one read of the entry): IntegrityError.
+
+        An entry in a CUDA arena is viewed as a CUDA tensor on this process's device of that arena
+        (zero copy, through the arena's IPC mapping). GPU memory cannot be mapped read-only: do not
+        write to it. When the block exits, the work queued on that device's current stream is
+        waited for before the lease is released (kernels reading the view finish first); a
+        verified view is checked by staging the entry to host memory (slow).
         """
         verify = self._verifies(verify)
         (result,), session, mapping = self._acquire([key], timeout)
         loc = self._located(key, result) if isinstance(result, Failure) else result
+        if mapping.is_arena(loc.pool):
+            try:
+                plane = self._cuda_plane(mapping)
+                tensor = plane.arena_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                if verify and loc.checksum:
+                    from .cuda import tensor_checksum
+                    actual = tensor_checksum(tensor)
+                    if actual != loc.checksum:
+                        raise self._corrupt(key, loc, actual)
+                batch = plane.batch()
+                try:
+                    yield tensor
+                finally:
+                    batch.after(tensor)
+                    batch.wait_quietly()
+            finally:
+                self._release([loc.generation], session, mapping.epoch)
+            return
         try:
             if verify and loc.checksum:
                 actual = checksum_of(mapping.ro[loc.pool], loc.offset, loc.nbytes)

@@ -128,3 +128,29 @@ def view_of(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torc
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(buf, dtype=tdtype, count=nbytes // itemsize, offset=offset)
     return flat.view(shape)
+
+
+def parse_device(device) -> torch.device | None:
+    """get()'s `device` argument: None (where the entry lives), "cpu", "cuda", "cuda:N", an int N
+    (cuda:N, torch's convention) or a torch.device. Only cpu and cuda devices are accepted; a
+    bare "cuda" keeps index None (the caller's current device, resolved when copying)."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise InvalidRequest(f"device must be None, 'cpu', 'cuda[:N]', an int or a torch.device, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise InvalidRequest(f"device ordinal must be >= 0, got {device}")
+        return torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise InvalidRequest(f"device {device!r}: {exc}") from None
+    if not isinstance(device, torch.device):
+        raise InvalidRequest(f"device must be None, 'cpu', 'cuda[:N]', an int or a torch.device, got {device!r}")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"ecd copies to cpu or cuda devices, not {device.type!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
