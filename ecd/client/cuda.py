@@ -47,7 +47,8 @@ def format_uuid(value) -> str:
         text = value.strip()
     elif isinstance(value, (bytes, bytearray)) and len(value) == 16:
         text = str(_uuid.UUID(bytes=bytes(value)))
-    elif isinstance(getattr(value, "bytes", None), (bytes, bytearray)) and len(value.bytes) == 16:
+    elif getattr(value, "bytes", None) is not None and len(value.bytes) == 16:
+        # torch's _CUuuid.bytes is a list of 16 ints in some versions, bytes in others
         text = str(_uuid.UUID(bytes=bytes(value.bytes)))
     else:
         text = str(value).strip()

@@ -43,6 +43,14 @@ def test_format_uuid_accepts_torch_and_nvidia_smi_spellings():
             return str(raw)
 
     assert cuda.format_uuid(TorchUuid()) == U1
+
+    class TorchUuidAsInts:  # some torch versions give .bytes as a list of 16 ints
+        bytes = list(raw.bytes)
+
+        def __str__(self):
+            return "not used"
+
+    assert cuda.format_uuid(TorchUuidAsInts()) == U1
     assert cuda.format_uuid("MIG-abc-DEF") == "MIG-abc-def"
 
 
