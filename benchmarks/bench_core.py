@@ -21,7 +21,6 @@ for the whole machine, so a stamp taken in the producer and one taken in the con
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -37,7 +36,7 @@ import xxhash
 from ecd.client.client import Client
 from ecd.memory.host import ShmFile
 
-from bench_daemon import BenchDaemon
+from bench_daemon import BenchDaemon, write_results
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -674,9 +673,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     if ok_exit and args.json:
         res["daemon_exit_code"] = rc
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=float)
-        print(f"results written to {args.json}")
+        write_results(args.json, res)
     return 0 if ok_exit else 1
 
 

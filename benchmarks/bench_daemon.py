@@ -2,6 +2,7 @@
 free port, killed with the benchmark even if that dies by SIGKILL, stopped with SIGTERM."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,17 @@ import time
 
 from ecd.client.client import Client
 from ecd.errors import EcdError
+
+
+def write_results(path: str, res: dict) -> None:
+    """`--json PATH` of every benchmark: the results document, indented ('-': stdout)."""
+    text = json.dumps(res, indent=2, default=float)
+    if path == "-":
+        print(text)
+        return
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"results written to {path}")
 
 
 def _die_with_parent() -> None:

@@ -65,7 +65,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from bench_daemon import BenchDaemon  # noqa: E402
+from bench_daemon import BenchDaemon, write_results  # noqa: E402
 from ecd.client.client import Client  # noqa: E402
 
 now_ns = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: stamps from two processes subtract
@@ -676,9 +676,7 @@ def main() -> int:
         print(daemon.log_tail())
     ok = ok and rc == 0 and not left and not bad
     if ok and args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=float)
-        print(f"results written to {args.json}")
+        write_results(args.json, res)
     return 0 if ok else 1
 
 

@@ -21,7 +21,6 @@ torch references are followed by a synchronize).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -286,7 +285,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_daemon import BenchDaemon
+    from bench_daemon import BenchDaemon, write_results
     workdir = tempfile.mkdtemp(prefix="ecd-gpu-bench-")
     daemon = BenchDaemon(workdir, node_prefix="gpubench", pool="2GiB",
                          extra=f'\n[pool.cuda]\ndevices = [0]\nsize = "{args.arena}"\n')
@@ -311,9 +310,7 @@ def main() -> int:
             ok = False
         shutil.rmtree(workdir, ignore_errors=True)
     if ok and args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=float)
-        print(f"results written to {args.json}")
+        write_results(args.json, res)
     return 0 if ok else 1
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import multiprocessing as mp
 import os
 import random
@@ -35,7 +34,7 @@ import zlib
 
 import numpy as np
 
-from bench_daemon import BenchDaemon
+from bench_daemon import BenchDaemon, write_results
 
 HEADER = struct.Struct("<QII")  # seed, crc32(key), length
 MIN_SIZE = HEADER.size
@@ -457,12 +456,7 @@ def main() -> int:
     res = run(args)
     report(res)
     if args.json:
-        text = json.dumps(res, indent=2, default=float)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        write_results(args.json, res)
     return 0 if res["ok"] else 1
 
 
