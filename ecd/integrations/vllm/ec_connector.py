@@ -249,16 +249,15 @@ class EcdECConnector(ECConnectorBase):
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         """Publish encoder_cache[mm_hash]. The put copies into the pool before it returns, so the
         engine may reuse or free its tensor at once; the engine waits for that copy and one round
-        trip, nothing else. A GPU tensor is staged through host memory first (one device-to-host
-        copy: ecd's pool is host memory)."""
+        trip, nothing else. A GPU tensor is copied on the engine's current stream into the
+        daemon's arena on that GPU (`[pool.cuda]`), or by DMA into the host pool when the node has
+        none; the put returns once that copy is complete."""
         if not self.is_producer:
             return
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
         tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
         self._daemon("save", lambda c: c.put(mm_hash, tensor))
 
     # ---- worker side: consumer ------------------------------------------------------------
@@ -271,12 +270,14 @@ class EcdECConnector(ECConnectorBase):
         todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
         if not todo:
             return
-        tensors = self._daemon("load", lambda c: c.get_many([load.mm_hash for load in todo],
-                                                             missing_ok=True))
-        if tensors is None:
-            tensors = [None] * len(todo)
         if self._device is None:
             self._device = _engine_device()
+        # straight to the engine's device: peer-to-peer or device-to-device from an arena, DMA
+        # from the host pool; complete when get_many returns
+        tensors = self._daemon("load", lambda c: c.get_many([load.mm_hash for load in todo],
+                                                             missing_ok=True, device=self._device))
+        if tensors is None:
+            tensors = [None] * len(todo)
         for load, tensor in zip(todo, tensors):
             if tensor is not None and (tensor.dim() == 0 or tensor.shape[0] != load.num_embeds):
                 self._log.log(logging.WARNING, "load:shape",
@@ -284,7 +285,7 @@ class EcdECConnector(ECConnectorBase):
                               load.mm_hash, tuple(tensor.shape), load.num_embeds)
                 tensor = None
             if tensor is not None:
-                encoder_cache[load.mm_hash] = tensor.to(self._device)
+                encoder_cache[load.mm_hash] = tensor
                 self._worker_meta.loaded.append(load.mm_hash)
             elif self._recompute_in_step(load, meta):
                 self._worker_meta.recomputed.append(load.mm_hash)

@@ -300,9 +300,11 @@ class _PagedKV:
     # save ------------------------------------------------------------------------------------
 
     def gather(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """One host tensor `[layers, *block]` per block: views into the paged cache when the
-        layers share one allocation, else rows of a reused staging buffer. Valid until the
-        next gather; the caller hands them to put_many, which copies them right away."""
+        """One tensor `[layers, *block]` per block: on CPU, views into the paged cache when the
+        layers share one allocation, else rows of a reused staging buffer; on a GPU, rows of one
+        gathered tensor on that GPU (put_many copies them device-to-device into the daemon's arena,
+        or by DMA into the host pool). Valid until the next gather; the caller hands them to
+        put_many, which copies them right away."""
         if self.use_numpy:
             if self.stacked is not None:
                 return [self.stacked[b] for b in block_ids]  # ecd copies these strided views
@@ -317,7 +319,7 @@ class _PagedKV:
             staged = self.stacked.index_select(0, idx)
         else:
             staged = torch.stack([t.index_select(0, idx) for t in self.layers], dim=1)
-        return list(staged.cpu())
+        return list(staged)
 
     def _staging(self, rows: int) -> torch.Tensor:
         # Reused: fresh memory for every step would pay a page fault per 4 KiB on each save.
@@ -630,7 +632,8 @@ class EcdKVConnector(KVConnectorBase_V1):
         for key_chunk, id_chunk in zip(_chunks(keys, client.limits.max_batch),
                                        _chunks(ids, client.limits.max_batch)):
             try:
-                got = client.get_many(key_chunk, missing_ok=True)
+                # GPU engines: straight onto the cache's device, complete when get_many returns
+                got = client.get_many(key_chunk, missing_ok=True, device=None if paged.use_numpy else paged.device)
             except Exception as exc:
                 self._client.failed("get_many", exc)
                 self._load_errors.update(id_chunk)
