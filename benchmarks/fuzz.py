@@ -171,14 +171,14 @@ class Generator:
         return [encoder.encode(["ping", r.randrange(1, 2**40)]) + r.randbytes(r.randrange(1, 8))]
 
     @staticmethod
-    def owes(msg, registered: bool) -> bool:
-        """Id 0: never answered. Bye: never. Report: only refused (unregistered) ones."""
-        return msg.id != 0 and not isinstance(msg, Bye) and not (registered and isinstance(msg, Report))
+    def owes(msg) -> bool:
+        """Id 0: never answered. Bye and Report (fire-and-forget whatever their id): never."""
+        return msg.id != 0 and not isinstance(msg, (Bye, Report))
 
     def next(self, rid: int, registered: bool) -> tuple[list[bytes], bool, int]:
         msg = self.request(rid)
         if msg is not None:
-            return [encoder.encode(msg)], self.owes(msg, registered), msg.id
+            return [encoder.encode(msg)], self.owes(msg), msg.id
         frames = self.garbage()
         if len(frames) != 1:
             return frames, True, 0
@@ -188,7 +188,7 @@ class Generator:
             return frames, True, salvage_request_id(frames[0])
         if isinstance(req, (Hello, Bye)):  # keep identities as they are
             return [encoder.encode(Ping(rid))], True, rid
-        return frames, self.owes(req, registered), req.id
+        return frames, self.owes(req), req.id
 
 
 class Identity:
