@@ -513,11 +513,13 @@ class Store:
         where = "" if pools == self.host_pools else f" in CUDA arena {pools[0]}"
         held = len(self.index) - len(self.evictable)
         writing = self.writes_in_progress()
+        # Bytes nothing may evict: leased/pinned entries, writes, reservations, retired bytes.
+        held_bytes = used - sum(self.evictable_bytes[p] for p in pools)
         protected = (f", {self._protected} kept for their namespace's guaranteed share"
                      if self._protected else "")
         return (f"no room for {nbytes} bytes{where}: {used} of {capacity} bytes in use, largest free extent "
                 f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
-                f"({held} entries leased or pinned, {writing} being written{protected})")
+                f"({held_bytes} bytes held: {held} entries leased or pinned, {writing} being written{protected})")
 
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""

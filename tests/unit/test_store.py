@@ -402,7 +402,7 @@ def test_pool_full_when_everything_is_leased(env):
     msg = result.message
     assert f"no room for {A} bytes" in msg
     assert f"{4 * A} of {4 * A} bytes in use" in msg
-    assert "4 entries leased or pinned" in msg
+    assert f"{4 * A} bytes held: 4 entries leased or pinned" in msg
     assert "0 being written" in msg
     assert all(env.present(k) for k in ("k0", "k1", "k2", "k3"))
     assert env.store.counters["evictions"] == 0
@@ -418,7 +418,7 @@ def test_pool_full_counts_writes_in_progress(env):
     env.alloc(s, "w2")
     result = env.store.alloc(s, "ns", item("new"))
     assert isinstance(result, Failure) and result.code == Code.POOL_FULL
-    assert "1 entries leased or pinned, 2 being written" in result.message
+    assert f"{4 * A} bytes held: 1 entries leased or pinned, 2 being written" in result.message
     env.check()
 
 
