@@ -362,7 +362,7 @@ class Evicted(_Msg, tag="evicted"):
     id: int
     evicted: int
     refused: list[str]  # under a lease or pin (without force); at most the first 1000
-    missing: list[str]  # named keys that were not there
+    missing: list[str]  # named keys that were not there; at most the first 1000
     draining: list[int]  # generations evicted under force whose readers still hold them
 
 

@@ -38,6 +38,8 @@ from ..memory.allocator import ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 
+EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
+
 
 class State(enum.IntEnum):
     WRITING = 1
@@ -772,11 +774,12 @@ class Store:
             self.check_batch(len(keys))
             # a key named twice is evicted once (a second removal of the same entry would fail)
             targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
-            missing = [k for k in keys if (ns, k) not in self.index]
+            # capped like `refused`: the request's own keys echoed back could make a huge reply
+            missing = [k for k in keys if (ns, k) not in self.index][:EVICT_ECHO_MAX]
         evicted, refused, draining = 0, [], []
         for entry in targets:
             if (entry.readers or entry.pins) and not force:
-                if len(refused) < 1000:
+                if len(refused) < EVICT_ECHO_MAX:
                     refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
                 continue
             self._remove(entry)

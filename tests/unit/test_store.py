@@ -993,3 +993,14 @@ def test_deadline_heap_stays_proportional_to_live_deadlines():
     env.store.expire()
     assert not s.pins  # and so was the last pin's
     env.check()
+
+
+def test_evict_echoes_at_most_a_thousand_missing_keys(env):
+    """An Evict naming max_batch absent keys must not answer with all of them."""
+    s = env.session()
+    env.put(s, "present")
+    keys = ["present"] + [f"absent-{i}" for i in range(5000)]
+    evicted, refused, missing, draining = env.store.evict("ns", keys, False, False, False)
+    assert evicted == 1 and refused == [] and draining == []
+    assert missing == [f"absent-{i}" for i in range(1000)]
+    env.check()
