@@ -345,9 +345,11 @@ class Client:
         self._last_sent = now
         deadline = now + timeout
         # A hello may be the first message on a fresh connection: watch its handshake too, so a
-        # refused key is reported at once rather than as a timeout.
+        # refused key is reported at once rather than as a timeout. A CURVE client watches on
+        # every request: ZMQ reconnects by itself (a restarted daemon may no longer allow its key),
+        # and a tcp round trip dwarfs the cost of the poller.
         poller = None
-        if isinstance(request, Hello) and self._res.monitor is not None:
+        if (isinstance(request, Hello) or self._curve is not None) and self._res.monitor is not None:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(self._res.monitor, zmq.POLLIN)

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import stat
+import time
 
 import pytest
 import torch
@@ -105,6 +106,28 @@ def test_allowed_key_works_unknown_and_plaintext_clients_are_refused(daemon_fact
                 curve_server_key=str(keys["server_pub"])) as c:
         assert torch.equal(c.get("small"), small)
         assert c.stats()["errors"].get("auth_rejected", 0) >= 1
+
+
+
+def test_a_key_refused_after_a_daemon_restart_is_reported_at_once(daemon_factory, keys):
+    """ZMQ reconnects a CURVE client by itself; when the restarted daemon no longer allows its key
+    the next call must say so (AuthenticationFailed), not wait out its timeout."""
+    d = daemon_factory(start=False)
+    endpoint = start_tcp(d, control=curve_control(keys))
+    c = Client(endpoint, timeout=60.0, curve_secret_key=str(keys["client_sec"]),
+               curve_server_key=str(keys["server_pub"]))
+    try:
+        c.put("k", torch.ones(10))
+        assert d.stop() == 0
+        (keys["allowed"] / "engine1.key").unlink()  # the restarted daemon does not know it any more
+        write_node_toml(d, endpoint=endpoint, control=curve_control(keys))
+        d.start()
+        started = time.monotonic()
+        with pytest.raises(AuthenticationFailed, match="refused this client's key"):
+            c.exists("k")
+        assert time.monotonic() - started < 30  # reported by the handshake, well before the 60 s timeout
+    finally:
+        c.close()
 
 
 def test_cli_takes_curve_keys_from_options_and_environment(daemon_factory, keys):
