@@ -144,9 +144,9 @@ def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
 
 def _check_curve_options(curve_secret_key: str | None, curve_server_key: str | None) -> None:
     """Bad --curve-* options are a usage error (exit 2), named as the user typed them."""
-    from .client.client import _curve_keys
+    from .client.connection import curve_keys
     try:
-        _curve_keys(curve_secret_key, curve_server_key)
+        curve_keys(curve_secret_key, curve_server_key)
     except ValueError as exc:
         message = str(exc)
         for arg in ("curve_secret_key", "curve_server_key"):

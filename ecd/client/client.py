@@ -33,13 +33,14 @@ import zmq
 from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, IntegrityError, InvalidRequest,
                       KeyNotFound, LimitExceeded, ProtocolError, StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
-from ..memory.host import ShmError, ShmFile, shm_path
-from ..memory.ring import EventKind, RingReader, key_hash
+from ..memory.ring import EventKind, key_hash
 from ..memory.allocator import align_up
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
                         Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
                         Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
+from . import connection
+from .connection import HANDSHAKE_EVENTS, EpochMapping, Resources, curve_keys, heartbeat
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
@@ -47,171 +48,9 @@ RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache
 
 
 _NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
-# Handshake outcomes the socket monitor reports: AUTH (the daemon's ZAP handler refused the key),
-# PROTOCOL (e.g. a plaintext client at a CURVE daemon), NO_DETAIL (the daemon dropped the
-# connection mid-handshake: once may be chance, again and again is a wrong server key).
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _curve_keys(secret_key: str | None, server_key: str | None) -> tuple[bytes, bytes, bytes] | None:
-    """(client public, client secret, server public) from the constructor's arguments."""
-    if secret_key is None and server_key is None:
-        return None
-    if not secret_key or not server_key:
-        raise ValueError("give both curve_secret_key and curve_server_key, or neither")
-    from ..curve import load_keyfile, load_public_key
-    try:
-        public, secret = load_keyfile(str(secret_key), need_secret=True)
-    except ValueError as exc:
-        raise ValueError(f"curve_secret_key: {exc}") from None
-    try:
-        server = load_public_key(str(server_key))
-    except ValueError as exc:
-        raise ValueError(f"curve_server_key: {exc}") from None
-    return public, secret, server
-
-
-def _heartbeat(client_ref: "weakref.ref[Client]", stop: threading.Event) -> None:
-    """Ping (fire-and-forget) whenever the client has been idle for its heartbeat interval."""
-    while True:
-        client = client_ref()
-        if client is None:
-            return
-        interval = client._heartbeat_s
-        del client  # never keep the Client alive from here
-        if stop.wait(max(0.05, interval / 4)):
-            return
-        client = client_ref()
-        if client is None:
-            return
-        if client._heartbeat_s and time.monotonic() - client._last_sent >= client._heartbeat_s:
-            client._ping_quietly()
-        del client
-
-
 def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
     """(keys as a list, whether one bare key was given): one key in, one answer out."""
     return ([keys], True) if isinstance(keys, str) else (list(keys), False)
-
-
-class _Resources:
-    """What must be closed when the Client goes away, reachable without the Client itself."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context(io_threads=1)
-        self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None  # handshake failures of `sock`
-        self.stop = threading.Event()  # ends the heartbeat thread
-        self.cuda = None  # ecd.client.cuda.CudaPlane of the current epoch, once CUDA was involved
-
-    def close_cuda(self) -> None:
-        """Close the arena handles and unregister the host mappings (client close, new epoch)."""
-        plane, self.cuda = self.cuda, None
-        if plane is not None:
-            plane.close()
-
-    def drop_socket(self, say_bye: bool = False) -> None:
-        if self.sock is None:
-            return
-        if say_bye:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
-        if self.monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-            self.monitor = None
-        self.sock.close(linger=100 if say_bye else 0)
-        self.sock = None
-
-    def close(self) -> None:
-        self.stop.set()
-        self.close_cuda()
-        self.drop_socket(say_bye=True)
-        self.ctx.term()
-
-
-class _NoRing:
-    """The event ring of a daemon on another host: never trusted, so every lookup asks."""
-
-    next_seq = 0
-    epoch = 0
-
-    @staticmethod
-    def alive(max_silence_s: float) -> bool:
-        return False
-
-
-class _Mapping:
-    """One daemon epoch's shared memory as this process sees it."""
-
-    def __init__(self, welcome: Welcome, populate: bool) -> None:
-        self.epoch = welcome.epoch
-        self.node = welcome.node
-        self.sizes = [p.size for p in welcome.pools]
-        # `[pool.cuda]` arenas: pool numbers after the host segments' (ecd.client.cuda opens them)
-        self.arenas = list(welcome.arenas)
-        self.arena_sizes = {a.index: a.size for a in welcome.arenas}
-        self.local = True
-        try:
-            # The ring first: missing, or another daemon's (its epoch differs), means the daemon
-            # is on another host and its pools are out of reach.
-            try:
-                ring_file = ShmFile.attach(welcome.ring.name, welcome.ring.size, writable=False)
-            except ShmError:
-                if os.path.exists(shm_path(welcome.ring.name)):
-                    raise
-                ring_file = None
-            ring = None if ring_file is None else RingReader(ring_file.buf, welcome.ring.slots,
-                                                             welcome.ring.buckets)
-            if ring is None or ring.epoch != welcome.epoch:
-                self.local = False
-                self.rw = self.ro = []
-                self.ring = _NoRing()
-                return
-            self.ring = ring
-            self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
-                       for p in welcome.pools]
-            self.ro = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
-                       for p in welcome.pools]
-        except (ShmError, ValueError) as exc:
-            raise EcdError(f"cannot map the daemon's shared memory: {exc}") from None
-
-    def require_local(self, what: str, inline_max: int) -> None:
-        if not self.local:
-            raise InvalidRequest(
-                f"pools are not mapped: this client is not on the daemon's node ({self.node}); {what} "
-                f"moves bytes through /dev/shm. From here: exists, delete, keys, stats, evict, ping "
-                f"and puts of up to {inline_max} bytes")
-
-    def check(self, loc: Location) -> None:
-        size = self.sizes[loc.pool] if 0 <= loc.pool < len(self.sizes) else self.arena_sizes.get(loc.pool)
-        if size is None or not (0 <= loc.offset and loc.offset + loc.nbytes <= size):
-            raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
-
-    def is_arena(self, pool: int) -> bool:
-        return pool >= len(self.sizes)
-
-    def fits(self, extent: Extent, arena: int) -> bool:
-        """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
-        return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
-
-
-def _protocol_error(value: int) -> str:
-    """libzmq's name for a handshake protocol error code (PROTOCOL_ERROR_ZMTP_...)."""
-    import zmq.constants
-    names = [n for n in dir(zmq.constants) if n.startswith("PROTOCOL_ERROR_")
-             and getattr(zmq.constants, n) == int(value)]
-    return names[0].lower().replace("_", " ") if names else f"protocol error {int(value):#x}"
 
 
 class Client:
@@ -225,7 +64,7 @@ class Client:
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither."""
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self._curve = _curve_keys(curve_secret_key, curve_server_key)
+        self._curve = curve_keys(curve_secret_key, curve_server_key)
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout = float(timeout)
@@ -234,7 +73,7 @@ class Client:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._decoder = reply_decoder()
-        self._res = _Resources()
+        self._res = Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self._closed = False
         self._session = 0
@@ -242,15 +81,14 @@ class Client:
         # reservation for this client's next put, and whether a put is filling it right now
         self._reservation: tuple | None = None
         self._reservation_busy = False
-        self._map: _Mapping | None = None
+        self._map: EpochMapping | None = None
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
         self._cache: dict[int, tuple[str, str, int]] = {}
-        self._pid_ns = _pid_namespace()
+        self._pid_ns = connection.pid_namespace()
         self._heartbeat_s = 0.0  # from Welcome: ping when idle this long (0: not needed)
         self._last_sent = time.monotonic()  # any message sent counts as activity
         self._heartbeat_thread: threading.Thread | None = None
-        self._handshake_drops = 0  # consecutive handshakes the daemon cut short
         with self._lock:
             self._connect()
 
@@ -265,8 +103,8 @@ class Client:
             if self._curve is not None:
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
             # Before connect, so the first handshake's failure is seen.
-            self._res.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-            self._handshake_drops = 0
+            self._res.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+            self._res.handshake_drops = 0
             sock.connect(self.endpoint)
             self._res.sock = sock
         reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._pid_ns),
@@ -277,7 +115,7 @@ class Client:
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
         if self._map is None or self._map.epoch != reply.epoch:
             try:
-                mapping = _Mapping(reply, self.populate)  # a new daemon: new pools, new ring
+                mapping = connection.EpochMapping(reply, self.populate)  # a new daemon: new pools, new ring
             except EcdError:
                 # Leave no session behind that this client cannot use; keep nothing of it either.
                 with contextlib.suppress(zmq.ZMQError):
@@ -291,7 +129,7 @@ class Client:
         self._session = reply.session
         self._heartbeat_s = reply.heartbeat_s
         if self._heartbeat_s > 0 and self._heartbeat_thread is None:
-            self._heartbeat_thread = threading.Thread(target=_heartbeat, args=(weakref.ref(self), self._res.stop),
+            self._heartbeat_thread = threading.Thread(target=heartbeat, args=(weakref.ref(self), self._res.stop),
                                                       name="ecd-heartbeat", daemon=True)
             self._heartbeat_thread.start()
 
@@ -303,33 +141,6 @@ class Client:
                     self._send_quietly(Ping(0))
             finally:
                 self._lock.release()
-
-    def _handshake_failure(self) -> str | None:
-        """Why the security handshake failed, if the socket monitor says it did."""
-        from zmq.utils.monitor import recv_monitor_message
-        monitor = self._res.monitor
-        while monitor is not None:
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return None
-            kind, value = event["event"], event["value"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshake_drops = 0
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self._handshake_drops += 1
-                if self._handshake_drops >= _HANDSHAKE_RETRIES:
-                    return (f"the daemon at {self.endpoint} dropped {self._handshake_drops} security "
-                            f"handshakes in a row ({os.strerror(int(value))})"
-                            + (": is curve_server_key the daemon's public key?" if self._curve else
-                               ": does it require CURVE keys?"))
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return (f"the daemon at {self.endpoint} refused this client's key (ZAP status {int(value)}): "
-                        "is its public key in the daemon's control.curve_allowed_keys?")
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                return (f"security handshake with {self.endpoint} failed ({_protocol_error(value)}): the "
-                        "daemon requires CURVE and this client has no keys, or the other way round")
-        return None
 
     def _auth_failed(self, why: str) -> AuthenticationFailed:
         self._res.drop_socket()  # ZMQ would retry the same handshake forever; the next call starts afresh
@@ -361,7 +172,7 @@ class Client:
                 if poller is not None:
                     ready = dict(poller.poll(min(max(1, int(remaining * 1000)), 2**31 - 1)))
                     if self._res.monitor in ready:
-                        why = self._handshake_failure()
+                        why = self._res.handshake_failure(self.endpoint, self._curve is not None)
                         if why is not None:
                             raise self._auth_failed(why)
                     if sock not in ready:
@@ -372,7 +183,7 @@ class Client:
                     sock.setsockopt(zmq.RCVTIMEO, min(max(1, int(remaining * 1000)), 2**31 - 1))
                     frame = sock.recv()
             except zmq.Again:
-                why = self._handshake_failure()  # e.g. a reconnect to a daemon with other keys
+                why = self._res.handshake_failure(self.endpoint, self._curve is not None)  # e.g. a reconnect to a daemon with other keys
                 if why is not None:
                     raise self._auth_failed(why) from None
                 # The socket stays: a late reply is skipped by its id, and the session's leases
@@ -483,7 +294,7 @@ class Client:
                 if attempt or self._map.epoch == epoch:
                     raise
 
-    def _cuda_plane(self, mapping: _Mapping):
+    def _cuda_plane(self, mapping: EpochMapping):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
         with self._lock:
             if mapping is not self._map:
@@ -497,7 +308,7 @@ class Client:
                 self._res.cuda = plane
             return plane
 
-    def _copy_cuda(self, mapping: _Mapping, extents: Sequence[Extent], tensors: Sequence[torch.Tensor],
+    def _copy_cuda(self, mapping: EpochMapping, extents: Sequence[Extent], tensors: Sequence[torch.Tensor],
                    checksum: bool) -> list[int]:
         """Copy tensors into extents on the callers' current streams and wait for the copies: the
         bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
@@ -683,7 +494,7 @@ class Client:
 
     # ---- get / view ---------------------------------------------------------------------
 
-    def _acquire(self, keys: list[str], timeout: float | None) -> tuple[list[Location | Failure], int, _Mapping]:
+    def _acquire(self, keys: list[str], timeout: float | None) -> tuple[list[Location | Failure], int, EpochMapping]:
         wait_s = float(timeout) if timeout else 0.0
         if not 0 <= wait_s < math.inf:
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")

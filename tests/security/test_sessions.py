@@ -106,8 +106,8 @@ def test_only_ipc_clients_in_the_daemons_pid_namespace_are_pid_watched(daemon_fa
                 p.kill()
 
     # The Client says which namespace it is in: one in another namespace heartbeats.
-    import ecd.client.client as client_module
-    monkeypatch.setattr(client_module, "_pid_namespace", lambda: own_ns + 1)
+    import ecd.client.connection as connection
+    monkeypatch.setattr(connection, "pid_namespace", lambda: own_ns + 1)
     with d.client() as c:
         assert c._welcome.heartbeat_s == pytest.approx(20.0)
         assert c._heartbeat_thread is not None and c._heartbeat_thread.is_alive()
@@ -117,18 +117,18 @@ def test_only_ipc_clients_in_the_daemons_pid_namespace_are_pid_watched(daemon_fa
 
 @pytest.mark.parametrize("why", ["no_files", "other_daemons_ring"])
 def test_client_off_the_daemons_node_does_control_operations_and_refuses_bulk_ones(daemon, monkeypatch, why):
-    import ecd.client.client as client_module
+    import ecd.client.connection as connection
     if why == "no_files":
         def attach(cls, name, *args, **kwargs):
             raise ShmError(f"cannot open /dev/shm/{name}: No such file or directory")
-        monkeypatch.setattr(client_module.ShmFile, "attach", classmethod(attach))
-        monkeypatch.setattr(client_module, "shm_path", lambda name: f"/nonexistent/{name}")
+        monkeypatch.setattr(connection.ShmFile, "attach", classmethod(attach))
+        monkeypatch.setattr(connection, "shm_path", lambda name: f"/nonexistent/{name}")
     else:  # a same-named daemon on this host: its ring carries another epoch
-        class ForeignRing(client_module.RingReader):
+        class ForeignRing(connection.RingReader):
             @property
             def epoch(self) -> int:
                 return 12345
-        monkeypatch.setattr(client_module, "RingReader", ForeignRing)
+        monkeypatch.setattr(connection, "RingReader", ForeignRing)
 
     small = torch.arange(64, dtype=torch.int64)
     with daemon.client() as remote:

@@ -255,10 +255,10 @@ def test_client_refuses_unknown_tier_and_device(daemon):
 
 
 def test_mapping_accepts_arena_locations_and_places_reservations_by_tier():
-    from ecd.client.client import _Mapping
+    from ecd.client.connection import EpochMapping
     from ecd.errors import ProtocolError
     from ecd.protocol import Extent, Location
-    m = object.__new__(_Mapping)  # the bookkeeping only: no shared memory attached
+    m = object.__new__(EpochMapping)  # the bookkeeping only: no shared memory attached
     m.sizes, m.arena_sizes = [1000], {1: 2000}
 
     def loc(pool, offset, nbytes):

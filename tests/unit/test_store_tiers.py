@@ -8,7 +8,7 @@ from ecd.daemon.store import RequestError, Store, StoreLimits
 from ecd.errors import Code
 from ecd.protocol import Extent, Failure
 
-from test_store import A, Env, item, never
+from test_store import A, Env, item
 
 HOST, ARENA0, ARENA1 = 0, 1, 2  # one host segment, then two arenas
 
