@@ -20,7 +20,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from .store import State
+from .entries import State
 
 if TYPE_CHECKING:  # pragma: no cover
     from .server import Daemon

@@ -34,7 +34,8 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         request_decoder, salvage_request_id)
 from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
 from .security import CurveAuth, resolve_group
-from .store import RequestError, Session, State, Store, StoreLimits
+from .entries import RequestError, Session, State, StoreLimits
+from .store import Store
 from .systemd import Notifier
 
 log = logging.getLogger("ecd.daemon")

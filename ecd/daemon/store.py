@@ -27,103 +27,17 @@ rides on). Namespace quotas and guaranteed shares count an entry's bytes whateve
 from __future__ import annotations
 
 import collections
-import enum
 import heapq
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
+from .entries import Entry, RequestError, Scheduler, Session, State, StoreLimits, Waiter
 
 EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
-
-
-class State(enum.IntEnum):
-    WRITING = 1
-    READY = 2
-    RETIRED = 3
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    generation: int
-    ns: str
-    key: str
-    keyhash: int
-    dtype: str
-    shape: list[int]
-    nbytes: int
-    pool: int
-    offset: int
-    state: State = State.WRITING
-    owner: "Session | None" = None  # the writer, while WRITING
-    readers: int = 0
-    pins: int = 0
-    last_access: float = 0.0
-    write_deadline: float = 0.0
-    published_at: float = 0.0
-    checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
-
-    def location(self) -> Location:
-        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape,
-                        self.checksum)
-
-
-@dataclass(eq=False)
-class Waiter:
-    """A parked Acquire: completes when every key is READY or when its timer fires."""
-
-    session: "Session"
-    ns: str
-    keys: list[str]
-    missing: set[str]
-    on_done: Callable[[list[Location | Failure]], None]
-    timer: "Cancellable | None" = None
-
-
-@dataclass(eq=False)
-class Session:
-    id: int
-    pid: int = 0
-    leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
-    writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
-    reservation: Entry | None = None  # an anonymous WRITING extent for the next put
-    watched: bool = False  # the daemon learns at once when this client's process exits
-    last_seen: float = 0.0  # monotonic time of the last request (kept for unwatched sessions only)
-    pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
-    waiters: set[Waiter] = field(default_factory=set)
-    closed: bool = False
-
-
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Scheduler(Protocol):
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable: ...
-
-
-@dataclass
-class StoreLimits:
-    max_key_bytes: int = 1024
-    max_batch: int = 16384
-    max_ndim: int = 16
-    max_waiters_per_client: int = 4096
-    max_leases_per_client: int = 1 << 20
-    write_ttl: float = 60.0
-    max_pin: float = 600.0
-    max_wait: float = 300.0
-
-
-class RequestError(Exception):
-    """A whole request is refused (batch too large, unknown session); the server answers Error."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Store:
