@@ -9,6 +9,7 @@ Only small metadata crosses the socket; tensor bytes move through the shared-mem
 from __future__ import annotations
 
 import math
+import os
 from typing import Annotated, Union
 
 import msgspec
@@ -29,6 +30,15 @@ U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 # An xxh3-64 digest of an entry's bytes (ecd.client.tensors.checksum); 0 means "none stored".
 Checksum = Annotated[int, Meta(ge=0)]  # msgpack ints stop at 2**64 - 1 anyway
 Seconds = Annotated[float, Meta(ge=0.0)]
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where /proc does not tell): Hello.pid_ns, and
+    what the daemon compares it with before trusting a client's pid."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def expected_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:

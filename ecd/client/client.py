@@ -39,6 +39,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
                         Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
+from .. import protocol
 from . import connection
 from .connection import HANDSHAKE_EVENTS, EpochMapping, Resources, curve_keys, heartbeat
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
@@ -85,7 +86,7 @@ class Client:
         self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
         self._cache: dict[int, tuple[str, str, int]] = {}
-        self._pid_ns = connection.pid_namespace()
+        self._pid_ns = protocol.pid_namespace()  # looked up here so tests can fake a container
         self._heartbeat_s = 0.0  # from Welcome: ping when idle this long (0: not needed)
         self._last_sent = time.monotonic()  # any message sent counts as activity
         self._heartbeat_thread: threading.Thread | None = None

@@ -4,7 +4,7 @@
 must be closed when the Client goes away (reachable without the Client itself, so a finalizer can
 close it). `EpochMapping`: one daemon epoch's shared memory as this process sees it (pools mapped
 read-write and read-only, the event ring), or nothing but a `NoRing` for a client on another host.
-Also the pieces of the handshake: this process's pid namespace, the CURVE keys, the heartbeat
+Also the pieces of the handshake: the CURVE keys, the heartbeat
 thread of a session the daemon cannot watch by pid.
 """
 from __future__ import annotations
@@ -28,13 +28,6 @@ from ..protocol import Bye, Extent, Location, Welcome, encoder
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
-
-
-def pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 def curve_keys(secret_key: str | None, server_key: str | None) -> tuple[bytes, bytes, bytes] | None:

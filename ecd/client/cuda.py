@@ -20,7 +20,6 @@ copy: slow, meant for debugging and verify namespaces, not the hot path).
 from __future__ import annotations
 
 import threading
-import uuid as _uuid
 import warnings
 from typing import Iterable, Mapping
 
@@ -29,6 +28,7 @@ import torch
 
 from ..errors import EcdError, InvalidRequest
 from ..integrity import EMPTY_CHECKSUM, checksum
+from ..memory.cuda import format_uuid as raw_uuid
 from ..protocol import ArenaInfo
 from .tensors import _numpy_view, dtype_name, torch_dtype
 
@@ -46,10 +46,10 @@ def format_uuid(value) -> str:
     if isinstance(value, str):
         text = value.strip()
     elif isinstance(value, (bytes, bytearray)) and len(value) == 16:
-        text = str(_uuid.UUID(bytes=bytes(value)))
+        return raw_uuid(bytes(value))  # the daemon's spelling, from the same 16 bytes
     elif getattr(value, "bytes", None) is not None and len(value.bytes) == 16:
         # torch's _CUuuid.bytes is a list of 16 ints in some versions, bytes in others
-        text = str(_uuid.UUID(bytes=bytes(value.bytes)))
+        return raw_uuid(bytes(value.bytes))
     else:
         text = str(value).strip()
     prefix = "GPU-"

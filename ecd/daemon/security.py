@@ -38,13 +38,13 @@ def resolve_group(name: str) -> int:
     return gid
 
 
-def check_security(config: Config) -> int:
+def check_security(config: Config) -> tuple[int, "CurveAuth | None"]:
     """Everything about access that can be checked before binding: the tcp/CURVE policy, the
-    key files and the group. Returns the gid; raises ConfigError naming the key."""
+    key files and the group. Returns (gid, the loaded CurveAuth or None); raises ConfigError
+    naming the key. `ecd serve` keeps both; `ecd check-config` only checks."""
     check_control_policy(config)
-    if config.control.curve:
-        CurveAuth.load(config)
-    return resolve_group(config.node.group)
+    curve = CurveAuth.load(config) if config.control.curve else None
+    return resolve_group(config.node.group), curve
 
 
 class CurveAuth:

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from .. import __version__
-from ..config import Config, check_control_policy
+from ..config import Config
 from ..errors import Code, ConfigError
 from ..integrity import checksum as checksum_of, describe
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
@@ -31,9 +31,9 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Bye, Commit, Committed, DaemonStats, Delete, Error, Evict, Evicted, Exists, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish,
                         PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
-                        request_decoder, salvage_request_id)
+                        pid_namespace, request_decoder, salvage_request_id)
 from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
-from .security import CurveAuth, resolve_group
+from .security import CurveAuth, check_security
 from .entries import RequestError, Session, State, StoreLimits
 from .store import Store
 from .systemd import Notifier
@@ -46,14 +46,6 @@ DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
-
-
-def pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 where /proc does not tell)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 class StartupError(Exception):
@@ -113,9 +105,7 @@ class Daemon:
     def prepare(self) -> None:
         """Everything that can fail at start, in an order that leaves nothing behind on failure."""
         try:
-            check_control_policy(self.config)
-            self.gid = resolve_group(self.config.node.group)
-            self.curve = CurveAuth.load(self.config) if self.config.control.curve else None
+            self.gid, self.curve = check_security(self.config)
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         if self.config.pool.cuda is not None:
@@ -638,7 +628,6 @@ class Daemon:
     def _on_process_exit(self, pid: int) -> None:
         for session in [s for s in self._sessions_by_identity.values() if s.pid == pid]:
             log.info("client pid %d exited: reclaiming session %d", pid, session.id)
-            self.store.counters["reclaimed_sessions"] += 1
             self._end_session(session, reclaimed=True)
 
     def _reap_silent_sessions(self) -> None:
@@ -654,7 +643,6 @@ class Daemon:
                 continue
             log.info("session %d (pid %d, not watchable) silent for %gs: reclaiming it", session.id,
                      session.pid, now - session.last_seen)
-            self.store.counters["reclaimed_sessions"] += 1
             self._end_session(session, reclaimed=True, reason="session_ttl")
 
     def _end_session(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:

@@ -141,6 +141,7 @@ class Store:
             return
         session.closed = True
         if reclaimed:
+            self.counters["reclaimed_sessions"] += 1
             self.counters[f"reclaimed_{reason}"] += (sum(session.leases.values()) + len(session.pins)
                                                      + len(session.writes) - (session.reservation is not None))
         self._sessions.pop(session.id, None)

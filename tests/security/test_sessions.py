@@ -106,8 +106,8 @@ def test_only_ipc_clients_in_the_daemons_pid_namespace_are_pid_watched(daemon_fa
                 p.kill()
 
     # The Client says which namespace it is in: one in another namespace heartbeats.
-    import ecd.client.connection as connection
-    monkeypatch.setattr(connection, "pid_namespace", lambda: own_ns + 1)
+    import ecd.protocol
+    monkeypatch.setattr(ecd.protocol, "pid_namespace", lambda: own_ns + 1)
     with d.client() as c:
         assert c._welcome.heartbeat_s == pytest.approx(20.0)
         assert c._heartbeat_thread is not None and c._heartbeat_thread.is_alive()
