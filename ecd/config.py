@@ -220,10 +220,23 @@ class LimitsSection(_Section):
     max_ndim: int = 16
     max_waiters_per_client: int = 4096
     max_leases_per_client: int = 1 << 20
+    max_pins_per_client: int = 1 << 20
+    # Sessions (Hello) at once, in all and from one process; the excess is refused in Welcome's
+    # place. Each costs the daemon a connection fd and a share of a pidfd.
+    max_clients: int = 1024
+    max_clients_per_pid: int = 64
+    # Open control connections, with or without a session; the excess is closed as it arrives.
+    # Lowered at start when the process's file limit could not hold them (a warning says so).
+    max_connections: int = 4096
+    # Bytes the daemon holds for one connection: replies it has not read yet, and requests it sent
+    # that the daemon has not handled (ZMQ_RCVHWM = this / max_message_bytes, at least 2). A peer
+    # past it is disconnected and its session reclaimed: never unbounded growth.
+    client_queue_bytes: ByteSize = ByteSize(64 << 20)
 
     def __post_init__(self) -> None:
         for key in ("max_key_bytes", "max_batch", "max_message_bytes", "max_ndim",
-                    "max_waiters_per_client", "max_leases_per_client"):
+                    "max_waiters_per_client", "max_leases_per_client", "max_pins_per_client",
+                    "max_clients", "max_clients_per_pid", "max_connections", "client_queue_bytes"):
             _check(getattr(self, key) > 0, key, f"must be > 0, got {int(getattr(self, key))}")
         _check(0 <= self.inline_max_bytes <= self.max_message_bytes // 2, "inline_max_bytes",
                "must be between 0 and half of max_message_bytes")
@@ -231,8 +244,13 @@ class LimitsSection(_Section):
 
 class MetricsSection(_Section):
     listen: str = "127.0.0.1:9464"  # "" turns the HTTP endpoint off; port 0 picks a free port
+    # HTTP connections open at once; past it the oldest one still waiting for its request is
+    # closed, so idle connections can neither starve the scraper nor take the daemon's fds.
+    max_connections: int = 64
 
     def __post_init__(self) -> None:
+        _check(0 < self.max_connections <= 65536, "max_connections",
+               f"must be between 1 and 65536, got {self.max_connections}")
         if self.listen == "":
             return
         host, sep, port = self.listen.rpartition(":")

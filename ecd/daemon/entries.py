@@ -86,6 +86,7 @@ class StoreLimits:
     max_ndim: int = 16
     max_waiters_per_client: int = 4096
     max_leases_per_client: int = 1 << 20
+    max_pins_per_client: int = 1 << 20
     write_ttl: float = 60.0
     max_pin: float = 600.0
     max_wait: float = 300.0

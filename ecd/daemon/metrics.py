@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ecd.metrics")
 
 # Why a request or a reply went nowhere (Daemon.dropped); every reason is exported, 0 or not.
-DROP_REASONS = ("refused", "unanswerable", "send_failed")
+DROP_REASONS = ("refused", "unanswerable", "send_failed", "client_backlog")
 
 # 10 µs .. 1 s: a round trip is tens of µs, a parked request's handling is no different
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
@@ -163,19 +163,21 @@ class DaemonCollector:
 
         reclaimed = CounterMetricFamily("ecd_leases_reclaimed", "Leases taken back from clients",
                                         labels=["reason"])
-        for reason in ("client_exit", "session_ttl", "write_ttl", "pin_expired"):
+        for reason in ("client_exit", "connection_closed", "session_ttl", "write_ttl", "pin_expired"):
             reclaimed.add_metric([reason], c[f"reclaimed_{reason}"])
         yield reclaimed
 
         dropped = CounterMetricFamily("ecd_frames_dropped", "Requests and replies dropped unanswered, by "
                                       "reason: refused (a fire-and-forget request, id 0, was refused), "
                                       "unanswerable (id 0 on a request that wants a reply), send_failed "
-                                      "(the reply could not be queued to its peer)", labels=["reason"])
+                                      "(the reply could not be queued to its peer), client_backlog (its peer was closed for not "
+                                      "reading its replies)", labels=["reason"])
         for reason in DROP_REASONS:
             dropped.add_metric([reason], d.dropped.get(reason, 0))
         yield dropped
 
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions)
+        yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
                                   value=d.ring.events_written)
@@ -218,6 +220,25 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_metrics(d: "Daemon"):
+    """Control connections and what the daemon refused or closed to keep within its limits."""
+    yield GaugeMetricFamily("ecd_connections", "Open control connections (with or without a session)",
+                            value=d.connections.open)
+    yield GaugeMetricFamily("ecd_connections_max", "limits.max_connections in force (lowered when the "
+                            "open-file limit cannot hold the configured value)", value=d.max_connections)
+    closed = CounterMetricFamily("ecd_connections_closed", "Control connections the daemon closed, by "
+                                 "reason: over_capacity (past limits.max_connections), client_backlog (its "
+                                 "unread replies passed limits.client_queue_bytes)", labels=["reason"])
+    for reason in ("over_capacity", "client_backlog"):
+        closed.add_metric([reason], d.connections.closed.get(reason, 0))
+    yield closed
+    refused = CounterMetricFamily("ecd_sessions_refused", "Hellos refused by a session limit",
+                                  labels=["limit"])
+    for limit in ("max_clients", "max_clients_per_pid"):
+        refused.add_metric([limit], d.sessions.refused.get(limit, 0))
+    yield refused
+
+
 class MetricsServer:
     """GET /metrics and GET /healthz over HTTP/1.1 (one request per connection)."""
 
@@ -225,7 +246,7 @@ class MetricsServer:
     READ_TIMEOUT_S = 5.0
 
     def __init__(self, listener: socket.socket, registry: CollectorRegistry,
-                 health: Callable[[], str]) -> None:
+                 health: Callable[[], str], max_connections: int = 64) -> None:
         self.listener = listener
         self.registry = registry
         self.health = health  # "serving" -> 200, anything else -> 503

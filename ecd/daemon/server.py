@@ -32,9 +32,11 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish,
                         PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
                         pid_namespace, request_decoder, salvage_request_id)
+from .connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
 from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
 from .security import CurveAuth, check_security
 from .entries import RequestError, Session, State, StoreLimits
+from .sessions import Sessions
 from .store import Store
 from .systemd import Notifier
 
@@ -84,14 +86,13 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._sessions_by_identity: dict[bytes, Session] = {}
-        self._identity_of: dict[int, bytes] = {}
-        self._pidfds: dict[int, int] = {}  # session id -> pidfd watched for the client's exit
-        self._unwatched: dict[int, Session] = {}  # sessions kept alive by heartbeats (session_ttl)
+        self.connections: Connections | None = None  # every control connection (_bind)
+        self.sessions: Sessions | None = None  # every client session (serve)
+        self.fd_limit = 0  # RLIMIT_NOFILE after raising it (prepare)
+        self.max_connections = 0  # limits.max_connections, or fewer if fd_limit cannot hold them
         self.pid_ns = pid_namespace()
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
-        self._next_session = 1
         self._decoder = request_decoder()
         self._drain_scheduled = False
         self._draining = False
@@ -111,6 +112,7 @@ class Daemon:
         if self.config.pool.cuda is not None:
             self._open_cuda()  # before anything is created: a node without CUDA leaves nothing behind
         self._lock.group = self.gid
+        self._plan_file_descriptors()
         self._prepare_runtime_dir()
         try:
             self._lock.acquire()
@@ -128,6 +130,18 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+
+    def _plan_file_descriptors(self) -> None:
+        """libzmq aborts the process when accept() fails with EMFILE: raise the soft limit to the
+        hard one and cap connections so that they, their pidfds and the HTTP connections never
+        reach it."""
+        self.fd_limit = raise_fd_limit()
+        wanted = self.config.limits.max_connections
+        http = self.config.metrics.max_connections if self.config.metrics.address is not None else 0
+        self.max_connections = connection_budget(self.fd_limit, wanted, http)
+        if self.max_connections < wanted:
+            log.warning("limits.max_connections=%d lowered to %d: the open-file limit is %d (raise "
+                        "LimitNOFILE= or ulimit -n)", wanted, self.max_connections, self.fd_limit)
 
     def _prepare_runtime_dir(self) -> None:
         path = self.config.node.runtime_dir
@@ -229,7 +243,8 @@ class Daemon:
         return StoreLimits(
             max_key_bytes=limits.max_key_bytes, max_batch=limits.max_batch, max_ndim=limits.max_ndim,
             max_waiters_per_client=limits.max_waiters_per_client,
-            max_leases_per_client=limits.max_leases_per_client, write_ttl=float(leases.write_ttl),
+            max_leases_per_client=limits.max_leases_per_client,
+            max_pins_per_client=limits.max_pins_per_client, write_ttl=float(leases.write_ttl),
             max_pin=float(leases.max_pin), max_wait=float(leases.max_wait))
 
     def _bind(self) -> None:
@@ -239,14 +254,22 @@ class Daemon:
         sock = self.ctx.socket(zmq.ROUTER)
         if self.curve is not None:
             self.curve.apply(sock)
+        limits = self.config.limits
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, int(self.config.limits.max_message_bytes))
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(limits.max_message_bytes))
+        # What one peer can make the daemon hold, both ways (see connections.py): replies by
+        # count here and by bytes in Connections.send; requests by count times their largest size.
+        # ROUTER_MANDATORY turns a full pipe into EAGAIN instead of a silent drop.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, max(2, min(1000, int(limits.client_queue_bytes) // int(limits.max_message_bytes))))
+        self.connections = Connections(sock, self.max_connections, int(limits.client_queue_bytes),
+                                       self._on_connection_gone)
         old_umask = os.umask(0o007)  # the ipc socket file: owner and group only, from birth
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
+            self.connections.close_monitor()
             sock.close(0)
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise StartupError(f"control.endpoint: cannot bind {self.endpoint}: {reason}") from None
@@ -282,18 +305,22 @@ class Daemon:
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
                            self.store_limits, namespaces=self.config.namespaces,
                            arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
+        self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
+                                 lambda: self.config.limits, self._schedule_drain)
         if self.metrics_listener is not None:
-            self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state)
+            self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state,
+                                                max_connections=self.config.metrics.max_connections)
             await self.metrics_server.start()
             log.info("metrics on http://%s:%d/metrics", *self.metrics_listener.getsockname()[:2])
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._on_stop_signal, sig)
         self.loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self.loop.add_reader(self.connections.monitor_fd(), self._drain)
         tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
                  self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
                  self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status)),
-                 self.loop.create_task(self._every(SESSION_SWEEP_S, self._reap_silent_sessions))]
+                 self.loop.create_task(self._every(SESSION_SWEEP_S, self._sweep_sessions))]
         if self.notifier.watchdog_interval:
             # From the loop itself: a wedged loop stops the pings and systemd restarts the daemon.
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
@@ -369,15 +396,20 @@ class Daemon:
         if sock is None:
             return
         self._draining = True
+        connections = self.connections
         try:
             for _ in range(DRAIN_BATCH):
+                # Connection events first, before every message: a connection's end must be known
+                # before a message of one that reuses its fd or routing id is handled.
+                if connections.pending_events():
+                    connections.handle_events()
                 # Asking ZMQ_EVENTS (not receiving until zmq.Again, which costs an exception) is
                 # also what re-arms the edge-triggered FD after the sends made while handling.
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     return
-                frames = self._recv_request(sock)
+                conn, frames = self._recv_request(sock)
                 try:
-                    self._handle(frames)
+                    self._handle(conn, frames)
                 except Exception:  # never let one message stop the drain (and stall the socket)
                     log.exception("unhandled error on a request")
                     self._count_error("unhandled")
@@ -385,24 +417,23 @@ class Daemon:
         finally:
             self._draining = False
 
-    @staticmethod
-    def _recv_request(sock: zmq.Socket) -> list[bytes]:
-        """[identity, payload, *extra]; like recv_multipart but with one RCVMORE check fewer for
-        the usual two-frame message (the daemon's per-request CPU is what bounds ops/s)."""
+    def _recv_request(self, sock: zmq.Socket) -> tuple[Connection, list[bytes]]:
+        """(the connection it came on, [identity, payload, *extra]); like recv_multipart but with
+        one RCVMORE check fewer for the usual two-frame message (the daemon's per-request CPU is
+        what bounds ops/s)."""
         # A ROUTER message always carries the identity and at least one (maybe empty) frame, and
         # multipart messages arrive whole, so the second recv cannot block or fail.
-        frames = [sock.recv(zmq.NOBLOCK), sock.recv(zmq.NOBLOCK)]
+        identity = sock.recv(zmq.NOBLOCK, copy=False)  # a Frame: it knows the fd it came on
+        frames = [identity.bytes, sock.recv(zmq.NOBLOCK)]
         while sock.rcvmore:
             frames.append(sock.recv(zmq.NOBLOCK))
-        return frames
+        return self.connections.of(frames[0], identity.get(zmq.SRCFD)), frames
 
     def _send(self, identity: bytes, reply: Any) -> None:
-        try:
-            self.sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-            self.sock.send(encoder.encode(reply), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self._count_error("send_dropped")  # peer gone or not reading; never block on it
-            self._count_drop("send_failed")
+        failure = self.connections.send(identity, encoder.encode(reply))
+        if failure is not None:  # peer gone or not reading; never block on it
+            self._count_error("send_dropped")
+            self._count_drop(failure)
         if not self._draining:  # a send from a timer or a client exit: re-check the edge
             self._schedule_drain()
 
@@ -432,15 +463,15 @@ class Daemon:
 
     # ---- dispatch -----------------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, conn: Connection, frames: list[bytes]) -> None:
         started = time.perf_counter()
         op, outcome = "malformed", "internal"
         try:
-            op, outcome = self._handle_request(frames)
+            op, outcome = self._handle_request(conn, frames)
         finally:
             self.requests.observe(op, outcome, time.perf_counter() - started)
 
-    def _handle_request(self, frames: list[bytes]) -> tuple[str, str]:
+    def _handle_request(self, conn: Connection, frames: list[bytes]) -> tuple[str, str]:
         """Decode, check, dispatch and answer one request; returns (op, outcome) for metrics."""
         identity = frames[0]
         if len(frames) != 2:
@@ -456,13 +487,13 @@ class Daemon:
             return "malformed", self._reply_error(identity, 0, Code.PROTOCOL,
                                                   f"malformed request: {type(exc).__name__}: {exc}")
         op = request.__struct_config__.tag
-        session = self._sessions_by_identity.get(identity)
+        session = conn.session
         try:
             if isinstance(request, Hello):
-                return op, self._on_hello(identity, request)
+                return op, self._on_hello(identity, conn, request)
             if isinstance(request, Bye):
                 if session is not None:
-                    self._end_session(session)
+                    self.sessions.end(session)
                 else:
                     self._count_drop("refused")
                 return op, "ok"
@@ -581,27 +612,13 @@ class Daemon:
 
     # ---- sessions -----------------------------------------------------------------------
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> str:
+    def _on_hello(self, identity: bytes, conn: Connection, hello: Hello) -> str:
         if hello.version != PROTOCOL_VERSION:
             return self._reply_error(identity, hello.id, Code.VERSION, f"protocol version {hello.version} "
                                      f"not supported; daemon speaks {PROTOCOL_VERSION}")
-        old = self._sessions_by_identity.get(identity)
-        if old is not None:
-            self._end_session(old)
-        session = self.store.open_session(self._next_session, hello.pid)
-        self._next_session += 1
-        self._sessions_by_identity[identity] = session
-        self._identity_of[session.id] = identity
-        # A pid means something only to a local (ipc) client in the daemon's pid namespace; a tcp
-        # peer may be another host, a container's pid names some other process here.
-        if self.endpoint.startswith("ipc://") and hello.pid_ns and hello.pid_ns == self.pid_ns:
-            self._watch_pid(session)
+        session = self.sessions.open(conn, hello.pid)  # RequestError(LIMIT) in Welcome's place
         limits, cfg = self.config.limits, self.config
-        heartbeat_s = 0.0
-        if not session.watched:
-            session.last_seen = time.monotonic()
-            self._unwatched[session.id] = session
-            heartbeat_s = float(cfg.leases.session_ttl) / 3
+        heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
         self._send(identity, Welcome(
             hello.id, PROTOCOL_VERSION, session.id, self.epoch, self.node,
             [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(self.pool.segments)],
@@ -612,50 +629,13 @@ class Daemon:
             sorted(self.store.verify_namespaces), self.arena_infos()))
         return "ok"
 
-    def _watch_pid(self, session: Session) -> None:
-        """Reclaim a local client's leases the moment its process exits (a pidfd turns readable)."""
-        if not 0 < session.pid < 1 << 22:  # Linux pids stop below 2^22 (pid_max)
-            return
-        try:
-            fd = os.pidfd_open(session.pid)
-        except (OSError, OverflowError, ValueError):  # another pid namespace, or a remote peer
-            log.debug("session %d: cannot watch pid %d", session.id, session.pid)
-            return
-        self._pidfds[session.id] = fd
-        session.watched = True
-        self.loop.add_reader(fd, self._on_process_exit, session.pid)
+    def _on_connection_gone(self, conn: Connection, reason: str) -> None:
+        if self.sessions is not None:
+            self.sessions.on_connection_gone(conn, reason)
 
-    def _on_process_exit(self, pid: int) -> None:
-        for session in [s for s in self._sessions_by_identity.values() if s.pid == pid]:
-            log.info("client pid %d exited: reclaiming session %d", pid, session.id)
-            self._end_session(session, reclaimed=True)
-
-    def _reap_silent_sessions(self) -> None:
-        """Reclaim sessions that cannot be watched by pid and sent nothing for leases.session_ttl.
-        A session with a parked get is waiting on the daemon, not silent: its clock restarts."""
-        if not self._unwatched:
-            return
-        now = time.monotonic()
-        cutoff = now - float(self.config.leases.session_ttl)
-        for session in [s for s in self._unwatched.values() if s.last_seen < cutoff]:
-            if session.waiters:
-                session.last_seen = now
-                continue
-            log.info("session %d (pid %d, not watchable) silent for %gs: reclaiming it", session.id,
-                     session.pid, now - session.last_seen)
-            self._end_session(session, reclaimed=True, reason="session_ttl")
-
-    def _end_session(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:
-        self._unwatched.pop(session.id, None)
-        identity = self._identity_of.pop(session.id, None)
-        if identity is not None:
-            self._sessions_by_identity.pop(identity, None)
-        fd = self._pidfds.pop(session.id, None)
-        if fd is not None:
-            self.loop.remove_reader(fd)
-            os.close(fd)
-        self.store.close_session(session, reclaimed, reason)
-        self._schedule_drain()
+    def _sweep_sessions(self) -> None:
+        self.connections.sweep()
+        self.sessions.reap_silent(float(self.config.leases.session_ttl))
 
     # ---- stats and shutdown -------------------------------------------------------------
 
@@ -688,19 +668,18 @@ class Daemon:
         log.info("shutting down: unlinking shared memory and the control socket")
         if self.store is not None:
             self.store.fail_waiters(Code.SHUTTING_DOWN, "daemon is shutting down")
-        for fd in self._pidfds.values():
-            with suppress(Exception):
-                self.loop.remove_reader(fd)
-            os.close(fd)
-        self._pidfds.clear()
+        if self.sessions is not None:
+            self.sessions.close()
         if self.loop is not None and self.sock is not None:
             with suppress(Exception):
                 self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+                self.loop.remove_reader(self.connections.monitor_fd())
         self.close()
 
     def close(self) -> None:
         """Release everything prepare() created; safe to call more than once."""
         if self.sock is not None:
+            self.connections.close_monitor()
             self.sock.close(linger=200)  # let the last replies (ShuttingDown to waiters) go out
             self.sock = None
             path = self._ipc_path()

@@ -593,6 +593,9 @@ class Store:
 
     def exists(self, session: Session, ns: str, keys: list[str], pin_s: float) -> list[bool]:
         self.check_batch(len(keys))
+        if pin_s > 0 and len(session.pins) + len(keys) > self.limits.max_pins_per_client:
+            raise RequestError(Code.LIMIT, f"client holds {len(session.pins)} pins; "
+                                           f"limits.max_pins_per_client={self.limits.max_pins_per_client}")
         now = self.clock()
         found = []
         for key in keys:
@@ -697,11 +700,23 @@ class Store:
                 if len(refused) < EVICT_ECHO_MAX:
                     refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
                 continue
+            if entry.readers:
+                self._revoke_unwatched_leases(entry)
             self._remove(entry)
             evicted += 1
             if entry.readers:
                 draining.append(entry.generation)
         return evicted, refused, missing, draining
+
+    def _revoke_unwatched_leases(self, entry: Entry) -> None:
+        """A forced eviction takes back the read leases of sessions the daemon cannot watch (tcp
+        peers, processes whose identity the kernel could not vouch for): nothing tells the daemon
+        such a holder is still alive, and its lease must not keep the bytes forever. A watched
+        session's process is alive and may be reading: its lease drains normally."""
+        for session in self._sessions.values():
+            if not session.watched:
+                count = session.leases.pop(entry.generation, 0)
+                entry.readers -= count
 
     def held(self, generations: list[int]) -> list[bool]:
         self.check_batch(len(generations))

@@ -1,0 +1,306 @@
+"""The daemon's control connections: who is on the other end, how many there are, and how much
+the daemon holds for each.
+
+libzmq hides connections behind routing identities; ecd needs four things it does not give:
+- the kernel's word on who connected: every message carries the fd it arrived on (ZMQ_SRCFD),
+  and an ipc connection's fd tells the peer's pid as the kernel recorded it at connect()
+  (SO_PEERCRED, and a pidfd of that very process with SO_PEERPIDFD). A client cannot name
+  another process as its own;
+- notice that a connection is gone (a socket monitor's DISCONNECTED), so its session is
+  reclaimed at once instead of when its process exits;
+- a cap on connections: past it the oldest connection that never said Hello is closed (or the
+  new one, when every connection has a session), so no neighbour can take the daemon's fds;
+- a byte budget per connection for the replies it has not read: large replies are sent as
+  tracked zero-copy frames whose tracker says when libzmq has handed the bytes to the kernel;
+  small ones are bounded by the pipe's message HWM. A peer past either is disconnected.
+
+Closing a connection libzmq owns is done with shutdown(2), never close(2): libzmq sees the end of
+the stream, tears the connection down and closes the fd itself, and the fd number is never
+freed under its feet. The fd's inode is checked first, so a number reused for another
+connection is never shut down by mistake.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import resource
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+log = logging.getLogger("ecd.daemon")
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; older kernels: pidfd_open(pid)
+# File descriptors kept back from connections and sessions: pools, ring, lock, libzmq's own
+# eventfds and epoll, the metrics listener, logs, and the head-room for a burst of connects that
+# libzmq accepts before the monitor lets the daemon shed them (libzmq aborts on EMFILE).
+FD_RESERVE = 256
+TRACK_MIN_BYTES = 1024  # replies this large are tracked byte for byte; smaller ones by count
+SNDHWM = 1000  # replies queued to one peer, small ones included: at most ~1 MiB untracked
+SWEEP_INTERVAL_S = 5.0  # re-check that every connection the monitor reported is still open
+_EVENT = struct.Struct("=HI")  # a monitor event's first frame: event number, value (the fd)
+MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (systemd's LimitNOFILE=, or the shell's);
+    returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    except (ValueError, OSError) as exc:  # e.g. above fs.nr_open
+        log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft
+
+
+def connection_budget(fd_limit: int, max_connections: int, http_connections: int) -> int:
+    """How many control connections fit in `fd_limit`: each may hold its fd and its session's
+    pidfd, after the reserve and the HTTP connections. At least 16 so a tiny limit still serves."""
+    return max(16, min(max_connections, (fd_limit - FD_RESERVE - http_connections) // 2))
+
+
+@dataclass
+class Credentials:
+    """A local peer as the kernel recorded it when it connected."""
+    pid: int
+    uid: int
+    gid: int
+    pidfd: int = -1  # a pidfd of exactly that process (SO_PEERPIDFD), or -1
+
+
+def peer_credentials(fd: int) -> Credentials | None:
+    """The kernel's record of who opened this unix-socket connection; None for tcp or when the
+    peer is already gone. The pid is translated into the daemon's pid namespace (0: the peer's
+    process is not visible from it)."""
+    sock = socket.socket(fileno=fd)  # borrowed: detach() below, never close() libzmq's fd
+    try:
+        if sock.family != socket.AF_UNIX:
+            return None
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pidfd = -1
+        if pid > 0:
+            try:
+                pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            except OSError:  # before Linux 6.5: the caller opens one by pid (a pid-reuse window)
+                pidfd = -1
+        return Credentials(pid, uid, gid, pidfd)
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
+def _inode(fd: int) -> int:
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return -1
+
+
+@dataclass(eq=False)
+class Connection:
+    fd: int
+    inode: int  # of the socket behind fd when first seen: tells a reused fd number apart
+    identity: bytes | None = None  # the ROUTER routing id of its messages, once one arrived
+    session: Any = None  # the store Session opened by this connection's Hello
+    credentials: Credentials | None = None  # looked up once, at its first Hello
+    # zero-copy replies libzmq may still hold for this peer: (tracker, bytes), oldest first
+    unread: collections.deque = field(default_factory=collections.deque)
+    unread_bytes: int = 0
+
+    def queued_bytes(self) -> int:
+        """Bytes of tracked replies not yet handed to the kernel (a peer's pipe drains in order)."""
+        while self.unread and self.unread[0][0].done:
+            self.unread_bytes -= self.unread.popleft()[1]
+        return self.unread_bytes
+
+
+class Connections:
+    """Every connection of the daemon's ROUTER socket, from its monitor's ACCEPTED/DISCONNECTED
+    events and the ZMQ_SRCFD of its messages. `on_gone(connection, reason)` is called once when a
+    connection that carried messages ends (its session, if any, must be reclaimed)."""
+
+    def __init__(self, sock: zmq.Socket, max_connections: int, queue_bytes: int,
+                 on_gone: Callable[[Connection, str], None]) -> None:
+        self.sock = sock
+        # Before bind, so no ACCEPTED is missed.
+        self.monitor = sock.get_monitor_socket(MONITORED)
+        self.max_connections = max_connections
+        self.queue_bytes = queue_bytes
+        self._on_gone = on_gone
+        self.by_fd: dict[int, Connection] = {}
+        self.by_identity: dict[bytes, Connection] = {}
+        # connections without a session, oldest first: the ones shed when the cap is reached
+        self._idle: dict[int, None] = {}
+        self.closed: collections.Counter = collections.Counter()  # connections the daemon closed, by reason
+        self._last_warning = 0.0
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+
+    @property
+    def open(self) -> int:
+        return len(self.by_fd)
+
+    def monitor_fd(self) -> int:
+        return self.monitor.getsockopt(zmq.FD)
+
+    # ---- the monitor's events -----------------------------------------------------------
+
+    def pending_events(self) -> bool:
+        # Also what re-arms the monitor's edge-triggered FD.
+        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def handle_events(self) -> None:
+        """Apply every queued event. Called before each message is handled: a connection's
+        DISCONNECTED is queued before any message of a connection that reuses its fd or its
+        routing id, so handling events first keeps the two streams in order."""
+        while self.pending_events():
+            frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            event, fd = _EVENT.unpack_from(frames[0])
+            if event == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._disconnected(fd, "disconnected")
+
+    def _accepted(self, fd: int) -> None:
+        stale = self.by_fd.get(fd)
+        if stale is not None:  # its DISCONNECTED never came: the fd number is reused
+            self._disconnected(fd, "disconnected")
+        if len(self.by_fd) >= self.max_connections:
+            victim = next(iter(self._idle), None)
+            if victim is None:  # every connection has a session: refuse the new one
+                self._warn(f"control connections at limits.max_connections={self.max_connections}, every "
+                           f"one with a session: refusing new connections")
+                self._shut_down(fd, _inode(fd))
+                self.closed["over_capacity"] += 1
+                return
+            self._warn(f"control connections at limits.max_connections={self.max_connections}: closing "
+                       f"the oldest that never said hello")
+            self.close(self.by_fd[victim], "over_capacity")
+        self.by_fd[fd] = Connection(fd, _inode(fd))
+        self._idle[fd] = None
+
+    def _disconnected(self, fd: int, reason: str) -> None:
+        conn = self.by_fd.pop(fd, None)
+        if conn is None:
+            return
+        self._idle.pop(fd, None)
+        if conn.identity is not None and self.by_identity.get(conn.identity) is conn:
+            del self.by_identity[conn.identity]
+        conn.unread.clear()
+        conn.unread_bytes = 0
+        if conn.identity is not None:
+            self._on_gone(conn, reason)
+
+    def sweep(self) -> None:
+        """Insurance against a lost DISCONNECTED: a connection whose fd no longer holds its
+        socket is gone. Cheap (one fstat per connection), run every few seconds."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        self.handle_events()
+        for fd, conn in list(self.by_fd.items()):
+            if _inode(fd) != conn.inode:
+                self._disconnected(fd, "disconnected")
+
+    # ---- messages -----------------------------------------------------------------------
+
+    def of(self, identity: bytes, fd: int) -> Connection:
+        """The connection a message with this routing id arrived on (ZMQ_SRCFD)."""
+        conn = self.by_fd.get(fd)
+        if conn is None:  # accepted before the monitor was listening (cannot happen), or a lost event
+            conn = self.by_fd[fd] = Connection(fd, _inode(fd))
+            self._idle[fd] = None
+        if conn.identity == identity:
+            return conn
+        if conn.identity is not None:  # the fd number now carries another connection
+            self._disconnected(fd, "disconnected")
+            conn = self.by_fd[fd] = Connection(fd, _inode(fd))
+            self._idle[fd] = None
+        other = self.by_identity.get(identity)
+        if other is not None:  # the routing id was taken over by a new connection
+            self._disconnected(other.fd, "identity_reused")
+        conn.identity = identity
+        self.by_identity[identity] = conn
+        return conn
+
+    def bind_session(self, conn: Connection, session: Any) -> None:
+        conn.session = session
+        if session is None:
+            self._idle[conn.fd] = None
+        else:
+            self._idle.pop(conn.fd, None)
+
+    def credentials(self, conn: Connection) -> Credentials | None:
+        if conn.credentials is None:
+            conn.credentials = peer_credentials(conn.fd)
+        return conn.credentials
+
+    # ---- replies ------------------------------------------------------------------------
+
+    def send(self, identity: bytes, payload: bytes) -> str | None:
+        """Queue one reply; None when queued, else why it was not (the peer may be closed)."""
+        conn = self.by_identity.get(identity)
+        track = conn is not None and len(payload) >= TRACK_MIN_BYTES
+        if track and conn.queued_bytes() + len(payload) > self.queue_bytes:
+            self.close(conn, "client_backlog", f"{conn.unread_bytes} bytes of replies unread, "
+                                               f"limits.client_queue_bytes={self.queue_bytes}")
+            return "client_backlog"
+        try:
+            self.sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            if track:
+                tracker = self.sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
+                conn.unread.append((tracker, len(payload)))
+                conn.unread_bytes += len(payload)
+            else:
+                self.sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:  # ROUTER_MANDATORY: its pipe holds SNDHWM unread replies
+            if conn is not None:
+                self.close(conn, "client_backlog", f"{SNDHWM} replies unread")
+            return "client_backlog"
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            return "send_failed"
+        return None
+
+    # ---- closing ------------------------------------------------------------------------
+
+    def close(self, conn: Connection, reason: str, detail: str = "") -> None:
+        """Disconnect a peer: libzmq drops what it queued for it, its session is reclaimed."""
+        if detail:
+            creds = conn.credentials
+            who = f"pid {creds.pid}" if creds is not None and creds.pid > 0 else f"fd {conn.fd}"
+            log.warning("closing the connection of %s (%s): %s", who, reason, detail)
+        self.closed[reason] += 1
+        self._shut_down(conn.fd, conn.inode)
+        self._disconnected(conn.fd, reason)
+
+    @staticmethod
+    def _shut_down(fd: int, inode: int) -> None:
+        if inode < 0 or _inode(fd) != inode:
+            return  # already closed, or the number belongs to another socket now
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:  # an attack must not also flood the log
+            self._last_warning = now
+            log.warning("%s (%d closed so far)", message, sum(self.closed.values()) + 1)
+
+    def close_monitor(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
