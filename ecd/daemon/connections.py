@@ -74,7 +74,6 @@ class Credentials:
     pid: int
     uid: int
     gid: int
-    pidfd: int = -1  # a pidfd of exactly that process (SO_PEERPIDFD), or -1
 
 
 def peer_credentials(fd: int) -> Credentials | None:
@@ -85,18 +84,27 @@ def peer_credentials(fd: int) -> Credentials | None:
     try:
         if sock.family != socket.AF_UNIX:
             return None
-        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        pidfd = -1
-        if pid > 0:
-            try:
-                pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-            except OSError:  # before Linux 6.5: the caller opens one by pid (a pid-reuse window)
-                pidfd = -1
-        return Credentials(pid, uid, gid, pidfd)
+        return Credentials(*struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)))
     except OSError:
         return None
     finally:
         sock.detach()
+
+
+def peer_pidfd(fd: int, pid: int) -> int:
+    """A pidfd of the process that opened this connection (SO_PEERPIDFD: exactly that process);
+    before Linux 6.5, pidfd_open(pid), with the usual pid-reuse window. -1 when it is gone."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
 
 
 def _inode(fd: int) -> int:

@@ -10,6 +10,7 @@ Welcome's place, so a client can never take the daemon's file descriptors.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import Code
-from .connections import Connection, Connections
+from .connections import Connection, Connections, peer_pidfd
 from .entries import RequestError, Session
 from .store import Store
 
@@ -42,6 +43,7 @@ class Sessions:
         self._on_change = on_change  # a session ended: replies may have been queued
         self._next_id = 1
         self._processes: dict[int, WatchedProcess] = {}  # pid -> its pidfd and sessions
+        self._per_pid: collections.Counter = collections.Counter()  # verified pid -> sessions
         self._connection_of: dict[int, Connection] = {}  # session id -> its connection
         self.unwatched: dict[int, Session] = {}  # sessions kept alive by heartbeats (session_ttl)
         self.refused: dict[str, int] = {}  # hellos refused, by limit
@@ -59,7 +61,7 @@ class Sessions:
         if len(self) >= limits.max_clients:
             self._refuse("max_clients", f"the daemon serves limits.max_clients={limits.max_clients} "
                                         f"sessions already")
-        if pid and pid in self._processes and len(self._processes[pid].sessions) >= limits.max_clients_per_pid:
+        if pid and self._per_pid[pid] >= limits.max_clients_per_pid:
             self._refuse("max_clients_per_pid", f"process {pid} holds limits.max_clients_per_pid="
                                                 f"{limits.max_clients_per_pid} sessions already")
         session = self.store.open_session(self._next_id, pid)
@@ -67,7 +69,8 @@ class Sessions:
         self._connection_of[session.id] = conn
         self.connections.bind_session(conn, session)
         if pid:
-            self._watch(session, creds.pidfd)
+            self._per_pid[pid] += 1
+            self._watch(session, conn)
         if claimed_pid != pid:
             log.debug("session %d: hello says pid %d, the kernel says %d", session.id, claimed_pid, pid)
         if not session.watched:
@@ -79,19 +82,14 @@ class Sessions:
         self.refused[limit] = self.refused.get(limit, 0) + 1
         raise RequestError(Code.LIMIT, f"too many sessions: {message}")
 
-    def _watch(self, session: Session, pidfd: int) -> None:
+    def _watch(self, session: Session, conn: Connection) -> None:
         """Reclaim the session the moment its process exits (its pidfd turns readable)."""
         process = self._processes.get(session.pid)
-        if process is not None:
-            if pidfd >= 0:
-                os.close(pidfd)  # the process's first session's pidfd already watches it
-        else:
-            if pidfd < 0:  # kernel without SO_PEERPIDFD: by pid, with the usual pid-reuse window
-                try:
-                    pidfd = os.pidfd_open(session.pid)
-                except OSError:
-                    log.debug("session %d: cannot watch pid %d", session.id, session.pid)
-                    return
+        if process is None:
+            pidfd = peer_pidfd(conn.fd, session.pid)
+            if pidfd < 0:
+                log.debug("session %d: cannot watch pid %d", session.id, session.pid)
+                return
             process = self._processes[session.pid] = WatchedProcess(pidfd)
             self.loop.add_reader(pidfd, self._on_process_exit, session.pid)
         process.sessions.add(session)
@@ -108,8 +106,14 @@ class Sessions:
     def end(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:
         self.unwatched.pop(session.id, None)
         conn = self._connection_of.pop(session.id, None)
-        if conn is not None and conn.session is session:
+        if conn is None:
+            return  # ended already
+        if conn.session is session:
             self.connections.bind_session(conn, None)
+        if session.pid:
+            self._per_pid[session.pid] -= 1
+            if not self._per_pid[session.pid]:
+                del self._per_pid[session.pid]
         process = self._processes.get(session.pid)
         if process is not None and session in process.sessions:
             process.sessions.discard(session)

@@ -1,0 +1,259 @@
+"""Neighbours that tried to take the daemon down or pin another tenant's memory (issue 11).
+
+Each test runs the real daemon and real attacking processes (tests/security/attacker.py), and
+checks while the attack runs that another client is still served (put, get and ping each within
+a second), that the daemon's memory and file descriptors stay bounded, and afterwards that what
+the attacker held came back."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metric, scrape_metrics, wait_for
+from ecd import Client, LimitExceeded
+
+ATTACKER = Path(__file__).resolve().parent / "attacker.py"
+MiB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def attack(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ATTACKER), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The attacker's report that its harm is done (or fail, rather than hang)."""
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert result and result[0], f"attacker said nothing within {timeout}s (exit {proc.poll()})"
+    return result[0].strip()
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+class Bystander(threading.Thread):
+    """An honest client in its own thread doing put, get and ping in a loop; records the slowest."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.client = Client(endpoint, namespace="bystander", timeout=10.0)
+        self.stop = threading.Event()
+        self.rounds = 0
+        self.slowest = 0.0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        tensor = torch.arange(1 << 14, dtype=torch.float32)  # 64 KiB: through the pool
+        try:
+            while not self.stop.is_set():
+                for op in (lambda: self.client.put("k", tensor),
+                           lambda: torch.equal(self.client.get("k"), tensor) or 1 / 0,
+                           self.client.ping):
+                    started = time.monotonic()
+                    op()
+                    self.slowest = max(self.slowest, time.monotonic() - started)
+                self.rounds += 1
+                time.sleep(0.01)
+        except BaseException as exc:  # reported by finish()
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(30)
+        self.client.close()
+        assert self.error is None, f"the honest client failed during the attack: {self.error!r}"
+        assert self.rounds >= 5, f"the honest client got only {self.rounds} rounds done"
+        assert self.slowest < 1.0, f"an honest put/get/ping took {self.slowest:.2f}s during the attack"
+
+
+@pytest.fixture(autouse=True)
+def many_files():
+    """This test process opens many sockets; the daemon raises its own limit itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_client_that_never_reads_its_replies_is_disconnected_not_buffered(daemon_factory):
+    """Before: 4 such clients took the daemon from 69 MB to 4.65 GB and the OOM killer."""
+    d = daemon_factory(extra='[limits]\nclient_queue_bytes = "8MiB"')
+    with d.client() as c:  # 1000 entries with long keys: each Keys reply is ~250 KB
+        for batch in range(4):
+            c.put_many({f"{'k' * 200}-{batch}-{i}": torch.zeros(4) for i in range(250)})
+    before = rss_bytes(d.proc.pid)
+    attackers = [attack("unread", d.endpoint, "50000") for _ in range(4)]
+    bystander = Bystander(d.endpoint)
+    try:
+        for a in attackers:
+            assert first_line(a) == "sent"
+        bystander.start()
+        peak = before
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            assert d.alive()
+            peak = max(peak, rss_bytes(d.proc.pid))
+            time.sleep(0.1)
+        bystander.finish()
+        def closed_for_backlog() -> float:
+            return metric(scrape_metrics(d.metrics_port), "ecd_connections_closed_total", reason="client_backlog")
+        wait_for(lambda: closed_for_backlog() >= 4, timeout=10)
+        closed = closed_for_backlog()
+        print(f"daemon RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB; "
+              f"{closed:.0f} connections closed for unread replies; bystander slowest {bystander.slowest * 1e3:.0f} ms")
+        # 4 connections x 8 MiB budget, plus what the allocator keeps: nowhere near the GBs of before
+        assert peak - before < 160 * MiB, (before, peak)
+        assert closed >= 4, "\n".join(l for l in d.log().splitlines() if "connection" in l)
+        assert "bytes of replies unread, limits.client_queue_bytes=8388608" in d.log()
+    finally:
+        kill_all(attackers)
+    with d.client() as c:
+        assert c.ping() > 0
+        assert c.stats()["entries_ready"] == 1001
+
+
+def test_many_sessions_from_one_process_are_refused_and_closed_ones_reclaimed_at_once(daemon):
+    """Before: 600 sessions from one process aborted the daemon after 283 (EMFILE in libzmq), and
+    sessions whose socket closed without Bye lived as long as their process."""
+    with daemon.client() as observer:
+        baseline_clients = observer.stats()["clients"]
+        baseline_fds = open_fds(daemon.proc.pid)
+        attacker = attack("sessions", daemon.endpoint, "600")
+        bystander = Bystander(daemon.endpoint)
+        bystander.start()
+        try:
+            report = first_line(attacker, timeout=120)
+            assert report.startswith("welcomed=64 refused=536 silent=0"), report
+            assert "limits.max_clients_per_pid=64" in report
+            assert observer.stats()["clients"] == baseline_clients + 1 + 64  # + the bystander
+            fds = open_fds(daemon.proc.pid)
+            # 600 connections (the refused ones stay connected) + one pidfd for the process
+            assert fds - baseline_fds < 600 + 16, (baseline_fds, fds)
+            body = scrape_metrics(daemon.metrics_port)
+            assert metric(body, "ecd_sessions_refused_total", limit="max_clients_per_pid") == 536
+            attacker.stdin.write("close\n")
+            attacker.stdin.flush()
+            assert first_line(attacker) == "closed"
+            started = time.monotonic()
+            # The process lives on; its closed connections' sessions go at once.
+            assert wait_for(lambda: observer.stats()["clients"] == baseline_clients + 1, timeout=5)
+            print(f"daemon fds {baseline_fds} -> {fds} with 600 connections; 64 sessions reclaimed "
+                  f"{time.monotonic() - started:.2f}s after their sockets closed")
+            assert attacker.poll() is None
+            assert wait_for(lambda: open_fds(daemon.proc.pid) < baseline_fds + 16, timeout=5)
+            bystander.finish()
+        finally:
+            kill_all([attacker])
+
+
+def test_connections_past_max_connections_are_shed_and_engines_still_connect(daemon_factory):
+    d = daemon_factory(extra="[limits]\nmax_connections = 300")
+    baseline_fds = open_fds(d.proc.pid)
+    bystander = Bystander(d.endpoint)
+    bystander.start()
+    peak, sampling = [baseline_fds], threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], open_fds(d.proc.pid))
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    attacker = attack("raw-connections", d.endpoint[len("ipc://"):], "3000")
+    try:
+        report = first_line(attacker, timeout=120)
+        assert wait_for(lambda: metric(scrape_metrics(d.metrics_port), "ecd_connections_closed_total",
+                                       reason="over_capacity") >= 3000 - 300, timeout=10)
+        sampling.set()
+        sampler.join()
+        assert d.alive()
+        with Client(d.endpoint, timeout=10.0) as late:  # an engine arriving after the flood
+            late.put("late", torch.ones(8))
+            assert torch.equal(late.get("late"), torch.ones(8))
+        body = scrape_metrics(d.metrics_port)
+        shed = metric(body, "ecd_connections_closed_total", reason="over_capacity")
+        print(f"{report}; daemon fds {baseline_fds} -> peak {peak[0]}; {shed:.0f} connections shed")
+        assert metric(body, "ecd_connections") <= 300
+        # the cap, its pidfds, and the burst accepted before the daemon could shed it
+        assert peak[0] < baseline_fds + 2 * 300 + 200, peak
+        assert open_fds(d.proc.pid) < baseline_fds + 300 + 16
+        bystander.finish()
+    finally:
+        kill_all([attacker])
+
+
+def test_a_forged_pid_cannot_pin_another_namespaces_entries(daemon_factory):
+    """Before: Hello(pid=1), lease every entry of "victim", get SIGKILLed: the leases never came
+    back and the victim's puts failed with PoolFull until the daemon restarted."""
+    d = daemon_factory(size="64MiB")
+    victim = Client(d.endpoint, namespace="victim", timeout=10.0)
+    try:
+        block = torch.ones(5 * MiB // 4, dtype=torch.float32)  # 5 MiB
+        keys = [f"v{i}" for i in range(12)]
+        for key in keys:
+            victim.put(key, block)
+        attacker = attack("forged-pid", d.endpoint, "victim", *keys)
+        try:
+            assert first_line(attacker) == "holding"
+            assert victim.stats()["read_leases"] == 12
+            attacker.send_signal(signal.SIGKILL)
+            attacker.wait()
+            started = time.monotonic()
+            assert wait_for(lambda: victim.stats()["read_leases"] == 0, timeout=1.0), victim.stats()
+            print(f"12 leases of a SIGKILLed client that said pid=1 back in {time.monotonic() - started:.3f}s")
+        finally:
+            kill_all([attacker])
+        # The victim's memory is its own again: 12 new 5 MiB puts evict the old ones.
+        for key in keys:
+            victim.put(key + "-new", block * 2)
+        assert torch.equal(victim.get("v11-new"), block * 2)
+        assert "hello says pid 1, the kernel says" in d.log()
+    finally:
+        victim.close()
+
+
+def test_forced_eviction_revokes_leases_a_daemon_cannot_watch(daemon_factory):
+    """A tcp session's lease has no process behind it the daemon can see: evict --force frees the
+    bytes at once instead of waiting for its release (a watched session's lease drains)."""
+    from secutil import start_tcp
+    d = daemon_factory(start=False)
+    endpoint = start_tcp(d)
+    remote = Client(endpoint, timeout=10.0)
+    try:
+        remote.put("held", torch.ones(1 << 16))  # 256 KiB
+        with remote.view("held"):
+            assert remote.stats()["read_leases"] == 1
+            assert remote.evict(["held"], force=True)["evicted"] == 1
+            stats = remote.stats()
+            # nothing left but the reservation for this client's next put
+            assert (stats["read_leases"], stats["entries_retired"], stats["used_bytes"]) == \
+                (0, 0, stats["reserved_bytes"]), stats
+    finally:
+        remote.close()
