@@ -30,6 +30,9 @@ log = logging.getLogger("ecd.metrics")
 # Why a request or a reply went nowhere (Daemon.dropped); every reason is exported, 0 or not.
 DROP_REASONS = ("refused", "unanswerable", "send_failed", "client_backlog")
 
+# Why the HTTP endpoint closed a connection to stay under its cap (MetricsServer.shed).
+SHED_REASONS = ("oldest_closed", "refused")
+
 # 10 µs .. 1 s: a round trip is tens of µs, a parked request's handling is no different
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                    0.1, 0.25, 0.5, 1.0)
@@ -176,6 +179,19 @@ class DaemonCollector:
             dropped.add_metric([reason], d.dropped.get(reason, 0))
         yield dropped
 
+        http = d.metrics_server
+        if http is not None:
+            yield GaugeMetricFamily("ecd_http_connections", "Open connections to this HTTP endpoint",
+                                    value=http.open_connections)
+            shed = CounterMetricFamily("ecd_http_connections_shed", "Connections to this HTTP endpoint "
+                                       "closed to stay under its cap ([metrics] max_connections), by reason: "
+                                       "oldest_closed (the oldest one still waiting for its request, for a "
+                                       "new one), refused (a new one, while every open one was mid-response)",
+                                       labels=["reason"])
+            for reason in SHED_REASONS:
+                shed.add_metric([reason], http.shed[reason])
+            yield shed
+
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions)
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
@@ -240,21 +256,38 @@ def connection_metrics(d: "Daemon"):
 
 
 class MetricsServer:
-    """GET /metrics and GET /healthz over HTTP/1.1 (one request per connection)."""
+    """GET /metrics and GET /healthz over HTTP/1.1 (one request per connection).
+
+    Anyone on the host can connect, so open connections are capped: every one holds a descriptor
+    of the daemon's, and a daemon at its fd limit is aborted by libzmq when the next engine
+    connects to the control socket. At the cap a new connection pushes out the oldest one still
+    waiting for its request (idle connections held open by a slowloris go first; a scrape sends
+    its request at once and is answered in milliseconds); when every open one is mid-response,
+    the new one is refused instead.
+    """
 
     MAX_HEADER_BYTES = 8192
-    READ_TIMEOUT_S = 5.0
+    READ_TIMEOUT_S = 2.0  # for the request head: Prometheus sends it as soon as it connects
+    WRITE_TIMEOUT_S = 5.0  # for the response to drain: a peer that stops reading is cut off
 
     def __init__(self, listener: socket.socket, registry: CollectorRegistry,
-                 health: Callable[[], str], max_connections: int = 64) -> None:
+                 health: Callable[[], str], *, max_connections: int = 64) -> None:
         self.listener = listener
         self.registry = registry
         self.health = health  # "serving" -> 200, anything else -> 503
+        self.max_connections = max_connections
+        self.shed = {reason: 0 for reason in SHED_REASONS}
+        self._waiting: dict[asyncio.StreamWriter, None] = {}  # waiting for the request head, oldest first
+        self._responding = 0
         self._server: asyncio.AbstractServer | None = None
 
     @property
     def port(self) -> int:
         return self.listener.getsockname()[1]
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._waiting) + self._responding
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, sock=self.listener,
@@ -265,7 +298,25 @@ class MetricsServer:
             self._server.close()
             await self._server.wait_closed()
 
+    def _make_room(self) -> bool:
+        """Whether a new connection may stay: at the cap the oldest waiting one is closed for it."""
+        if self.open_connections < self.max_connections:
+            return True
+        if not self._waiting:
+            self.shed["refused"] += 1
+            return False
+        oldest = next(iter(self._waiting))
+        del self._waiting[oldest]
+        # abort, not close: the descriptor is freed now, and its handler's read ends with EOF
+        oldest.transport.abort()
+        self.shed["oldest_closed"] += 1
+        return True
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._make_room():
+            writer.transport.abort()
+            return
+        self._waiting[writer] = None
         method = "GET"
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.READ_TIMEOUT_S)
@@ -277,14 +328,20 @@ class MetricsServer:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError, ValueError):
             status, ctype, body = "400 Bad Request", "text/plain", b"bad request\n"
+        finally:
+            self._waiting.pop(writer, None)
+        if writer.transport.is_closing():
+            return  # shed for a newer connection, or reset by the peer: no one to answer
+        self._responding += 1
         try:
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b""))
-            await writer.drain()
-        except ConnectionError:
-            pass
+            writer.close()  # after the response is flushed
+            await asyncio.wait_for(writer.wait_closed(), self.WRITE_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError):
+            writer.transport.abort()
         finally:
-            writer.close()
+            self._responding -= 1
 
     def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
         if path not in ("/metrics", "/healthz"):

@@ -34,6 +34,8 @@ METRICS: dict[str, dict[str, set[str] | None]] = {
     "ecd_frames_dropped_total": {"reason": {"refused", "unanswerable", "send_failed"}},
     "ecd_clients": {},
     "ecd_waiters": {},
+    "ecd_http_connections": {},
+    "ecd_http_connections_shed_total": {"reason": {"oldest_closed", "refused"}},
     "ecd_ring_events_total": {},
     "ecd_ring_reader_overruns_total": {},
     "ecd_auth_rejected_total": {},
