@@ -969,8 +969,27 @@ def test_evict_of_a_key_named_twice_evicts_it_once(env):
     env.put(s, "kept")
     assert env.store.evict("ns", ["dup", "dup", "absent", "dup"], False, False, False) == (1, [], ["absent"], [])
     assert not env.present("dup") and env.present("kept")
+    s.watched = True  # a live process's lease: the forced eviction waits for it to drain
     loc = env.lease(s, "kept")
     assert env.store.evict("ns", ["kept", "kept"], False, False, True) == (1, [], [], [loc.generation])
+    env.check()
+
+
+def test_forced_eviction_revokes_only_the_leases_of_sessions_nothing_watches():
+    """A watched session's process is alive and may be reading: its lease drains. An unwatched
+    one's (tcp, unverifiable pid) is taken back, or it could keep the bytes forever."""
+    env = Env()
+    watched, unwatched = env.session(), env.session()
+    watched.watched = True
+    env.put(watched, "both")
+    env.put(watched, "remote-only")
+    both = [env.lease(watched, "both"), env.lease(unwatched, "both")][0]
+    env.lease(unwatched, "remote-only")
+    used = env.store.allocators[0].used
+    assert env.store.evict("ns", ["both", "remote-only"], False, False, True) == (2, [], [], [both.generation])
+    assert unwatched.leases == {} and watched.leases == {both.generation: 1}
+    assert env.store.allocators[0].used < used  # remote-only is freed at once
+    assert env.store.release(watched, both.generation) is None
     env.check()
 
 
