@@ -33,8 +33,7 @@ Seconds = Annotated[float, Meta(ge=0.0)]
 
 
 def pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 where /proc does not tell): Hello.pid_ns, and
-    what the daemon compares it with before trusting a client's pid."""
+    """Inode of this process's pid namespace (0 where /proc does not tell): Hello.pid_ns."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -155,8 +154,9 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     name: str = ""
-    # Inode of the client's /proc/self/ns/pid (0: unknown). The daemon watches `pid` only for an
-    # ipc client in its own pid namespace; any other session must heartbeat (Welcome.heartbeat_s).
+    # `pid` and the inode of the client's /proc/self/ns/pid (0: unknown) are claims, only logged:
+    # the daemon takes a local client's pid from the kernel (SO_PEERCRED of the ipc connection)
+    # and watches that process; a session it cannot name must heartbeat (Welcome.heartbeat_s).
     pid_ns: int = 0
 
 
@@ -250,6 +250,8 @@ class Keys(_Msg, tag="keys"):
     id: int
     ns: str = ""  # "" lists every namespace
     limit: Annotated[int, Meta(ge=1, le=1_000_000)] = 1000
+    # Paging: list entries after this (namespace, key), i.e. the last one of the previous page.
+    after: tuple[str, str] | None = None
 
 
 class Evict(_Msg, tag="evict"):
@@ -364,8 +366,9 @@ class KeyInfo(Struct, array_like=True):
 
 class KeyList(_Msg, tag="key_list"):
     id: int
-    total: int  # entries that matched, of which `entries` holds the first `limit`
-    entries: list[KeyInfo]
+    total: int  # entries that matched (after `after` or not)
+    entries: list[KeyInfo]  # the first `limit` after `after`, fewer when the reply's size bound cut it
+    more: bool = False  # entries follow the last one: ask again with `after` = its (ns, key)
 
 
 class Evicted(_Msg, tag="evicted"):

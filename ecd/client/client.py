@@ -719,10 +719,16 @@ class Client:
     def keys(self, namespace: str | None = None, limit: int = 1000) -> tuple[int, list[dict]]:
         """(number of matching entries, the first `limit` by namespace and key) for operators.
         namespace None lists every namespace. Each entry: ns, key, generation, nbytes, dtype,
-        shape, age_s, idle_s, readers, pins."""
-        reply: KeyList = self._call(Keys(next(self._ids), namespace or "", limit))
+        shape, age_s, idle_s, readers, pins. Asks page by page: the daemon bounds each reply."""
         fields = KeyInfo.__struct_fields__
-        return reply.total, [dict(zip(fields, msgspec.structs.astuple(e))) for e in reply.entries]
+        entries: list[dict] = []
+        after = None
+        while True:
+            reply: KeyList = self._call(Keys(next(self._ids), namespace or "", limit - len(entries), after))
+            entries += [dict(zip(fields, msgspec.structs.astuple(e))) for e in reply.entries]
+            if not reply.more or not reply.entries or len(entries) >= limit:
+                return reply.total, entries
+            after = (reply.entries[-1].ns, reply.entries[-1].key)
 
     def evict(self, keys: Sequence[str] = (), *, namespace: str | None = None, everything: bool = False,
               force: bool = False) -> dict:

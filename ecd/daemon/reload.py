@@ -8,7 +8,9 @@ is not evicted at once, its next allocation evicts its own entries). Anything el
 dir, endpoint, pool, ring, metrics address, a namespace's verify flag) needs a restart: the change is logged and ignored.
 An invalid file is logged and nothing changes. The directory of allowed CURVE client keys
 (control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
-clients' heartbeat interval when they next say hello.
+clients' heartbeat interval when they next say hello. limits.max_connections and
+client_queue_bytes apply at once (the request-side part of client_queue_bytes, ZMQ_RCVHWM, to
+connections made after it).
 """
 from __future__ import annotations
 
@@ -88,3 +90,4 @@ def reload_config(daemon: "Daemon") -> None:
     daemon.store.limits = daemon.build_store_limits()
     daemon.store.set_namespaces(new.namespaces)
     daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
+    daemon.apply_connection_limits()

@@ -31,7 +31,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         Bye, Commit, Committed, DaemonStats, Delete, Error, Evict, Evicted, Exists, Failure,
                         Flags, Held, Hello, KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish,
                         PutInline, Release, Report, RingInfo, Stats, StatsReply, Unpin, Welcome, encoder,
-                        pid_namespace, request_decoder, salvage_request_id)
+                        request_decoder, salvage_request_id)
 from .connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
 from .metrics import MetricsServer, RequestStats, bind_listener, make_registry
 from .security import CurveAuth, check_security
@@ -48,6 +48,14 @@ DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
+LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
+KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
+
+
+def request_hwm(limits) -> int:
+    """ZMQ_RCVHWM: requests of one peer libzmq may hold before the daemon reads them, so that
+    they (each at most max_message_bytes) stay within client_queue_bytes; at least 2."""
+    return max(2, min(1000, int(limits.client_queue_bytes) // int(limits.max_message_bytes)))
 
 
 class StartupError(Exception):
@@ -90,7 +98,6 @@ class Daemon:
         self.sessions: Sessions | None = None  # every client session (serve)
         self.fd_limit = 0  # RLIMIT_NOFILE after raising it (prepare)
         self.max_connections = 0  # limits.max_connections, or fewer if fd_limit cannot hold them
-        self.pid_ns = pid_namespace()
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
         self._decoder = request_decoder()
@@ -142,6 +149,15 @@ class Daemon:
         if self.max_connections < wanted:
             log.warning("limits.max_connections=%d lowered to %d: the open-file limit is %d (raise "
                         "LimitNOFILE= or ulimit -n)", wanted, self.max_connections, self.fd_limit)
+
+    def apply_connection_limits(self) -> None:
+        """[limits] max_connections and client_queue_bytes, at start and on SIGHUP (ZMQ_RCVHWM,
+        derived from them, applies to connections made after it is set)."""
+        self._plan_file_descriptors()
+        limits = self.config.limits
+        self.connections.max_connections = self.max_connections
+        self.connections.queue_bytes = int(limits.client_queue_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, request_hwm(limits))
 
     def _prepare_runtime_dir(self) -> None:
         path = self.config.node.runtime_dir
@@ -262,7 +278,7 @@ class Daemon:
         # ROUTER_MANDATORY turns a full pipe into EAGAIN instead of a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, max(2, min(1000, int(limits.client_queue_bytes) // int(limits.max_message_bytes))))
+        sock.setsockopt(zmq.RCVHWM, request_hwm(limits))
         self.connections = Connections(sock, self.max_connections, int(limits.client_queue_bytes),
                                        self._on_connection_gone)
         old_umask = os.umask(0o007)  # the ipc socket file: owner and group only, from birth
@@ -569,12 +585,8 @@ class Daemon:
                 return Pong(rid, self.epoch)
             case Stats(id=rid):
                 return StatsReply(rid, self.stats())
-            case Keys(id=rid, ns=ns, limit=limit):
-                total, entries = store.list_keys(ns, limit)
-                now = time.monotonic()
-                return KeyList(rid, total, [
-                    KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, e.shape, now - e.published_at,
-                            now - e.last_access, e.readers, e.pins) for e in entries])
+            case Keys(id=rid, ns=ns, limit=limit, after=after):
+                return self._list_keys(rid, ns, limit, after)
             case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
                 evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force)
                 return Evicted(rid, evicted, refused, missing, draining)
@@ -589,6 +601,20 @@ class Daemon:
                                 "y" if corrupt == 1 else "ies")
                 return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
+
+    def _list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:
+        """One page of `ecd keys`, at most LISTING_REPLY_BYTES encoded: a listing of a big index
+        must not become one huge reply queued to a client that may never read it."""
+        total, entries = self.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
+        now = time.monotonic()
+        page, size = [], 0
+        for e in entries[:limit]:
+            size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
+            if page and size > LISTING_REPLY_BYTES:
+                break
+            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, e.shape, now - e.published_at,
+                                now - e.last_access, e.readers, e.pins))
+        return KeyList(rid, total, page, more=len(entries) > len(page))
 
     def _put_inline(self, session: Session, request: PutInline) -> Failure | None:
         limit = int(self.config.limits.inline_max_bytes)

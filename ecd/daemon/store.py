@@ -677,9 +677,13 @@ class Store:
 
     # ---- operator requests --------------------------------------------------------------
 
-    def list_keys(self, ns: str, limit: int) -> tuple[int, list[Entry]]:
-        """(how many READY entries match, the first `limit` of them by namespace and key)."""
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Entry]]:
+        """(how many READY entries match, the first `limit` of them by namespace and key, after
+        `after` when given)."""
         matching = [e for e in self.index.values() if not ns or e.ns == ns]
+        if after is not None:
+            later = [e for e in matching if (e.ns, e.key) > after]
+            return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
         return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
 
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,

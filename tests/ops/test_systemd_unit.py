@@ -113,6 +113,8 @@ def test_unit_is_a_notify_service_with_watchdog_and_restart(unit):
     # the drain after SIGTERM lasts up to node.shutdown_grace (10 s by default) before exit 0
     assert seconds(one(unit, "Service.TimeoutStopSec")) > 10
     assert one(unit, "Service.LimitMEMLOCK") == "infinity"
+    # room for limits.max_connections (4096 by default), each with a pidfd, and the reserve
+    assert int(one(unit, "Service.LimitNOFILE")) >= 2 * 4096 + 512
     assert one(unit, "Install.WantedBy") == "multi-user.target"
 
 

@@ -257,3 +257,33 @@ def test_forced_eviction_revokes_leases_a_daemon_cannot_watch(daemon_factory):
                 (0, 0, stats["reserved_bytes"]), stats
     finally:
         remote.close()
+
+
+def test_key_listings_are_paged_in_bounded_replies(daemon):
+    """A listing of a big index is never one huge reply: each page stays near 1 MiB and
+    Client.keys follows the pages."""
+    import zmq
+    from ecd.protocol import PROTOCOL_VERSION, Hello, KeyList, Keys, encoder, reply_decoder
+    with daemon.client(namespace="big") as c:
+        names = [f"{i:05d}-" + "x" * 900 for i in range(3000)]  # ~2.8 MB of keys
+        for start in range(0, len(names), 500):
+            c.put_many({name: torch.zeros(1) for name in names[start:start + 500]})
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(daemon.endpoint)
+        try:
+            sock.send(encoder.encode(Hello(1, PROTOCOL_VERSION, 0)))
+            assert sock.poll(10_000)
+            sock.recv()
+            sock.send(encoder.encode(Keys(2, "big", 1_000_000)))
+            assert sock.poll(10_000)
+            raw = sock.recv()
+        finally:
+            sock.close(0)
+        page = reply_decoder().decode(raw)
+        assert isinstance(page, KeyList) and page.more and page.total == 3000
+        assert len(raw) <= (1 << 20) + 4096 and 0 < len(page.entries) < 3000, (len(raw), len(page.entries))
+        total, entries = c.keys(namespace="big", limit=5000)
+        assert total == 3000 and [e["key"] for e in entries] == names
+        total, entries = c.keys(namespace="big", limit=1500)  # a limit across pages
+        assert [e["key"] for e in entries] == names[:1500]

@@ -136,6 +136,13 @@ def test_unknown_keys(data, expected):
     ({"pool": {"host": {"size": "0"}}}, "pool.host.size", "must be > 0, got 0"),
     ({"pool": {"host": {"size": "32TiB"}}}, "pool.host.size", "16TiB"),
     ({"pool": {"host": {"segment_size": "1KiB"}}}, "pool.host.segment_size", ">= 1MiB"),
+    # the neighbour limits (issue 11)
+    ({"limits": {"max_clients": 0}}, "limits.max_clients", "must be > 0, got 0"),
+    ({"limits": {"max_clients_per_pid": -3}}, "limits.max_clients_per_pid", "must be > 0"),
+    ({"limits": {"max_connections": 0}}, "limits.max_connections", "must be > 0"),
+    ({"limits": {"client_queue_bytes": "0"}}, "limits.client_queue_bytes", "must be > 0"),
+    ({"limits": {"max_pins_per_client": 0}}, "limits.max_pins_per_client", "must be > 0"),
+    ({"metrics": {"max_connections": 0}}, "metrics.max_connections", "between 1 and 65536"),
     # unparsable size / duration
     ({"pool": {"host": {"size": "lots"}}}, "pool.host.size", "'lots'"),
     ({"pool": {"host": {"size": "12XB"}}}, "pool.host.size", "'12XB'"),
