@@ -10,9 +10,12 @@ libzmq hides connections behind routing identities; ecd needs four things it doe
   reclaimed at once instead of when its process exits;
 - a cap on connections: past it the oldest connection that never said Hello is closed (or the
   new one, when every connection has a session), so no neighbour can take the daemon's fds;
-- a byte budget per connection for the replies it has not read: large replies are sent as
-  tracked zero-copy frames whose tracker says when libzmq has handed the bytes to the kernel;
-  small ones are bounded by the pipe's message HWM. A peer past either is disconnected.
+- a byte budget per connection for the replies it has not read. A peer's pipe drains in order,
+  so one tracked frame (zero-copy: its tracker says when libzmq handed the bytes to the kernel)
+  vouches for every reply sent before it. Every large reply is tracked, and one small reply per
+  CHECKPOINT_BYTES; what is queued is at most what was sent after the newest tracked frame
+  that is done. Tracking costs ~15 us a frame, so small replies almost never pay it. A peer past
+  the budget (or past the pipe's message HWM) is disconnected.
 
 Closing a connection libzmq owns is done with shutdown(2), never close(2): libzmq sees the end of
 the stream, tears the connection down and closes the fd itself, and the fd number is never
@@ -40,8 +43,11 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; older kernels: 
 # eventfds and epoll, the metrics listener, logs, and the head-room for a burst of connects that
 # libzmq accepts before the monitor lets the daemon shed them (libzmq aborts on EMFILE).
 FD_RESERVE = 256
-TRACK_MIN_BYTES = 1024  # replies this large are tracked byte for byte; smaller ones by count
-SNDHWM = 1000  # replies queued to one peer, small ones included: at most ~1 MiB untracked
+TRACK_ALWAYS_BYTES = 64 << 10  # replies this large are always tracked (pyzmq's zero-copy size)
+CHECKPOINT_BYTES = 256 << 10  # smaller ones: one tracked per this many bytes sent to a peer
+# Replies queued to one peer by count, besides bytes: above the waiters one client may have
+# parked (limits.max_waiters_per_client) that a single put_many could wake at once.
+SNDHWM = 10_000
 SWEEP_INTERVAL_S = 5.0  # re-check that every connection the monitor reported is still open
 _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event number, value (the fd)
 MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -121,15 +127,17 @@ class Connection:
     identity: bytes | None = None  # the ROUTER routing id of its messages, once one arrived
     session: Any = None  # the store Session opened by this connection's Hello
     credentials: Credentials | None = None  # looked up once, at its first Hello
-    # zero-copy replies libzmq may still hold for this peer: (tracker, bytes), oldest first
-    unread: collections.deque = field(default_factory=collections.deque)
-    unread_bytes: int = 0
+    sent_bytes: int = 0  # every reply byte queued to this peer
+    drained_bytes: int = 0  # of which libzmq is known to have handed to the kernel
+    next_checkpoint: int = 0  # sent_bytes past which the next reply is tracked
+    # tracked replies not yet known drained: (tracker, sent_bytes once it was queued), oldest first
+    checkpoints: collections.deque = field(default_factory=collections.deque)
 
     def queued_bytes(self) -> int:
-        """Bytes of tracked replies not yet handed to the kernel (a peer's pipe drains in order)."""
-        while self.unread and self.unread[0][0].done:
-            self.unread_bytes -= self.unread.popleft()[1]
-        return self.unread_bytes
+        """At most this many reply bytes are still queued in the daemon for this peer."""
+        while self.checkpoints and self.checkpoints[0][0].done:
+            self.drained_bytes = self.checkpoints.popleft()[1]
+        return self.sent_bytes - self.drained_bytes
 
 
 class Connections:
@@ -203,8 +211,7 @@ class Connections:
         self._idle.pop(fd, None)
         if conn.identity is not None and self.by_identity.get(conn.identity) is conn:
             del self.by_identity[conn.identity]
-        conn.unread.clear()
-        conn.unread_bytes = 0
+        conn.checkpoints.clear()
         if conn.identity is not None:
             self._on_gone(conn, reason)
 
@@ -258,19 +265,26 @@ class Connections:
     def send(self, identity: bytes, payload: bytes) -> str | None:
         """Queue one reply; None when queued, else why it was not (the peer may be closed)."""
         conn = self.by_identity.get(identity)
-        track = conn is not None and len(payload) >= TRACK_MIN_BYTES
-        if track and conn.queued_bytes() + len(payload) > self.queue_bytes:
-            self.close(conn, "client_backlog", f"{conn.unread_bytes} bytes of replies unread, "
-                                               f"limits.client_queue_bytes={self.queue_bytes}")
-            return "client_backlog"
+        size = len(payload)
+        track = False
+        if conn is not None:
+            queued = conn.queued_bytes()
+            if queued + size > self.queue_bytes:
+                self.close(conn, "client_backlog", f"{queued} bytes of replies unread, "
+                                                   f"limits.client_queue_bytes={self.queue_bytes}")
+                return "client_backlog"
+            track = size >= TRACK_ALWAYS_BYTES or conn.sent_bytes + size >= conn.next_checkpoint
         try:
             self.sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             if track:
                 tracker = self.sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
-                conn.unread.append((tracker, len(payload)))
-                conn.unread_bytes += len(payload)
+                conn.sent_bytes += size
+                conn.checkpoints.append((tracker, conn.sent_bytes))
+                conn.next_checkpoint = conn.sent_bytes + CHECKPOINT_BYTES
             else:
                 self.sock.send(payload, zmq.NOBLOCK)
+                if conn is not None:
+                    conn.sent_bytes += size
         except zmq.Again:  # ROUTER_MANDATORY: its pipe holds SNDHWM unread replies
             if conn is not None:
                 self.close(conn, "client_backlog", f"{SNDHWM} replies unread")

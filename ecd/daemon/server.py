@@ -277,6 +277,7 @@ class Daemon:
         # count here and by bytes in Connections.send; requests by count times their largest size.
         # ROUTER_MANDATORY turns a full pipe into EAGAIN instead of a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.copy_threshold = 0  # a reply sent copy=False is really zero-copy: its tracker means something
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, request_hwm(limits))
         self.connections = Connections(sock, self.max_connections, int(limits.client_queue_bytes),

@@ -287,3 +287,49 @@ def test_key_listings_are_paged_in_bounded_replies(daemon):
         assert total == 3000 and [e["key"] for e in entries] == names
         total, entries = c.keys(namespace="big", limit=1500)  # a limit across pages
         assert [e["key"] for e in entries] == names[:1500]
+
+
+def test_a_routing_id_taken_over_by_another_connection_does_not_inherit_the_session(daemon):
+    """ZMQ lets a DEALER choose its routing id. One that picks an engine's id gets nothing of the
+    engine's session: not while the engine is connected, not after it has gone."""
+    import zmq
+    from ecd.protocol import (PROTOCOL_VERSION, Acquire, Acquired, Error, Hello, Ping, Release, Welcome,
+                              encoder, reply_decoder)
+    from ecd.errors import Code
+    decode = reply_decoder().decode
+    ctx = zmq.Context.instance()
+
+    def dealer() -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.ROUTING_ID, b"engine-7")
+        sock.connect(daemon.endpoint)
+        return sock
+
+    def ask(sock: zmq.Socket, msg, timeout_ms: int = 3000):
+        sock.send(encoder.encode(msg))
+        return decode(sock.recv()) if sock.poll(timeout_ms) else None
+
+    with daemon.client() as c:
+        c.put("secret", torch.ones(4))
+        engine = dealer()
+        assert isinstance(ask(engine, Hello(1, PROTOCOL_VERSION, 0)), Welcome)
+        (loc,) = ask(engine, Acquire(2, "default", ["secret"])).results
+        thief = dealer()
+        try:
+            # While the engine is connected libzmq refuses the duplicate id: no answer, no effect.
+            assert ask(thief, Release(3, [loc.generation]), timeout_ms=1000) is None
+            assert c.stats()["read_leases"] == 1
+            engine.close(0)  # the engine goes; its session and lease go with its connection
+            assert wait_for(lambda: c.stats()["read_leases"] == 0, timeout=2)
+            # Whatever libzmq makes of the thief's connection now, it is not the engine's session.
+            reply = ask(thief, Release(4, [loc.generation]), timeout_ms=2000)
+            assert reply is None or (isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED), reply
+            fresh = dealer()  # a new connection claiming the id after the engine left
+            try:
+                reply = ask(fresh, Ping(5), timeout_ms=5000)
+                assert isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED, reply
+            finally:
+                fresh.close(0)
+        finally:
+            thief.close(0)
