@@ -48,6 +48,9 @@ DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
+# zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
+ZMQ_EVENTS, POLLIN, RCVMORE, SRCFD, NOBLOCK = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE),
+                                                int(zmq.SRCFD), int(zmq.NOBLOCK))
 LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
 KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
 
@@ -414,15 +417,17 @@ class Daemon:
             return
         self._draining = True
         connections = self.connections
+        monitor_events = connections.monitor.getsockopt
+        events = sock.getsockopt
         try:
             for _ in range(DRAIN_BATCH):
                 # Connection events first, before every message: a connection's end must be known
                 # before a message of one that reuses its fd or routing id is handled.
-                if connections.pending_events():
+                if monitor_events(ZMQ_EVENTS) & POLLIN:
                     connections.handle_events()
                 # Asking ZMQ_EVENTS (not receiving until zmq.Again, which costs an exception) is
                 # also what re-arms the edge-triggered FD after the sends made while handling.
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not events(ZMQ_EVENTS) & POLLIN:
                     return
                 conn, frames = self._recv_request(sock)
                 try:
@@ -440,11 +445,11 @@ class Daemon:
         what bounds ops/s)."""
         # A ROUTER message always carries the identity and at least one (maybe empty) frame, and
         # multipart messages arrive whole, so the second recv cannot block or fail.
-        identity = sock.recv(zmq.NOBLOCK, copy=False)  # a Frame: it knows the fd it came on
-        frames = [identity.bytes, sock.recv(zmq.NOBLOCK)]
-        while sock.rcvmore:
-            frames.append(sock.recv(zmq.NOBLOCK))
-        return self.connections.of(frames[0], identity.get(zmq.SRCFD)), frames
+        identity = sock.recv(NOBLOCK, copy=False)  # a Frame: it knows the fd it came on
+        frames = [identity.bytes, sock.recv(NOBLOCK)]
+        while sock.getsockopt(RCVMORE):
+            frames.append(sock.recv(NOBLOCK))
+        return self.connections.of(frames[0], identity.get(SRCFD)), frames
 
     def _send(self, identity: bytes, reply: Any) -> None:
         failure = self.connections.send(identity, encoder.encode(reply))
