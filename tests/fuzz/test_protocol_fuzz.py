@@ -324,7 +324,10 @@ def test_key_batches_get_per_key_answers(world, op, ns, ks, wait, pin):
             assert f.ask(Release(f.next_id(), held)).results == [None] * len(held)
     elif op == "evict":
         reply = f.ask(Evict(rid, ns, ks))
-        assert isinstance(reply, Evicted) and reply.evicted + len(reply.missing) + len(reply.refused) == len(ks)
+        # every distinct present key is evicted or refused once, however often it is named
+        # (hypothesis found a present key named twice: evicted once, missing never)
+        assert isinstance(reply, Evicted) and len(reply.missing) <= len(ks)
+        assert reply.evicted + len(reply.refused) == len(set(ks) - set(reply.missing))
     else:
         msg = {"exists": lambda: Exists(rid, ns, ks, pin), "unpin": lambda: Unpin(rid, ns, ks),
                "delete": lambda: Delete(rid, ns, ks)}[op]()

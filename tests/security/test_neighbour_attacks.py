@@ -129,8 +129,12 @@ def test_a_client_that_never_reads_its_replies_is_disconnected_not_buffered(daem
         print(f"daemon RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB; "
               f"{closed:.0f} connections closed for unread replies; bystander slowest {bystander.slowest * 1e3:.0f} ms")
         # 4 connections x 8 MiB budget, plus what the allocator keeps: nowhere near the GBs of before
-        assert peak - before < 160 * MiB, (before, peak)
-        assert closed >= 4, "\n".join(l for l in d.log().splitlines() if "connection" in l)
+        assert peak - before < 4 * 8 * MiB + 48 * MiB, (before, peak)
+        # and the daemon stopped working for them: of their 200k requests it answered a few dozen
+        # each before closing them (before: it answered all, as fast as its CPU allowed)
+        handled = metric(scrape_metrics(d.metrics_port), "ecd_requests_total", op="keys", outcome="ok")
+        assert handled < 4 * 200, handled
+        assert closed >= 4, "\n".join(l for l in d.log().splitlines() if "connection" in l or "session" in l)
         assert "bytes of replies unread, limits.client_queue_bytes=8388608" in d.log()
     finally:
         kill_all(attackers)
