@@ -49,6 +49,7 @@ CHECKPOINT_BYTES = 256 << 10  # smaller ones: one tracked per this many bytes se
 # parked (limits.max_waiters_per_client) that a single put_many could wake at once.
 SNDHWM = 10_000
 SWEEP_INTERVAL_S = 5.0  # re-check that every connection the monitor reported is still open
+CLOSING_GRACE_S = 1.0  # a closed connection's session ends by then even if the ROUTER is never idle
 _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event number, value (the fd)
 MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 NOBLOCK, SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: cheaper per send
@@ -128,6 +129,7 @@ class Connection:
     identity: bytes | None = None  # the ROUTER routing id of its messages, once one arrived
     session: Any = None  # the store Session opened by this connection's Hello
     credentials: Credentials | None = None  # looked up once, at its first Hello
+    closing: bool = False  # its DISCONNECTED came; its last messages may still be in the ROUTER
     sent_bytes: int = 0  # every reply byte queued to this peer
     drained_bytes: int = 0  # of which libzmq is known to have handed to the kernel
     next_checkpoint: int = 0  # sent_bytes past which the next reply is tracked
@@ -158,6 +160,7 @@ class Connections:
         self.by_identity: dict[bytes, Connection] = {}
         # connections without a session, oldest first: the ones shed when the cap is reached
         self._idle: dict[int, None] = {}
+        self.closing: list[tuple[Connection, float]] = []  # closed by their peer (when), ended by settle()
         self.closed: collections.Counter = collections.Counter()  # connections the daemon closed, by reason
         self._last_warning = 0.0
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
@@ -176,21 +179,38 @@ class Connections:
         return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def handle_events(self) -> None:
-        """Apply every queued event. Called before each message is handled: a connection's
-        DISCONNECTED is queued before any message of a connection that reuses its fd or its
-        routing id, so handling events first keeps the two streams in order."""
+        """Apply every queued event. Called before each message is handled, so that a new
+        connection's ACCEPTED is known before any of its messages.
+
+        A DISCONNECTED is queued after the last messages of its connection, which may still wait
+        in the ROUTER (a Bye sent just before close). So the connection is only marked closing:
+        settle() ends it once the ROUTER holds no message, and a new connection on the same fd
+        number (its ACCEPTED comes first) or the same routing id ends it at once."""
         while self.pending_events():
             frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             event, fd = _EVENT.unpack_from(frames[0])
             if event == zmq.EVENT_ACCEPTED:
                 self._accepted(fd)
             elif event == zmq.EVENT_DISCONNECTED:
-                self._disconnected(fd, "disconnected")
+                conn = self.by_fd.get(fd)
+                if conn is not None:
+                    conn.closing = True
+                    self.closing.append((conn, time.monotonic()))
+
+    def settle(self, older_than: float = 0.0) -> None:
+        """End the connections that closed: with older_than 0 when the ROUTER holds no message
+        (none of theirs can be waiting), or those closed that many seconds ago when the ROUTER
+        is never empty (fair queueing has long handed out their last messages)."""
+        cutoff = time.monotonic() - older_than
+        done = [conn for conn, since in self.closing if since <= cutoff]
+        self.closing = [(conn, since) for conn, since in self.closing if since > cutoff]
+        for conn in done:
+            self._forget(conn, "disconnected")
 
     def _accepted(self, fd: int) -> None:
         stale = self.by_fd.get(fd)
-        if stale is not None:  # its DISCONNECTED never came: the fd number is reused
-            self._disconnected(fd, "disconnected")
+        if stale is not None:  # closing (or its DISCONNECTED never came): the fd number is reused
+            self._forget(stale, "disconnected")
         if len(self.by_fd) >= self.max_connections:
             victim = next(iter(self._idle), None)
             if victim is None:  # every connection has a session: refuse the new one
@@ -205,11 +225,12 @@ class Connections:
         self.by_fd[fd] = Connection(fd, _inode(fd))
         self._idle[fd] = None
 
-    def _disconnected(self, fd: int, reason: str) -> None:
-        conn = self.by_fd.pop(fd, None)
-        if conn is None:
-            return
-        self._idle.pop(fd, None)
+    def _forget(self, conn: Connection, reason: str) -> None:
+        """The connection is gone: drop it from the tables and end its session (on_gone)."""
+        if self.by_fd.get(conn.fd) is not conn:
+            return  # forgotten already
+        del self.by_fd[conn.fd]
+        self._idle.pop(conn.fd, None)
         if conn.identity is not None and self.by_identity.get(conn.identity) is conn:
             del self.by_identity[conn.identity]
         conn.checkpoints.clear()
@@ -217,16 +238,18 @@ class Connections:
             self._on_gone(conn, reason)
 
     def sweep(self) -> None:
-        """Insurance against a lost DISCONNECTED: a connection whose fd no longer holds its
-        socket is gone. Cheap (one fstat per connection), run every few seconds."""
+        """Connections closed a while ago, and insurance against a lost DISCONNECTED: a connection
+        whose fd no longer holds its socket is gone (one fstat each, every few seconds)."""
+        if self.closing:
+            self.settle(older_than=CLOSING_GRACE_S)
         now = time.monotonic()
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_INTERVAL_S
         self.handle_events()
         for fd, conn in list(self.by_fd.items()):
-            if _inode(fd) != conn.inode:
-                self._disconnected(fd, "disconnected")
+            if not conn.closing and _inode(fd) != conn.inode:
+                self._forget(conn, "disconnected")
 
     # ---- messages -----------------------------------------------------------------------
 
@@ -239,12 +262,12 @@ class Connections:
         if conn.identity == identity:
             return conn
         if conn.identity is not None:  # the fd number now carries another connection
-            self._disconnected(fd, "disconnected")
+            self._forget(conn, "disconnected")
             conn = self.by_fd[fd] = Connection(fd, _inode(fd))
             self._idle[fd] = None
         other = self.by_identity.get(identity)
         if other is not None:  # the routing id was taken over by a new connection
-            self._disconnected(other.fd, "identity_reused")
+            self._forget(other, "identity_reused")
         conn.identity = identity
         self.by_identity[identity] = conn
         return conn
@@ -304,7 +327,7 @@ class Connections:
             log.warning("closing the connection of %s (%s): %s", who, reason, detail)
         self.closed[reason] += 1
         self._shut_down(conn.fd, conn.inode)
-        self._disconnected(conn.fd, reason)
+        self._forget(conn, reason)
 
     @staticmethod
     def _shut_down(fd: int, inode: int) -> None:

@@ -428,6 +428,8 @@ class Daemon:
                 # Asking ZMQ_EVENTS (not receiving until zmq.Again, which costs an exception) is
                 # also what re-arms the edge-triggered FD after the sends made while handling.
                 if not events(ZMQ_EVENTS) & POLLIN:
+                    if connections.closing:  # every message they sent has been handled
+                        connections.settle()
                     return
                 conn, frames = self._recv_request(sock)
                 try:

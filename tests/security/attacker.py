@@ -5,7 +5,8 @@
     attacker.py sessions ENDPOINT N        open N sessions from this one process, print outcomes
     attacker.py raw-connections PATH N     N plain unix connections to the ipc socket, no ZMTP
 
-Each prints one line when it has done its harm, then waits to be killed.
+Each prints one line when it has done its harm, then waits to be killed, holding its sockets
+(each attack returns them: a socket garbage-collected would close and end the attack early).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def unread(endpoint: str, n: int) -> None:
     for i in range(n):
         sock.send(encoder.encode(Keys(i + 2, "", 1000)))
     print("sent", flush=True)
+    return ctx, sock
 
 
 def forged_pid(endpoint: str, ns: str, keys: list[str]) -> None:
@@ -52,6 +54,7 @@ def forged_pid(endpoint: str, ns: str, keys: list[str]) -> None:
     reply = reply_decoder().decode(sock.recv())
     assert isinstance(reply, Acquired) and all(not isinstance(r, Error) for r in reply.results), reply
     print("holding", flush=True)
+    return ctx, sock
 
 
 def sessions(endpoint: str, n: int) -> None:
@@ -76,6 +79,7 @@ def sessions(endpoint: str, n: int) -> None:
         for sock in socks:
             sock.close(0)
         print("closed", flush=True)
+    return ctx, socks
 
 
 def raw_connections(path: str, n: int) -> None:
@@ -91,23 +95,22 @@ def raw_connections(path: str, n: int) -> None:
             failed += 1
             s.close()
     print(f"connected={len(conns)} failed={failed}", flush=True)
-    while True:  # hold them (the daemon may shed them: that is its defence)
-        time.sleep(60)
+    return conns  # held (the daemon may shed them: that is its defence)
 
 
 def main() -> None:
     what, target, *rest = sys.argv[1:]
     if what == "unread":
-        unread(target, int(rest[0]))
+        held = unread(target, int(rest[0]))
     elif what == "forged-pid":
-        forged_pid(target, rest[0], rest[1:])
+        held = forged_pid(target, rest[0], rest[1:])
     elif what == "sessions":
-        sessions(target, int(rest[0]))
+        held = sessions(target, int(rest[0]))
     elif what == "raw-connections":
-        raw_connections(target, int(rest[0]))
+        held = raw_connections(target, int(rest[0]))
     else:
         raise SystemExit(f"unknown attack {what}")
-    while True:
+    while held:
         time.sleep(60)
 
 

@@ -337,3 +337,14 @@ def test_a_routing_id_taken_over_by_another_connection_does_not_inherit_the_sess
                 fresh.close(0)
         finally:
             thief.close(0)
+
+
+def test_a_bye_just_before_close_is_a_goodbye_not_a_reclaim(daemon):
+    """A connection's DISCONNECTED reaches the daemon before its last messages may have been
+    read: the daemon handles those first, so a Bye sent just before close ends the session as a
+    goodbye (nothing counted as reclaimed)."""
+    with daemon.client() as observer:
+        for _ in range(20):
+            Client(daemon.endpoint).close()  # Hello ... Bye, then the socket closes at once
+        stats = observer.stats()
+        assert (stats["clients"], stats["reclaimed_sessions"]) == (1, 0), stats
