@@ -654,17 +654,20 @@ class Client:
     def _sync_ring(self) -> bool:
         """Apply ring events to the location cache; True when the ring may answer negatives."""
         ring = self._map.ring
-        if not ring.alive(RING_SILENCE_S) or ring.epoch != self._map.epoch:
+        # usable: the writer is alive and the header (epoch included) is as the daemon wrote it;
+        # a ring another group member scribbled over is not, until the daemon has repaired it.
+        if not ring.usable(RING_SILENCE_S):
             self._cache.clear()
             return False
         if not self._cache:
             ring.skip_to_head()
             return True
+        corruptions = ring.corruptions
         events = ring.poll(RING_MAX_BACKLOG)
-        if events is None:  # overrun: we may have missed an eviction
+        if events is None:  # overrun, or events overwritten: we may have missed an eviction
             self._cache.clear()
             self._send_quietly(Report(0, 1))  # operators see overruns in ecd_ring_reader_overruns_total
-            return True
+            return ring.corruptions == corruptions  # overwritten: ask the daemon this time
         cache = self._cache
         for kind, keyhash, generation in events.tolist():
             cached = cache.get(keyhash)
@@ -688,12 +691,20 @@ class Client:
             ask: list[int] = []
             for i, key in enumerate(keys):
                 keyhash = key_hash(ns, key)
-                if trusted and not ring.maybe_present(keyhash):
-                    answers[i] = False
-                elif trusted and pin_s <= 0 and self._cache.get(keyhash, (None, None))[:2] == (ns, key):
-                    answers[i] = True
-                else:
-                    ask.append(i)
+                if trusted:
+                    cached = self._cache.get(keyhash)
+                    known = cached is not None and cached[0] == ns and cached[1] == key
+                    if not ring.maybe_present(keyhash):
+                        if not known:
+                            answers[i] = False
+                            continue
+                    elif known and pin_s <= 0:
+                        answers[i] = True
+                        continue
+                # Not trusted, a pin to take, or the ring and this client's cache disagree (an
+                # eviction whose event is not read yet, or a presence word someone overwrote
+                # with a well-formed ABSENT): the daemon knows.
+                ask.append(i)
             if ask:
                 reply: Flags = self._call(Exists(next(self._ids), ns, [keys[i] for i in ask], float(pin_s)))
                 for i, found in zip(ask, reply.values):

@@ -28,6 +28,9 @@ from ..protocol import Bye, Extent, Location, Welcome, encoder
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
+# How long a client that finds the ring's header overwritten waits for the daemon to rewrite it
+# (it does every 0.1 s heartbeat) before it gives up on the ring.
+RING_REPAIR_WAIT_S = 0.5
 
 
 def curve_keys(secret_key: str | None, server_key: str | None) -> tuple[bytes, bytes, bytes] | None:
@@ -136,10 +139,38 @@ class NoRing:
 
     next_seq = 0
     epoch = 0
+    overruns = corruptions = 0
 
     @staticmethod
     def alive(max_silence_s: float) -> bool:
         return False
+
+    @staticmethod
+    def usable(max_silence_s: float) -> bool:
+        return False
+
+
+def open_ring(ring_file: ShmFile, welcome: Welcome) -> RingReader | None:
+    """The daemon's event ring, or None where the file is another daemon's (its epoch differs).
+
+    Any group member can write the ring. A header that fails the reader's checks, or a live
+    ring with another epoch, may just have been scribbled over: the daemon rewrites its header
+    every heartbeat, so look again for up to RING_REPAIR_WAIT_S before believing it (without
+    that, one bad write would keep every client that connects meanwhile off the pools).
+    ValueError where the header stays unreadable."""
+    deadline = time.monotonic() + RING_REPAIR_WAIT_S
+    while True:
+        try:
+            ring = RingReader(ring_file.buf, welcome.ring.slots, welcome.ring.buckets)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+        else:
+            if ring.epoch == welcome.epoch:
+                return ring
+            if not ring.alive(RING_REPAIR_WAIT_S) or time.monotonic() >= deadline:
+                return None  # a dead daemon's leftover, or a same-named daemon's on this host
+        time.sleep(0.002)  # short: under repeated scribbling, catch the moment after a repair
 
 
 class EpochMapping:
@@ -162,9 +193,8 @@ class EpochMapping:
                 if os.path.exists(shm_path(welcome.ring.name)):
                     raise
                 ring_file = None
-            ring = None if ring_file is None else RingReader(ring_file.buf, welcome.ring.slots,
-                                                             welcome.ring.buckets)
-            if ring is None or ring.epoch != welcome.epoch:
+            ring = None if ring_file is None else open_ring(ring_file, welcome)
+            if ring is None:
                 self.local = False
                 self.rw = self.ro = []
                 self.ring = NoRing()

@@ -25,7 +25,7 @@ from .. import __version__
 from ..config import Config
 from ..errors import Code, ConfigError
 from ..integrity import checksum as checksum_of, describe
-from ..memory.host import HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
+from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, ArenaInfo,
                         Bye, Commit, Committed, DaemonStats, Delete, Error, Evict, Evicted, Exists, Failure,
@@ -208,8 +208,9 @@ class Daemon:
         ring_cfg = self.config.ring
         try:
             self.pool = HostPool(self.node, int(host.size), int(host.segment_size), self.gid)
+            # 0640: clients map the ring read-only, so no engine in the group can write into it
             self.ring_file = ShmFile.create(ring_name(self.node), ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets),
-                                            self.gid)
+                                            self.gid, mode=RING_FILE_MODE)
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)

@@ -17,6 +17,7 @@ from ..config import format_size
 
 SHM_DIR = "/dev/shm"
 FILE_MODE = 0o660
+RING_FILE_MODE = 0o640  # the event ring: only the daemon writes it
 
 
 def segment_name(node: str, index: int) -> str:
@@ -48,19 +49,19 @@ class ShmFile:
     buf: mmap.mmap = field(repr=False)
 
     @classmethod
-    def create(cls, name: str, size: int, group: int = -1) -> "ShmFile":
+    def create(cls, name: str, size: int, group: int = -1, mode: int = FILE_MODE) -> "ShmFile":
+        """`mode`: 0660 for what engines write (pools), 0640 for what they only read (the ring)."""
         path = shm_path(name)
         free = _shm_free_bytes()
         if free is not None and size > free:
             raise ShmError(f"{SHM_DIR} has {format_size(free)} free, {name} needs {format_size(size)}"
                            f" ({size} bytes): shrink pool.host.size or grow {SHM_DIR}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         FILE_MODE)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         except OSError as exc:
             raise ShmError(f"cannot create {path}: {exc.strerror}") from None
         try:
-            os.fchmod(fd, FILE_MODE)  # the umask must not widen or narrow what clients need
+            os.fchmod(fd, mode)  # the umask must not widen or narrow what clients need
             if group >= 0:
                 os.fchown(fd, -1, group)  # node.group: the engines' group
             try:

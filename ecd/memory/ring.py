@@ -1,36 +1,75 @@
 """The event ring: one shared-memory file the daemon alone writes and every client reads.
 
 Layout (little-endian, all fields naturally aligned):
-  header page (4096 B): magic, version, slot count, bucket count, epoch, write_seq,
-                         heartbeat (CLOCK_MONOTONIC ns), closed flag
-  presence table:       `buckets` x u32 - number of READY entries whose key hashes to the bucket;
-                         0 means "certainly absent", so clients answer exists() negatives locally
+  header page (4096 B): magic, version, slot count, bucket count, epoch, three zero words (the
+                         64 bytes that never change), write_seq, heartbeat (CLOCK_MONOTONIC ns),
+                         closed flag
+  presence table:       `buckets` x u32 - PRESENT where at least one READY entry's key hashes to
+                         the bucket, ABSENT where none does: ABSENT means "certainly absent", so
+                         clients answer exists() negatives locally
   event slots:          `slots` x [seq, kind, keyhash, generation] (4 x u64)
 
 The writer never waits for readers. It marks a slot invalid, fills it, stamps its sequence
 number, then advances write_seq. A reader that finds write_seq more than `slots` ahead of its
 own position, or a slot whose stamp is not the sequence it expected, was overrun: it drops what
 it cached and resyncs (x86 keeps stores in program order, which is what makes this sound).
+
+Nothing here is trusted, by either side. The file is 0660: any process in node.group can map it
+read-write and scribble over it (a buggy engine; a hostile one). So:
+- the daemon keeps the truth (sequence, per-bucket counts, the fixed header words) in private
+  memory and never reads the mapping back except to compare it with that truth; every heartbeat
+  it rewrites what differs (the header at once, the presence table a slice at a time);
+- a reader checks what it reads in O(1) per poll (the fixed header words as one bytes compare,
+  write_seq against its own position, the slot stamps and kinds it reads anyway), and each
+  presence word is one of two 32-bit constants, so a zeroed or garbled table reads as neither
+  and means "ask the daemon" rather than "absent". Whatever fails a check is handled like an
+  overrun: drop what was derived from the ring, resync, ask the daemon; it is counted and
+  logged once. Corruption costs round trips, not answers.
+What the checks cannot catch is a writer that forges well-formed content (see docs/protocol.md).
 """
 from __future__ import annotations
 
 import enum
 import hashlib
+import logging
+import struct
 import time
 
 import numpy as np
 
+log = logging.getLogger("ecd.ring")
+
 MAGIC = int.from_bytes(b"ECDRING1", "little")
-VERSION = 1
+VERSION = 2  # 2: presence words are PRESENT/ABSENT constants, not counts
 HEADER_BYTES = 4096
 SLOT_WORDS = 4
 _INVALID = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
 # header word indices (u64); write_seq and heartbeat sit on cache lines of their own
 _MAGIC, _VERSION, _SLOTS, _BUCKETS, _EPOCH = 0, 1, 2, 3, 4
+_FIXED_WORDS = 8  # words 0-7: written once at start (5-7 zero), compared in one go by readers
+_FIXED_BYTES = _FIXED_WORDS * 8
 _WRITE_SEQ = 8
 _HEARTBEAT = 16
 _CLOSED = 17
+# heartbeat and closed flag, adjacent: struct reads each u64 with one 8-byte load (native order)
+_LIVENESS = struct.Struct("<QQ")
+
+# Presence words. Neither is 0 nor all ones, so a table that was zeroed or filled reads as
+# "overwritten"; random bytes hit ABSENT with odds of 2^-32 per bucket.
+ABSENT = int.from_bytes(b"gone", "little")
+PRESENT = int.from_bytes(b"here", "little")
+_ABSENT, _PRESENT = np.uint32(ABSENT), np.uint32(PRESENT)
+
+# A real write_seq stays far below this (2^62 events is a century at a billion a second): a
+# larger one was written by someone else, and resyncing to it would leave the reader stuck there.
+MAX_SEQ = 1 << 62
+# A heartbeat this far in the future of the reader's clock was not written by the daemon (the
+# slack leaves room for clients in a time namespace a little behind the daemon's).
+FUTURE_SLACK_NS = 1_000_000_000
+# Presence buckets the daemon compares with its own counts per heartbeat: 64 Ki buckets (256 KiB)
+# cost ~0.1 ms every 0.1 s; the default 1 Mi buckets are swept every 1.6 s.
+AUDIT_BUCKETS = 1 << 16
 
 
 class EventKind(enum.IntEnum):
@@ -38,6 +77,10 @@ class EventKind(enum.IntEnum):
     EVICTED = 2  # removed to make room
     DELETED = 3  # removed by a delete, a replacement or a shutdown
     EPOCH = 4  # daemon (re)started; keyhash 0, generation = epoch
+
+
+_KINDS = len(EventKind)  # valid kinds are 1.._KINDS
+_KIND_SET = frozenset(int(kind) for kind in EventKind)
 
 
 def key_hash(namespace: str, key: str) -> int:
@@ -61,17 +104,26 @@ class _RingView:
 
 
 class RingWriter(_RingView):
-    """The daemon's side. Not thread-safe: the daemon's event loop is the only writer."""
+    """The daemon's side. Not thread-safe: the daemon's event loop is the only writer.
+
+    The mapping is write-only for it: sequence, counts and header live in private memory, so
+    nothing a client scribbles there can make the daemon misbehave or raise."""
 
     def __init__(self, buf, slots: int, buckets: int, epoch: int) -> None:
         super().__init__(buf, slots, buckets)
         self.header[:] = 0
-        self.presence[:] = 0
+        self.counts = np.zeros(buckets, np.uint32)  # READY entries per bucket: the truth
+        self.presence[:] = _ABSENT
         self.slots[:, 0] = _INVALID
         h = self.header
         h[_VERSION], h[_SLOTS], h[_BUCKETS], h[_EPOCH] = VERSION, slots, buckets, epoch
+        self._fixed = h[:_FIXED_WORDS].copy()
+        self._fixed[_MAGIC] = MAGIC
         self.seq = 0
-        self.heartbeat()
+        self.closed = False
+        self.repairs = 0  # heartbeats that found the mapping overwritten (and rewrote it)
+        self._audit_at = 0  # the next presence bucket a heartbeat compares
+        h[_HEARTBEAT] = time.monotonic_ns()
         h[_MAGIC] = MAGIC  # last: a reader that sees the magic sees a formatted ring
         self.append(EventKind.EPOCH, 0, epoch)
 
@@ -87,17 +139,51 @@ class RingWriter(_RingView):
         self.header[_WRITE_SEQ] = seq + 1
 
     def publish(self, keyhash: int, generation: int) -> None:
-        self.presence[keyhash & self.bucket_mask] += 1
+        bucket = keyhash & self.bucket_mask
+        self.counts[bucket] = int(self.counts[bucket]) + 1
+        self.presence[bucket] = _PRESENT
         self.append(EventKind.PUBLISHED, keyhash, generation)
 
     def unpublish(self, kind: EventKind, keyhash: int, generation: int) -> None:
-        self.presence[keyhash & self.bucket_mask] -= 1
+        bucket = keyhash & self.bucket_mask
+        left = max(int(self.counts[bucket]) - 1, 0)  # never wraps to "present for ever"
+        self.counts[bucket] = left
+        self.presence[bucket] = _PRESENT if left else _ABSENT
         self.append(kind, keyhash, generation)
 
     def heartbeat(self) -> None:
         self.header[_HEARTBEAT] = time.monotonic_ns()
+        self._repair()
+
+    def _repair(self) -> None:
+        """Rewrite whatever another process changed: the header words readers check on every
+        poll, and one slice of the presence table (compared with the private counts)."""
+        h, damaged = self.header, []
+        if not np.array_equal(h[:_FIXED_WORDS], self._fixed):
+            h[:_FIXED_WORDS] = self._fixed
+            damaged.append("header")
+        if int(h[_WRITE_SEQ]) != self.seq:
+            h[_WRITE_SEQ] = self.seq
+            damaged.append("write_seq")
+        if int(h[_CLOSED]) != int(self.closed):
+            h[_CLOSED] = int(self.closed)
+            damaged.append("closed flag")
+        lo = self._audit_at
+        hi = min(lo + AUDIT_BUCKETS, self.counts.size)
+        expected = np.where(self.counts[lo:hi] != 0, _PRESENT, _ABSENT)
+        if not np.array_equal(self.presence[lo:hi], expected):
+            self.presence[lo:hi] = expected
+            damaged.append(f"presence buckets {lo}-{hi - 1}")
+        self._audit_at = hi if hi < self.counts.size else 0
+        if damaged:
+            self.repairs += 1
+            # Once at WARNING (a group member is writing the daemon's ring), then quietly.
+            log.log(logging.WARNING if self.repairs == 1 else logging.DEBUG,
+                    "event ring overwritten by another process (%s): rewritten; clients ask the daemon "
+                    "meanwhile (repair #%d)", ", ".join(damaged), self.repairs)
 
     def close(self) -> None:
+        self.closed = True
         self.header[_CLOSED] = 1
 
     @property
@@ -106,58 +192,136 @@ class RingWriter(_RingView):
 
 
 class RingReader(_RingView):
-    """A client's side: reads without syscalls and never blocks the writer."""
+    """A client's side: reads without syscalls, never blocks the writer, and never believes the
+    mapping blindly (see the module docstring): every method returns in bounded time and raises
+    nothing whatever the bytes are, once the constructor has accepted the header."""
 
     def __init__(self, buf, slots: int, buckets: int) -> None:
         super().__init__(buf, slots, buckets)
-        if int(self.header[_MAGIC]) != MAGIC or int(self.header[_VERSION]) != VERSION:
+        fixed = bytes(buf[:_FIXED_BYTES])  # one copy, so the words checked are the words kept
+        words = np.frombuffer(fixed, np.uint64)
+        if int(words[_MAGIC]) != MAGIC or int(words[_VERSION]) != VERSION:
             raise ValueError("not an ecd event ring (bad magic or version)")
-        if int(self.header[_SLOTS]) != slots or int(self.header[_BUCKETS]) != buckets:
+        if int(words[_SLOTS]) != slots or int(words[_BUCKETS]) != buckets:
             raise ValueError("event ring geometry differs from what the daemon announced")
+        if words[_EPOCH + 1:].any():
+            raise ValueError("event ring header is damaged (reserved words are not zero)")
+        self._buf = buf
+        self._fixed = fixed
         self.nslots = slots
-        self.next_seq = int(self.header[_WRITE_SEQ])
+        head = int(self.header[_WRITE_SEQ])
+        self.next_seq = head if head <= MAX_SEQ else 0
         self.overruns = 0
+        self.corruptions = 0  # checks that failed: the ring was written by someone else
+        self.last_problem: str | None = None
 
     @property
     def epoch(self) -> int:
         return int(self.header[_EPOCH])
+
+    def _corrupt(self, problem: str) -> None:
+        """Count a failed check and say so once; callers then treat it like an overrun."""
+        self.corruptions += 1
+        self.last_problem = problem
+        if self.corruptions == 1:
+            log.warning("the ecd event ring was overwritten by another process (%s): asking the daemon "
+                        "instead until it has repaired it", problem)
+
+    def _header_damaged(self) -> None:
+        self._corrupt("header words: magic, version, geometry or epoch")
 
     def alive(self, max_silence_s: float) -> bool:
         """The writer is running: not closed and its heartbeat is recent."""
         if self.header[_CLOSED]:
             return False
         age_ns = time.monotonic_ns() - int(self.header[_HEARTBEAT])
+        return -FUTURE_SLACK_NS < age_ns < max_silence_s * 1e9
+
+    def usable(self, max_silence_s: float) -> bool:
+        """Whether the ring may answer for the daemon now: header intact, writer alive. O(1)."""
+        if self._buf[:_FIXED_BYTES] != self._fixed:  # one bytes compare (~50 ns)
+            self._header_damaged()
+            return False
+        beat, closed = _LIVENESS.unpack_from(self._buf, _HEARTBEAT * 8)  # one call for both words
+        if closed:
+            if closed != 1:
+                self._corrupt(f"closed flag {closed:#x}")
+            return False
+        age_ns = time.monotonic_ns() - beat
+        if age_ns <= -FUTURE_SLACK_NS:
+            self._corrupt("heartbeat in the future")
+            return False
         return age_ns < max_silence_s * 1e9
 
     def maybe_present(self, keyhash: int) -> bool:
-        return bool(self.presence[keyhash & self.bucket_mask])
+        """False only where the bucket says ABSENT; an overwritten word means "ask"."""
+        word = self.presence[keyhash & self.bucket_mask]
+        if word == _ABSENT:
+            return False
+        if word != _PRESENT:
+            self._corrupt(f"presence word {int(word):#x}")
+        return True
 
     def pending(self) -> int:
         return int(self.header[_WRITE_SEQ]) - self.next_seq
 
     def skip_to_head(self) -> None:
-        self.next_seq = int(self.header[_WRITE_SEQ])
+        head = int(self.header[_WRITE_SEQ])
+        if head <= MAX_SEQ:
+            self.next_seq = head
 
     def poll(self, max_events: int | None = None) -> np.ndarray | None:
         """Events since the last poll as an (n, 3) array of [kind, keyhash, generation].
 
-        Returns None when the reader was overrun (events were lost): the caller must drop
-        whatever it derived from events and resync; the reader has already jumped to the head.
+        Returns None when the reader was overrun (events were lost) or found the ring overwritten
+        (counted in `corruptions`): the caller must drop whatever it derived from events and
+        resync; the reader has already moved on. At most min(slots, max_events) events are read.
         """
         start, end = self.next_seq, int(self.header[_WRITE_SEQ])
+        if end == start:
+            return np.empty((0, 3), np.uint64)
+        if self._buf[:_FIXED_BYTES] != self._fixed:
+            self._header_damaged()  # read nothing from a ring that is not what the daemon wrote
+            return None
+        if end < start or end > MAX_SEQ:
+            # write_seq only ever grows, and never gets near MAX_SEQ: someone else wrote it. The
+            # daemon rewrites it on its next event or heartbeat; start again from a plausible one.
+            if end <= MAX_SEQ:
+                self.next_seq = end
+            self._corrupt(f"write_seq {end:#x} at reader position {start:#x}")
+            return None
         if end - start > self.nslots or (max_events is not None and end - start > max_events):
             self.overruns += 1
             self.next_seq = end
             return None
-        if end == start:
-            return np.empty((0, 3), np.uint64)
+        first = start & self.slot_mask
+        if first + (end - start) <= self.nslots:  # one slice (a fancy-indexed gather costs ~1 us more)
+            rows = self.slots[first:first + (end - start)].copy()
+        else:
+            rows = np.concatenate((self.slots[first:], self.slots[:first + (end - start) - self.nslots]))
         seqs = np.arange(start, end, dtype=np.uint64)
-        rows = self.slots[seqs & np.uint64(self.slot_mask)].copy()
         # Whatever the writer is writing now (seq >= head) may overwrite the slot of seq - nslots.
         head = int(self.header[_WRITE_SEQ])
-        if (rows[:, 0] != seqs).any() or head - start >= self.nslots:
-            self.overruns += 1
+        if head < end or head > MAX_SEQ:
+            self.next_seq = end
+            self._corrupt(f"write_seq went from {end:#x} to {head:#x}")
+            return None
+        stamps = rows[:, 0]
+        if (stamps != seqs).any() or head - start >= self.nslots:
             self.next_seq = head
+            # A lapped slot carries a later stamp (or the invalid mark while being rewritten); an
+            # earlier one means write_seq claimed events that were never written.
+            if (stamps < seqs).any():
+                self._corrupt("slots behind write_seq")
+            else:
+                self.overruns += 1
+            return None
+        kinds = rows[:, 1]
+        # A few events (the usual poll): a set of Python ints is cheaper than numpy's per-call cost.
+        if (not _KIND_SET.issuperset(kinds.tolist()) if len(kinds) <= 16
+                else (kinds - np.uint64(1)).max() >= _KINDS):  # kind 0 wraps to 2^64 - 1
+            self.next_seq = end
+            self._corrupt("event of unknown kind")
             return None
         self.next_seq = end
         return rows[:, 1:]

@@ -1,18 +1,21 @@
 """The event ring over an anonymous mmap: ordering, presence counters, overruns, liveness."""
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ecd.memory import ring as ring_mod
-from ecd.memory.ring import (MAGIC, EventKind, RingReader, RingWriter, key_hash, ring_bytes)
+from ecd.memory.ring import (ABSENT, MAGIC, MAX_SEQ, PRESENT, EventKind, RingReader, RingWriter, key_hash,
+                             ring_bytes)
 
 REPO = Path(__file__).resolve().parents[2]
 SLOTS, BUCKETS = 64, 128
@@ -97,10 +100,11 @@ def test_presence_counters(writer, reader):
     assert not reader.maybe_present(h1)
     writer.publish(h1, 1)
     assert reader.maybe_present(h1)
-    assert int(writer.presence[h1 & (BUCKETS - 1)]) == 1
+    assert int(writer.counts[h1 & (BUCKETS - 1)]) == 1
+    assert int(writer.presence[h1 & (BUCKETS - 1)]) == PRESENT
     writer.publish(h1, 2)  # two READY entries in the same bucket (e.g. two namespaces colliding)
     writer.publish(h2, 3)
-    assert int(writer.presence[h1 & (BUCKETS - 1)]) == (3 if h1 % BUCKETS == h2 % BUCKETS else 2)
+    assert int(writer.counts[h1 & (BUCKETS - 1)]) == (3 if h1 % BUCKETS == h2 % BUCKETS else 2)
     assert not reader.maybe_present(absent)
     writer.unpublish(EventKind.DELETED, h1, 1)
     assert reader.maybe_present(h1)
@@ -108,7 +112,9 @@ def test_presence_counters(writer, reader):
     writer.unpublish(EventKind.DELETED, h2, 3)
     assert not reader.maybe_present(h1)
     assert not reader.maybe_present(h2)
-    assert int(writer.presence.sum()) == 0
+    assert int(writer.counts.sum()) == 0
+    assert (writer.presence == ABSENT).all()
+    assert reader.corruptions == 0
 
 
 def test_exactly_slots_minus_one_pending_is_read(writer, reader):
@@ -229,3 +235,251 @@ def test_key_hash_known_value():
     # change to key_hash is a protocol change (bump the ring VERSION), not a refactor.
     assert key_hash("ns", "k") == 13982026912262787732
     assert key_hash("", "x") == 2812061760185643760
+
+
+# ---- a ring another process scribbled over ----------------------------------------------------
+# Any member of node.group can map the ring read-write. Whatever it writes, a reader never raises,
+# never reads more than `slots` events, never believes a damaged header, zeroed or garbled
+# presence words or a write_seq that went backwards; the daemon never reads the mapping back
+# (its counts are private) and rewrites what differs at its next heartbeat.
+
+def scribbled(reader, before: int) -> bool:
+    return reader.corruptions > before
+
+
+@pytest.mark.parametrize("word, value", [(ring_mod._MAGIC, 0x1234), (ring_mod._VERSION, 1),
+                                         (ring_mod._SLOTS, SLOTS * 2), (ring_mod._BUCKETS, 0),
+                                         (ring_mod._EPOCH, 8), (5, 1), (7, 2**64 - 1)])
+def test_overwritten_header_word_is_distrusted_until_the_daemon_rewrites_it(writer, reader, word, value):
+    writer.publish(1, 1)
+    assert reader.usable(5.0)
+    position = reader.next_seq
+    writer.header[word] = np.uint64(value)
+    writer.publish(2, 2)
+    assert not reader.usable(5.0)
+    assert reader.poll() is None
+    assert reader.next_seq == position  # nothing read from a ring that is not what the daemon wrote
+    assert reader.corruptions == 2 and reader.overruns == 0
+    writer.heartbeat()  # the daemon's repair
+    assert writer.repairs == 1
+    assert reader.usable(5.0)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 1, 1), (EventKind.PUBLISHED, 2, 2)]
+
+
+def test_garbage_closed_flag_and_heartbeat(writer, reader):
+    writer.header[ring_mod._CLOSED] = np.uint64(7)
+    assert not reader.usable(5.0) and reader.corruptions == 1
+    writer.heartbeat()
+    assert reader.usable(5.0)
+    writer.header[ring_mod._CLOSED] = np.uint64(1)  # a real close is no corruption
+    assert not reader.usable(5.0) and reader.corruptions == 1
+    writer.heartbeat()  # ... but the daemon did not close it: rewritten
+    for beat in (2**64 - 1, time.monotonic_ns() + 60 * 10**9):  # a dead daemon made to look alive
+        writer.header[ring_mod._HEARTBEAT] = np.uint64(beat)
+        assert not reader.alive(5.0)
+        assert not reader.usable(5.0)
+    assert reader.corruptions == 3
+    writer.heartbeat()
+    assert reader.usable(5.0)
+
+
+@pytest.mark.parametrize("head", [2**64 - 1, 2**63, MAX_SEQ + 1, 2**64 - 1000])
+def test_huge_write_seq_is_corruption_not_an_overrun_to_follow(writer, reader, head):
+    writer.publish(1, 1)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 1, 1)]
+    position = reader.next_seq
+    writer.header[ring_mod._WRITE_SEQ] = np.uint64(head)
+    assert reader.poll() is None and reader.poll(max_events=8) is None
+    assert reader.next_seq == position  # not resynced to a head the daemon will never reach
+    reader.skip_to_head()
+    assert reader.next_seq == position
+    assert reader.corruptions == 2 and reader.overruns == 0
+    writer.publish(2, 2)  # rewrites write_seq: nothing was lost
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 2, 2)]
+
+
+def test_write_seq_moved_backwards(writer, reader):
+    for i in range(5):
+        writer.publish(i, i)
+    reader.poll()
+    for head in (0, writer.events_written - 3):
+        before = reader.corruptions
+        writer.header[ring_mod._WRITE_SEQ] = np.uint64(head)
+        assert reader.poll() is None and scribbled(reader, before)
+        writer.heartbeat()
+        # Back at the real head: events read twice at worst, and a re-read event can only make
+        # the caller drop a cached location (its cache was dropped with the None anyway).
+        got = reader.poll()
+        assert got is not None and len(got) <= SLOTS
+    writer.publish(9, 9)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 9, 9)]
+
+
+def test_write_seq_ahead_of_the_written_slots(writer, reader):
+    for i in range(SLOTS + 1):  # every slot written once: those ahead of the head hold older stamps
+        writer.publish(i, i)
+        if i % 32 == 0:
+            reader.poll()
+    reader.poll()
+    writer.header[ring_mod._WRITE_SEQ] = np.uint64(writer.events_written + 10)
+    assert reader.poll() is None
+    assert reader.corruptions == 1 and reader.overruns == 0  # stamps behind write_seq: not a lap
+    writer.publish(2, 2)  # the real head is now behind the reader: noticed, resynced
+    assert reader.poll() is None and reader.corruptions == 2
+    writer.publish(3, 3)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 3, 3)]
+
+
+def test_garbage_slots(writer, reader):
+    rng = np.random.default_rng(1)
+    for i in range(8):
+        writer.publish(i, i)
+    writer.slots[:] = rng.integers(0, 2**64, writer.slots.shape, dtype=np.uint64)
+    assert reader.poll() is None  # lapped or scribbled: either way the caller resyncs
+    assert reader.overruns + reader.corruptions == 1
+    writer.publish(100, 100)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 100, 100)]
+
+
+@pytest.mark.parametrize("kind", [0, 5, 2**64 - 1])
+def test_event_of_unknown_kind_with_a_valid_stamp(writer, reader, kind):
+    writer.publish(1, 1)
+    writer.publish(2, 2)
+    writer.slots[(writer.events_written - 1) & (SLOTS - 1), 1] = np.uint64(kind)
+    assert reader.poll() is None
+    assert reader.corruptions == 1 and reader.pending() == 0
+    writer.publish(3, 3)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 3, 3)]
+
+
+@pytest.mark.parametrize("fill", ["zero", "ones", "random"])
+def test_overwritten_presence_words_mean_ask_not_absent(writer, reader, fill):
+    h = key_hash("ns", "k")
+    writer.publish(h, 1)
+    words = {"zero": 0, "ones": 0xFFFF_FFFF}
+    if fill == "random":
+        writer.presence[:] = np.random.default_rng(2).integers(0, 2**32, BUCKETS, dtype=np.uint32)
+    else:
+        writer.presence[:] = np.uint32(words[fill])
+    # no bucket reads as "certainly absent" any more, least of all the present key's
+    assert all(reader.maybe_present(b) for b in range(BUCKETS))
+    assert reader.corruptions == BUCKETS
+    writer.heartbeat()  # the daemon rewrites the table from its private counts
+    assert reader.maybe_present(h)
+    assert sum(reader.maybe_present(b) for b in range(BUCKETS)) == 1
+    assert reader.corruptions == BUCKETS
+
+
+def test_writer_never_reads_the_mapping_back(writer, reader):
+    h = key_hash("ns", "k")
+    writer.presence[:] = 0  # a group member zeroes the table ...
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning either
+        writer.unpublish(EventKind.DELETED, h, 1)  # ... the daemon decrements a zero count (a bug elsewhere)
+        writer.publish(h, 2)
+        writer.publish(h, 3)
+        writer.unpublish(EventKind.DELETED, h, 2)
+    assert int(writer.counts[h & (BUCKETS - 1)]) == 1
+    assert reader.maybe_present(h)
+    writer.header[ring_mod._WRITE_SEQ] = np.uint64(3)
+    writer.publish(5, 5)  # its sequence is its own, not what it finds in the header
+    assert int(writer.header[ring_mod._WRITE_SEQ]) == writer.events_written == 6
+
+
+def test_repairs_are_logged_once(writer, reader, caplog):
+    with caplog.at_level(logging.DEBUG, logger="ecd.ring"):
+        for _ in range(3):
+            writer.header[ring_mod._MAGIC] = np.uint64(0)
+            assert not reader.usable(5.0)
+            writer.heartbeat()
+    assert writer.repairs == 3 and reader.corruptions == 3
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([r for r in warned if r.message.startswith("event ring overwritten")]) == 1  # the daemon
+    assert len([r for r in warned if r.message.startswith("the ecd event ring")]) == 1  # the reader
+
+
+def test_presence_audit_sweeps_a_large_table_in_slices():
+    buckets = ring_mod.AUDIT_BUCKETS * 2
+    m = mmap.mmap(-1, ring_bytes(SLOTS, buckets))
+    w = RingWriter(m, SLOTS, buckets, epoch=1)
+    w.publish(buckets - 1, 1)
+    w.presence[:] = 0
+    w.heartbeat()
+    assert (w.presence[:buckets // 2] == ABSENT).all() and not w.presence[buckets // 2:].any()
+    w.heartbeat()
+    assert int(w.presence[-1]) == PRESENT and (w.presence[:-1] == ABSENT).all()
+
+
+def test_reader_survives_any_bytes(writer, reader):
+    """Random scribbles over header, presence and slots between the writer's and the reader's
+    steps: the reader never raises and never returns more than `slots` events or an unknown
+    kind; once the daemon has repaired the ring it follows it again."""
+    rng = np.random.default_rng(3)
+    raw = np.frombuffer(reader._buf, np.uint8)
+    regions = [(0, 4096), (ring_mod._WRITE_SEQ * 8, ring_mod._WRITE_SEQ * 8 + 8), (4096, 4096 + BUCKETS * 4),
+               (4096 + BUCKETS * 4, raw.size), (0, raw.size)]
+    for step in range(3000):
+        op = rng.integers(0, 10)
+        if op < 3:
+            lo, hi = regions[rng.integers(0, len(regions))]
+            n = int(rng.integers(1, 64))
+            at = rng.integers(lo, hi, n)
+            raw[at] = rng.integers(0, 256, n, dtype=np.uint8)
+        elif op < 6:
+            writer.publish(int(rng.integers(0, 2**64, dtype=np.uint64)), step)
+        elif op == 6:
+            writer.heartbeat()
+        got = reader.poll(int(rng.integers(1, 2 * SLOTS)) if step % 2 else None)
+        if got is not None:
+            assert got.shape[1] == 3 and len(got) <= SLOTS
+            assert ((got[:, 0] >= 1) & (got[:, 0] <= len(EventKind))).all()
+        assert 0 <= reader.next_seq <= MAX_SEQ
+        reader.usable(5.0), reader.alive(5.0), reader.maybe_present(int(rng.integers(0, 2**63))), reader.pending()
+        if step % 7 == 0:
+            reader.skip_to_head()
+    assert reader.corruptions > 0
+    for _ in range(2):
+        writer.heartbeat()
+    reader.poll()
+    assert reader.usable(5.0)
+    assert events(reader.poll()) == []
+    writer.publish(42, 42)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 42, 42)]
+    assert all(reader.maybe_present(b) == bool(writer.counts[b]) for b in range(BUCKETS))
+
+
+# ---- a client attaching while the header is overwritten ---------------------------------------
+
+def _welcome(epoch: int):
+    from types import SimpleNamespace
+    return SimpleNamespace(epoch=epoch, ring=SimpleNamespace(slots=SLOTS, buckets=BUCKETS))
+
+
+def test_attach_waits_for_the_daemon_to_repair_a_scribbled_header(buf, writer):
+    import threading
+    from ecd.client.connection import open_ring
+    ring_file = type("F", (), {"buf": buf})()
+    for word, value in ((ring_mod._MAGIC, 0), (ring_mod._EPOCH, 99)):
+        writer.header[word] = np.uint64(value)
+        repair = threading.Timer(0.1, writer.heartbeat)
+        repair.start()
+        started = time.monotonic()
+        ring = open_ring(ring_file, _welcome(7))
+        repair.join()
+        assert ring is not None and ring.epoch == 7 and time.monotonic() - started < 0.45
+
+
+def test_attach_gives_up_in_bounded_time(buf, writer):
+    from ecd.client.connection import RING_REPAIR_WAIT_S, open_ring
+    ring_file = type("F", (), {"buf": buf})()
+    writer.header[ring_mod._MAGIC] = np.uint64(0)  # and nobody repairs it
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="magic"):
+        open_ring(ring_file, _welcome(7))
+    assert RING_REPAIR_WAIT_S <= time.monotonic() - started < RING_REPAIR_WAIT_S + 1.0
+    writer.heartbeat()
+    # another daemon's ring (a stale file of a dead one): no wait at all
+    writer.close()
+    started = time.monotonic()
+    assert open_ring(ring_file, _welcome(8)) is None
+    assert time.monotonic() - started < 0.1

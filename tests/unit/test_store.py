@@ -15,7 +15,7 @@ import pytest
 
 from ecd.errors import Code
 from ecd.memory.allocator import ALIGNMENT, align_up
-from ecd.memory.ring import EventKind, RingReader, RingWriter, key_hash, ring_bytes
+from ecd.memory.ring import ABSENT, PRESENT, EventKind, RingReader, RingWriter, key_hash, ring_bytes
 from ecd.daemon.entries import RequestError, State, StoreLimits
 from ecd.daemon.store import Store
 from ecd.protocol import AllocItem, Extent, Failure, Location
@@ -136,10 +136,12 @@ class Env:
         assert sorted(e.generation for e in store.index.values()) == sorted(e.generation for e in ready)
         for (ns, key), e in store.index.items():
             assert (e.ns, e.key) == (ns, key) and e.keyhash == key_hash(ns, key)
-        # presence counters: one per READY entry in its bucket, nothing else
+        # presence counters: one per READY entry in its bucket, nothing else; the shared table
+        # says PRESENT exactly where a counter is not zero
         expected = collections.Counter(e.keyhash & (BUCKETS - 1) for e in ready)
-        actual = {b: int(n) for b, n in enumerate(self.ring.presence) if n}
+        actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
+        assert [int(w) for w in self.ring.presence] == [PRESENT if b in expected else ABSENT for b in range(BUCKETS)]
         # allocator bytes are exactly those of entries holding extents
         for pool, allocator in enumerate(store.allocators):
             want = sum(align_up(max(e.nbytes, 1)) for e in entries if e.pool == pool)
@@ -189,7 +191,7 @@ def test_writing_entry_is_invisible(env):
     (res,) = env.get(env.session(), ["k"])
     assert isinstance(res, Failure) and res.code == Code.KEY_NOT_FOUND
     assert env.store.exists(s, "ns", ["k"], 0) == [False]
-    assert not env.ring.presence.any()
+    assert not env.ring.counts.any() and (env.ring.presence == ABSENT).all()
     assert env.events() == []
     assert env.store.count_states() == {State.WRITING: 1, State.READY: 0, State.RETIRED: 0}
     env.check()
