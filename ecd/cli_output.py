@@ -11,7 +11,9 @@ import sys
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -24,6 +26,20 @@ def stdout_console() -> Console:
 
 def stderr_console() -> Console:
     return Console(stderr=True, highlight=False)
+
+
+def shown(name: str) -> str:
+    """A key or namespace (chosen by any tenant) as inert text: characters that are not printable
+    (ESC and other controls, CR/LF, bidi overrides, zero-width ones) spelled as Python escapes, so
+    nothing a tenant names can move the cursor, retitle the operator's terminal or hide its name."""
+    if name.isprintable():
+        return name
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in name)
+
+
+def shown_list(names: Sequence[str]) -> str:
+    """Names joined for a console.print with markup: escaped for rich as well."""
+    return escape(", ".join(shown(n) for n in names))
 
 
 def print_json(doc: Any) -> None:
@@ -111,7 +127,8 @@ def render_keys(total: int, entries: Sequence[dict], console: Console) -> None:
     for name in ("size", "dtype", "shape", "age", "idle", "readers", "pins"):
         table.add_column(name, justify="left" if name in ("dtype", "shape") else "right")
     for e in entries:
-        table.add_row(e["ns"], e["key"], human_size(e["nbytes"]), e["dtype"],
+        # Text: a key like "[/bold]" is a name, not rich markup (which would fail or restyle it).
+        table.add_row(Text(shown(e["ns"])), Text(shown(e["key"])), human_size(e["nbytes"]), e["dtype"],
                       "[" + ", ".join(map(str, e["shape"])) + "]", human_duration(e["age_s"]),
                       human_duration(e["idle_s"]), str(e["readers"]), str(e["pins"]))
     if entries:
@@ -125,9 +142,9 @@ def render_evict(doc: dict, console: Console) -> None:
     console.print(f"evicted {doc['evicted']} entr{'y' if doc['evicted'] == 1 else 'ies'}")
     if doc["refused"]:
         console.print(f"[bold red]refused[/] {len(doc['refused'])} (leased or pinned; --force evicts them): "
-                      + ", ".join(doc["refused"]))
+                      + shown_list(doc["refused"]))
     if doc["missing"]:
-        console.print(f"missing {len(doc['missing'])}: " + ", ".join(doc["missing"]))
+        console.print(f"missing {len(doc['missing'])}: " + shown_list(doc["missing"]))
     if doc["draining"]:
         if doc["drained"]:
             console.print(f"{len(doc['draining'])} forced entr{'y' if len(doc['draining']) == 1 else 'ies'}: "

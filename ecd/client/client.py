@@ -54,6 +54,19 @@ def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
     return ([keys], True) if isinstance(keys, str) else (list(keys), False)
 
 
+def _check_encodable(what: str, names) -> None:
+    """Keys and namespaces travel as UTF-8: a str with a lone surrogate ('\\udc80') cannot.
+    Refused before anything is sent or copied (InvalidRequest, not a UnicodeEncodeError from deep
+    inside a put that may already hold a reservation)."""
+    for name in names:
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{what} {name!r} is not valid UTF-8 text: {exc.reason}") from None
+        except AttributeError:
+            raise InvalidRequest(f"{what} must be a str, got {type(name).__name__}") from None
+
+
 class Client:
     """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
 
@@ -66,6 +79,7 @@ class Client:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self._curve = curve_keys(curve_secret_key, curve_server_key)
+        _check_encodable("namespace", [namespace])
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout = float(timeout)
@@ -149,7 +163,11 @@ class Client:
     def _roundtrip(self, request, timeout: float):
         sock = self._res.sock
         try:
-            sock.send(encoder.encode(request), zmq.NOBLOCK)
+            frame = encoder.encode(request)
+        except UnicodeEncodeError as exc:  # a key or namespace with a lone surrogate: nothing sent
+            raise InvalidRequest(f"request not sent: {exc.object!r} is not valid UTF-8 text ({exc.reason})") from None
+        try:
+            sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
             self._res.drop_socket()
             raise DaemonUnavailable(f"cannot send to the daemon at {self.endpoint}") from None
@@ -255,6 +273,7 @@ class Client:
         host pool, and each arena the CUDA tensors go to: see put)."""
         if tier is not None and tier not in ("host", "cuda"):
             raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
+        _check_encodable("key", items)
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values()):
             self._put_cuda_many(items, checksum, tier)
             return
@@ -503,8 +522,11 @@ class Client:
         with self._lock:
             self._map.require_local("get/view", self.limits.inline_max_bytes)
             ring_pos = self._map.ring.next_seq
-        reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
         with self._lock:
+            # The mapping is taken with the reply, under the same lock: another thread's call could
+            # otherwise reconnect to a restarted daemon in between, and this reply's locations (of
+            # the old daemon's pools) would be read from the new daemon's: other entries' bytes.
+            reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
             session, mapping = self._session, self._map
         found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
         self._remember(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
@@ -680,6 +702,7 @@ class Client:
         seconds (or until unpin()). Absent keys are answered from the event ring, no round trip."""
         keys, single = _key_list(keys)
         ns = self.namespace
+        _check_encodable("key", keys)  # key_hash needs the UTF-8 bytes
         if len(keys) > self.limits.max_batch:  # refused here as the daemon would, ring or not
             raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
         with self._lock:

@@ -64,10 +64,14 @@ class Session:
     leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
     writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
     reservation: Entry | None = None  # an anonymous WRITING extent for the next put
+    # Namespace of the last entry this client committed: a reservation asked for with a commit
+    # counts toward it (until Publish names it, perhaps in another namespace). None: nothing yet.
+    reserve_ns: str | None = None
     watched: bool = False  # the daemon learns at once when this client's process exits
     last_seen: float = 0.0  # monotonic time of the last request (kept for unwatched sessions only)
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
+    parked_keys: int = 0  # keys named by `waiters` (what their memory grows with)
     closed: bool = False
 
 

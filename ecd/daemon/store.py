@@ -10,12 +10,14 @@ Entry life:  alloc -> WRITING --commit--> READY --(replace | delete)--> RETIRED 
 WRITING and RETIRED entries are invisible to lookups; a READY entry with a reader or a pin is
 never evicted. Generations come from one counter, so a generation names exactly one entry.
 
-Namespaces (`[namespaces.NAME]` in node.toml): every named entry (WRITING, READY or RETIRED)
-counts its extent's bytes toward its namespace until it is freed; an anonymous reservation counts
-toward none until Publish names it. A namespace with a quota that would go over it evicts its
-own least recently used entries first, and gets QUOTA_EXCEEDED when they cannot make room; it
-never evicts another namespace for its quota. Eviction for room (no hole big enough) never takes
-an entry of another namespace below that namespace's guaranteed share, and evicts nothing at all
+Namespaces (`[namespaces.NAME]` in node.toml): every entry (WRITING, READY or RETIRED) counts its
+extent's bytes toward its namespace until it is freed; an anonymous reservation counts toward the
+namespace of the commit it was asked for with (else a client could hold pool bytes outside its
+quota by reserving, from as many sessions as it likes) and moves to the one Publish names. A
+namespace with a quota that would go over it evicts its own least recently used entries first,
+and gets QUOTA_EXCEEDED when they cannot make room; it never evicts another namespace for its
+quota. Eviction for room (no hole big enough) never takes an entry of another namespace below
+that namespace's guaranteed share (of READY bytes), and evicts nothing at all
 unless it first finds that evicting what it may would open a big enough contiguous hole.
 
 Tiers: the host pool (its segments, pools 0..n-1) and, with `[pool.cuda]`, one CUDA arena per
@@ -32,7 +34,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..errors import Code
-from ..memory.allocator import ExtentAllocator, align_up
+from ..memory.allocator import ALIGNMENT, ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 from .entries import Entry, RequestError, Scheduler, Session, State, StoreLimits, Waiter
@@ -67,6 +69,9 @@ class Store:
         self.policies: dict[str, tuple[int, int]] = {}  # configured namespace -> (quota, guaranteed)
         self.quotas: dict[str, int] = {}  # only namespaces with a quota
         self.guarantees: dict[str, int] = {}  # only namespaces with a guaranteed share
+        # Bytes of READY entries of each namespace with a guaranteed share: what the share protects
+        # (ns_used also counts writes that may be aborted and replaced entries about to be freed).
+        self.guaranteed_ready: dict[str, int] = {}
         # Each quota'd namespace's evictable entries in LRU order, kept with `evictable`.
         self._quota_lru: dict[str, collections.OrderedDict[int, Entry]] = {}
         self._quota_evictable_bytes: dict[str, int] = {}
@@ -81,13 +86,17 @@ class Store:
     def set_namespaces(self, namespaces: Mapping[str, Any]) -> None:
         """Apply `[namespaces.NAME]` policies (objects with .quota and .guaranteed, in bytes; 0:
         none; and .verify: commits need a checksum). Also used by SIGHUP: a namespace already over a lowered quota is not evicted now;
-        its next allocation evicts its own entries. O(evictable entries)."""
+        its next allocation evicts its own entries. O(entries)."""
         self.policies = {name: (int(ns.quota), int(ns.guaranteed)) for name, ns in namespaces.items()}
         self.verify_namespaces = frozenset(name for name, ns in namespaces.items() if getattr(ns, "verify", False))
         self.quotas = {name: q for name, (q, _) in self.policies.items() if q > 0}
         self.guarantees = {name: g for name, (_, g) in self.policies.items() if g > 0}
         self._quota_lru = {name: collections.OrderedDict() for name in self.quotas}
         self._quota_evictable_bytes = dict.fromkeys(self.quotas, 0)
+        self.guaranteed_ready = dict.fromkeys(self.guarantees, 0)
+        for entry in self.index.values():
+            if entry.ns in self.guaranteed_ready:
+                self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         for entry in self.evictable.values():  # LRU first, so each namespace's order is kept
             lru = self._quota_lru.get(entry.ns)
             if lru is not None:
@@ -109,10 +118,10 @@ class Store:
             self.quota_refusals[ns] += 1
             self.quota_refused += 1
             if size > quota:
-                why = f"an entry of {size} bytes is larger than the quota itself"
+                why = f"an entry of {size} bytes (whole {ALIGNMENT}-byte units) is larger than the quota itself"
             else:
-                why = (f"{used - evictable} bytes of it are held (leased, pinned, being written or "
-                       f"replaced while still read) and only {evictable} may be evicted")
+                why = (f"{used - evictable} bytes of it are held (leased, pinned, being written, "
+                       f"reserved or replaced while still read) and only {evictable} may be evicted")
             return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
                                                 f"{used} bytes in use, {size} more requested; {why}")
         victims = []
@@ -122,6 +131,11 @@ class Store:
             if over <= 0:
                 break
         return victims
+
+    @property
+    def max_parked_keys(self) -> int:
+        """Keys one client may have parked (waiting) at once, over all its parked requests."""
+        return max(self.limits.max_batch, self.limits.max_waiters_per_client)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -258,14 +272,22 @@ class Store:
         pools = self.host_pools if pools is None else pools
         if session.reservation is not None:
             return Failure(Code.LIMIT, "this client already holds a reservation")
+        ns = session.reserve_ns
+        if ns is None:
+            return Failure(Code.INVALID, "a reservation is asked for with a commit: this client has committed nothing")
         too_large = self._too_large(nbytes, pools)
         if too_large:
             return Failure(Code.INVALID, f"cannot reserve: {too_large}")
+        quota = self.quotas.get(ns)
+        if quota is not None and self.ns_used.get(ns, 0) + align_up(max(nbytes, 1)) > quota:
+            self.counters["reserve_refused"] += 1  # not a refused put: the next put takes Alloc
+            return Failure(Code.QUOTA_EXCEEDED, f"no reservation of {nbytes} bytes: it would take namespace "
+                                                f"{ns!r} over its quota of {quota} bytes")
         placed = self._place(nbytes, None, (), evict=False, pools=pools)
         if placed is None:
             self.counters["reserve_refused"] += 1
             return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
-        entry = self._new_write(session, placed, "", "", "uint8", [nbytes], nbytes)
+        entry = self._new_write(session, placed, ns, "", "uint8", [nbytes], nbytes)
         session.reservation = entry
         return Extent(entry.generation, entry.pool, entry.offset)
 
@@ -282,19 +304,21 @@ class Store:
         if failure is None and align_up(max(item.nbytes, 1)) != extent_size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {extent_size}")
         victims: list[Entry] | Failure = []
-        if failure is None:  # named now: the bytes count toward the namespace from here on
+        if failure is None and ns != entry.ns:  # its bytes move to `ns`: that quota decides
             victims = self._quota_victims(ns, extent_size)
             if isinstance(victims, Failure):
                 failure = victims
         if failure is not None:
             del session.writes[generation]
-            self._free(entry)  # still anonymous: no namespace was charged for it
+            self._free(entry)  # gives its bytes back to the namespace it was charged to
             return failure
         for victim in victims:
             self._evict(victim, "evicted_quota")
+        if ns != entry.ns:
+            self._uncharge(entry.ns, extent_size)
+            self.ns_used[ns] = self.ns_used.get(ns, 0) + extent_size
         entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
         entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
-        self.ns_used[ns] = self.ns_used.get(ns, 0) + extent_size
         return self.commit(session, generation, checksum)
 
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
@@ -306,8 +330,7 @@ class Store:
                       placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry
-        if key:  # a reservation (no key yet) counts toward no namespace until it is published
-            self.ns_used[ns] = self.ns_used.get(ns, 0) + align_up(max(nbytes, 1))
+        self.ns_used[ns] = self.ns_used.get(ns, 0) + align_up(max(nbytes, 1))
         session.writes[generation] = entry
         self._push_deadline(entry.write_deadline, generation, 0)
         return entry
@@ -357,8 +380,9 @@ class Store:
         walk the LRU order (after `required`), freeing each victim on paper and merging it with
         its free or already-freed neighbours, until one run is big enough. Only the victims in
         that run are returned, so entries elsewhere are not thrown away for nothing. An entry of
-        another namespace is skipped when evicting it would take that namespace below its
-        guaranteed share; `ns`'s own entries may always go. O(entries walked)."""
+        another namespace is skipped when evicting it would take that namespace's READY bytes
+        below its guaranteed share (bytes being written or replaced-but-still-read do not count:
+        they may be gone soon); `ns`'s own entries may always go. O(entries walked)."""
         self._protected = 0
         allocators = self.allocators
         run_end = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
@@ -411,7 +435,7 @@ class Store:
                 if share is not None:
                     nbytes = align_up(max(entry.nbytes, 1))
                     taken = planned.get(entry.ns, 0) + nbytes
-                    if self.ns_used[entry.ns] - taken < share:
+                    if self.guaranteed_ready[entry.ns] - taken < share:
                         self._protected += 1
                         continue
                     planned[entry.ns] = taken
@@ -457,6 +481,7 @@ class Store:
         entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
+        session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = self.clock()
         old = self.index.get((entry.ns, entry.key))
         if old is not None:  # an atomic replace: current readers keep the old bytes
@@ -466,6 +491,8 @@ class Store:
                 self._move_pins(old, entry)
             self._retire_or_free(old)
         self.index[(entry.ns, entry.key)] = entry
+        if entry.ns in self.guaranteed_ready:
+            self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self._make_evictable(entry)
         self.ring.publish(entry.keyhash, generation)
@@ -506,10 +533,19 @@ class Store:
             if len(session.waiters) >= self.limits.max_waiters_per_client:
                 raise RequestError(Code.LIMIT, f"client has {len(session.waiters)} parked requests; "
                                                f"limits.max_waiters_per_client={self.limits.max_waiters_per_client}")
+            # A parked key costs the daemon a few hundred bytes: without a bound on keys, the
+            # request limit times max_batch would let one client park tens of GB.
+            max_keys = self.max_parked_keys
+            if session.parked_keys + len(keys) > max_keys:
+                raise RequestError(Code.LIMIT, f"client has {session.parked_keys} keys parked in "
+                                               f"{len(session.waiters)} requests; {len(keys)} more would pass "
+                                               f"{max_keys}, the most one client may wait for (the larger of "
+                                               f"limits.max_batch and limits.max_waiters_per_client)")
             waiter = Waiter(session, ns, keys, missing, on_done)
             for key in missing:
                 self.waiters.setdefault((ns, key), set()).add(waiter)
             session.waiters.add(waiter)
+            session.parked_keys += len(keys)
             wait = min(wait_s, self.limits.max_wait)
             waiter.timer = self.scheduler.call_later(wait, lambda: self._expire_waiter(waiter))
             return None
@@ -560,7 +596,9 @@ class Store:
             self._complete_waiter(waiter)
 
     def _drop_waiter(self, waiter: Waiter) -> None:
-        waiter.session.waiters.discard(waiter)
+        if waiter in waiter.session.waiters:
+            waiter.session.waiters.discard(waiter)
+            waiter.session.parked_keys -= len(waiter.keys)
         if waiter.timer is not None:
             waiter.timer.cancel()
             waiter.timer = None
@@ -790,6 +828,8 @@ class Store:
 
     def _unindex(self, entry: Entry, kind: EventKind) -> None:
         del self.index[(entry.ns, entry.key)]
+        if entry.ns in self.guaranteed_ready:
+            self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self._make_unevictable(entry)
         self.ring.unpublish(kind, entry.keyhash, entry.generation)
 
@@ -802,12 +842,14 @@ class Store:
     def _free(self, entry: Entry) -> None:
         self.allocators[entry.pool].free_extent(entry.offset)
         del self.by_generation[entry.generation]
-        if entry.key:  # named: it counted toward its namespace
-            left = self.ns_used[entry.ns] - align_up(max(entry.nbytes, 1))
-            if left:
-                self.ns_used[entry.ns] = left
-            else:
-                del self.ns_used[entry.ns]
+        self._uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
+
+    def _uncharge(self, ns: str, nbytes: int) -> None:
+        left = self.ns_used[ns] - nbytes
+        if left:
+            self.ns_used[ns] = left
+        else:
+            del self.ns_used[ns]
 
     # ---- introspection ------------------------------------------------------------------
 

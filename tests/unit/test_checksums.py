@@ -61,7 +61,7 @@ def test_replacement_carries_the_new_checksum_and_readers_of_the_old_keep_theirs
 
 def test_publish_of_a_reservation_stores_the_checksum():
     env = Env()
-    s = env.session()
+    s = env.reserving(env.session())
     ext = env.store.reserve(s, 64)
     assert env.store.publish(s, "ns", ext.generation, item("k", 64), 2**64 - 1) is None
     assert env.lease(env.session(), "k").checksum == 2**64 - 1
@@ -87,7 +87,7 @@ def test_verify_namespace_refuses_a_commit_without_checksum_and_frees_the_write(
 
 def test_verify_namespace_refuses_a_publish_without_checksum():
     env = verify_env()
-    s = env.session()
+    s = env.reserving(env.session())
     ext = env.store.reserve(s, 64)
     failure = env.store.publish(s, "safe", ext.generation, item("k", 64))
     assert failure.code == Code.INVALID and "checksum" in failure.message

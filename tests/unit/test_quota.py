@@ -98,20 +98,30 @@ def test_replacing_a_key_at_the_quota_evicts_the_old_generation():
     env.check()
 
 
-def test_reservation_is_anonymous_until_published_into_a_quota_namespace():
+def test_reservation_counts_toward_the_namespace_of_its_commit():
     env = Env(pool_sizes=(8 * A,), namespaces={"a": ns(quota=2 * A)})
     s, reader = env.session(), env.session()
     env.put(s, "a0", ns="a")
-    env.put(s, "a1", ns="a")
-    ext = env.store.reserve(s, A)
-    assert isinstance(ext, Extent)
-    assert env.store.ns_used == {"a": 2 * A}  # the reservation counts toward no namespace
+    ext = env.store.reserve(s, A)  # asked for with a's commit: it counts toward a
+    assert isinstance(ext, Extent) and env.store.ns_used == {"a": 2 * A}
     env.check()
+    assert env.store.publish(s, "a", ext.generation, item("a1")) is None  # already paid for
+    assert present(env, "a", "a0", "a1") == [True, True] and env.store.ns_used == {"a": 2 * A}
+    # a at its quota: no reservation (the next put takes Alloc, which evicts a's own); not a refused put
+    refused = env.store.reserve(s, A)
+    assert isinstance(refused, Failure) and refused.code == Code.QUOTA_EXCEEDED and s.reservation is None
+    assert env.store.quota_refused == 0
+    env.check()
+    # a reservation of another namespace's commit moves to a when published there: a's quota decides
+    env.put(s, "u0", ns="u")
+    ext = env.store.reserve(s, A)
+    assert env.store.ns_used == {"a": 2 * A, "u": 2 * A}
     assert env.store.publish(s, "a", ext.generation, item("a2")) is None
     assert present(env, "a", "a0", "a1", "a2") == [False, True, True]
-    assert env.store.ns_used == {"a": 2 * A}
+    assert env.store.ns_used == {"a": 2 * A, "u": A}
     env.check()
     # all of a's entries held: Publish is refused and the reservation freed
+    env.put(s, "u1", ns="u")
     env.lease(reader, "a1", ns="a")
     env.lease(reader, "a2", ns="a")
     ext = env.store.reserve(s, A)
@@ -119,9 +129,13 @@ def test_reservation_is_anonymous_until_published_into_a_quota_namespace():
     refused = env.store.publish(s, "a", ext.generation, item("a3"))
     assert isinstance(refused, Failure) and refused.code == Code.QUOTA_EXCEEDED
     assert s.reservation is None and env.used() == used - A and not env.present("a3", "a")
-    assert env.store.ns_used == {"a": 2 * A}
+    assert env.store.ns_used == {"a": 2 * A, "u": 2 * A}
     env.check()
-
+    # a client that committed nothing gets none (else Commit([], reserve=N) from many sessions
+    # would hold the pool outside every quota)
+    refused = env.store.reserve(env.session(), A)
+    assert isinstance(refused, Failure) and refused.code == Code.INVALID
+    env.check()
 
 def test_namespace_bytes_follow_entries_through_every_state():
     env = Env(pool_sizes=(8 * A,), namespaces={"a": ns(quota=8 * A)})
@@ -334,7 +348,7 @@ def test_random_operations_keep_quotas_guarantees_and_invariants():
             if counter == "evicted_quota":
                 assert victim_ns == by, "a quota evicted another namespace"
             elif victim_ns != by and victim_ns in store.guarantees:
-                assert store.ns_used.get(victim_ns, 0) >= store.guarantees[victim_ns], \
+                assert store.guaranteed_ready[victim_ns] >= store.guarantees[victim_ns], \
                     f"step {step}: {by} took {victim_ns} below its guaranteed share"
         for quota_ns, quota in store.quotas.items():
             assert store.ns_used.get(quota_ns, 0) <= quota, f"step {step}: {quota_ns} over its quota"

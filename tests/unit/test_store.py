@@ -99,6 +99,12 @@ class Env:
     def session(self):
         return self.store.open_session(next(self._ids), pid=0)
 
+    def reserving(self, session, ns: str = "ns"):
+        """`session` as if it had just committed into `ns` (a reservation is asked for with a
+        commit, and counts toward that commit's namespace)."""
+        session.reserve_ns = ns
+        return session
+
     def alloc(self, session, key: str, nbytes: int = A, ns: str = "ns") -> Extent:
         extent = self.store.alloc(session, ns, item(key, nbytes))
         assert isinstance(extent, Extent), extent
@@ -150,12 +156,14 @@ class Env:
         unheld = {e.generation for e in ready if not e.readers and not e.pins}
         assert set(store.evictable) == unheld
         assert sum(store.evictable_bytes) == sum(align_up(max(e.nbytes, 1)) for e in store.evictable.values())
-        # namespace bytes: every named entry (not an anonymous reservation) counts toward its own
+        # namespace bytes: every entry counts toward its own (a reservation: its commit's)
         want_ns = collections.Counter()
         for e in entries:
-            if e.key:
-                want_ns[e.ns] += align_up(max(e.nbytes, 1))
+            want_ns[e.ns] += align_up(max(e.nbytes, 1))
         assert store.ns_used == dict(want_ns)
+        # what a guaranteed share protects: the READY bytes of the namespace
+        want_ready = {ns: sum(align_up(max(e.nbytes, 1)) for e in ready if e.ns == ns) for ns in store.guarantees}
+        assert store.guaranteed_ready == want_ready
         # each quota'd namespace's LRU is the global LRU order restricted to it
         assert set(store._quota_lru) == set(store.quotas)
         for ns, lru in store._quota_lru.items():
@@ -163,6 +171,8 @@ class Env:
             assert store._quota_evictable_bytes[ns] == sum(align_up(max(e.nbytes, 1)) for e in lru.values())
         # reader and pin counts agree with the sessions
         sessions = list(store._sessions.values())
+        for s in sessions:
+            assert s.parked_keys == sum(len(w.keys) for w in s.waiters)
         for e in entries:
             assert e.readers == sum(s.leases.get(e.generation, 0) for s in sessions), e
             if e.state is not State.WRITING:
@@ -874,6 +884,29 @@ def test_max_waiters_per_client():
     env.check()
 
 
+def test_keys_parked_per_client_are_limited_too():
+    """max_waiters_per_client parked requests of max_batch keys each would be 67M parked keys
+    (tens of GB) with the defaults: one client's parked requests name at most the larger of the
+    two limits in keys."""
+    env = Env(pool_sizes=(16 * A,), max_waiters_per_client=4, max_batch=10)
+    s, other = env.session(), env.session()
+    env.store.acquire(s, "ns", [f"a{i}" for i in range(10)], 5, Done())  # one full batch parks
+    with pytest.raises(RequestError) as info:
+        env.store.acquire(s, "ns", ["b"], 5, Done())
+    assert info.value.code == Code.LIMIT and "keys parked" in str(info.value)
+    assert len(s.waiters) == 1 and s.parked_keys == 10 and ("ns", "b") not in env.store.waiters
+    env.store.acquire(other, "ns", [f"c{i}" for i in range(6)], 5, Done())  # per client
+    env.store.acquire(other, "ns", [f"d{i}" for i in range(4)], 5, Done())
+    env.check()
+    env.store.close_session(other)
+    env.put(s, "a0", 16)  # wakes nothing yet (nine keys still missing)
+    for i in range(1, 10):
+        env.put(s, f"a{i}", 16)
+    assert s.parked_keys == 0 and not s.waiters  # answered: its keys count no more
+    env.store.acquire(s, "ns", ["b"], 5, Done())
+    env.check()
+
+
 def test_max_leases_per_client():
     env = Env(max_leases_per_client=2)
     s, other = env.session(), env.session()
@@ -893,7 +926,7 @@ def test_max_leases_per_client():
 # ---- reservations: copy first, name it after ----------------------------------------------------
 
 def test_reservation_is_published_under_a_key(env):
-    s, reader = env.session(), env.session()
+    s, reader = env.reserving(env.session()), env.session()
     ext = env.store.reserve(s, A)
     assert isinstance(ext, Extent) and env.used() == A
     assert env.store.exists(reader, "ns", ["k"], 0) == [False]  # anonymous: invisible
@@ -905,7 +938,7 @@ def test_reservation_is_published_under_a_key(env):
 
 
 def test_one_reservation_per_client_and_it_cannot_be_committed_nameless(env):
-    s = env.session()
+    s = env.reserving(env.session())
     ext = env.store.reserve(s, A)
     again = env.store.reserve(s, A)
     assert isinstance(again, Failure) and again.code == Code.LIMIT
@@ -919,7 +952,7 @@ def test_one_reservation_per_client_and_it_cannot_be_committed_nameless(env):
 
 
 def test_publish_of_the_wrong_size_frees_the_reservation(env):
-    s = env.session()
+    s = env.reserving(env.session())
     ext = env.store.reserve(s, 2 * A)
     failure = env.store.publish(s, "ns", ext.generation, item("k", A))
     assert isinstance(failure, Failure) and failure.code == Code.INVALID
@@ -939,7 +972,7 @@ def test_reserve_never_evicts(env):
 
 def test_reservation_expires_with_the_write_ttl_and_dies_with_its_client():
     env = Env(write_ttl=5.0)
-    s = env.session()
+    s = env.reserving(env.session())
     ext = env.store.reserve(s, A)
     env.clock.now += 6.0
     env.store.expire()
@@ -954,7 +987,7 @@ def test_reservation_expires_with_the_write_ttl_and_dies_with_its_client():
 
 def test_reservation_of_a_watched_client_is_never_expired():
     env = Env(write_ttl=5.0)
-    s = env.session()
+    s = env.reserving(env.session())
     s.watched = True  # the daemon holds a pidfd: the reservation goes when the process goes
     ext = env.store.reserve(s, A)
     env.clock.now += 60.0

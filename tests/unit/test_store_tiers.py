@@ -109,7 +109,7 @@ def test_eviction_for_room_takes_only_entries_of_the_target_tier(env):
 
 
 def test_reservation_goes_in_the_tier_it_is_asked_for(env):
-    s = env.session()
+    s = env.reserving(env.session())
     res = env.store.reserve(s, 2 * A, env.store.tier(ARENA1))
     assert isinstance(res, Extent) and res.pool == ARENA1
     assert env.store.tier_of(res.generation) == (ARENA1,)
@@ -136,7 +136,7 @@ def test_reservation_never_evicts_in_its_tier(env):
 
 
 def test_publish_of_an_arena_reservation_checks_the_arena_size(env):
-    s = env.session()
+    s = env.reserving(env.session())
     res = env.store.reserve(s, 6 * A, env.store.tier(ARENA1))  # larger than the host segment
     assert isinstance(res, Extent)
     assert env.store.publish(s, "ns", res.generation, item("big", 6 * A)) is None
