@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from .errors import ConfigError
+from .memory.allocator import ALIGNMENT as POOL_UNIT
 
 
 class ByteSize(int):
@@ -279,6 +280,10 @@ class NamespaceSection(_Section):
     def __post_init__(self) -> None:
         _check(self.quota >= 0, "quota", f"must be >= 0, got {int(self.quota)}")
         _check(self.guaranteed >= 0, "guaranteed", f"must be >= 0, got {int(self.guaranteed)}")
+        # The pool hands out whole 256-byte units: quota = "1000" would refuse a 1000-byte entry.
+        for key, value in (("quota", self.quota), ("guaranteed", self.guaranteed)):
+            _check(value % POOL_UNIT == 0, key, f"must be a multiple of {POOL_UNIT} bytes (entries take "
+                                                f"whole {POOL_UNIT}-byte units), got {int(value)}")
         _check(self.quota == 0 or self.guaranteed <= self.quota, "guaranteed",
                f"must be <= quota ({int(self.quota)}), got {int(self.guaranteed)}")
 

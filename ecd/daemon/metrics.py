@@ -134,7 +134,8 @@ class DaemonCollector:
         # Configured namespaces only: clients choose namespace names, so unconfigured ones would
         # make the label set unbounded.
         ns_used = GaugeMetricFamily("ecd_namespace_used_bytes", "Bytes held by a configured "
-                                    "namespace's entries (being written, ready, or replaced while read)",
+                                    "namespace's entries (being written, ready, or replaced while read) and "
+                                    "its clients' reservations for their next put",
                                     labels=["namespace"])
         ns_quota = GaugeMetricFamily("ecd_namespace_quota_bytes", "A configured namespace's byte quota "
                                      "(0: none)", labels=["namespace"])

@@ -143,6 +143,8 @@ def test_unknown_keys(data, expected):
     ({"limits": {"client_queue_bytes": "0"}}, "limits.client_queue_bytes", "must be > 0"),
     ({"limits": {"max_pins_per_client": 0}}, "limits.max_pins_per_client", "must be > 0"),
     ({"metrics": {"max_connections": 0}}, "metrics.max_connections", "between 1 and 65536"),
+    ({"namespaces": {"a": {"quota": "1000"}}}, "namespaces.a.quota", "multiple of 256 bytes"),
+    ({"namespaces": {"a": {"quota": "1MiB", "guaranteed": 100}}}, "namespaces.a.guaranteed", "multiple of 256"),
     # unparsable size / duration
     ({"pool": {"host": {"size": "lots"}}}, "pool.host.size", "'lots'"),
     ({"pool": {"host": {"size": "12XB"}}}, "pool.host.size", "'12XB'"),
