@@ -23,11 +23,11 @@ from .. import __version__
 from .entries import State
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .server import Daemon
+    from .view import DaemonView
 
 log = logging.getLogger("ecd.metrics")
 
-# Why a request or a reply went nowhere (Daemon.dropped); every reason is exported, 0 or not.
+# Why a request or a reply went nowhere (ServeCounters.dropped); every reason is exported, 0 or not.
 DROP_REASONS = ("refused", "unanswerable", "send_failed", "client_backlog")
 
 # Why the HTTP endpoint closed a connection to stay under its cap (MetricsServer.shed).
@@ -72,7 +72,7 @@ class RequestStats:
 class DaemonCollector:
     """Reads the daemon's counters and the store's state at scrape time."""
 
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: "DaemonView") -> None:
         self.daemon = daemon
 
     def collect(self):
@@ -84,14 +84,14 @@ class DaemonCollector:
 
         requests = CounterMetricFamily("ecd_requests", "Requests handled, by operation and outcome",
                                        labels=["op", "outcome"])
-        for (op, outcome), n in sorted(d.requests.counts.items()):
+        for (op, outcome), n in sorted(d.counters.requests.counts.items()):
             requests.add_metric([op, outcome], n)
         yield requests
 
         latency = HistogramMetricFamily("ecd_request_duration_seconds",
                                         "Time the daemon spent handling a request (not time parked)",
                                         labels=["op"])
-        for op, buckets, total in sorted(d.requests.histograms()):
+        for op, buckets, total in sorted(d.counters.requests.histograms()):
             latency.add_metric([op], buckets, total)
         yield latency
 
@@ -177,7 +177,7 @@ class DaemonCollector:
                                       "(the reply could not be queued to its peer), client_backlog (its peer was closed for not "
                                       "reading its replies)", labels=["reason"])
         for reason in DROP_REASONS:
-            dropped.add_metric([reason], d.dropped.get(reason, 0))
+            dropped.add_metric([reason], d.counters.dropped.get(reason, 0))
         yield dropped
 
         http = d.metrics_server
@@ -199,14 +199,14 @@ class DaemonCollector:
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
                                   value=d.ring.events_written)
         yield CounterMetricFamily("ecd_ring_reader_overruns", "Times a client's ring reader was lapped "
-                                  "(reported by clients)", value=d.ring_overruns)
+                                  "(reported by clients)", value=d.counters.ring_overruns)
         if d.curve is not None:
             yield CounterMetricFamily("ecd_auth_rejected", "CURVE handshakes refused (unknown client key)",
                                       value=d.curve.rejected)
         integrity = CounterMetricFamily("ecd_integrity_failures", "Bytes that did not match their checksum: "
                                         "reads reported by verifying clients, inline puts seen by the daemon",
                                         labels=["where"])
-        for where, n in sorted(d.integrity_failures.items()):
+        for where, n in sorted(d.counters.integrity_failures.items()):
             integrity.add_metric([where], n)
         yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
@@ -216,7 +216,7 @@ class DaemonCollector:
         yield info
 
 
-def make_registry(daemon: "Daemon") -> CollectorRegistry:
+def make_registry(daemon: "DaemonView") -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
     return registry
@@ -237,7 +237,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def connection_metrics(d: "Daemon"):
+def connection_metrics(d: "DaemonView"):
     """Control connections and what the daemon refused or closed to keep within its limits."""
     yield GaugeMetricFamily("ecd_connections", "Open control connections (with or without a session)",
                             value=d.connections.open)

@@ -23,7 +23,7 @@ from ..config import NamespaceSection, load_config_file
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .server import Daemon
+    from .view import DaemonView
 
 log = logging.getLogger("ecd.daemon")
 
@@ -53,7 +53,7 @@ def _keep_verify_flags(old: dict[str, NamespaceSection], new: dict[str, Namespac
             new[name] = NamespaceSection(verify=True)
 
 
-def reload_config(daemon: "Daemon") -> None:
+def reload_config(daemon: "DaemonView") -> None:
     if daemon.curve is not None:
         daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
     if daemon.config_path is None:

@@ -1,0 +1,185 @@
+"""One handler per request type: what the daemon does with each message of a known session,
+dispatched with `match` on the tagged msgspec union (the loop, control.py, has already decoded
+the frame, found the session and refused what a session may not send)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import __version__
+from ..errors import Code
+from ..integrity import checksum as checksum_of, describe
+from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
+                        Committed, DaemonStats, Delete, Evict, Evicted, Exists, Failure, Flags, Held, Hello,
+                        KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
+                        Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
+from .connections import Connection
+from .entries import RequestError, Session, State
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .control import ServeCounters
+    from .view import DaemonView
+
+log = logging.getLogger("ecd.daemon")
+
+LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
+KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
+
+
+class Handlers:
+    def __init__(self, daemon: "DaemonView", counters: "ServeCounters", send: Callable[[bytes, Any], None],
+                 reply_error: Callable[[bytes, int, Code, str], str], count_error: Callable[[str], None],
+                 count_drop: Callable[[str], None]) -> None:
+        self.d = daemon
+        self.counters = counters
+        self.send = send  # queue a reply to a routing id
+        self.reply_error = reply_error  # queue a typed error, return the metrics outcome
+        self.count_error = count_error
+        self.count_drop = count_drop
+
+    def dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
+        store = self.d.store
+        match request:
+            case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
+                return Flags(rid, store.exists(session, ns, keys, pin_s))
+            case Acquire(id=rid, ns=ns, keys=keys, wait_s=wait_s):
+                def on_done(results, rid=rid):
+                    self.send(identity, Acquired(rid, results))
+                results = store.acquire(session, ns, keys, wait_s, on_done)
+                return None if results is None else Acquired(rid, results)
+            case Release(id=rid, generations=generations):
+                store.check_batch(len(generations))
+                results = [store.release(session, g) for g in generations]
+                if rid == 0 and any(results):
+                    self.count_error("release_refused")
+                    self.count_drop("refused")
+                return Acked(rid, results)
+            case Alloc(id=rid, ns=ns, items=items, arena=arena):
+                store.check_batch(len(items))
+                pools = store.tier(arena)
+                return Allocated(rid, [store.alloc(session, ns, item, pools) for item in items])
+            case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums):
+                store.check_batch(len(generations))
+                if checksums and len(checksums) != len(generations):
+                    raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
+                                                     f"{len(generations)} generations")
+                checksums = checksums or [0] * len(generations)
+                # the reservation goes in the tier of the first committed item (host if none)
+                tier = store.tier_of(generations[0]) if reserve and generations else None
+                results = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
+                return Committed(rid, results, store.reserve(session, reserve, tier) if reserve else None)
+            case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
+                         checksum=checksum):
+                tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
+                result = store.publish(session, ns, generation, item, checksum)
+                return Committed(rid, [result], store.reserve(session, reserve, tier) if reserve else None)
+            case Abort(id=rid, generations=generations):
+                store.check_batch(len(generations))
+                return Acked(rid, [store.abort(session, g) for g in generations])
+            case PutInline():
+                return Acked(request.id, [self.put_inline(session, request)])
+            case Unpin(id=rid, ns=ns, keys=keys):
+                return Flags(rid, store.unpin(session, ns, keys))
+            case Delete(id=rid, ns=ns, keys=keys):
+                return Flags(rid, store.delete(ns, keys))
+            case Ping(id=rid):
+                return Pong(rid, self.d.epoch)
+            case Stats(id=rid):
+                return StatsReply(rid, daemon_stats(self.d, self.counters))
+            case Keys(id=rid, ns=ns, limit=limit, after=after):
+                return self.list_keys(rid, ns, limit, after)
+            case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
+                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force)
+                return Evicted(rid, evicted, refused, missing, draining)
+            case Held(id=rid, generations=generations):
+                return Flags(rid, store.held(generations))
+            case Report(ring_overruns=overruns, integrity_failures=corrupt):
+                self.counters.ring_overruns += overruns
+                if corrupt:
+                    self.counters.integrity_failures["read"] += corrupt
+                    log.warning("client pid %d (session %d) read %d entr%s whose bytes do not match "
+                                "their stored checksum", session.pid, session.id, corrupt,
+                                "y" if corrupt == 1 else "ies")
+                return None
+        raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
+
+    def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:
+        """One page of `ecd keys`, at most LISTING_REPLY_BYTES encoded: a listing of a big index
+        must not become one huge reply queued to a client that may never read it."""
+        total, entries = self.d.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
+        now = time.monotonic()
+        page, size = [], 0
+        for e in entries[:limit]:
+            size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
+            if page and size > LISTING_REPLY_BYTES:
+                break
+            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, e.shape, now - e.published_at,
+                                now - e.last_access, e.readers, e.pins))
+        return KeyList(rid, total, page, more=len(entries) > len(page))
+
+    def put_inline(self, session: Session, request: PutInline) -> Failure | None:
+        limit = int(self.d.config.limits.inline_max_bytes)
+        if len(request.data) > limit:
+            return Failure(Code.LIMIT, f"inline payload of {len(request.data)} bytes exceeds "
+                                       f"limits.inline_max_bytes={limit}")
+        if request.checksum:
+            actual = checksum_of(request.data)
+            if actual != request.checksum:
+                self.counters.integrity_failures["inline_put"] += 1
+                return Failure(Code.CORRUPT, f"inline put of {request.key!r}: data checksum {describe(actual)} "
+                                             f"does not match the {describe(request.checksum)} sent with it")
+        item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
+        placed = self.d.store.alloc(session, request.ns, item)
+        if isinstance(placed, Failure):
+            return placed
+        # Small enough that copying in the daemon costs less than the round trip it saves.
+        segment = self.d.pool.segments[placed.pool].buf
+        segment[placed.offset:placed.offset + len(request.data)] = request.data
+        return self.d.store.commit(session, placed.generation, request.checksum)
+
+    def hello(self, identity: bytes, conn: Connection, hello: Hello) -> str:
+        if hello.version != PROTOCOL_VERSION:
+            return self.reply_error(identity, hello.id, Code.VERSION, f"protocol version {hello.version} "
+                                     f"not supported; daemon speaks {PROTOCOL_VERSION}")
+        session = self.d.sessions.open(conn, hello.pid)  # RequestError(LIMIT) in Welcome's place
+        limits, cfg = self.d.config.limits, self.d.config
+        heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
+        self.send(identity, Welcome(
+            hello.id, PROTOCOL_VERSION, session.id, self.d.epoch, self.d.node,
+            [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(self.d.pool.segments)],
+            RingInfo(self.d.ring_file.name, self.d.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
+            Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
+                   int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
+                   float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
+            sorted(self.d.store.verify_namespaces), self.d.arena_infos()))
+        return "ok"
+
+
+def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
+    """Stats: the store's state and the loop's counters."""
+    store = d.store
+    states = store.count_states()
+    leases, pins, waiters = store.lease_totals()
+    reservations, reserved_bytes = store.reservation_totals()
+    pools = [(a.capacity, a.used) for a in store.allocators]
+    c = store.counters
+    return DaemonStats(
+        node=d.node, epoch=d.epoch, version=__version__,
+        uptime_s=time.monotonic() - d.started,
+        capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
+        entries_ready=states[State.READY], entries_writing=store.writes_in_progress(),
+        reservations=reservations, reserved_bytes=reserved_bytes,
+        entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
+        pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
+        reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
+        ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
+        integrity_failures=sum(counters.integrity_failures.values()))
+
+
+def error_counts(d: "DaemonView", counters: "ServeCounters") -> dict[str, int]:
+    errors = dict(counters.errors)
+    if d.curve is not None and d.curve.rejected:
+        errors["auth_rejected"] = d.curve.rejected  # counted on the ZAP thread
+    return errors
+

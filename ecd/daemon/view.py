@@ -1,0 +1,49 @@
+"""What the daemon's parts read of it: metrics, reload, the control loop and the request handlers
+depend on this Protocol, not on server.Daemon, so no module imports the lifecycle it serves (no
+import circles), and a peer plane or a disk tier can plug in beside them the same way."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    import zmq
+
+    from ..config import Config
+    from ..memory.host import HostPool, ShmFile
+    from ..memory.ring import RingWriter
+    from ..protocol import ArenaInfo
+    from .connections import Connections
+    from .control import ServeCounters
+    from .entries import StoreLimits
+    from .security import CurveAuth
+    from .sessions import Sessions
+    from .store import Store
+
+
+class DaemonView(Protocol):
+    node: str
+    epoch: int
+    started: float  # monotonic
+    start_wall_time: float
+    state: str  # starting -> serving -> draining
+    config: "Config"
+    config_path: str | None
+    loop: asyncio.AbstractEventLoop | None
+    sock: "zmq.Socket | None"
+    pool: "HostPool | None"
+    ring: "RingWriter | None"
+    ring_file: "ShmFile | None"
+    arenas: Any
+    store: "Store | None"
+    sessions: "Sessions | None"
+    connections: "Connections | None"
+    counters: "ServeCounters"
+    curve: "CurveAuth | None"
+    metrics_server: Any
+    max_connections: int
+
+    def arena_infos(self) -> list["ArenaInfo"]: ...
+    def pool_labels(self) -> list[str]: ...
+    def build_store_limits(self) -> "StoreLimits": ...
+    def apply_connection_limits(self) -> None: ...
