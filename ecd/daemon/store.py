@@ -29,20 +29,25 @@ rides on). Namespace quotas and guaranteed shares count an entry's bytes whateve
 from __future__ import annotations
 
 import collections
-import heapq
 import time
 from typing import Any, Callable, Mapping
 
 from ..errors import Code
-from ..memory.allocator import ALIGNMENT, ExtentAllocator, align_up
+from ..memory.allocator import ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 from .entries import Entry, RequestError, Scheduler, Session, State, StoreLimits, Waiter
+from .deadlines import Deadlines
+from .operator import OperatorRequests
+from .placement import Placement
+from .waiting import Waiting
 
-EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
 
+class Store(Placement, Waiting, Deadlines, OperatorRequests):
+    """The registry. Its jobs beside the entry state machine live in mixins of their own modules:
+    placement and eviction (placement.py), parked gets (waiting.py), pins and write deadlines
+    (deadlines.py), operator requests (operator.py)."""
 
-class Store:
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
                  namespaces: Mapping[str, Any] | None = None, arena_sizes: list[int] | tuple = ()) -> None:
@@ -102,40 +107,6 @@ class Store:
             if lru is not None:
                 lru[entry.generation] = entry
                 self._quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
-
-    def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
-        """The namespace's own LRU entries that must go for `size` more bytes to fit under its
-        quota ([] when it fits or has no quota), or QUOTA_EXCEEDED when they cannot make it fit."""
-        quota = self.quotas.get(ns)
-        if quota is None:
-            return []
-        used = self.ns_used.get(ns, 0)
-        over = used + size - quota
-        if over <= 0:
-            return []
-        evictable = self._quota_evictable_bytes[ns]
-        if size > quota or evictable < over:
-            self.quota_refusals[ns] += 1
-            self.quota_refused += 1
-            if size > quota:
-                why = f"an entry of {size} bytes (whole {ALIGNMENT}-byte units) is larger than the quota itself"
-            else:
-                why = (f"{used - evictable} bytes of it are held (leased, pinned, being written, "
-                       f"reserved or replaced while still read) and only {evictable} may be evicted")
-            return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
-                                                f"{used} bytes in use, {size} more requested; {why}")
-        victims = []
-        for entry in self._quota_lru[ns].values():
-            victims.append(entry)
-            over -= align_up(max(entry.nbytes, 1))
-            if over <= 0:
-                break
-        return victims
-
-    @property
-    def max_parked_keys(self) -> int:
-        """Keys one client may have parked (waiting) at once, over all its parked requests."""
-        return max(self.limits.max_batch, self.limits.max_waiters_per_client)
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -213,19 +184,6 @@ class Store:
         """The tier of an entry (the host pool when the generation names none)."""
         entry = self.by_generation.get(generation)
         return (entry.pool,) if entry is not None and entry.pool in self.arena_pools else self.host_pools
-
-    def _largest_in(self, pools: tuple[int, ...]) -> int:
-        if pools == self.host_pools:
-            return self.largest_segment
-        return max(self.allocators[p].capacity for p in pools)
-
-    def _too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
-        largest = self._largest_in(pools)
-        if nbytes <= largest:
-            return None
-        where = ("the largest pool segment" if pools == self.host_pools
-                 else f"CUDA arena {pools[0]}")
-        return f"{nbytes} bytes is larger than {where} ({largest} bytes)"
 
     def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
         failure = self.check_key(ns, item.key)
@@ -335,133 +293,6 @@ class Store:
         self._push_deadline(entry.write_deadline, generation, 0)
         return entry
 
-    def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
-               evict: bool = True, pools: tuple[int, ...] | None = None) -> tuple[int, int] | None:
-        """(pool, offset) of a new extent in one of `pools` (default the host pool), evicting
-        `required` (the namespace's own entries its quota demands, in any tier) and, when no hole
-        is big enough, what else in `pools` may be evicted for room; None (and nothing evicted)
-        when that cannot make a big enough contiguous hole."""
-        pools = self.host_pools if pools is None else pools
-        allocators = self.allocators
-        size = align_up(max(nbytes, 1))
-        if required and any(allocators[p].largest_free >= size for p in pools):
-            self._evict_all(required, ())
-            required = ()
-        if not required:  # the common path: O(log n) per pool, no eviction
-            for pool in pools:
-                offset = allocators[pool].alloc(size)
-                if offset is not None:
-                    return pool, offset
-        if not evict:
-            return None
-        victims = self._plan_room(size, ns, required, pools)
-        if victims is None:
-            return None
-        self._evict_all(required, victims)
-        for pool in pools:
-            offset = allocators[pool].alloc(size)
-            if offset is not None:
-                return pool, offset
-        raise AssertionError("eviction plan did not make the room it promised")
-
-    def _evict_all(self, required, victims) -> None:
-        for victim in required:
-            self._evict(victim, "evicted_quota")
-        for victim in victims:
-            self._evict(victim, "evictions")  # for room: "capacity" in metrics
-
-    def _evict(self, victim: Entry, counter: str) -> None:
-        self._unindex(victim, EventKind.EVICTED)
-        self._free(victim)
-        self.counters[counter] += 1
-
-    def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...]) -> list[Entry] | None:
-        """The entries to evict for a contiguous hole of `size` bytes, found without evicting:
-        walk the LRU order (after `required`), freeing each victim on paper and merging it with
-        its free or already-freed neighbours, until one run is big enough. Only the victims in
-        that run are returned, so entries elsewhere are not thrown away for nothing. An entry of
-        another namespace is skipped when evicting it would take that namespace's READY bytes
-        below its guaranteed share (bytes being written or replaced-but-still-read do not count:
-        they may be gone soon); `ns`'s own entries may always go. O(entries walked)."""
-        self._protected = 0
-        allocators = self.allocators
-        run_end = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
-        run_start = [{} for _ in allocators]  # end -> start
-
-        def free_on_paper(entry: Entry) -> tuple[int, int]:
-            allocator, ends, starts = allocators[entry.pool], run_end[entry.pool], run_start[entry.pool]
-            start = entry.offset
-            end = start + allocator.extent_size(start)
-            left = starts.pop(start, None)
-            if left is not None:
-                del ends[left]
-            else:
-                left = allocator.free_ending_at(start)
-            if left is not None:
-                start = left
-            right = ends.pop(end, None)
-            if right is not None:
-                del starts[right]
-            else:
-                right = allocator.free_starting_at(end)
-            if right is not None:
-                end = right
-            ends[start] = end
-            starts[end] = start
-            return start, end
-
-        def in_run(pool: int, start: int, end: int, walked) -> list[Entry]:
-            return [v for v in walked if v.pool == pool and start <= v.offset < end]
-
-        for entry in required:  # they go whatever happens: the quota needs them gone
-            start, end = free_on_paper(entry)
-            if end - start >= size and entry.pool in pools:
-                return []
-        # Only segments of the tier whose free plus evictable bytes could hold it are worth a look.
-        candidates = [False] * len(allocators)
-        for pool in pools:
-            candidates[pool] = allocators[pool].free + self.evictable_bytes[pool] >= size
-        if not any(candidates):
-            return None
-        skip = {e.generation for e in required}
-        guarantees = self.guarantees
-        planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
-        walked: list[Entry] = []
-        for entry in self.evictable.values():
-            if not candidates[entry.pool] or entry.generation in skip:
-                continue
-            if guarantees and entry.ns != ns:
-                share = guarantees.get(entry.ns)
-                if share is not None:
-                    nbytes = align_up(max(entry.nbytes, 1))
-                    taken = planned.get(entry.ns, 0) + nbytes
-                    if self.guaranteed_ready[entry.ns] - taken < share:
-                        self._protected += 1
-                        continue
-                    planned[entry.ns] = taken
-            walked.append(entry)
-            start, end = free_on_paper(entry)
-            if end - start >= size:
-                return in_run(entry.pool, start, end, walked)
-        return None
-
-    def _pool_full_message(self, nbytes: int, pools: tuple[int, ...]) -> str:
-        # O(pools): this runs on every refused put, and a full pool can hold millions of entries.
-        tier = [self.allocators[p] for p in pools]
-        capacity = sum(a.capacity for a in tier)
-        used = sum(a.used for a in tier)
-        largest = max(a.largest_free for a in tier)
-        where = "" if pools == self.host_pools else f" in CUDA arena {pools[0]}"
-        held = len(self.index) - len(self.evictable)
-        writing = self.writes_in_progress()
-        # Bytes nothing may evict: leased/pinned entries, writes, reservations, retired bytes.
-        held_bytes = used - sum(self.evictable_bytes[p] for p in pools)
-        protected = (f", {self._protected} kept for their namespace's guaranteed share"
-                     if self._protected else "")
-        return (f"no room for {nbytes} bytes{where}: {used} of {capacity} bytes in use, largest free extent "
-                f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
-                f"({held_bytes} bytes held: {held} entries leased or pinned, {writing} being written{protected})")
-
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
         entry = self.by_generation.get(generation)
@@ -569,53 +400,6 @@ class Store:
             results.append(entry.location())
         return results
 
-    def _wake_waiters(self, ns: str, key: str) -> None:
-        parked = self.waiters.pop((ns, key), None)
-        if not parked:
-            return
-        for waiter in parked:
-            waiter.missing.discard(key)
-            if waiter.missing:
-                continue
-            # Keys that were present when the request parked may have gone since: keep waiting.
-            gone = {k for k in waiter.keys if (waiter.ns, k) not in self.index}
-            if gone:
-                waiter.missing = gone
-                for k in gone:
-                    self.waiters.setdefault((waiter.ns, k), set()).add(waiter)
-            else:
-                self._complete_waiter(waiter)
-
-    def _complete_waiter(self, waiter: Waiter) -> None:
-        self._drop_waiter(waiter)
-        waiter.on_done(self._lease_all(waiter.session, waiter.ns, waiter.keys))
-
-    def _expire_waiter(self, waiter: Waiter) -> None:
-        waiter.timer = None
-        if waiter in waiter.session.waiters:
-            self._complete_waiter(waiter)
-
-    def _drop_waiter(self, waiter: Waiter) -> None:
-        if waiter in waiter.session.waiters:
-            waiter.session.waiters.discard(waiter)
-            waiter.session.parked_keys -= len(waiter.keys)
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-            waiter.timer = None
-        for key in waiter.missing:
-            parked = self.waiters.get((waiter.ns, key))
-            if parked is not None:
-                parked.discard(waiter)
-                if not parked:
-                    del self.waiters[(waiter.ns, key)]
-
-    def fail_waiters(self, code: Code, message: str) -> None:
-        """Answer every parked request with a failure per key (used at shutdown)."""
-        for session in list(self._sessions.values()):
-            for waiter in list(session.waiters):
-                self._drop_waiter(waiter)
-                waiter.on_done([Failure(code, message) for _ in waiter.keys])
-
     def release(self, session: Session, generation: int) -> Failure | None:
         if session.leases.get(generation, 0) <= 0:
             return Failure(Code.NOT_OWNER, f"this client holds no read lease on generation {generation}")
@@ -650,54 +434,6 @@ class Store:
                 self._make_evictable(entry)  # to the most recently used end
         return found
 
-    def _pin(self, session: Session, entry: Entry, deadline: float) -> None:
-        previous = session.pins.get(entry.generation)
-        if previous is None:
-            entry.pins += 1
-            self._make_unevictable(entry)
-        elif previous >= deadline:
-            return
-        session.pins[entry.generation] = deadline
-        self._push_deadline(deadline, entry.generation, session.id)
-
-    def _push_deadline(self, deadline: float, generation: int, session_id: int) -> None:
-        """Deadlines are deleted lazily (a commit or unpin leaves its tuple in the heap), so at
-        thousands of puts per second the heap would hold a write TTL's worth of dead tuples.
-        Sweeping them whenever the heap doubles keeps it proportional to the live ones, O(1)
-        amortized per push."""
-        heapq.heappush(self._deadlines, (deadline, generation, session_id))
-        if len(self._deadlines) >= self._compact_deadlines_at:
-            self._deadlines = [d for d in self._deadlines if self._deadline_is_live(*d)]
-            heapq.heapify(self._deadlines)
-            self._compact_deadlines_at = max(4096, 2 * len(self._deadlines))
-
-    def _deadline_is_live(self, deadline: float, generation: int, session_id: int) -> bool:
-        if session_id == 0:  # a write deadline: the write (or reservation) has not been committed
-            entry = self.by_generation.get(generation)
-            return entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline
-        session = self._sessions.get(session_id)
-        return session is not None and session.pins.get(generation) == deadline
-
-    def _move_pins(self, old: Entry, new: Entry) -> None:
-        """A pin promises the key stays loadable: it moves to the generation that replaced it."""
-        for session in self._sessions.values():
-            deadline = session.pins.pop(old.generation, None)
-            if deadline is not None:
-                old.pins -= 1
-                self._pin(session, new, deadline)
-
-    def unpin(self, session: Session, ns: str, keys: list[str]) -> list[bool]:
-        self.check_batch(len(keys))
-        result = []
-        for key in keys:
-            entry = self.index.get((ns, key))
-            pinned = entry is not None and session.pins.pop(entry.generation, None) is not None
-            if pinned:
-                entry.pins -= 1
-                self._after_unhold(entry)
-            result.append(pinned)
-        return result
-
     def delete(self, ns: str, keys: list[str]) -> list[bool]:
         self.check_batch(len(keys))
         result = []
@@ -714,83 +450,6 @@ class Store:
         self._retire_or_free(entry)
 
     # ---- operator requests --------------------------------------------------------------
-
-    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Entry]]:
-        """(how many READY entries match, the first `limit` of them by namespace and key, after
-        `after` when given)."""
-        matching = [e for e in self.index.values() if not ns or e.ns == ns]
-        if after is not None:
-            later = [e for e in matching if (e.ns, e.key) > after]
-            return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
-        return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
-
-    def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
-              force: bool) -> tuple[int, list[str], list[str], list[int]]:
-        """(evicted, refused because leased/pinned, missing, generations still draining readers)."""
-        if everything or whole_namespace:
-            targets = [e for e in self.index.values() if everything or e.ns == ns]
-            missing: list[str] = []
-        else:
-            self.check_batch(len(keys))
-            # a key named twice is evicted once (a second removal of the same entry would fail)
-            targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
-            # capped like `refused`: the request's own keys echoed back could make a huge reply
-            missing = [k for k in keys if (ns, k) not in self.index][:EVICT_ECHO_MAX]
-        evicted, refused, draining = 0, [], []
-        for entry in targets:
-            if (entry.readers or entry.pins) and not force:
-                if len(refused) < EVICT_ECHO_MAX:
-                    refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
-                continue
-            if entry.readers:
-                self._revoke_unwatched_leases(entry)
-            self._remove(entry)
-            evicted += 1
-            if entry.readers:
-                draining.append(entry.generation)
-        return evicted, refused, missing, draining
-
-    def _revoke_unwatched_leases(self, entry: Entry) -> None:
-        """A forced eviction takes back the read leases of sessions the daemon cannot watch (tcp
-        peers, processes whose identity the kernel could not vouch for): nothing tells the daemon
-        such a holder is still alive, and its lease must not keep the bytes forever. A watched
-        session's process is alive and may be reading: its lease drains normally."""
-        for session in self._sessions.values():
-            if not session.watched:
-                count = session.leases.pop(entry.generation, 0)
-                entry.readers -= count
-
-    def held(self, generations: list[int]) -> list[bool]:
-        self.check_batch(len(generations))
-        return [g in self.by_generation for g in generations]
-
-    def expire(self) -> None:
-        """Abort writes past their TTL and drop pins past their deadline (called periodically)."""
-        now = self.clock()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, generation, session_id = heapq.heappop(self._deadlines)
-            entry = self.by_generation.get(generation)
-            if session_id == 0:  # a write deadline
-                if entry is not None and entry.owner is not None and entry is entry.owner.reservation \
-                        and entry.owner.watched:
-                    # An idle client's reservation: it may start copying into it at any moment,
-                    # and it goes away with the client's process; never hand it to anyone else.
-                    continue
-                if entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
-                    entry.owner.writes.pop(generation, None)
-                    if entry.owner.reservation is entry:
-                        entry.owner.reservation = None
-                    self._free(entry)
-                    self.counters["expired_writes"] += 1
-                    self.counters["reclaimed_write_ttl"] += 1
-                continue
-            session = self._sessions.get(session_id)
-            if session is not None and session.pins.get(generation) == deadline:
-                del session.pins[generation]
-                self.counters["reclaimed_pin_expired"] += 1
-                if entry is not None:
-                    entry.pins -= 1
-                    self._after_unhold(entry)
 
     # ---- internals ----------------------------------------------------------------------
 

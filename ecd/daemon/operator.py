@@ -1,0 +1,64 @@
+"""Operator requests on the registry: list keys (paged by the handler), evict keys, a namespace
+or everything (forced: also what is leased or pinned), and ask which generations are still held.
+Mixed into Store."""
+from __future__ import annotations
+
+import heapq
+
+from .entries import Entry
+
+EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
+
+
+class OperatorRequests:
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Entry]]:
+        """(how many READY entries match, the first `limit` of them by namespace and key, after
+        `after` when given)."""
+        matching = [e for e in self.index.values() if not ns or e.ns == ns]
+        if after is not None:
+            later = [e for e in matching if (e.ns, e.key) > after]
+            return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
+        return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
+
+
+    def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
+              force: bool) -> tuple[int, list[str], list[str], list[int]]:
+        """(evicted, refused because leased/pinned, missing, generations still draining readers)."""
+        if everything or whole_namespace:
+            targets = [e for e in self.index.values() if everything or e.ns == ns]
+            missing: list[str] = []
+        else:
+            self.check_batch(len(keys))
+            # a key named twice is evicted once (a second removal of the same entry would fail)
+            targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
+            # capped like `refused`: the request's own keys echoed back could make a huge reply
+            missing = [k for k in keys if (ns, k) not in self.index][:EVICT_ECHO_MAX]
+        evicted, refused, draining = 0, [], []
+        for entry in targets:
+            if (entry.readers or entry.pins) and not force:
+                if len(refused) < EVICT_ECHO_MAX:
+                    refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
+                continue
+            if entry.readers:
+                self._revoke_unwatched_leases(entry)
+            self._remove(entry)
+            evicted += 1
+            if entry.readers:
+                draining.append(entry.generation)
+        return evicted, refused, missing, draining
+
+
+    def _revoke_unwatched_leases(self, entry: Entry) -> None:
+        """A forced eviction takes back the read leases of sessions the daemon cannot watch (tcp
+        peers, processes whose identity the kernel could not vouch for): nothing tells the daemon
+        such a holder is still alive, and its lease must not keep the bytes forever. A watched
+        session's process is alive and may be reading: its lease drains normally."""
+        for session in self._sessions.values():
+            if not session.watched:
+                count = session.leases.pop(entry.generation, 0)
+                entry.readers -= count
+
+
+    def held(self, generations: list[int]) -> list[bool]:
+        self.check_batch(len(generations))
+        return [g in self.by_generation for g in generations]
