@@ -1,10 +1,10 @@
 """ecd.ControlClient: the daemon's control socket, without tensors (imports neither torch nor numpy).
 
 Everything of a client that is messages and nothing else: the DEALER socket, the version (and
-CURVE) handshake, reconnecting to a restarted daemon, the request round trip, and the operations
-that move no tensor bytes: exists, unpin, delete, keys, evict, held, stats, ping. The operator
-CLI (`ecd status`, `ecd keys`, `ecd evict`) uses it as it is, and so starts in a fraction of a
-second.
+CURVE) handshake, reconnecting to a restarted daemon, the request round trip (`request()`, public:
+any ecd.protocol request, typed reply or the mapped EcdError), and the operations that move no
+tensor bytes: exists, unpin, delete, keys, evict, held, stats, ping. The operator CLI (`ecd status`,
+`ecd keys`, `ecd evict`) uses it as it is, and so starts in a fraction of a second.
 
 `ecd.Client` (ecd.client.client) is a ControlClient plus the data plane: it maps the daemon's
 pools and event ring (ecd.client.mapping, numpy) and moves torch tensors through them; its exists()
@@ -32,14 +32,18 @@ import zmq
 
 from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, LimitExceeded,
                       ProtocolError, StaleGeneration, error_from_code)
-from ..protocol import (PROTOCOL_VERSION, Abort, Commit, Delete, Error, Evict, Evicted, Exists,
-                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Stats,
+from ..protocol import (PROTOCOL_VERSION, Abort, Acquire, Bye, Commit, Delete, Error, Evict, Evicted, Exists,
+                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
                         StatsReply, Unpin, Welcome, encoder, reply_decoder)
 from .. import protocol
 from .connection import HANDSHAKE_EVENTS, Resources, curve_keys, heartbeat
 
 # Requests that name generations: after a daemon restart they mean nothing (or something else).
 _NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
+_REQUESTS = typing.get_args(protocol.Request)
+# The client's own business, never sent through request(): the session (Hello, Bye) and the
+# counters it reports (Report, which the daemon never answers).
+_NOT_REQUESTABLE = (Hello, Bye, Report)
 _Self = typing.TypeVar("_Self", bound="ControlClient")  # `with Client(...) as c`: c is a Client
 
 
@@ -62,7 +66,7 @@ def _check_encodable(what: str, names) -> None:
 
 
 class ControlClient:
-    """Look up, delete, list, evict and count entries of an ecd daemon.
+    """Look up, delete, list, evict and count entries of an ecd daemon; send it any request.
 
     A client of the control socket only: it maps no shared memory and moves no tensors (that is
     `ecd.Client`, which has all of this too). Works the same from another host."""
@@ -228,6 +232,33 @@ class ControlClient:
                 with contextlib.suppress(zmq.ZMQError):
                     self._res.sock.send(encoder.encode(request), zmq.NOBLOCK)
                     self._last_sent = time.monotonic()
+
+    def request(self, message):
+        """Send one ecd.protocol request and return the daemon's reply, a typed ecd.protocol Struct.
+
+        The low-level door for tools and tests: any request the daemon accepts, as it travels on
+        the wire (docs/protocol.md), e.g. `c.request(Alloc(0, "ns", [AllocItem("k", "uint8", [8],
+        8)]))` -> Allocated. The client numbers it: the message's own `id` is ignored (build it
+        with 0), the reply carries the number it was sent with. It travels like every call of
+        this client: an Error reply raises the EcdError its code maps to (KeyNotFound,
+        LimitExceeded, InvalidRequest, ...) while per-item Failures inside a batch reply
+        (Allocated, Acquired, Acked, Committed) are returned as they are; a daemon that restarted
+        is greeted again and the request sent once more, except one naming generations (Commit,
+        Publish, Abort, Release), which raises StaleGeneration; no reply within the client's
+        timeout (plus an Acquire's wait_s) raises DaemonUnavailable.
+
+        What a request takes is the caller's to give back: the read leases of an Acquire (Release
+        them), the writes of an Alloc (Commit or Abort them, or the daemon expires them after
+        leases.write_ttl). Hello, Bye and Report are this client's own business (its session and
+        its counters): ValueError; so is anything that is not a request (TypeError)."""
+        if not isinstance(message, _REQUESTS):
+            raise TypeError(f"expected an ecd.protocol request, got {type(message).__name__}")
+        if isinstance(message, _NOT_REQUESTABLE):
+            raise ValueError(f"{type(message).__name__} is sent by the client itself, not through request()")
+        wait_s = 0.0
+        if isinstance(message, Acquire):  # the daemon answers when the wait is over, at the latest
+            wait_s = min(message.wait_s, self.limits.max_wait_s)
+        return self._call(msgspec.structs.replace(message, id=next(self._ids)), wait_s)
 
     @property
     def limits(self):
