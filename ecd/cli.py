@@ -156,11 +156,12 @@ def _check_curve_options(curve_secret_key: str | None, curve_server_key: str | N
 
 def _client(endpoint: str, timeout: float, namespace: str = "default", curve_secret_key: str | None = None,
             curve_server_key: str | None = None):
-    from .client.client import Client
+    # The control plane only: an operator command moves no tensor bytes, so it maps no shared
+    # memory and imports neither torch nor numpy (ecd.Client would: seconds of start-up).
+    from .client.control import ControlClient
     _check_curve_options(curve_secret_key, curve_server_key)
-    # populate=False: an operator command touches no tensor bytes, so it maps the pools lazily.
-    return Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli", populate=False,
-                  curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
+    return ControlClient(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli",
+                         curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
 
 
 @app.command()

@@ -57,8 +57,8 @@ def main() -> None:
                 held = None
                 say("ok")
             elif cmd == "alloc-stuck":
-                reply = client._call(Alloc(next(client._ids), namespace,
-                                           [AllocItem(args[0], "uint8", [int(args[1])], int(args[1]))]))
+                reply = client.request(Alloc(0, namespace,
+                                             [AllocItem(args[0], "uint8", [int(args[1])], int(args[1]))]))
                 say(f"allocated {reply.results[0].generation}")
             elif cmd == "exists":
                 say("ok " + " ".join(str(x) for x in client.exists(args)))

@@ -1,73 +1,46 @@
 """ecd.Client: the synchronous client every engine shim is built on.
 
-One DEALER socket carries small msgspec requests; tensor bytes are copied straight into and out
-of the daemon's shared-memory pools, mapped once per daemon epoch (read-write for puts, a second
-read-only mapping for views so a stray in-place write faults instead of corrupting the cache).
-The event ring, mapped read-only, answers exists() negatives without a round trip and drops
-cached locations of entries that were evicted or replaced.
+A Client is a ControlClient (ecd.client.control: the DEALER socket, handshake, reconnects, the
+request round trip and the operations that move no bytes) plus the data plane, here: tensor bytes
+are copied straight into and out of the daemon's shared-memory pools, mapped once per daemon epoch
+(ecd.client.mapping: read-write for puts, a second read-only mapping for views so a stray in-place
+write faults instead of corrupting the cache). The event ring, mapped read-only, answers exists()
+negatives without a round trip and drops cached locations of entries that were evicted or replaced.
 
 Thread-safety: one lock serialises socket round trips; copies run outside it, so threads of one
 process can put/get concurrently through one Client.
 
-Remote use: with curve_secret_key/curve_server_key the DEALER is a CURVE client (a refused
-handshake raises AuthenticationFailed). A daemon that cannot watch this process (tcp, another pid
-namespace) asks for heartbeats in its Welcome: a small daemon thread then pings when the client
-has been idle that long. A client on another host cannot map the pools: control operations and
+Remote use: with curve_secret_key/curve_server_key the DEALER is a CURVE client (see
+ControlClient). A client on another host cannot map the pools: control operations and
 inline-sized puts work, bulk put/get/view raise InvalidRequest.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import os
-import threading
 import time
-import weakref
 from typing import Iterator, Mapping, Sequence
 
-import msgspec
 import torch
 import zmq
 
-from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, IntegrityError, InvalidRequest,
-                      KeyNotFound, LimitExceeded, ProtocolError, StaleGeneration, error_from_code)
+from ..errors import (Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, LimitExceeded,
+                      StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.ring import EventKind, key_hash
 from ..memory.allocator import align_up
-from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem,
-                        Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent, Failure,
-                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Location, Ping, Publish, PutInline,
-                        Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, reply_decoder)
-from .. import protocol
-from . import connection
-from .connection import HANDSHAKE_EVENTS, EpochMapping, Resources, curve_keys, heartbeat
+from ..protocol import (Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Bye, Commit, Committed,
+                        Exists, Extent, Failure, Flags, Location, Publish, PutInline, Release, Report, Welcome,
+                        encoder)
+from .control import ControlClient, _check_encodable, _key_list
+from .mapping import EpochMapping
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
 
 
-_NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
-def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
-    """(keys as a list, whether one bare key was given): one key in, one answer out."""
-    return ([keys], True) if isinstance(keys, str) else (list(keys), False)
-
-
-def _check_encodable(what: str, names) -> None:
-    """Keys and namespaces travel as UTF-8: a str with a lone surrogate ('\\udc80') cannot.
-    Refused before anything is sent or copied (InvalidRequest, not a UnicodeEncodeError from deep
-    inside a put that may already hold a reservation)."""
-    for name in names:
-        try:
-            name.encode()
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"{what} {name!r} is not valid UTF-8 text: {exc.reason}") from None
-        except AttributeError:
-            raise InvalidRequest(f"{what} must be a str, got {type(name).__name__}") from None
-
-
-class Client:
+class Client(ControlClient):
     """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
 
     def __init__(self, endpoint: str = "ipc:///tmp/ecd/ecd.sock", namespace: str = "default",
@@ -75,179 +48,32 @@ class Client:
                  curve_secret_key: str | None = None, curve_server_key: str | None = None) -> None:
         """`curve_secret_key`: this client's key file (NAME.key_secret from `ecd keygen`) and
         `curve_server_key`: the daemon's public key (its .key file, or the 40-character Z85
-        text), for a daemon with CURVE (remote tcp endpoints). Both or neither."""
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self._curve = curve_keys(curve_secret_key, curve_server_key)
-        _check_encodable("namespace", [namespace])
-        self.endpoint = endpoint
-        self.namespace = namespace
-        self.timeout = float(timeout)
-        self.name = name
+        text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
+        prefault the pool mappings when they are made (MAP_POPULATE) rather than on first use."""
         self.populate = populate
-        self._lock = threading.RLock()
-        self._ids = itertools.count(1)
-        self._decoder = reply_decoder()
-        self._res = Resources()
-        self._finalizer = weakref.finalize(self, self._res.close)
-        self._closed = False
-        self._session = 0
         # (extent, aligned size, use-by monotonic time, session, epoch) of the daemon's
         # reservation for this client's next put, and whether a put is filling it right now
         self._reservation: tuple | None = None
         self._reservation_busy = False
         self._map: EpochMapping | None = None
-        self._welcome: Welcome | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read
         self._cache: dict[int, tuple[str, str, int]] = {}
-        self._pid_ns = protocol.pid_namespace()  # looked up here so tests can fake a container
-        self._heartbeat_s = 0.0  # from Welcome: ping when idle this long (0: not needed)
-        self._last_sent = time.monotonic()  # any message sent counts as activity
-        self._heartbeat_thread: threading.Thread | None = None
-        with self._lock:
-            self._connect()
+        super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
+                         curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
-    # ---- connection ---------------------------------------------------------------------
-
-    def _connect(self) -> None:
-        """Say hello (again). The socket is kept across timeouts: a daemon that was only slow
-        still knows this session and its leases; ZMQ reconnects it to a restarted daemon."""
-        if self._res.sock is None:
-            sock = self._res.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if self._curve is not None:
-                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
-            # Before connect, so the first handshake's failure is seen.
-            self._res.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
-            self._res.handshake_drops = 0
-            sock.connect(self.endpoint)
-            self._res.sock = sock
-        reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._pid_ns),
-                                self.timeout)
-        if isinstance(reply, Error):
-            raise error_from_code(reply.code, reply.message)
-        if not isinstance(reply, Welcome):
-            raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
-        if self._map is None or self._map.epoch != reply.epoch:
-            try:
-                mapping = connection.EpochMapping(reply, self.populate)  # a new daemon: new pools, new ring
-            except EcdError:
-                # Leave no session behind that this client cannot use; keep nothing of it either.
-                with contextlib.suppress(zmq.ZMQError):
-                    self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
-                raise
-            self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
-            self._map = mapping
-            self._cache.clear()
-            self._reservation = None
-        self._welcome = reply
-        self._session = reply.session
-        self._heartbeat_s = reply.heartbeat_s
-        if self._heartbeat_s > 0 and self._heartbeat_thread is None:
-            self._heartbeat_thread = threading.Thread(target=heartbeat, args=(weakref.ref(self), self._res.stop),
-                                                      name="ecd-heartbeat", daemon=True)
-            self._heartbeat_thread.start()
-
-    def _ping_quietly(self) -> None:
-        """The heartbeat: a fire-and-forget Ping, unless a request is in flight (that is activity)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                if not self._closed:
-                    self._send_quietly(Ping(0))
-            finally:
-                self._lock.release()
-
-    def _auth_failed(self, why: str) -> AuthenticationFailed:
-        self._res.drop_socket()  # ZMQ would retry the same handshake forever; the next call starts afresh
-        return AuthenticationFailed(why)
-    def _roundtrip(self, request, timeout: float):
-        sock = self._res.sock
+    def _new_epoch(self, welcome: Welcome) -> None:
+        """A new daemon (or the first): map its pools and ring; drop what belonged to the old one."""
         try:
-            frame = encoder.encode(request)
-        except UnicodeEncodeError as exc:  # a key or namespace with a lone surrogate: nothing sent
-            raise InvalidRequest(f"request not sent: {exc.object!r} is not valid UTF-8 text ({exc.reason})") from None
-        try:
-            sock.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self._res.drop_socket()
-            raise DaemonUnavailable(f"cannot send to the daemon at {self.endpoint}") from None
-        now = time.monotonic()
-        self._last_sent = now
-        deadline = now + timeout
-        # A hello may be the first message on a fresh connection: watch its handshake too, so a
-        # refused key is reported at once rather than as a timeout. A CURVE client watches on
-        # every request: ZMQ reconnects by itself (a restarted daemon may no longer allow its key),
-        # and a tcp round trip dwarfs the cost of the poller.
-        poller = None
-        if (isinstance(request, Hello) or self._curve is not None) and self._res.monitor is not None:
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            poller.register(self._res.monitor, zmq.POLLIN)
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise zmq.Again()
-                if poller is not None:
-                    ready = dict(poller.poll(min(max(1, int(remaining * 1000)), 2**31 - 1)))
-                    if self._res.monitor in ready:
-                        why = self._res.handshake_failure(self.endpoint, self._curve is not None)
-                        if why is not None:
-                            raise self._auth_failed(why)
-                    if sock not in ready:
-                        continue
-                    frame = sock.recv(zmq.NOBLOCK)
-                else:
-                    # A receive timeout on a blocking recv: cheaper than building a poller per call.
-                    sock.setsockopt(zmq.RCVTIMEO, min(max(1, int(remaining * 1000)), 2**31 - 1))
-                    frame = sock.recv()
-            except zmq.Again:
-                why = self._res.handshake_failure(self.endpoint, self._curve is not None)  # e.g. a reconnect to a daemon with other keys
-                if why is not None:
-                    raise self._auth_failed(why) from None
-                # The socket stays: a late reply is skipped by its id, and the session's leases
-                # stay valid in a daemon that was only slow.
-                raise DaemonUnavailable(f"no answer from the daemon at {self.endpoint} within {timeout:g}s") from None
-            try:
-                reply = self._decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ProtocolError(f"malformed reply from the daemon: {exc}") from None
-            if reply.id == request.id or (isinstance(reply, Error) and reply.id == 0):
-                return reply
-            # otherwise: a reply to an earlier request this client gave up on; skip it
-
-    def _call(self, request, wait_s: float = 0.0):
-        """Round trip with reconnect: a daemon that restarted is greeted again, once."""
-        with self._lock:
-            if self._closed:
-                raise EcdError("client is closed")
-            if self._res.sock is None:
-                self._connect()
-            reply = self._roundtrip(request, self.timeout + wait_s)
-            if isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED:
-                epoch = self._map.epoch
-                self._connect()
-                if isinstance(request, _NAMES_GENERATIONS) and self._map.epoch != epoch:
-                    # Generations of the old daemon mean nothing (or something else) to the new one.
-                    raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
-                reply = self._roundtrip(request, self.timeout + wait_s)
-            if isinstance(reply, Error):
-                raise error_from_code(reply.code, reply.message)
-            return reply
-
-    @property
-    def limits(self):
-        return self._welcome.limits
-
-    @property
-    def epoch(self) -> int:
-        return self._map.epoch
-
-    @property
-    def verify_namespaces(self) -> frozenset[str]:
-        """Namespaces the daemon is configured to checksum (`verify = true`): puts into them
-        always store a checksum and reads from them always verify it."""
-        return frozenset(self._welcome.verify_namespaces)
+            mapping = EpochMapping(welcome, self.populate)  # a new daemon: new pools, new ring
+        except EcdError:
+            # Leave no session behind that this client cannot use; keep nothing of it either.
+            with contextlib.suppress(zmq.ZMQError):
+                self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
+            raise
+        self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
+        self._map = mapping
+        self._cache.clear()
+        self._reservation = None
 
     def _verifies(self, asked: bool) -> bool:
         return asked or self.namespace in self._welcome.verify_namespaces
@@ -485,14 +311,6 @@ class Client:
                 return
             for key, generation in zip(keys, generations):
                 self._cache[key_hash(ns, key)] = (ns, key, generation)
-
-    def _send_quietly(self, request) -> None:
-        """A fire-and-forget message (id 0) on the current socket; dropped if there is none."""
-        with self._lock:
-            if self._res.sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._res.sock.send(encoder.encode(request), zmq.NOBLOCK)
-                    self._last_sent = time.monotonic()
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
         if t.is_cuda:
@@ -734,70 +552,8 @@ class Client:
                     answers[i] = found
         return answers[0] if single else answers
 
-    def unpin(self, keys: str | Sequence[str]) -> bool | list[bool]:
-        keys, single = _key_list(keys)
-        reply: Flags = self._call(Unpin(next(self._ids), self.namespace, keys))
-        return reply.values[0] if single else reply.values
-
-    def delete(self, keys: str | Sequence[str]) -> bool | list[bool]:
-        """Remove entries; readers holding a view keep their bytes until they release."""
-        keys, single = _key_list(keys)
-        reply: Flags = self._call(Delete(next(self._ids), self.namespace, keys))
+    def _forget(self, ns: str, keys: list[str]) -> None:
+        """Deleted: their cached locations go (delete() is ControlClient's)."""
         with self._lock:
             for key in keys:
-                self._cache.pop(key_hash(self.namespace, key), None)
-        return reply.values[0] if single else reply.values
-
-    # ---- misc ---------------------------------------------------------------------------
-
-    def keys(self, namespace: str | None = None, limit: int = 1000) -> tuple[int, list[dict]]:
-        """(number of matching entries, the first `limit` by namespace and key) for operators.
-        namespace None lists every namespace. Each entry: ns, key, generation, nbytes, dtype,
-        shape, age_s, idle_s, readers, pins. Asks page by page: the daemon bounds each reply."""
-        fields = KeyInfo.__struct_fields__
-        entries: list[dict] = []
-        after = None
-        while True:
-            reply: KeyList = self._call(Keys(next(self._ids), namespace or "", limit - len(entries), after))
-            entries += [dict(zip(fields, msgspec.structs.astuple(e))) for e in reply.entries]
-            if not reply.more or not reply.entries or len(entries) >= limit:
-                return reply.total, entries
-            after = (reply.entries[-1].ns, reply.entries[-1].key)
-
-    def evict(self, keys: Sequence[str] = (), *, namespace: str | None = None, everything: bool = False,
-              force: bool = False) -> dict:
-        """Operator removal of keys (in `namespace`, default this client's), of a whole namespace
-        (keys empty, namespace given), or of everything. Entries under a lease or pin are
-        refused unless force. Returns evicted/refused/missing/draining (draining: generations
-        whose readers still hold the bytes; see held())."""
-        whole = not keys and namespace is not None and not everything
-        if not keys and not whole and not everything:
-            raise ValueError("name keys, a namespace, or everything=True")
-        reply: Evicted = self._call(Evict(next(self._ids), namespace or self.namespace, list(keys),
-                                          whole, everything, force))
-        return {"evicted": reply.evicted, "refused": reply.refused, "missing": reply.missing,
-                "draining": reply.draining}
-
-    def held(self, generations: Sequence[int]) -> list[bool]:
-        """Which of these generations still hold their bytes (evicted entries drain readers)."""
-        return self._call(Held(next(self._ids), list(generations))).values
-
-    def stats(self) -> dict:
-        reply: StatsReply = self._call(Stats(next(self._ids)))
-        return msgspec.to_builtins(reply.stats)
-
-    def ping(self) -> int:
-        """One round trip; returns the daemon's epoch."""
-        return self._call(Ping(next(self._ids))).epoch
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._finalizer()
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+                self._cache.pop(key_hash(ns, key), None)

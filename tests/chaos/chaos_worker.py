@@ -94,8 +94,8 @@ def serve(endpoint: str, namespace: str = "default") -> None:
                 say(f"ok {client._map.ring.overruns} {len(client._cache)}")
             elif cmd == "alloc-stuck":
                 nbytes = int(args[1])
-                reply = client._call(Alloc(next(client._ids), namespace,
-                                           [AllocItem(args[0], "uint8", [nbytes], nbytes)]))
+                reply = client.request(Alloc(0, namespace,
+                                             [AllocItem(args[0], "uint8", [nbytes], nbytes)]))
                 say(f"allocated {reply.results[0].generation}")
             else:
                 say(f"error Unknown {cmd}")

@@ -60,9 +60,9 @@ def run_producer(endpoint: str, ns: str = "default", checksum_flag: bool = True)
 
 def location(c: Client, key: str) -> Location:
     """Where the daemon keeps `key`, and the checksum it stored (lease taken and given back)."""
-    (loc,) = c._call(Acquire(next(c._ids), c.namespace, [key], 0.0)).results
+    (loc,) = c.request(Acquire(0, c.namespace, [key], 0.0)).results
     assert isinstance(loc, Location), loc
-    c._call(Release(next(c._ids), [loc.generation]))
+    c.request(Release(0, [loc.generation]))
     return loc
 
 
@@ -133,7 +133,7 @@ def test_bytes_corrupted_in_shm_are_caught_and_counted(daemon, key):
 def test_inline_put_whose_data_does_not_match_its_checksum_is_refused(daemon):
     with daemon.client() as c:
         data = b"\x01" * 16
-        reply = c._call(PutInline(next(c._ids), "default", "k", "uint8", [16], data, checksum(data) ^ 1))
+        reply = c.request(PutInline(0, "default", "k", "uint8", [16], data, checksum(data) ^ 1))
         assert reply.results[0].code == IntegrityError.code
         assert "'k'" in reply.results[0].message
         assert not c.exists("k")
@@ -157,11 +157,11 @@ def test_verify_namespace_forces_checksums(daemon_factory):
         assert torch.equal(c.get("big-2"), tensor(3, 300_000))
 
         # a producer that does not send a checksum is refused, with the reason
-        (ext,) = c._call(Alloc(next(c._ids), "safe", [AllocItem("raw", "uint8", [100_000], 100_000)])).results
-        (failure,) = c._call(Commit(next(c._ids), [ext.generation])).results
+        (ext,) = c.request(Alloc(0, "safe", [AllocItem("raw", "uint8", [100_000], 100_000)])).results
+        (failure,) = c.request(Commit(0, [ext.generation])).results
         assert failure.code == InvalidRequest.code
         assert "'safe'" in failure.message and "verify = true" in failure.message
-        (failure,) = c._call(PutInline(next(c._ids), "safe", "raw", "uint8", [4], b"abcd")).results
+        (failure,) = c.request(PutInline(0, "safe", "raw", "uint8", [4], b"abcd")).results
         assert failure.code == InvalidRequest.code and "checksum" in failure.message
         assert not c.exists("raw")
         stats = c.stats()
@@ -185,8 +185,8 @@ def test_sighup_cannot_flip_a_namespace_verify_flag(daemon_factory):
     assert "cannot change namespaces.plain.verify" in d.log()
     with d.client(namespace="safe") as c:
         assert c.verify_namespaces == {"safe"}
-        (ext,) = c._call(Alloc(next(c._ids), "safe", [AllocItem("raw", "uint8", [100_000], 100_000)])).results
-        (failure,) = c._call(Commit(next(c._ids), [ext.generation])).results
+        (ext,) = c.request(Alloc(0, "safe", [AllocItem("raw", "uint8", [100_000], 100_000)])).results
+        (failure,) = c.request(Commit(0, [ext.generation])).results
         assert failure.code == InvalidRequest.code  # still a verify namespace
     with d.client(namespace="plain") as c:
         c.put("unchecked", torch.ones(100_000))  # still not one

@@ -250,3 +250,44 @@ def test_bench_against_no_daemon_exits_3(tmp_path):
     result = ecd("bench", "--size", "4KiB", "--clients", "1", "--seconds", "1",
                  "--endpoint", f"ipc://{tmp_path}/nobody.sock", "--timeout", "0.5")
     assert result.returncode == 3 and "daemon unreachable" in one_line(result)
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """Every module a `python -X importtime` run imported, from its stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def test_admin_commands_import_neither_torch_nor_numpy(daemon, tmp_path):
+    """The operator commands are messages and tables: torch (seconds to import) and numpy (the
+    event ring's reader) stay out, so `ecd keys` answers in a fraction of a second."""
+    with daemon.client() as c:
+        c.put("k", torch.ones(10))
+    ep = ["--endpoint", daemon.endpoint]
+    commands = [["version"], ["check-config", daemon.config], ["keygen", tmp_path / "keys", "--name", "op"],
+                ["status", *ep, "--interval", "0"], ["keys", *ep], ["keys", *ep, "--json"],
+                ["evict", "nope", *ep], ["evict", "--all", "--force", "--wait", "1", *ep]]
+    for args in commands:
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "ecd", *map(str, args)],
+                                capture_output=True, text=True, timeout=60, env=ENV)
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+        modules = imported_modules(result.stderr)
+        assert "ecd.cli" in modules, args  # importtime did report
+        heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "numpy"))
+        assert not heavy, f"`ecd {' '.join(map(str, args))}` imported {heavy[:5]}"
+        if args[0] == "keys" and "--json" not in args:
+            assert "showing 1 of 1" in result.stdout and " k " in result.stdout, result.stdout
+        if args[0] == "evict" and "--all" in args:
+            assert "evicted 1 entry" in result.stdout, result.stdout
+
+
+def test_keys_by_endpoint_against_a_running_daemon(daemon):
+    with daemon.client() as c:
+        c.put("emb-1", torch.zeros(2, 3, dtype=torch.bfloat16))
+        result = ecd("keys", "--endpoint", daemon.endpoint)
+        rc, doc = ecd_json("keys", "--endpoint", daemon.endpoint)
+    assert result.returncode == 0, result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if "│" in line and "emb-1" in line]
+    assert "default" in row and "bfloat16" in row and "[2, 3]" in row and "12 B" in row
+    assert rc == 0 and doc["total"] == 1 and doc["entries"][0]["key"] == "emb-1"
+    assert doc["entries"][0]["shape"] == [2, 3] and doc["entries"][0]["nbytes"] == 12

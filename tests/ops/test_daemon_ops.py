@@ -162,7 +162,7 @@ def test_sigterm_drains_puts_in_progress_and_refuses_new_writes(daemon_factory):
     d = daemon_factory(extra="")
     with d.client() as writer, d.client() as other:
         # a put in progress: allocated, not yet committed
-        reply = writer._call(Alloc(next(writer._ids), "default", [AllocItem("late", "uint8", [1000], 1000)]))
+        reply = writer.request(Alloc(0, "default", [AllocItem("late", "uint8", [1000], 1000)]))
         generation = reply.results[0].generation
         d.proc.send_signal(signal.SIGTERM)
         port = d.metrics_port
@@ -172,7 +172,7 @@ def test_sigterm_drains_puts_in_progress_and_refuses_new_writes(daemon_factory):
             other.put("new", torch.ones(100_000))
         assert other.exists("late") is False
         assert d.alive()  # waiting for the put in progress
-        writer._call(Commit(next(writer._ids), [generation]))  # it may still finish
+        writer.request(Commit(0, [generation]))  # it may still finish
         assert d.proc.wait(10) == 0
     assert "draining" in d.log()
 
@@ -184,14 +184,14 @@ def test_shutdown_grace_ends_the_drain_and_a_second_signal_cuts_it_short(daemon_
     d.stop()
     d.start()
     with d.client() as c:
-        c._call(Alloc(next(c._ids), "default", [AllocItem("stuck", "uint8", [10], 10)]))
+        c.request(Alloc(0, "default", [AllocItem("stuck", "uint8", [10], 10)]))
         started = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(10) == 0
         assert 0.9 < time.monotonic() - started < 5  # waited for the grace period, then left
     d.start()
     with d.client() as c:
-        c._call(Alloc(next(c._ids), "default", [AllocItem("stuck", "uint8", [10], 10)]))
+        c.request(Alloc(0, "default", [AllocItem("stuck", "uint8", [10], 10)]))
         d.config.write_text(d.config.read_text().replace('shutdown_grace = "1s"', 'shutdown_grace = "60s"'))
         d.proc.send_signal(signal.SIGHUP)  # grace is runtime-changeable
         assert wait_for(lambda: "applied node.shutdown_grace" in d.log())

@@ -118,18 +118,18 @@ def test_a_local_clients_pid_comes_from_the_kernel_not_from_its_hello(daemon_fac
 
 @pytest.mark.parametrize("why", ["no_files", "other_daemons_ring"])
 def test_client_off_the_daemons_node_does_control_operations_and_refuses_bulk_ones(daemon, monkeypatch, why):
-    import ecd.client.connection as connection
+    import ecd.client.mapping as mapping
     if why == "no_files":
         def attach(cls, name, *args, **kwargs):
             raise ShmError(f"cannot open /dev/shm/{name}: No such file or directory")
-        monkeypatch.setattr(connection.ShmFile, "attach", classmethod(attach))
-        monkeypatch.setattr(connection, "shm_path", lambda name: f"/nonexistent/{name}")
+        monkeypatch.setattr(mapping.ShmFile, "attach", classmethod(attach))
+        monkeypatch.setattr(mapping, "shm_path", lambda name: f"/nonexistent/{name}")
     else:  # a same-named daemon on this host: its ring carries another epoch
-        class ForeignRing(connection.RingReader):
+        class ForeignRing(mapping.RingReader):
             @property
             def epoch(self) -> int:
                 return 12345
-        monkeypatch.setattr(connection, "RingReader", ForeignRing)
+        monkeypatch.setattr(mapping, "RingReader", ForeignRing)
 
     small = torch.arange(64, dtype=torch.int64)
     with daemon.client() as remote:

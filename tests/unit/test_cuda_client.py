@@ -255,7 +255,7 @@ def test_client_refuses_unknown_tier_and_device(daemon):
 
 
 def test_mapping_accepts_arena_locations_and_places_reservations_by_tier():
-    from ecd.client.connection import EpochMapping
+    from ecd.client.mapping import EpochMapping
     from ecd.errors import ProtocolError
     from ecd.protocol import Extent, Location
     m = object.__new__(EpochMapping)  # the bookkeeping only: no shared memory attached

@@ -457,7 +457,7 @@ def _welcome(epoch: int):
 
 def test_attach_waits_for_the_daemon_to_repair_a_scribbled_header(buf, writer):
     import threading
-    from ecd.client.connection import open_ring
+    from ecd.client.mapping import open_ring
     ring_file = type("F", (), {"buf": buf})()
     for word, value in ((ring_mod._MAGIC, 0), (ring_mod._EPOCH, 99)):
         writer.header[word] = np.uint64(value)
@@ -470,7 +470,7 @@ def test_attach_waits_for_the_daemon_to_repair_a_scribbled_header(buf, writer):
 
 
 def test_attach_gives_up_in_bounded_time(buf, writer):
-    from ecd.client.connection import RING_REPAIR_WAIT_S, open_ring
+    from ecd.client.mapping import RING_REPAIR_WAIT_S, open_ring
     ring_file = type("F", (), {"buf": buf})()
     writer.header[ring_mod._MAGIC] = np.uint64(0)  # and nobody repairs it
     started = time.monotonic()
