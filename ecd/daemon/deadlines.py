@@ -6,9 +6,10 @@ from __future__ import annotations
 import heapq
 
 from .entries import Entry, Session, State
+from .registry import RegistryState
 
 
-class Deadlines:
+class Deadlines(RegistryState):
     def _pin(self, session: Session, entry: Entry, deadline: float) -> None:
         previous = session.pins.get(entry.generation)
         if previous is None:

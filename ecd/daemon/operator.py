@@ -6,11 +6,12 @@ from __future__ import annotations
 import heapq
 
 from .entries import Entry
+from .registry import RegistryState
 
 EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
 
 
-class OperatorRequests:
+class OperatorRequests(RegistryState):
     def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Entry]]:
         """(how many READY entries match, the first `limit` of them by namespace and key, after
         `after` when given)."""

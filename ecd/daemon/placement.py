@@ -10,9 +10,10 @@ from ..memory.allocator import ALIGNMENT, align_up
 from ..memory.ring import EventKind
 from ..protocol import Failure
 from .entries import Entry
+from .registry import RegistryState
 
 
-class Placement:
+class Placement(RegistryState):
     def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
         """The namespace's own LRU entries that must go for `size` more bytes to fit under its
         quota ([] when it fits or has no quota), or QUOTA_EXCEEDED when they cannot make it fit."""

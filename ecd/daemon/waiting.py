@@ -5,9 +5,10 @@ from __future__ import annotations
 from ..errors import Code
 from ..protocol import Failure
 from .entries import Waiter
+from .registry import RegistryState
 
 
-class Waiting:
+class Waiting(RegistryState):
     @property
     def max_parked_keys(self) -> int:
         """Keys one client may have parked (waiting) at once, over all its parked requests."""
