@@ -9,13 +9,14 @@ Layout (little-endian, all fields naturally aligned):
                          clients answer exists() negatives locally
   event slots:          `slots` x [seq, kind, keyhash, generation] (4 x u64)
 
-The writer never waits for readers. It marks a slot invalid, fills it, stamps its sequence
-number, then advances write_seq. A reader that finds write_seq more than `slots` ahead of its
-own position, or a slot whose stamp is not the sequence it expected, was overrun: it drops what
-it cached and resyncs (x86 keeps stores in program order, which is what makes this sound).
+The writer never waits for readers. It fills a slot (its sequence number and the event), then
+advances write_seq. A reader copies the slots between its position and write_seq, then reads
+write_seq again: if the writer may have started to overwrite one of them meanwhile, the reader
+was overrun and throws the copy away; it drops what it cached and resyncs. It never returns an
+event whose words come from two appends, on any CPU (see "Memory ordering" below).
 
-Nothing here is trusted, by either side. The file is 0660: any process in node.group can map it
-read-write and scribble over it (a buggy engine; a hostile one). So:
+Nothing here is trusted, by either side. The file is 0640 and clients map it read-only, but a
+process of the daemon's user (or root) can still scribble over it (a buggy tool; a hostile one). So:
 - the daemon keeps the truth (sequence, per-bucket counts, the fixed header words) in private
   memory and never reads the mapping back except to compare it with that truth; every heartbeat
   it rewrites what differs (the header at once, the presence table a slice at a time);
@@ -26,6 +27,40 @@ read-write and scribble over it (a buggy engine; a hostile one). So:
   overrun: drop what was derived from the ring, resync, ask the daemon; it is counted and
   logged once. Corruption costs round trips, not answers.
 What the checks cannot catch is a writer that forges well-formed content (see docs/protocol.md).
+
+Memory ordering. The protocol is a sequence lock whose sequence is write_seq: "write_seq = X"
+announces that slot X % slots may be rewritten from now on. Each u64 word is naturally aligned
+and stored or loaded with one 8-byte access (a numpy scalar, struct on a native-endian host),
+which x86-64 and aarch64 make single-copy atomic: write_seq is never seen half-written. (Slot
+words may be; nothing depends on it.) The accesses and the barriers (B) between them:
+
+    writer, append(X)                         reader, poll() from `start`
+      W1  B                                     R1  end = write_seq
+      W2  slot[X % slots] = X, kind, key, gen   R2  B
+      W3  B                                     R3  copy the slots of start .. end-1
+      W4  write_seq = X + 1                     R4  B
+                                                R5  head = write_seq
+                                                    accept the copy iff head - start < slots
+
+(a) Whole events: W3 orders each slot's words before the write_seq that covers it, R2 orders the
+    load of `end` before the loads of the slots. A reader that read end = E therefore sees in
+    every slot below E the words of its append, or of a later one.
+(b) Not overwritten during the copy: the first append that overwrites a slot of start .. end-1 is
+    that of X = start + slots, and its stores (W2) follow, by W1, the store write_seq = X (W4 of
+    the append before). R4 orders the copy before the load of head. So if the copy saw any word
+    of append X, head >= X and head - start >= slots: the copy is discarded as an overrun. An
+    accepted copy saw words of no append >= start + slots: by (a), exactly events start .. end-1.
+Both are the message-passing pattern with a barrier on each side, which every CPU Linux runs on
+forbids to reorder. Nothing else needs ordering: the writer never reads the mapping and the
+reader never writes it (no store->load or load->store pair), the stamps only catch a writer
+that is not the daemon, and the heartbeat, closed flag and presence words are single words read
+on their own. (A presence word may be older or newer than the events polled just before it;
+exists() promises only what a message establishes: the daemon updates the table before it
+replies, and a message is a release/acquire pair, so whoever learnt of a put from its reply reads
+PRESENT.) x86 keeps stores in program order and loads in program order (TSO), so there the
+barriers are skipped: `_barrier` is None (ecd.memory.fence). Elsewhere each is a full fence
+(`dmb ish` on aarch64) through ctypes, ~0.15 us: two per append, two per poll that finds events,
+none per poll that finds none.
 """
 from __future__ import annotations
 
@@ -37,6 +72,8 @@ import time
 
 import numpy as np
 
+from .fence import barrier as _barrier  # None where the CPU keeps the order itself (x86)
+
 log = logging.getLogger("ecd.ring")
 
 MAGIC = int.from_bytes(b"ECDRING1", "little")
@@ -44,6 +81,7 @@ VERSION = 2  # 2: presence words are PRESENT/ABSENT constants, not counts
 HEADER_BYTES = 4096
 SLOT_WORDS = 4
 _INVALID = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+_SLOT = struct.Struct("<4Q")  # one slot, written with one call: the barriers order it as a whole
 
 # header word indices (u64); write_seq and heartbeat sit on cache lines of their own
 _MAGIC, _VERSION, _SLOTS, _BUCKETS, _EPOCH = 0, 1, 2, 3, 4
@@ -124,18 +162,25 @@ class RingWriter(_RingView):
         self.repairs = 0  # heartbeats that found the mapping overwritten (and rewrote it)
         self._audit_at = 0  # the next presence bucket a heartbeat compares
         h[_HEARTBEAT] = time.monotonic_ns()
+        barrier = _barrier
+        if barrier is not None:
+            barrier()  # everything above before the magic
         h[_MAGIC] = MAGIC  # last: a reader that sees the magic sees a formatted ring
+        self._buf = buf
+        self._slot_offset = HEADER_BYTES + buckets * 4
         self.append(EventKind.EPOCH, 0, epoch)
 
     def append(self, kind: EventKind, keyhash: int, generation: int) -> None:
+        """W1-W4 of "Memory ordering" in the module docstring."""
         seq = self.seq
-        row = self.slots[seq & self.slot_mask]
-        row[0] = _INVALID
-        row[1] = kind
-        row[2] = keyhash
-        row[3] = generation
-        row[0] = seq
+        barrier = _barrier
+        if barrier is not None:
+            barrier()  # W1: write_seq = seq (the last append's W4) before this slot's words
+        _SLOT.pack_into(self._buf, self._slot_offset + (seq & self.slot_mask) * SLOT_WORDS * 8,
+                        seq, kind, keyhash, generation)
         self.seq = seq + 1
+        if barrier is not None:
+            barrier()  # W3: this slot's words before the write_seq that covers them
         self.header[_WRITE_SEQ] = seq + 1
 
     def publish(self, keyhash: int, generation: int) -> None:
@@ -199,6 +244,8 @@ class RingReader(_RingView):
     def __init__(self, buf, slots: int, buckets: int) -> None:
         super().__init__(buf, slots, buckets)
         fixed = bytes(buf[:_FIXED_BYTES])  # one copy, so the words checked are the words kept
+        if _barrier is not None:
+            _barrier()  # the magic before the rest (the writer stores it last)
         words = np.frombuffer(fixed, np.uint64)
         if int(words[_MAGIC]) != MAGIC or int(words[_VERSION]) != VERSION:
             raise ValueError("not an ecd event ring (bad magic or version)")
@@ -212,6 +259,7 @@ class RingReader(_RingView):
         head = int(self.header[_WRITE_SEQ])
         self.next_seq = head if head <= MAX_SEQ else 0
         self.overruns = 0
+        self.late_overruns = 0  # of which found by the second look at write_seq (during the copy)
         self.corruptions = 0  # checks that failed: the ring was written by someone else
         self.last_problem: str | None = None
 
@@ -277,9 +325,12 @@ class RingReader(_RingView):
         (counted in `corruptions`): the caller must drop whatever it derived from events and
         resync; the reader has already moved on. At most min(slots, max_events) events are read.
         """
-        start, end = self.next_seq, int(self.header[_WRITE_SEQ])
+        start, end = self.next_seq, int(self.header[_WRITE_SEQ])  # R1
         if end == start:
             return np.empty((0, 3), np.uint64)
+        barrier = _barrier
+        if barrier is not None:
+            barrier()  # R2: write_seq before the slots it covers
         if self._buf[:_FIXED_BYTES] != self._fixed:
             self._header_damaged()  # read nothing from a ring that is not what the daemon wrote
             return None
@@ -290,35 +341,43 @@ class RingReader(_RingView):
                 self.next_seq = end
             self._corrupt(f"write_seq {end:#x} at reader position {start:#x}")
             return None
-        if end - start > self.nslots or (max_events is not None and end - start > max_events):
+        count = end - start
+        if count > self.nslots or (max_events is not None and count > max_events):
             self.overruns += 1
             self.next_seq = end
             return None
         first = start & self.slot_mask
-        if first + (end - start) <= self.nslots:  # one slice (a fancy-indexed gather costs ~1 us more)
-            rows = self.slots[first:first + (end - start)].copy()
+        if first + count <= self.nslots:  # R3; one slice (a fancy-indexed gather costs ~1 us more)
+            rows = self.slots[first:first + count].copy()
         else:
-            rows = np.concatenate((self.slots[first:], self.slots[:first + (end - start) - self.nslots]))
-        seqs = np.arange(start, end, dtype=np.uint64)
-        # Whatever the writer is writing now (seq >= head) may overwrite the slot of seq - nslots.
-        head = int(self.header[_WRITE_SEQ])
+            rows = np.concatenate((self.slots[first:], self.slots[:first + count - self.nslots]))
+        if barrier is not None:
+            barrier()  # R4: the copy before the second look at write_seq
+        head = int(self.header[_WRITE_SEQ])  # R5
         if head < end or head > MAX_SEQ:
             self.next_seq = end
             self._corrupt(f"write_seq went from {end:#x} to {head:#x}")
             return None
-        stamps = rows[:, 0]
-        if (stamps != seqs).any() or head - start >= self.nslots:
+        if head - start >= self.nslots:
+            # The writer may have been rewriting (seq >= start + slots) a slot while it was
+            # copied: whatever the copy holds, stamps included, may be torn.
             self.next_seq = head
-            # A lapped slot carries a later stamp (or the invalid mark while being rewritten); an
-            # earlier one means write_seq claimed events that were never written.
-            if (stamps < seqs).any():
-                self._corrupt("slots behind write_seq")
-            else:
-                self.overruns += 1
+            self.overruns += 1
+            self.late_overruns += 1
+            return None
+        # A whole copy of events start .. end-1 (see "Memory ordering"), so every stamp is its
+        # sequence number, unless someone else wrote the slots: an earlier stamp (write_seq
+        # claimed events that were never written) or a later one (a lap write_seq does not show).
+        # A few events (the usual poll): Python ints are cheaper than numpy's per-call cost.
+        stamps = rows[:, 0]
+        if (stamps.tolist() != list(range(start, end)) if count <= 16
+                else (stamps != np.arange(start, end, dtype=np.uint64)).any()):
+            self.next_seq = head
+            behind = (stamps < np.arange(start, end, dtype=np.uint64)).any()
+            self._corrupt(f"slot stamps {'behind' if behind else 'ahead of'} write_seq")
             return None
         kinds = rows[:, 1]
-        # A few events (the usual poll): a set of Python ints is cheaper than numpy's per-call cost.
-        if (not _KIND_SET.issuperset(kinds.tolist()) if len(kinds) <= 16
+        if (not _KIND_SET.issuperset(kinds.tolist()) if count <= 16
                 else (kinds - np.uint64(1)).max() >= _KINDS):  # kind 0 wraps to 2^64 - 1
             self.next_seq = end
             self._corrupt("event of unknown kind")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ecd.memory import fence
 from ecd.memory import ring as ring_mod
 from ecd.memory.ring import (ABSENT, MAGIC, MAX_SEQ, PRESENT, EventKind, RingReader, RingWriter, key_hash,
                              ring_bytes)
@@ -142,14 +143,15 @@ def test_overrun_when_writer_laps_reader(writer, reader):
 
 
 def test_overwritten_slot_stamp_is_detected(writer, reader):
-    # a reader positioned at a sequence whose slot now carries a later stamp was overrun even if
-    # write_seq alone does not show it
+    # a slot carrying a later stamp than write_seq allows (the writer's next lap would show in
+    # write_seq, read after the copy) was written by someone else
     writer.publish(1, 1)
     writer.publish(2, 2)
     reader.next_seq = writer.events_written - 2
     writer.slots[(reader.next_seq) & (SLOTS - 1), 0] = np.uint64(reader.next_seq + SLOTS)
     assert reader.poll() is None
-    assert reader.overruns == 1
+    assert reader.corruptions == 1 and reader.overruns == 0
+    assert reader.last_problem == "slot stamps ahead of write_seq"
     assert reader.pending() == 0
 
 
@@ -483,3 +485,123 @@ def test_attach_gives_up_in_bounded_time(buf, writer):
     started = time.monotonic()
     assert open_ring(ring_file, _welcome(8)) is None
     assert time.monotonic() - started < 0.1
+
+
+# ---- memory ordering: the barriers, and slots the writer reaches while a reader copies them ---
+
+class Interleave:
+    """Stands in for ring._barrier: counts the calls and, once armed, runs `action` at the
+    reader's `at`-th barrier of a poll (1: between reading write_seq and copying the slots, 2:
+    between the copy and the second look at write_seq), as the writer on another core may."""
+
+    def __init__(self, at: int = 0, action=None) -> None:
+        self.calls, self.at, self.action, self.armed, self.seen = 0, at, action, False, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.armed:
+            self.seen += 1
+            if self.seen == self.at:
+                self.armed = False  # the writer's own barriers while it runs are not the reader's
+                self.action()
+
+    def arm(self) -> None:
+        self.armed, self.seen = True, 0
+
+
+def test_barriers_per_operation(writer, reader, monkeypatch):
+    hook = Interleave()
+    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    writer.publish(1, 1)
+    assert hook.calls == 2  # before the slot, before write_seq
+    writer.unpublish(EventKind.DELETED, 1, 1)
+    assert hook.calls == 4
+    hook.calls = 0
+    assert len(reader.poll()) == 2 and hook.calls == 2  # after write_seq, after the copy
+    assert len(reader.poll()) == 0 and hook.calls == 2  # nothing new: no barrier at all
+
+
+def test_slot_rewritten_while_copied_is_an_overrun_never_a_torn_event(writer, reader, monkeypatch):
+    """The writer laps the reader between its look at write_seq and its copy, and has written
+    part of the next slot (a weakly ordered CPU may show any part): the copy holds an event whose
+    stamp is right and whose words are not. The second look at write_seq throws it away."""
+    for i in range(10):
+        writer.publish(1000 + i, 1000 + i)
+    start = reader.next_seq
+    victim = start & (SLOTS - 1)
+
+    def lap_and_half_write():
+        while writer.events_written < start + SLOTS:  # write_seq = start + SLOTS: slot `victim` is fair game
+            writer.publish(7, 7)
+        writer.slots[victim, 2] = np.uint64(0xBAD)  # keyhash of the next append, stamp not yet
+        assert int(writer.slots[victim, 0]) == start  # the copy will see the stamp it expects
+
+    hook = Interleave(at=1, action=lap_and_half_write)
+    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    hook.arm()
+    assert reader.poll() is None
+    assert reader.overruns == reader.late_overruns == 1 and reader.corruptions == 0
+    assert reader.next_seq == writer.events_written  # resynced to the head
+    writer.publish(9, 9)
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 9, 9)]
+
+
+def test_lap_after_the_copy_is_an_overrun(writer, reader, monkeypatch):
+    """The copy may have been whole, but the reader cannot know whether the writer reached it."""
+    for i in range(10):
+        writer.publish(i, i)
+    start = reader.next_seq
+
+    def lap():
+        while writer.events_written < start + SLOTS:
+            writer.publish(7, 7)
+
+    hook = Interleave(at=2, action=lap)
+    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    hook.arm()
+    assert reader.poll() is None and reader.overruns == reader.late_overruns == 1 and reader.corruptions == 0
+
+
+def test_events_appended_during_a_poll_wait_for_the_next(writer, reader, monkeypatch):
+    writer.publish(1, 1)
+    hook = Interleave(at=1, action=lambda: [writer.publish(2 + i, 2 + i) for i in range(SLOTS - 2)])
+    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    hook.arm()
+    assert events(reader.poll()) == [(EventKind.PUBLISHED, 1, 1)]  # write_seq - start = SLOTS - 1: not lapped
+    assert [g for _, _, g in events(reader.poll())] == list(range(2, SLOTS))
+    assert reader.overruns == 0 and reader.corruptions == 0
+
+
+@pytest.mark.parametrize("strategy", fence.STRATEGIES)
+def test_ring_through_each_barrier(buf, strategy, monkeypatch):
+    monkeypatch.setattr(ring_mod, "_barrier", fence.make(strategy))
+    w = RingWriter(buf, SLOTS, BUCKETS, epoch=3)
+    r = RingReader(buf, SLOTS, BUCKETS)
+    for batch in range(3):
+        for i in range(40):
+            w.publish(batch * 100 + i, batch * 100 + i)
+        assert [g for _, _, g in events(r.poll())] == [batch * 100 + i for i in range(40)]
+    for i in range(SLOTS + 1):
+        w.publish(i, i)
+    assert r.poll() is None and r.overruns == 1 and r.corruptions == 0
+
+
+def test_barrier_only_where_the_cpu_needs_one():
+    assert (fence.barrier is None) == fence.STRONGLY_ORDERED
+    assert fence.STRONGLY_ORDERED == (fence.MACHINE in ("x86_64", "amd64", "i386", "i686"))
+    assert ring_mod._barrier is fence.barrier
+    if fence.barrier is not None:
+        assert fence.STRATEGY in ("libatomic", "code")  # the lock is a last resort, not expected here
+    with pytest.raises(ValueError, match="unknown"):
+        fence.make("mfence")
+
+
+def test_hardware_barriers_run():
+    for strategy in fence.STRATEGIES:
+        try:
+            barrier = fence.make(strategy)
+        except OSError:
+            assert strategy != "lock"  # always there
+            continue
+        for _ in range(3):
+            assert barrier() is None
