@@ -205,8 +205,9 @@ def test_connections_past_max_connections_are_shed_and_engines_still_connect(dae
         shed = metric(body, "ecd_connections_closed_total", reason="over_capacity")
         print(f"{report}; daemon fds {baseline_fds} -> peak {peak[0]}; {shed:.0f} connections shed")
         assert metric(body, "ecd_connections") <= 300
-        # the cap, its pidfds, and the burst accepted before the daemon could shed it
-        assert peak[0] < baseline_fds + 2 * 300 + 200, peak
+        # the cap, its pidfds, and the burst libzmq accepts before the daemon's loop sheds it
+        # (700 on a loaded machine): far below the 3000 an uncapped daemon holds
+        assert peak[0] < baseline_fds + 2 * 300 + 1200, peak
         assert open_fds(d.proc.pid) < baseline_fds + 300 + 16
         bystander.finish()
     finally:
