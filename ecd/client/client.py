@@ -27,17 +27,22 @@ import zmq
 from ..errors import (Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, LimitExceeded,
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
-from ..memory.ring import EventKind, key_hash
+from ..memory.ring import key_hash
 from ..memory.allocator import align_up
 from ..protocol import (Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Bye, Commit, Committed,
                         Exists, Extent, Failure, Flags, Location, Publish, PutInline, Release, Report, Welcome,
                         encoder)
 from .control import ControlClient, _check_encodable, _key_list
+from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
 RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
+# A put or get that finds this many unread ring events applies them to the location cache, so a
+# client that never calls exists() keeps its cached locations current (pruned of evictions)
+# instead of falling RING_MAX_BACKLOG behind and losing them all at its next exists().
+RING_SYNC_BACKLOG = 1024
 
 
 class Client(ControlClient):
@@ -56,8 +61,9 @@ class Client(ControlClient):
         self._reservation: tuple | None = None
         self._reservation_busy = False
         self._map: EpochMapping | None = None
-        # keyhash -> (namespace, key, generation) of entries this client put or read
-        self._cache: dict[int, tuple[str, str, int]] = {}
+        # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
+        # LRU (location_cache.py), kept current by ring events; exists() answers from it
+        self._cache = LocationCache()
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -305,12 +311,26 @@ class Client(ControlClient):
 
     def _remember(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
-        was out: one of them may have been this entry's eviction, read before it was cached."""
+        was out: one of them may have been this entry's eviction, read before it was cached.
+        Then, when the ring has RING_SYNC_BACKLOG unread events (half the ring if smaller), apply
+        them: a client that only puts and gets would otherwise never read the ring."""
         with self._lock:
-            if self._map.ring.next_seq != ring_pos:
+            ring = self._map.ring
+            if ring.next_seq != ring_pos:
                 return
+            cache = self._cache
             for key, generation in zip(keys, generations):
-                self._cache[key_hash(ns, key)] = (ns, key, generation)
+                cache.remember(key_hash(ns, key), ns, key, generation)
+            if self._map.local and ring.pending() >= min(RING_SYNC_BACKLOG, ring.nslots // 2):
+                events = ring.poll(RING_MAX_BACKLOG) if ring.usable(RING_SILENCE_S) else None
+                if events is None:
+                    # Too far behind (idle while others wrote), lapped, or the ring is not usable:
+                    # what is still valid cannot be told. Start again from the head, quietly: no
+                    # answer depended on it, so it is not reported as an overrun.
+                    cache.clear()
+                    ring.skip_to_head()
+                else:
+                    cache.apply(events.tolist())
 
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
         if t.is_cuda:
@@ -322,7 +342,7 @@ class Client(ControlClient):
                                             list(t.shape), data, checksum_of(data) if checksum else 0))
         self._raise_first(acked.results)
         with self._lock:
-            self._cache.pop(key_hash(self.namespace, key), None)  # generation unknown: ask next time
+            self._cache.forget(key_hash(self.namespace, key))  # generation unknown: ask next time
 
     @staticmethod
     def _raise_first(results: Sequence[Failure | None]) -> None:
@@ -373,7 +393,7 @@ class Client(ControlClient):
         the error; the caller releases the lease."""
         self._send_quietly(Report(0, integrity_failures=1))
         with self._lock:
-            self._cache.pop(key_hash(self.namespace, key), None)
+            self._cache.forget(key_hash(self.namespace, key))
         return IntegrityError(
             f"{key!r} in namespace {self.namespace!r} (generation {loc.generation}, {loc.nbytes} bytes) "
             f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "
@@ -508,11 +528,7 @@ class Client(ControlClient):
             self._cache.clear()
             self._send_quietly(Report(0, 1))  # operators see overruns in ecd_ring_reader_overruns_total
             return ring.corruptions == corruptions  # overwritten: ask the daemon this time
-        cache = self._cache
-        for kind, keyhash, generation in events.tolist():
-            cached = cache.get(keyhash)
-            if cached is not None and (kind != EventKind.PUBLISHED or cached[2] != generation):
-                del cache[keyhash]  # evicted, deleted, or replaced by a newer generation
+        self._cache.apply(events.tolist())  # drops what was evicted, deleted, or replaced
         return True
 
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
@@ -530,11 +546,12 @@ class Client(ControlClient):
             ring = self._map.ring
             answers: list[bool | None] = [None] * len(keys)
             ask: list[int] = []
+            asked_hashes: list[int] = []
+            is_cached = self._cache.known
             for i, key in enumerate(keys):
                 keyhash = key_hash(ns, key)
                 if trusted:
-                    cached = self._cache.get(keyhash)
-                    known = cached is not None and cached[0] == ns and cached[1] == key
+                    known = is_cached(keyhash, ns, key)
                     if not ring.maybe_present(keyhash):
                         if not known:
                             answers[i] = False
@@ -546,14 +563,17 @@ class Client(ControlClient):
                 # eviction whose event is not read yet, or a presence word someone overwrote
                 # with a well-formed ABSENT): the daemon knows.
                 ask.append(i)
+                asked_hashes.append(keyhash)
             if ask:
                 reply: Flags = self._call(Exists(next(self._ids), ns, [keys[i] for i in ask], float(pin_s)))
-                for i, found in zip(ask, reply.values):
+                for i, keyhash, found in zip(ask, asked_hashes, reply.values):
                     answers[i] = found
+                    if not found:  # whatever generation was cached is gone
+                        self._cache.forget(keyhash)
         return answers[0] if single else answers
 
     def _forget(self, ns: str, keys: list[str]) -> None:
         """Deleted: their cached locations go (delete() is ControlClient's)."""
         with self._lock:
             for key in keys:
-                self._cache.pop(key_hash(ns, key), None)
+                self._cache.forget(key_hash(ns, key))

@@ -41,24 +41,23 @@ defers them while it is missing, up to load_timeout_s, then fails them (retryabl
 
 Every daemon failure inside a connector method is caught, logged (rate-limited) and turned into
 a miss: the connector never raises into the engine. The Client is created on first use,
-dropped after DaemonUnavailable and re-created after a short back-off.
+dropped after DaemonUnavailable and re-created after a short back-off (lazy_client.py, shared
+with the KV connector).
 """
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (ECConnectorBase, ECConnectorMetadata,
                                                             ECConnectorRole, ECConnectorWorkerMetadata)
 
-from ... import Client
-from ...errors import DaemonUnavailable, EcdError
+from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .ratelimit import RateLimitedLog
 from .settings import ConnectorSettings, default_namespace, parse_settings
 
@@ -70,11 +69,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-LOG_INTERVAL_S = 30.0  # one line per kind of failure per interval; the rest are counted
-BACKOFF_FIRST_S = 0.25  # after DaemonUnavailable: no daemon calls (all misses) for this long,
-BACKOFF_MAX_S = 5.0  # doubling up to this, so a dead daemon cannot stall every engine step
 
 
 # ---- metadata -------------------------------------------------------------------------------
@@ -118,21 +112,6 @@ class EcdECWorkerMetadata(ECConnectorWorkerMetadata):
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def _listening(path: str) -> bool:
-    """Whether a unix socket at `path` accepts connections (one connect, closed at once)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.setblocking(False)
-    try:
-        probe.connect(path)
-    except BlockingIOError:  # a full backlog: someone is listening
-        return True
-    except OSError:  # missing file, refused (a killed daemon's socket), not a socket, no access
-        return False
-    finally:
-        probe.close()
-    return True
-
-
 def _engine_device() -> torch.device:
     """The device vLLM's encoder cache lives on for this worker."""
     try:
@@ -162,11 +141,11 @@ class EcdECConnector(ECConnectorBase):
             "embed_dtype": str(getattr(model_config, "dtype", None)),
         })
         self._log = RateLimitedLog(logger, LOG_INTERVAL_S)
-        self._client: Client | None = None
-        self._retry_at = 0.0
-        self._backoff = BACKOFF_FIRST_S
         side = "scheduler" if role == ECConnectorRole.SCHEDULER else "worker"
-        self._client_name = f"vllm-ec-{ec_config.ec_role}-{side}-{os.getpid()}"
+        # The daemon, failures contained: _client.call(op, fn) is fn(client), or None (logged,
+        # rate-limited) when the daemon fails in any way or is being backed off from.
+        self._client = LazyClient(self.settings, self.namespace, f"vllm-ec-{ec_config.ec_role}-{side}-{os.getpid()}",
+                                  self._log)
 
         # scheduler side (consumer)
         self._step_hits: set[str] = set()  # present and pinned, answered this step
@@ -188,61 +167,9 @@ class EcdECConnector(ECConnectorBase):
         logger.info("EcdECConnector (%s, %s side): endpoint %s, namespace %s", ec_config.ec_role, side,
                     self.settings.endpoint, self.namespace)
 
-    # ---- the daemon, failures contained ---------------------------------------------------
-
-    def _daemon(self, op: str, fn: Callable[[Client], T]) -> T | None:
-        """fn(client), or None (logged, rate-limited) when the daemon fails in any way."""
-        try:
-            if self._client is None:
-                if time.monotonic() < self._retry_at:
-                    return None  # backing off after a failure to reach the daemon: a miss, no wait
-                self._client = self._connect()
-            result = fn(self._client)
-        except DaemonUnavailable as exc:
-            self._drop_client()
-            self._log.log(logging.WARNING, f"{op}:down",
-                          "ecd daemon unavailable during %s (%s): treated as a miss; next try in %.2gs",
-                          op, exc, self._retry_at - time.monotonic())
-            return None
-        except EcdError as exc:  # KeyNotFound, PoolFull, StaleGeneration, a pool it cannot map, ...
-            if self._client is None:
-                self._drop_client()  # could not even connect: back off as for a dead daemon
-            self._log.log(logging.WARNING, f"{op}:{type(exc).__name__}",
-                          "ecd %s failed (%s: %s): treated as a miss", op, type(exc).__name__, exc)
-            return None
-        except Exception as exc:  # not ecd's (zmq, OS, a bad tensor): still never into the engine
-            self._drop_client()
-            self._log.log(logging.ERROR, f"{op}:{type(exc).__name__}",
-                          "ecd %s failed unexpectedly (%s: %s): treated as a miss", op,
-                          type(exc).__name__, exc, exc_info=True)
-            return None
-        self._backoff = BACKOFF_FIRST_S
-        return result
-
-    def _connect(self) -> Client:
-        endpoint = self.settings.endpoint
-        path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
-        if path and not path.startswith("@") and not _listening(path):
-            # A stopped daemon removes its socket, a killed one leaves it refusing connections:
-            # either way fail now instead of waiting out the timeout in Client's hello.
-            raise DaemonUnavailable(f"nothing listening on {path}")
-        return Client(endpoint, self.namespace, timeout=self.settings.load_timeout_s, name=self._client_name)
-
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # pragma: no cover - closing never matters more than serving
-                pass
-        self._retry_at = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-
     def shutdown(self) -> None:
         # Closing ends the daemon session, which releases every pin it still holds.
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        self._client.close()
 
     # ---- worker side: producer ------------------------------------------------------------
 
@@ -258,7 +185,7 @@ class EcdECConnector(ECConnectorBase):
         if tensor is None:
             return
         tensor = tensor.detach()
-        self._daemon("save", lambda c: c.put(mm_hash, tensor))
+        self._client.call("save", lambda c: c.put(mm_hash, tensor))
 
     # ---- worker side: consumer ------------------------------------------------------------
 
@@ -274,7 +201,7 @@ class EcdECConnector(ECConnectorBase):
             self._device = _engine_device()
         # straight to the engine's device: peer-to-peer or device-to-device from an arena, DMA
         # from the host pool; complete when get_many returns
-        tensors = self._daemon("load", lambda c: c.get_many([load.mm_hash for load in todo],
+        tensors = self._client.call("load", lambda c: c.get_many([load.mm_hash for load in todo],
                                                              missing_ok=True, device=self._device))
         if tensors is None:
             tensors = [None] * len(todo)
@@ -321,7 +248,7 @@ class EcdECConnector(ECConnectorBase):
     def _present(self, keys: list[str]) -> list[bool]:
         """Which keys ecd holds, pinning the hits for pin_seconds: one round trip at most
         (absent keys are answered from the event ring). Any failure: all absent."""
-        found = self._daemon("lookup", lambda c: c.exists(keys, pin_s=self.settings.pin_seconds))
+        found = self._client.call("lookup", lambda c: c.exists(keys, pin_s=self.settings.pin_seconds))
         if found is None:
             return [False] * len(keys)
         self._step_hits.update(k for k, hit in zip(keys, found) if hit)
@@ -407,7 +334,7 @@ class EcdECConnector(ECConnectorBase):
         # Hits that were not scheduled after all (budget, preemption): nothing will load them.
         orphans = [h for h in self._step_hits if not self._pin_refs.get(h)]
         if orphans:
-            self._daemon("unpin", lambda c: c.unpin(orphans))
+            self._client.call("unpin", lambda c: c.unpin(orphans))
         self._pending = {}
         self._step_hits = set()
         self._allocated_now = set()
@@ -440,7 +367,7 @@ class EcdECConnector(ECConnectorBase):
                 del self._pin_refs[h]
                 release.append(h)
         if release:
-            self._daemon("unpin", lambda c: c.unpin(release))
+            self._client.call("unpin", lambda c: c.unpin(release))
         if not (self.is_producer and request.mm_features):
             return False, None
         from vllm.distributed.ec_transfer.ec_connector.utils import collect_ec_item_metadata
@@ -450,7 +377,7 @@ class EcdECConnector(ECConnectorBase):
             self._log.log(logging.WARNING, "announce:metadata",
                           "no ec_transfer_params for request %s: %s", req_id, exc)
             return False, None
-        published = self._daemon("announce", lambda c: c.exists(list(items))) or [False] * len(items)
+        published = self._client.call("announce", lambda c: c.exists(list(items))) or [False] * len(items)
         for h, present in zip(list(items), published):
             if not present:
                 items[h]["metadata"] = {}

@@ -19,16 +19,15 @@ that consumes them waits for them); a save is finished when `wait_for_save` retu
 
 Every daemon failure is caught, logged (rate-limited) and becomes a miss, a skipped save, or a
 load error reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks
-with `kv_load_failure_policy: "recompute"`, or fails the request with the default "fail").
+with `kv_load_failure_policy: "recompute"`, or fails the request with the default "fail"). The
+Client is created on first use, dropped after DaemonUnavailable and re-created after a short
+back-off (lazy_client.py, shared with the EC connector).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import math
-import os
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +37,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...client.client import Client
-from ...errors import DaemonUnavailable
+from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .ratelimit import RateLimitedLog
-from .settings import ConnectorSettings, default_namespace, parse_settings
+from .settings import default_namespace, parse_settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,8 +51,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOG_INTERVAL_S = 10.0  # the same kind of failure is logged at most once per interval
-BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0  # no daemon calls for this long after it was unreachable
 NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: never loaded or saved
 STAGING_MAX_BYTES = 256 << 20  # saves that must be staged (layers not in one allocation) go in
                                # put_many batches of at most this many bytes
@@ -78,80 +74,6 @@ class EcdKVConnectorMetadata(KVConnectorMetadata):
 
 
 # ---- helpers --------------------------------------------------------------------------------
-
-class _ClientHolder:
-    """The connector's ecd.Client: created on first use, dropped and recreated after the daemon
-    was unavailable, and not asked at all for a backoff period after that (a missing daemon
-    must cost a cache miss, not a client timeout on every scheduler step)."""
-
-    def __init__(self, settings: ConnectorSettings, namespace: str, name: str, log: RateLimitedLog,
-                 populate: bool) -> None:
-        self.settings = settings
-        self.namespace = namespace
-        self.name = name
-        self.populate = populate
-        self._log = log
-        self._client: Client | None = None
-        # A daemon that stopped unlinked its socket: known without waiting for a timeout.
-        endpoint = settings.endpoint
-        self._socket_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-        self._retry_at = 0.0
-        self._backoff = BACKOFF_MIN_S
-        self._lock = threading.Lock()
-
-    def get(self) -> Client | None:
-        with self._lock:
-            if self._socket_path is not None and not os.path.exists(self._socket_path):
-                client, self._client = self._client, None
-                if client is not None:
-                    self._back_off()
-                    self._close(client)
-                self._log.warning("socket", "the ecd daemon's socket %s is missing (daemon stopped?); "
-                                  "treating the KV cache as empty", self._socket_path)
-                return None
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._retry_at:
-                return None
-            try:
-                self._client = Client(self.settings.endpoint, self.namespace, timeout=self.settings.load_timeout_s,
-                                      name=self.name, populate=self.populate)
-            except Exception as exc:  # DaemonUnavailable, a shared-memory mapping error, ...
-                self._back_off()
-                self._log.warning("connect", "cannot reach the ecd daemon at %s (%s: %s); treating "
-                                  "the KV cache as empty for %.1fs", self.settings.endpoint,
-                                  type(exc).__name__, exc, self._retry_at - time.monotonic())
-                return None
-            self._backoff = BACKOFF_MIN_S
-            return self._client
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        """Log a failed call; after DaemonUnavailable drop the client and back off."""
-        if isinstance(exc, DaemonUnavailable):
-            with self._lock:
-                client, self._client = self._client, None
-                self._back_off()
-            if client is not None:
-                self._close(client)
-        self._log.warning(what, "%s failed: %s: %s", what, type(exc).__name__, exc)
-
-    def _back_off(self) -> None:
-        self._retry_at = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            self._close(client)
-
-    @staticmethod
-    def _close(client: Client) -> None:
-        try:
-            client.close()  # says bye: the daemon drops this session's pins and leases
-        except Exception:  # pragma: no cover - closing never matters here
-            pass
-
 
 def _chunks(items: list, size: int):
     for i in range(0, len(items), max(1, size)):
@@ -375,8 +297,8 @@ class EcdKVConnector(KVConnectorBase_V1):
         self._world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self._log = RateLimitedLog(logger, LOG_INTERVAL_S, prefix="ecd kv connector: ")
         # The scheduler only asks exists/unpin: no need to pre-fault the pool's pages into it.
-        self._client = _ClientHolder(self.settings, self.namespace, f"vllm-kv-{role.name.lower()}",
-                                     self._log, populate=role == KVConnectorRole.WORKER)
+        self._client = LazyClient(self.settings, self.namespace, f"vllm-kv-{role.name.lower()}",
+                                  self._log, populate=role == KVConnectorRole.WORKER)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         # worker side
@@ -455,17 +377,17 @@ class EcdKVConnector(KVConnectorBase_V1):
 
     def _lookup(self, keys: list[str], pinned: set[str]) -> list[bool]:
         """One batched exists (pinning hits) over every block's keys; False for all on failure."""
-        client = self._client.get()
-        if client is None:
-            return [False] * len(keys)
         asked = [k for key in keys for k in self._rank_keys(key)]
         pin_s = self.settings.pin_seconds if self._loads_enabled else 0.0
-        try:
+
+        def exists(client) -> list[bool]:
             found: list[bool] = []
             for chunk in _chunks(asked, client.limits.max_batch):
                 found.extend(client.exists(chunk, pin_s=pin_s))
-        except Exception as exc:
-            self._client.failed("exists", exc)
+            return found
+
+        found = self._client.call("exists", exists)
+        if found is None:
             return [False] * len(keys)
         if pin_s > 0:
             pinned.update(k for k, hit in zip(asked, found) if hit)
@@ -559,12 +481,8 @@ class EcdKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(getattr(request, "request_id", None), None)
         if state is not None and state.pinned:
-            client = self._client.get()
-            if client is not None:
-                try:
-                    client.unpin(sorted(state.pinned))
-                except Exception as exc:  # the pins run out by themselves after pin_seconds
-                    self._client.failed("unpin", exc)
+            pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
+            self._client.call("unpin", lambda c: c.unpin(pinned))
         return False, None  # saves finish inside the step (wait_for_save): free the blocks now
 
     # ==== worker side ============================================================================
@@ -620,22 +538,21 @@ class EcdKVConnector(KVConnectorBase_V1):
         if not keys:
             return
         paged = self._paged
-        client = self._client.get() if paged is not None else None
+        client = self._client.get("get_many") if paged is not None else None
         if client is None:
             self._load_errors.update(ids)
             self._log.warning("load", "cannot load %d blocks: %s", len(ids),
                               "no usable KV caches" if paged is None else "the daemon is unavailable")
             return
+        device = None if paged.use_numpy else paged.device
         good_ids: list[int] = []
         good: list[torch.Tensor] = []
         missing = 0
         for key_chunk, id_chunk in zip(_chunks(keys, client.limits.max_batch),
                                        _chunks(ids, client.limits.max_batch)):
-            try:
-                # GPU engines: straight onto the cache's device, complete when get_many returns
-                got = client.get_many(key_chunk, missing_ok=True, device=None if paged.use_numpy else paged.device)
-            except Exception as exc:
-                self._client.failed("get_many", exc)
+            # GPU engines: straight onto the cache's device, complete when get_many returns
+            got = self._client.call("get_many", lambda c: c.get_many(key_chunk, missing_ok=True, device=device))
+            if got is None:
                 self._load_errors.update(id_chunk)
                 continue
             for block_id, tensor in zip(id_chunk, got):
@@ -681,7 +598,7 @@ class EcdKVConnector(KVConnectorBase_V1):
                          if b != NULL_BLOCK_ID)
         if not items:
             return
-        client = self._client.get()
+        client = self._client.get("put_many")
         if client is None:
             self._log.warning("save", "skipped saving %d blocks: the daemon is unavailable", len(items))
             return
@@ -691,13 +608,15 @@ class EcdKVConnector(KVConnectorBase_V1):
         if self._paged.stacked is None or not self._paged.use_numpy:
             per_put = min(per_put, max(1, STAGING_MAX_BYTES // self._paged.entry_nbytes))
         for chunk in _chunks(items, per_put):
+            if self._client.backing_off:
+                return  # the daemon went away during this save: the rest would be misses too
             try:
                 tensors = self._paged.gather([b for _, b in chunk])
-                client.put_many({key: t for (key, _), t in zip(chunk, tensors)})
             except Exception as exc:
-                self._client.failed("put_many", exc)
-                if isinstance(exc, DaemonUnavailable):
-                    return
+                self._log.warning("gather", "staging %d blocks to save failed: %s: %s", len(chunk),
+                                  type(exc).__name__, exc)
+                continue
+            self._client.call("put_many", lambda c: c.put_many({key: t for (key, _), t in zip(chunk, tensors)}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1,0 +1,88 @@
+"""The client's location cache: which generation of which keys this client last put or read.
+
+What it is for: `Client.exists` answers a key from the event ring without a round trip when it
+can. The ring's presence table only says "certainly absent" or "maybe present"; a "maybe" becomes
+a local `True` only for a key whose generation this client itself put or read, and whose eviction,
+deletion or replacement it has not read from the ring since. It also keeps a ring "absent" from
+being believed for such a key: a presence word someone overwrote with a well-formed ABSENT, or an
+eviction whose event is not read yet, is then asked about.
+
+So an entry here is only ever a shortcut. Dropping one (or all: `clear`) never changes an answer;
+it costs the next unpinned `exists` of that key one round trip. Keeping one is safe only while
+every ring event since the reply it came from is applied (`apply`), which the client ensures.
+
+Bounded: a least-recently-used map of at most `capacity` entries (LOCATION_CACHE_ENTRIES by
+default, ~0.3 KiB each), so a long-lived engine that puts and reads millions of distinct keys
+keeps a flat footprint (before issue 12 the map only shrank through exists(): +26 MiB RssAnon per
+100k keys of a client that never called it). Remembering or answering from an entry makes it the
+most recent; the least recent goes when a new key would exceed the capacity.
+
+Not thread-safe: the Client calls it under its lock. Torch-free.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from ..memory.ring import EventKind
+
+# Locations kept per Client: enough for the unpinned exists() an engine asks of what it handled
+# recently (a step's embeddings or blocks: thousands at most); ~2.5 MiB when full.
+LOCATION_CACHE_ENTRIES = 8192
+
+_PUBLISHED = int(EventKind.PUBLISHED)
+
+
+class LocationCache:
+    """keyhash -> (namespace, key, generation), least recently used first."""
+
+    __slots__ = ("capacity", "_entries")
+
+    def __init__(self, capacity: int = LOCATION_CACHE_ENTRIES) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._entries: OrderedDict[int, tuple[str, str, int]] = OrderedDict()
+
+    def remember(self, keyhash: int, namespace: str, key: str, generation: int) -> None:
+        """This client put or read `generation` of (namespace, key): it is the most recent entry."""
+        entries = self._entries
+        entries[keyhash] = (namespace, key, generation)
+        entries.move_to_end(keyhash)
+        if len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def known(self, keyhash: int, namespace: str, key: str) -> bool:
+        """Whether a location of exactly (namespace, key) is cached (a 64-bit hash collision with
+        another key is not); a hit becomes the most recent entry."""
+        cached = self._entries.get(keyhash)
+        if cached is None or cached[0] != namespace or cached[1] != key:
+            return False
+        self._entries.move_to_end(keyhash)
+        return True
+
+    def forget(self, keyhash: int) -> None:
+        self._entries.pop(keyhash, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def apply(self, events: Iterable[tuple[int, int, int]]) -> None:
+        """Ring events (kind, keyhash, generation): drop what was evicted, deleted, or replaced
+        by another generation. `events` as RingReader.poll returns them (.tolist() of it)."""
+        entries = self._entries
+        if not entries:
+            return
+        for kind, keyhash, generation in events:
+            cached = entries.get(keyhash)
+            if cached is not None and (kind != _PUBLISHED or cached[2] != generation):
+                del entries[keyhash]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __contains__(self, keyhash: object) -> bool:
+        return keyhash in self._entries

@@ -1,0 +1,189 @@
+"""The ecd.Client of a vLLM connector (EC and KV alike): made on first use, dropped when the
+daemon is unreachable, and not tried again for a back-off period after that.
+
+Why: a connector must never raise into the engine nor make a step wait for a daemon that is not
+there. A missing daemon has to cost a cache miss, not a client timeout on every scheduler step.
+
+- The Client is created on the first call (`get`/`call`), not when vLLM builds the connector: an
+  engine may start before its daemon.
+- Before connecting, an `ipc://` endpoint's socket is probed with one non-blocking connect: a
+  stopped daemon removed its socket, a killed one left it refusing connections; either way the
+  attempt fails at once instead of waiting out `load_timeout_s` in the Client's hello.
+- Before each use of a live Client, the socket file is checked (one stat): a daemon that stopped
+  unlinked it, so the Client is dropped without a round trip. (Abstract `ipc://@name` sockets
+  and tcp endpoints have no file: neither check applies; failures then show as timeouts.)
+- After a failure to reach the daemon (DaemonUnavailable, a failed connect) or an error that is
+  not ecd's (the Client's state is then unknown), the Client is closed (its session ends, the
+  daemon drops its pins and leases) and no call is made for BACKOFF_FIRST_S, doubling with each
+  further failure up to BACKOFF_MAX_S; the first successful call resets it. Meanwhile every
+  call is a miss that costs nothing. Other ecd errors (KeyNotFound, PoolFull, ...) keep the
+  Client.
+- Every failure is logged through the connector's RateLimitedLog, keyed by operation, so a dead
+  daemon logs one line per kind of operation per LOG_INTERVAL_S.
+
+Thread-safe (the Client is; creation and dropping are serialised here). Imports neither vLLM nor
+torch until a Client is made.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from ...errors import DaemonUnavailable, EcdError
+from .ratelimit import RateLimitedLog
+from .settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from ...client.client import Client
+
+T = TypeVar("T")
+
+BACKOFF_FIRST_S = 0.25  # no daemon calls (all misses) for this long after it was unreachable,
+BACKOFF_MAX_S = 5.0  # doubling per further failure up to this: how late a restarted daemon is used
+LOG_INTERVAL_S = 30.0  # one log line per kind of failure per interval; the rest are counted
+
+
+def listening(path: str) -> bool:
+    """Whether a unix socket at `path` accepts connections (one connect, closed at once)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except BlockingIOError:  # a full backlog: someone is listening
+        return True
+    except OSError:  # missing file, refused (a killed daemon's socket), not a socket, no access
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def socket_path(endpoint: str) -> str | None:
+    """The socket file of an ipc:// endpoint; None for tcp:// and abstract (ipc://@name) ones."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    return None if not path or path.startswith("@") else path
+
+
+def _new_client(settings: ConnectorSettings, namespace: str, name: str, populate: bool) -> Client:
+    from ... import Client
+    return Client(settings.endpoint, namespace, timeout=settings.load_timeout_s, name=name, populate=populate)
+
+
+class LazyClient:
+    """One connector's Client (see the module docstring). `call(op, fn)` is the usual way in;
+    `get(op)` hands out the Client (or None) for work that needs it before calling."""
+
+    def __init__(self, settings: ConnectorSettings, namespace: str, name: str, log: RateLimitedLog, *,
+                 populate: bool = True,
+                 factory: Callable[[ConnectorSettings, str, str, bool], Client] = _new_client) -> None:
+        """`populate`: pre-fault the pools into this process (workers copy bytes; a scheduler that
+        only asks exists/unpin need not). `factory` makes the Client (tests replace it)."""
+        self.settings = settings
+        self.namespace = namespace
+        self.name = name
+        self.populate = populate
+        self._log = log
+        self._factory = factory
+        self._socket_path = socket_path(settings.endpoint)
+        self._client: Client | None = None
+        self._retry_at = 0.0  # monotonic time before which no Client is made
+        self._backoff = BACKOFF_FIRST_S  # the next back-off period
+        self._lock = threading.Lock()
+
+    @property
+    def backing_off(self) -> bool:
+        """No Client and none will be made yet: every call is a miss for now."""
+        return self._client is None and time.monotonic() < self._retry_at
+
+    def get(self, op: str) -> Client | None:
+        """The Client, made now if needed; None while backing off or when the daemon cannot be
+        reached (logged under `op`)."""
+        dropped = None
+        with self._lock:
+            client = self._client
+            if client is not None:
+                if self._socket_path is None or os.path.exists(self._socket_path):
+                    return client
+                dropped, self._client = client, None  # the daemon stopped: its socket is gone
+                self._back_off()
+                why: BaseException = DaemonUnavailable(f"its socket {self._socket_path} is gone (daemon stopped?)")
+            elif time.monotonic() < self._retry_at:
+                return None
+            else:
+                try:
+                    if self._socket_path is not None and not listening(self._socket_path):
+                        raise DaemonUnavailable(f"nothing listening on {self._socket_path}")
+                    self._client = self._factory(self.settings, self.namespace, self.name, self.populate)
+                    return self._client
+                except Exception as exc:  # DaemonUnavailable, a pool it cannot map, ...
+                    self._back_off()
+                    why = exc
+        if dropped is not None:
+            self._close(dropped)
+        self._report(op, why)
+        return None
+
+    def call(self, op: str, fn: Callable[[Client], T]) -> T | None:
+        """fn(client), or None when there is no Client or fn raised (logged, rate-limited, by
+        `op`; the Client dropped as the module docstring says). Never raises."""
+        client = self.get(op)
+        if client is None:
+            return None
+        try:
+            result = fn(client)
+        except Exception as exc:
+            self.failed(op, exc, client)
+            return None
+        self._backoff = BACKOFF_FIRST_S  # the daemon answered
+        return result
+
+    def failed(self, op: str, exc: BaseException, client: Client | None = None) -> None:
+        """A call on `client` (default: the current one) raised `exc`: log it; drop the Client and
+        back off unless it is an ecd error other than DaemonUnavailable."""
+        if isinstance(exc, DaemonUnavailable) or not isinstance(exc, EcdError):
+            with self._lock:
+                dropped = self._client if client is None or client is self._client else None
+                if dropped is not None:  # (another thread may have replaced it already)
+                    self._client = None
+                    self._back_off()
+            if dropped is not None:
+                self._close(dropped)
+        self._report(op, exc)
+
+    def close(self) -> None:
+        """Close the Client (its session ends: the daemon releases its pins); a later call makes
+        a new one."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._close(client)
+
+    def _back_off(self) -> None:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def _report(self, op: str, exc: BaseException) -> None:
+        name = type(exc).__name__
+        if isinstance(exc, DaemonUnavailable):
+            self._log.log(logging.WARNING, f"{op}:down",
+                          "ecd daemon unavailable during %s (%s): treated as a miss; next try in %.2gs",
+                          op, exc, max(0.0, self._retry_at - time.monotonic()))
+        elif isinstance(exc, EcdError):  # KeyNotFound, PoolFull, StaleGeneration, a pool it cannot map, ...
+            self._log.log(logging.WARNING, f"{op}:{name}", "ecd %s failed (%s: %s): treated as a miss",
+                          op, name, exc)
+        else:  # not ecd's (zmq, OS, a bad tensor): still never into the engine
+            self._log.log(logging.ERROR, f"{op}:{name}", "ecd %s failed unexpectedly (%s: %s): treated as a miss",
+                          op, name, exc, exc_info=exc)
+
+    @staticmethod
+    def _close(client: Client) -> None:
+        try:
+            client.close()  # says bye: the daemon drops this session's pins and leases
+        except Exception:  # pragma: no cover - closing never matters more than serving
+            pass
