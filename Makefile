@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench install uninstall venv clean promtool test-vllm bench-vllm
+.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed promtool
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff with the rule set in pyproject.toml (pyflakes, pycodestyle errors, bugbear)
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check ecd tests benchmarks
 
 # promtool (Debian package prometheus) checks the /metrics exposition in the tests. Installed
 # when we can (root with apt); otherwise that one test skips and says why.

@@ -58,7 +58,7 @@ class BenchDaemon:
                 return Client(self.endpoint, namespace, timeout=timeout, name=name)
             except EcdError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not answer within {wait_s}s:\n{self.log_tail()}")
+                    raise RuntimeError(f"daemon did not answer within {wait_s}s:\n{self.log_tail()}") from None
                 time.sleep(0.1)
 
     def cpu_s(self) -> float:

@@ -67,8 +67,9 @@ def metrics(port: int) -> dict[str, float]:
 
 
 def start_attack(kind: str, daemon: BenchDaemon, port: int) -> list[subprocess.Popen]:
-    run = lambda *args: subprocess.Popen([sys.executable, str(ATTACKER), *args], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL)
+    def run(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(ATTACKER), *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL)
     if kind == "unread":
         return [run("unread", daemon.endpoint, "50000") for _ in range(4)]
     if kind == "sessions":

@@ -237,9 +237,9 @@ def _wait_for(messages, procs, what: str, limit_s: float, results: dict, tick: C
         except queue.Empty:
             dead = [p for i, p in enumerate(procs) if i not in results and p.exitcode is not None]
             if dead:
-                raise BenchError(f"bench worker {dead[0].name} exited with {dead[0].exitcode}")
+                raise BenchError(f"bench worker {dead[0].name} exited with {dead[0].exitcode}") from None
             if time.monotonic() > deadline:
-                raise BenchError(f"bench workers not {what} within {limit_s:.0f}s")
+                raise BenchError(f"bench workers not {what} within {limit_s:.0f}s") from None
             continue
         if kind == "error":
             why, message = payload

@@ -161,10 +161,9 @@ def render_bench(doc: dict, console: Console) -> None:
     console.print(f"{doc['clients']} client(s), {doc['elapsed_s']:.2f}s, op={doc['op']}, "
                   f"endpoint {doc['endpoint']}")
     table = Table(show_edge=False)
-    for name, justify in (("op", "left"), ("size", "right"), ("ops", "right"), ("ops/s", "right"),
-                          ("GB/s", "right"), ("p50", "right"), ("p90", "right"), ("p99", "right"),
-                          ("errors", "right")):
-        table.add_column(name, justify=justify)
+    table.add_column("op", justify="left")
+    for name in ("size", "ops", "ops/s", "GB/s", "p50", "p90", "p99", "errors"):
+        table.add_column(name, justify="right")
     for r in doc["results"]:
         table.add_row(r["op"], human_size(r["size"]), str(r["ops"]), f"{r['ops_per_s']:.1f}",
                       f"{r['gb_per_s']:.3f}", _ms(r["p50_ms"]), _ms(r["p90_ms"]), _ms(r["p99_ms"]),

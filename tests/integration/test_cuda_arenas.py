@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import msgspec
 import pytest
 import zmq
 

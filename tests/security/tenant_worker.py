@@ -43,7 +43,7 @@ def park(endpoint: str, n: int, nkeys: int, wait_s: float, tag: str, sessions: i
     ctx = zmq.Context()
     decoder = reply_decoder()
     socks = []
-    for s in range(sessions):
+    for _ in range(sessions):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)

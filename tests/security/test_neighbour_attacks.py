@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import metric, scrape_metrics, wait_for
-from ecd import Client, LimitExceeded
+from ecd import Client
 
 ATTACKER = Path(__file__).resolve().parent / "attacker.py"
 MiB = 1 << 20
@@ -298,7 +298,7 @@ def test_a_routing_id_taken_over_by_another_connection_does_not_inherit_the_sess
     """ZMQ lets a DEALER choose its routing id. One that picks an engine's id gets nothing of the
     engine's session: not while the engine is connected, not after it has gone."""
     import zmq
-    from ecd.protocol import (PROTOCOL_VERSION, Acquire, Acquired, Error, Hello, Ping, Release, Welcome,
+    from ecd.protocol import (PROTOCOL_VERSION, Acquire, Error, Hello, Ping, Release, Welcome,
                               encoder, reply_decoder)
     from ecd.errors import Code
     decode = reply_decoder().decode

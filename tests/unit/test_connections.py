@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from ecd.daemon.connections import FD_RESERVE, connection_budget, peer_credentials, peer_pidfd, raise_fd_limit
+from ecd.daemon.connections import FD_RESERVE, connection_budget, peer_credentials, peer_pidfd
 
 
 def test_connection_budget_leaves_the_reserve_and_http_and_a_pidfd_per_connection():
