@@ -30,9 +30,11 @@ serve: $(VENV)/.installed
 test: $(VENV)/.installed promtool
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# ruff with the rule set in pyproject.toml (pyflakes, pycodestyle errors, bugbear)
+# ruff with the rule set in pyproject.toml (pyflakes, pycodestyle errors, bugbear), then mypy
+# on the ecd package ([tool.mypy] in pyproject.toml)
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ecd tests benchmarks
+	$(VENV)/bin/mypy
 
 # promtool (Debian package prometheus) checks the /metrics exposition in the tests. Installed
 # when we can (root with apt); otherwise that one test skips and says why.

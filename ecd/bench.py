@@ -224,7 +224,11 @@ def _interrupt_on_signals() -> Callable[[], None]:
         raise KeyboardInterrupt
 
     old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in old.items()] and None
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return restore
 
 
 def _wait_for(messages, procs, what: str, limit_s: float, results: dict, tick: Callable) -> None:

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Iterator, NoReturn, Optional
 
 import typer
 
@@ -30,7 +30,7 @@ class BenchOp(str, enum.Enum):
     both = "both"
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"ecd: {message}", err=True)
     raise typer.Exit(code)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from typing import Literal, overload
 
 import zmq
 import zmq.auth
@@ -29,6 +30,12 @@ def _is_z85_key(value: bytes) -> bool:
         return len(zmq.utils.z85.decode(value)) == 32
     except Exception:  # noqa: BLE001 - z85 raises assorted errors for bad characters
         return False
+
+
+@overload
+def load_keyfile(path: str, need_secret: Literal[True]) -> tuple[bytes, bytes]: ...
+@overload
+def load_keyfile(path: str, need_secret: bool) -> tuple[bytes, bytes | None]: ...
 
 
 def load_keyfile(path: str, need_secret: bool) -> tuple[bytes, bytes | None]:

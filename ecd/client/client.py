@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Literal, Mapping, Sequence, cast, overload
 
 import torch
 import zmq
@@ -127,7 +127,7 @@ class Client(ControlClient):
         pending = dict(items)
         for attempt in range(2):
             epoch = self._map.epoch
-            plane = self._cuda_plane(self._map)
+            plane = self._cuda_plane(cast(EpochMapping, self._map))  # connected: set
             groups: dict[int, dict[str, torch.Tensor]] = {}
             for key, t in pending.items():
                 if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -222,8 +222,10 @@ class Client(ControlClient):
                 digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
             if on_device:
                 values = list(tensors.values())
-                done = self._copy_cuda(mapping, [extents[i] for i in on_device], [values[i] for i in on_device],
-                                       checksum)
+                # connected (mapping set); the extents are not Failures (the first raised above)
+                done = self._copy_cuda(cast(EpochMapping, mapping),
+                                       cast("list[Extent]", [extents[i] for i in on_device]),
+                                       [values[i] for i in on_device], checksum)
                 for i, digest in zip(on_device, done):
                     digests[i] = digest
         except BaseException:
@@ -279,7 +281,7 @@ class Client(ControlClient):
         try:
             try:
                 if t.is_cuda or mapping.is_arena(extent.pool):
-                    digest, = self._copy_cuda(mapping, [extent], [t], checksum)
+                    digest, = self._copy_cuda(cast(EpochMapping, mapping), [extent], [t], checksum)
                 else:
                     digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
                 item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
@@ -335,9 +337,9 @@ class Client(ControlClient):
     def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
         if t.is_cuda:
             t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
-        data = bytearray(nbytes)
-        copy_into(data, 0, t)
-        data = bytes(data)
+        buf = bytearray(nbytes)
+        copy_into(buf, 0, t)
+        data = bytes(buf)
         acked: Acked = self._call(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype),
                                             list(t.shape), data, checksum_of(data) if checksum else 0))
         self._raise_first(acked.results)
@@ -371,7 +373,7 @@ class Client(ControlClient):
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
-        return reply.results, session, mapping
+        return reply.results, session, cast(EpochMapping, mapping)  # connected: set
 
     def _release(self, generations: list[int], session: int, epoch: int) -> None:
         """Fire-and-forget: the daemon frees the lease; no round trip is waited for."""
@@ -413,8 +415,15 @@ class Client(ControlClient):
         completed when get returns (the read lease is released only then)."""
         return self.get_many([key], timeout, verify=verify, device=device)[0]
 
+    @overload
     def get_many(self, keys: Sequence[str], timeout: float | None = None, *,
-                 missing_ok: bool = False, verify: bool = False, device=None) -> list[torch.Tensor | None]:
+                 missing_ok: Literal[False] = False, verify: bool = False, device=None) -> list[torch.Tensor]: ...
+    @overload
+    def get_many(self, keys: Sequence[str], timeout: float | None = None, *,
+                 missing_ok: bool = False, verify: bool = False, device=None) -> list[torch.Tensor | None]: ...
+
+    def get_many(self, keys: Sequence[str], timeout: float | None = None, *, missing_ok: bool = False,
+                 verify: bool = False, device=None) -> list[torch.Tensor] | list[torch.Tensor | None]:
         """Copies of several tensors in one round trip (None for a missing key if missing_ok);
         `device` as in get."""
         keys = list(keys)
@@ -456,7 +465,7 @@ class Client(ControlClient):
                 batch.wait()
                 from .cuda import tensor_checksum
                 for i, key, loc in checks:
-                    actual = tensor_checksum(out[i])
+                    actual = tensor_checksum(cast(torch.Tensor, out[i]))  # a copy made on a GPU
                     if actual != loc.checksum:
                         raise self._corrupt(key, loc, actual)
             return out
@@ -531,6 +540,12 @@ class Client(ControlClient):
         self._cache.apply(events.tolist())  # drops what was evicted, deleted, or replaced
         return True
 
+    # the ignore: a str is also a Sequence[str], but the implementation takes it as one key
+    @overload
+    def exists(self, keys: str, pin_s: float = 0.0) -> bool: ...  # type: ignore[overload-overlap]
+    @overload
+    def exists(self, keys: Sequence[str], pin_s: float = 0.0) -> list[bool]: ...
+
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
         """Which keys are present. With pin_s > 0, present entries cannot be evicted for pin_s
         seconds (or until unpin()). Absent keys are answered from the event ring, no round trip."""
@@ -570,7 +585,7 @@ class Client(ControlClient):
                     answers[i] = found
                     if not found:  # whatever generation was cached is gone
                         self._cache.forget(keyhash)
-        return answers[0] if single else answers
+        return cast("bool | list[bool]", answers[0] if single else answers)  # every answer is filled in
 
     def _forget(self, ns: str, keys: list[str]) -> None:
         """Deleted: their cached locations go (delete() is ControlClient's)."""

@@ -13,10 +13,14 @@ import os
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ..protocol import Bye, encoder
+
+if TYPE_CHECKING:
+    from .cuda import CudaPlane
 
 # Handshake outcomes the socket monitor reports: AUTH (the daemon's ZAP handler refused the key),
 # PROTOCOL (e.g. a plaintext client at a CURVE daemon), NO_DETAIL (the daemon dropped the
@@ -71,7 +75,7 @@ class Resources:
         self.monitor: zmq.Socket | None = None  # handshake failures of `sock`
         self.handshake_drops = 0  # consecutive NO_DETAIL handshake failures of `sock`
         self.stop = threading.Event()  # ends the heartbeat thread
-        self.cuda = None  # ecd.client.cuda.CudaPlane of the current epoch, once CUDA was involved
+        self.cuda: CudaPlane | None = None  # of the current epoch, once CUDA was involved
 
     def close_cuda(self) -> None:
         """Close the arena handles and unregister the host mappings (client close, new epoch)."""

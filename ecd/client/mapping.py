@@ -83,7 +83,7 @@ class EpochMapping:
             if ring is None:
                 self.local = False
                 self.rw = self.ro = []
-                self.ring = NoRing()
+                self.ring: RingReader | NoRing = NoRing()
                 return
             self.ring = ring
             self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf

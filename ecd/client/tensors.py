@@ -68,7 +68,7 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def _copy_hashing(dst: np.ndarray, src: np.ndarray) -> int:
     """dst[:] = src (flat uint8 arrays), hashing each piece of dst right after it is written."""
     h = xxhash.xxh3_64()
-    with memoryview(dst) as mv:
+    with memoryview(dst) as mv:  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ only on 3.12+
         for start in range(0, dst.size, CHECKSUM_CHUNK):
             end = start + CHECKSUM_CHUNK
             np.copyto(dst[start:end], src[start:end])

@@ -32,7 +32,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import zmq
 
@@ -170,13 +170,13 @@ class Connections:
         return len(self.by_fd)
 
     def monitor_fd(self) -> int:
-        return self.monitor.getsockopt(zmq.FD)
+        return cast(int, self.monitor.getsockopt(zmq.FD))  # an int option (the stubs say int | bytes)
 
     # ---- the monitor's events -----------------------------------------------------------
 
     def pending_events(self) -> bool:
         # Also what re-arms the monitor's edge-triggered FD.
-        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(cast(int, self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def handle_events(self) -> None:
         """Apply every queued event. Called before each message is handled, so that a new

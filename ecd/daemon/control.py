@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import msgspec
 import zmq
@@ -68,8 +68,9 @@ class ControlLoop:
             return
         self._draining = True
         connections = self.d.connections
-        monitor_events = connections.monitor.getsockopt
-        events = sock.getsockopt
+        # ZMQ_EVENTS is an int option (pyzmq's stubs say int | bytes for every option)
+        monitor_events = cast("Callable[[int], int]", connections.monitor.getsockopt)
+        events = cast("Callable[[int], int]", sock.getsockopt)
         try:
             for _ in range(DRAIN_BATCH):
                 # Connection events first, before every message: a connection's end must be known

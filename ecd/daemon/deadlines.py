@@ -4,6 +4,7 @@ kinds of deadline live on one heap, swept by expire(). Mixed into Store."""
 from __future__ import annotations
 
 import heapq
+from typing import cast
 
 from .entries import Entry, Session, State
 from .registry import RegistryState
@@ -58,7 +59,7 @@ class Deadlines(RegistryState):
             pinned = entry is not None and session.pins.pop(entry.generation, None) is not None
             if pinned:
                 entry.pins -= 1
-                self._after_unhold(entry)
+                self._after_unhold(cast(Entry, entry))  # pinned: entry is not None
             result.append(pinned)
         return result
 

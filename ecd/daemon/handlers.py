@@ -50,11 +50,11 @@ class Handlers:
                 return None if results is None else Acquired(rid, results)
             case Release(id=rid, generations=generations):
                 store.check_batch(len(generations))
-                results = [store.release(session, g) for g in generations]
-                if rid == 0 and any(results):
+                released = [store.release(session, g) for g in generations]
+                if rid == 0 and any(released):
                     self.count_error("release_refused")
                     self.count_drop("refused")
-                return Acked(rid, results)
+                return Acked(rid, released)
             case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
                 pools = store.tier(arena)
@@ -67,8 +67,8 @@ class Handlers:
                 checksums = checksums or [0] * len(generations)
                 # the reservation goes in the tier of the first committed item (host if none)
                 tier = store.tier_of(generations[0]) if reserve and generations else None
-                results = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
-                return Committed(rid, results, store.reserve(session, reserve, tier) if reserve else None)
+                committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
+                return Committed(rid, committed, store.reserve(session, reserve, tier) if reserve else None)
             case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
                          checksum=checksum):
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
@@ -109,7 +109,8 @@ class Handlers:
         must not become one huge reply queued to a client that may never read it."""
         total, entries = self.d.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
         now = time.monotonic()
-        page, size = [], 0
+        page: list[KeyInfo] = []
+        size = 0
         for e in entries[:limit]:
             size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
             if page and size > LISTING_REPLY_BYTES:

@@ -34,7 +34,9 @@ class OperatorRequests(RegistryState):
             targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
             # capped like `refused`: the request's own keys echoed back could make a huge reply
             missing = [k for k in keys if (ns, k) not in self.index][:EVICT_ECHO_MAX]
-        evicted, refused, draining = 0, [], []
+        evicted = 0
+        refused: list[str] = []
+        draining: list[int] = []
         for entry in targets:
             if (entry.readers or entry.pins) and not force:
                 if len(refused) < EVICT_ECHO_MAX:

@@ -112,8 +112,8 @@ class Placement(RegistryState):
         they may be gone soon); `ns`'s own entries may always go. O(entries walked)."""
         self._protected = 0
         allocators = self.allocators
-        run_end = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
-        run_start = [{} for _ in allocators]  # end -> start
+        run_end: list[dict[int, int]] = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
+        run_start: list[dict[int, int]] = [{} for _ in allocators]  # end -> start
 
         def free_on_paper(entry: Entry) -> tuple[int, int]:
             allocator, ends, starts = allocators[entry.pool], run_end[entry.pool], run_start[entry.pool]

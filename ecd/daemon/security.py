@@ -12,12 +12,16 @@ import grp
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ..config import Config, check_control_policy
 from ..curve import load_allowed_keys, load_keyfile
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("ecd.daemon")
 
@@ -55,7 +59,7 @@ class CurveAuth:
         self.allowed = allowed  # replaced whole on reload: the ZAP thread reads it without a lock
         self.directory = directory
         self.rejected = 0  # handshakes refused (read by stats; written only by the ZAP thread)
-        self._authenticator = None
+        self._authenticator: ThreadAuthenticator | None = None
         self._lock = threading.Lock()
         self._logged: set[bytes] = set()
 

@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from contextlib import suppress
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -304,6 +304,9 @@ class Daemon:
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        # prepare() made these
+        assert self.pool is not None and self.ring is not None and self.connections is not None
+        assert self.sock is not None
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
                            self.store_limits, namespaces=self.config.namespaces,
                            arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
@@ -317,7 +320,7 @@ class Daemon:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._on_stop_signal, sig)
         self.loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
-        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self.control.drain)
+        self.loop.add_reader(cast(int, self.sock.getsockopt(zmq.FD)), self.control.drain)  # an int option
         self.loop.add_reader(self.connections.monitor_fd(), self.control.drain)
         tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
                  self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
@@ -408,7 +411,7 @@ class Daemon:
             self.sessions.close()
         if self.loop is not None and self.sock is not None:
             with suppress(Exception):
-                self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+                self.loop.remove_reader(cast(int, self.sock.getsockopt(zmq.FD)))
                 self.loop.remove_reader(self.connections.monitor_fd())
         self.close()
 

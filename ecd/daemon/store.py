@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
@@ -132,8 +132,8 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         self._sessions.pop(session.id, None)
         for waiter in list(session.waiters):
             self._drop_waiter(waiter)
-        for entry in list(session.writes.values()):
-            self._free(entry)
+        for written in list(session.writes.values()):
+            self._free(written)
         session.writes.clear()
         session.reservation = None
         for generation, count in session.leases.items():
@@ -355,7 +355,7 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         for key in keys:
             failure = self.check_key(ns, key)
             if failure is not None:
-                raise RequestError(failure.code, failure.message)
+                raise RequestError(cast(Code, failure.code), failure.message)  # check_key gives Code values
         if len(session.leases) + len(keys) > self.limits.max_leases_per_client:
             raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
                                            f"limits.max_leases_per_client={self.limits.max_leases_per_client}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, cast
 
 from ..errors import EcdError
 
@@ -146,7 +146,7 @@ class Driver:
             handle = CUcontext()
             self._check("cuDevicePrimaryCtxRetain",
                         self._cuDevicePrimaryCtxRetain(ctypes.byref(handle), self._device(ordinal)))
-            ctx = self._contexts[ordinal] = handle.value
+            ctx = self._contexts[ordinal] = cast(int, handle.value)  # not NULL: _check raised otherwise
         return ctx
 
     def _in_context(self, ordinal: int, call: str, fn, *args) -> None:

@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -233,7 +233,7 @@ class _PagedKV:
             staging = self._staging(len(block_ids))
             staging_np = _np(staging)
             for row, b in zip(staging_np, block_ids):
-                for layer, src in enumerate(self._np_layers):
+                for layer, src in enumerate(cast("list[np.ndarray]", self._np_layers)):  # set with use_numpy
                     row[layer] = src[b]
             return list(staging)
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
@@ -256,12 +256,12 @@ class _PagedKV:
             return
         if self.use_numpy:
             for b, t in zip(block_ids, entries):
-                src = _np(t)
+                src_np = _np(t)
                 if self._np_stacked is not None:
-                    np.copyto(self._np_stacked[b], src)
+                    np.copyto(self._np_stacked[b], src_np)
                 else:
-                    for layer, dst in enumerate(self._np_layers):
-                        dst[b] = src[layer]
+                    for layer, dst_np in enumerate(cast("list[np.ndarray]", self._np_layers)):  # set with use_numpy
+                        dst_np[b] = src_np[layer]
             return
         idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
         src = torch.stack(entries).to(self.device)
@@ -479,7 +479,8 @@ class EcdKVConnector(KVConnectorBase_V1):
             self._log.warning("output", "handling the workers' output failed: %s: %s", type(exc).__name__, exc)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        state = self._requests.pop(getattr(request, "request_id", None), None)
+        # the ignore: dict.pop takes any key at run time; a request without an id finds nothing
+        state = self._requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
         if state is not None and state.pinned:
             pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
             self._client.call("unpin", lambda c: c.unpin(pinned))

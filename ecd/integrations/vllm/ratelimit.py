@@ -18,7 +18,7 @@ class RateLimitedLog:
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool = False) -> None:
+    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool | BaseException = False) -> None:
         now = time.monotonic()
         with self._lock:
             if now - self._last.get(key, -math.inf) < self.interval:
