@@ -159,6 +159,11 @@ class ControlClient:
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
+            # No connection to queue on: after a refused handshake libzmq drops it until its next
+            # reconnect, so a refused key must be reported as such, not as an absent daemon.
+            why = self._res.handshake_failure(self.endpoint, self._curve is not None)
+            if why is not None:
+                raise self._auth_failed(why) from None
             self._res.drop_socket()
             raise DaemonUnavailable(f"cannot send to the daemon at {self.endpoint}") from None
         now = time.monotonic()
