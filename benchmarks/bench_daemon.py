@@ -13,6 +13,18 @@ from ecd.client.client import Client
 from ecd.errors import EcdError
 
 
+def proc_memory_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS, RssAnon (private: where a leak would live) and RssShmem (pool pages touched) of a
+    process, in KiB, from /proc/PID/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssShmem"):
+                out[name] = int(value.split()[0])
+    return out
+
+
 def write_results(path: str, res: dict) -> None:
     """`--json PATH` of every benchmark: the results document, indented ('-': stdout)."""
     text = json.dumps(res, indent=2, default=float)

@@ -23,15 +23,7 @@ import time
 
 import torch
 
-from bench_daemon import BenchDaemon, write_results
-
-
-def rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/self/status")
+from bench_daemon import BenchDaemon, proc_memory_kib, write_results
 
 
 def cache_len(client) -> int:
@@ -68,10 +60,10 @@ def main() -> int:
             del got
             if i == args.warmup:
                 gc.collect()
-                base = rss_anon_kib()
+                base = proc_memory_kib()["RssAnon"]
             if i % args.every == 0 or i == args.keys:
                 gc.collect()
-                rss = rss_anon_kib()
+                rss = proc_memory_kib()["RssAnon"]
                 grown = (rss - base) / 1024 if base is not None else float("nan")
                 rows.append({"keys": i, "rss_anon_kib": rss, "growth_mib": grown, "cache": cache_len(client),
                              "elapsed_s": time.monotonic() - start})

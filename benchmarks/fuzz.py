@@ -33,7 +33,7 @@ import msgspec
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_daemon import BenchDaemon  # noqa: E402
+from bench_daemon import BenchDaemon, proc_memory_kib  # noqa: E402
 
 from ecd.errors import Code  # noqa: E402
 from ecd.protocol import (DTYPE_ITEMSIZE, PROTOCOL_VERSION, Abort, Acquire, Alloc, AllocItem,  # noqa: E402
@@ -64,17 +64,6 @@ TAGS = ["ping", "alloc", "commit", "publish", "abort", "put_inline", "acquire", 
         "delete", "stats", "keys", "evict", "held", "report", "nope", ""]
 WINDOW = 16  # requests in flight per identity
 STALL_S = 10.0
-
-
-def rss(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon (private: where a leak would live) and RssShmem (pool pages touched), KiB."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssShmem"):
-                out[name] = int(value.split()[0])
-    return out
 
 
 def free_port() -> int:
@@ -342,7 +331,7 @@ def run(args, rng: random.Random, ctx: zmq.Context, daemon: BenchDaemon, port: i
                     ident.outstanding[reply_id] += 1
                     ident.inflight += 1
                 if sent == warmup:
-                    before = rss(pid)
+                    before = proc_memory_kib(pid)
         if sent >= args.frames and all(i.inflight == 0 and not i.followups for i in ids):
             break
         events = dict(poller.poll(STALL_S * 1000))
@@ -393,7 +382,7 @@ def run(args, rng: random.Random, ctx: zmq.Context, daemon: BenchDaemon, port: i
     if set(foreign) != {"NOT_OWNER"}:
         failures.append(f"another identity touched the bystander's leases: {dict(foreign)}")
     time.sleep(0.5)
-    after = rss(pid)
+    after = proc_memory_kib(pid)
     stats = ask(Stats(8)).stats
     if stats.read_leases != 1 or stats.entries_writing != 1 or stats.errors.get("unhandled") \
             or stats.errors.get("internal"):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench_daemon import BenchDaemon, write_results
+from bench_daemon import BenchDaemon, proc_memory_kib, write_results
 
 ATTACKER = Path(__file__).resolve().parent.parent / "tests" / "security" / "attacker.py"
 MiB = 1 << 20
@@ -45,10 +45,7 @@ def free_port() -> int:
 
 
 def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_memory_kib(pid)["VmRSS"] * 1024
 
 
 def fds(pid: int) -> int:

@@ -24,6 +24,18 @@ def shm_files(node: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{node}."))
 
 
+def proc_memory_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS, RssAnon (private: where a leak would live) and RssShmem (pool pages touched) of a
+    process, in KiB, from /proc/PID/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssShmem"):
+                out[name] = int(value.split()[0])
+    return out
+
+
 def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "",
                  metrics: str = "127.0.0.1:0") -> Path:
     """A node.toml for a test daemon; metrics on a free port so tests never fight over 9464."""

@@ -10,18 +10,10 @@ import gc
 
 import torch
 
-from conftest import metric, scrape_metrics
+from conftest import metric, proc_memory_kib, scrape_metrics
 from ecd.memory.ring import key_hash
 
 KIB128 = 128 * 256  # float32 elements in 128 KiB
-
-
-def rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon")
 
 
 def overruns(daemon) -> float:
@@ -43,9 +35,9 @@ def test_memory_stays_flat_over_distinct_keys(daemon):
             del got
             if i == warmup:
                 gc.collect()
-                base = rss_anon_kib()
+                base = proc_memory_kib()["RssAnon"]
         gc.collect()
-        grown_mib = (rss_anon_kib() - base) / 1024
+        grown_mib = (proc_memory_kib()["RssAnon"] - base) / 1024
         assert grown_mib < 2.0, f"RssAnon grew {grown_mib:.2f} MiB over {more} keys after warm-up"
         assert c.exists(f"k{warmup + more}") is True and c.exists("k1") is False
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metric, scrape_metrics, wait_for
+from conftest import metric, proc_memory_kib, scrape_metrics, wait_for
 from ecd import Client
 
 ATTACKER = Path(__file__).resolve().parent / "attacker.py"
@@ -26,10 +26,7 @@ MiB = 1 << 20
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return proc_memory_kib(pid)["VmRSS"] * 1024
 
 
 def open_fds(pid: int) -> int:

@@ -36,7 +36,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "chaos"))
 
 import ecd  # noqa: E402
-from conftest import metric, metric_samples, scrape_metrics, wait_for  # noqa: E402
+from conftest import metric, metric_samples, proc_memory_kib, scrape_metrics, wait_for  # noqa: E402
 from ecd.errors import Code  # noqa: E402
 from ecd.protocol import (PROTOCOL_VERSION, Acquire, Alloc, AllocItem, Bye, Commit, Error, Hello,  # noqa: E402
                           Welcome, encoder, pid_namespace, reply_decoder)
@@ -49,11 +49,7 @@ ECD = [sys.executable, "-m", "ecd"]
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return proc_memory_kib(pid)["VmRSS"] * 1024
 
 
 def figure(text: str) -> None:
