@@ -25,6 +25,7 @@ connection is never shut down by mistake.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import resource
@@ -32,7 +33,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import zmq
 
@@ -84,31 +85,37 @@ class Credentials:
     gid: int
 
 
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket]:
+    """A socket object over a descriptor libzmq owns: detached on the way out, never closed."""
+    sock = socket.socket(fileno=fd)
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
 def peer_credentials(fd: int) -> Credentials | None:
     """The kernel's record of who opened this unix-socket connection; None for tcp or when the
     peer is already gone. The pid is translated into the daemon's pid namespace (0: the peer's
     process is not visible from it)."""
-    sock = socket.socket(fileno=fd)  # borrowed: detach() below, never close() libzmq's fd
     try:
-        if sock.family != socket.AF_UNIX:
-            return None
-        return Credentials(*struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)))
+        with _borrowed(fd) as sock:
+            if sock.family != socket.AF_UNIX:
+                return None
+            return Credentials(*struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)))
     except OSError:
         return None
-    finally:
-        sock.detach()
 
 
 def peer_pidfd(fd: int, pid: int) -> int:
     """A pidfd of the process that opened this connection (SO_PEERPIDFD: exactly that process);
     before Linux 6.5, pidfd_open(pid), with the usual pid-reuse window. -1 when it is gone."""
-    sock = socket.socket(fileno=fd)
     try:
-        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        with _borrowed(fd) as sock:
+            return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError:
         pass
-    finally:
-        sock.detach()
     try:
         return os.pidfd_open(pid)
     except OSError:
@@ -222,8 +229,13 @@ class Connections:
             self._warn(f"control connections at limits.max_connections={self.max_connections}: closing "
                        f"the oldest that never said hello")
             self.close(self.by_fd[victim], "over_capacity")
-        self.by_fd[fd] = Connection(fd, _inode(fd))
+        self._track(fd)
+
+    def _track(self, fd: int) -> Connection:
+        """A connection first seen on this fd: no session yet, so the newest to shed."""
+        conn = self.by_fd[fd] = Connection(fd, _inode(fd))
         self._idle[fd] = None
+        return conn
 
     def _forget(self, conn: Connection, reason: str) -> None:
         """The connection is gone: drop it from the tables and end its session (on_gone)."""
@@ -257,14 +269,12 @@ class Connections:
         """The connection a message with this routing id arrived on (ZMQ_SRCFD)."""
         conn = self.by_fd.get(fd)
         if conn is None:  # accepted before the monitor was listening (cannot happen), or a lost event
-            conn = self.by_fd[fd] = Connection(fd, _inode(fd))
-            self._idle[fd] = None
+            conn = self._track(fd)
         if conn.identity == identity:
             return conn
         if conn.identity is not None:  # the fd number now carries another connection
             self._forget(conn, "disconnected")
-            conn = self.by_fd[fd] = Connection(fd, _inode(fd))
-            self._idle[fd] = None
+            conn = self._track(fd)
         other = self.by_identity.get(identity)
         if other is not None:  # the routing id was taken over by a new connection
             self._forget(other, "identity_reused")
@@ -333,13 +343,8 @@ class Connections:
     def _shut_down(fd: int, inode: int) -> None:
         if inode < 0 or _inode(fd) != inode:
             return  # already closed, or the number belongs to another socket now
-        sock = socket.socket(fileno=fd)
-        try:
+        with contextlib.suppress(OSError), _borrowed(fd) as sock:
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.detach()
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
