@@ -103,7 +103,10 @@ class Daemon:
         if self.config.pool.cuda is not None:
             self._open_cuda()  # before anything is created: a node without CUDA leaves nothing behind
         self._lock.group = self.gid
-        self._plan_file_descriptors()
+        # libzmq aborts the process when accept() fails with EMFILE: raise the soft limit to the
+        # hard one, and cap connections so that they, their pidfds and HTTP never reach it.
+        self.fd_limit = raise_fd_limit()
+        self.max_connections = self._connection_cap()
         self._prepare_runtime_dir()
         try:
             self._lock.acquire()
@@ -122,22 +125,20 @@ class Daemon:
             self.close()
             raise
 
-    def _plan_file_descriptors(self) -> None:
-        """libzmq aborts the process when accept() fails with EMFILE: raise the soft limit to the
-        hard one and cap connections so that they, their pidfds and the HTTP connections never
-        reach it."""
-        self.fd_limit = raise_fd_limit()
+    def _connection_cap(self) -> int:
+        """limits.max_connections, or fewer when the open-file limit cannot hold them."""
         wanted = self.config.limits.max_connections
         http = self.config.metrics.max_connections if self.config.metrics.address is not None else 0
-        self.max_connections = connection_budget(self.fd_limit, wanted, http)
-        if self.max_connections < wanted:
+        cap = connection_budget(self.fd_limit, wanted, http)
+        if cap < wanted:
             log.warning("limits.max_connections=%d lowered to %d: the open-file limit is %d (raise "
-                        "LimitNOFILE= or ulimit -n)", wanted, self.max_connections, self.fd_limit)
+                        "LimitNOFILE= or ulimit -n)", wanted, cap, self.fd_limit)
+        return cap
 
     def apply_connection_limits(self) -> None:
-        """[limits] max_connections and client_queue_bytes, at start and on SIGHUP (ZMQ_RCVHWM,
-        derived from them, applies to connections made after it is set)."""
-        self._plan_file_descriptors()
+        """On SIGHUP: [limits] max_connections and client_queue_bytes (_bind sets them at start;
+        ZMQ_RCVHWM, derived from them, applies to connections made after it is set)."""
+        self.max_connections = self._connection_cap()
         limits = self.config.limits
         self.connections.max_connections = self.max_connections
         self.connections.queue_bytes = int(limits.client_queue_bytes)
