@@ -37,7 +37,10 @@ class Deadlines(RegistryState):
     def _deadline_is_live(self, deadline: float, generation: int, session_id: int) -> bool:
         if session_id == 0:  # a write deadline: the write (or reservation) has not been committed
             entry = self.by_generation.get(generation)
-            return entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline
+            if entry is None:
+                reservation = self.reservations.get(generation)
+                return reservation is not None and reservation.deadline == deadline
+            return entry.state is State.WRITING and entry.write_deadline == deadline
         session = self._sessions.get(session_id)
         return session is not None and session.pins.get(generation) == deadline
 
@@ -71,15 +74,11 @@ class Deadlines(RegistryState):
             deadline, generation, session_id = heapq.heappop(self._deadlines)
             entry = self.by_generation.get(generation)
             if session_id == 0:  # a write deadline
-                if entry is not None and entry.owner is not None and entry is entry.owner.reservation \
-                        and entry.owner.watched:
-                    # An idle client's reservation: it may start copying into it at any moment,
-                    # and it goes away with the client's process; never hand it to anyone else.
-                    continue
-                if entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
+                reservation = self.reservations.get(generation)
+                if reservation is not None and reservation.deadline == deadline:
+                    self._reservation_expired(reservation)
+                elif entry is not None and entry.state is State.WRITING and entry.write_deadline == deadline:
                     entry.owner.writes.pop(generation, None)
-                    if entry.owner.reservation is entry:
-                        entry.owner.reservation = None
                     self._free(entry)
                     self.counters["expired_writes"] += 1
                     self.counters["reclaimed_write_ttl"] += 1

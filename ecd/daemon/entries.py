@@ -45,6 +45,21 @@ class Entry:
                         self.checksum)
 
 
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """An anonymous extent a client holds for its next put (reservations.Reservations): the
+    client copies into it first and names it after (Publish), which makes it an Entry. It has no
+    key, is never indexed, read or evicted; its bytes count toward `ns` (the namespace of the
+    client's last commit) until it is published, handed back, expired or its client goes."""
+    generation: int  # from the entries' counter: Publish and Abort name it by this
+    pool: int
+    offset: int
+    size: int  # the extent's bytes (aligned): what the pool and `ns` are charged
+    ns: str
+    owner: "Session"
+    deadline: float  # the write TTL (a watched client's reservation outlives it)
+
+
 @dataclass(eq=False)
 class Waiter:
     """A parked Acquire: completes when every key is READY or when its timer fires."""
@@ -62,8 +77,8 @@ class Session:
     id: int
     pid: int = 0
     leases: collections.Counter = field(default_factory=collections.Counter)  # generation -> n
-    writes: dict[int, Entry] = field(default_factory=dict)  # includes the reservation
-    reservation: Entry | None = None  # an anonymous WRITING extent for the next put
+    writes: dict[int, Entry] = field(default_factory=dict)  # named puts between Alloc and Commit
+    reservation: "Reservation | None" = None  # an anonymous extent for the next put
     # Namespace of the last entry this client committed: a reservation asked for with a commit
     # counts toward it (until Publish names it, perhaps in another namespace). None: nothing yet.
     reserve_ns: str | None = None

@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from .entries import State
+from .reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .view import DaemonView
@@ -107,6 +108,15 @@ class DaemonCollector:
                          ("retired", states[State.RETIRED]), ("reserved", reservations)):
             entries.add_metric([state], n)
         yield entries
+        yield GaugeMetricFamily("ecd_reserved_bytes", "Bytes held by clients' reservations for their next "
+                                "put (one per client; never evicted, never evicting)", value=reserved_bytes)
+        outcomes = CounterMetricFamily("ecd_reservations", "Reservations for a client's next put, by "
+                                       "outcome: granted or refused (quota or no free extent: the put "
+                                       "takes Alloc), then published, aborted, expired or reclaimed "
+                                       "(its client went)", labels=["outcome"])
+        for outcome in RESERVATION_OUTCOMES:
+            outcomes.add_metric([outcome], c[f"reservations_{outcome}"])
+        yield outcomes
 
         used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool: host<n> segments, "
                                  "cuda<ordinal> arenas", labels=["pool"])

@@ -64,4 +64,5 @@ class OperatorRequests(RegistryState):
 
     def held(self, generations: list[int]) -> list[bool]:
         self.check_batch(len(generations))
-        return [g in self.by_generation for g in generations]
+        """Whether each generation still holds its extent (an entry in any state, or a reservation)."""
+        return [g in self.by_generation or g in self.reservations for g in generations]

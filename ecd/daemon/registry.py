@@ -8,8 +8,8 @@ from typing import Callable
 
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import EventKind, RingWriter
-from ..protocol import Failure, Location
-from .entries import Entry, Scheduler, Session, StoreLimits, Waiter
+from ..protocol import AllocItem, Failure, Location
+from .entries import Entry, Reservation, Scheduler, Session, StoreLimits, Waiter
 
 
 class RegistryState:
@@ -23,6 +23,8 @@ class RegistryState:
     clock: Callable[[], float]
     index: dict[tuple[str, str], Entry]  # READY entries only
     by_generation: dict[int, Entry]  # every entry that holds an extent
+    reservations: dict[int, Reservation]  # by generation: extents held for a client's next put
+    reserved_bytes: int
     evictable: collections.OrderedDict[int, Entry]  # LRU first
     evictable_bytes: list[int]
     waiters: dict[tuple[str, str], set[Waiter]]
@@ -50,4 +52,18 @@ class RegistryState:
     def _unindex(self, entry: Entry, kind: EventKind) -> None: raise NotImplementedError
     def _remove(self, entry: Entry) -> None: raise NotImplementedError
     def _free(self, entry: Entry) -> None: raise NotImplementedError
+    def _uncharge(self, ns: str, nbytes: int) -> None: raise NotImplementedError
+    def _take_generation(self) -> int: raise NotImplementedError
+    def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
+        raise NotImplementedError
+    def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
+        raise NotImplementedError
+    # Placement's and Reservations' methods the other mixins call.
+    def _too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None: raise NotImplementedError
+    def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (), evict: bool = True,
+               pools: tuple[int, ...] | None = None) -> tuple[int, int] | None: raise NotImplementedError
+    def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure: raise NotImplementedError
+    def _evict(self, victim: Entry, counter: str) -> None: raise NotImplementedError
+    def _push_deadline(self, deadline: float, generation: int, session_id: int) -> None: raise NotImplementedError
+    def _reservation_expired(self, reservation: Reservation) -> None: raise NotImplementedError
 

@@ -11,9 +11,8 @@ WRITING and RETIRED entries are invisible to lookups; a READY entry with a reade
 never evicted. Generations come from one counter, so a generation names exactly one entry.
 
 Namespaces (`[namespaces.NAME]` in node.toml): every entry (WRITING, READY or RETIRED) counts its
-extent's bytes toward its namespace until it is freed; an anonymous reservation counts toward the
-namespace of the commit it was asked for with (else a client could hold pool bytes outside its
-quota by reserving, from as many sessions as it likes) and moves to the one Publish names. A
+extent's bytes toward its namespace until it is freed; a reservation (reservations.py) counts
+toward the namespace of the commit it was asked for with and moves to the one Publish names. A
 namespace with a quota that would go over it evicts its own least recently used entries first,
 and gets QUOTA_EXCEEDED when they cannot make room; it never evicts another namespace for its
 quota. Eviction for room (no hole big enough) never takes an entry of another namespace below
@@ -36,17 +35,19 @@ from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
 from ..memory.ring import EventKind, RingWriter, key_hash
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
-from .entries import Entry, RequestError, Scheduler, Session, State, StoreLimits, Waiter
+from .entries import Entry, RequestError, Reservation, Scheduler, Session, State, StoreLimits, Waiter
 from .deadlines import Deadlines
 from .operator import OperatorRequests
 from .placement import Placement
+from .reservations import Reservations
 from .waiting import Waiting
 
 
-class Store(Placement, Waiting, Deadlines, OperatorRequests):
+class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
     """The registry. Its jobs beside the entry state machine live in mixins of their own modules:
-    placement and eviction (placement.py), parked gets (waiting.py), pins and write deadlines
-    (deadlines.py), operator requests (operator.py)."""
+    placement and eviction (placement.py), reservations for a client's next put
+    (reservations.py), parked gets (waiting.py), pins and write deadlines (deadlines.py),
+    operator requests (operator.py)."""
 
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
@@ -62,6 +63,8 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         self._next_generation = 1
         self.index: dict[tuple[str, str], Entry] = {}  # READY entries only
         self.by_generation: dict[int, Entry] = {}  # every entry that holds an extent
+        self.reservations: dict[int, Reservation] = {}  # by generation (reservations.py)
+        self.reserved_bytes = 0
         self.evictable: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
         self.evictable_bytes = [0] * len(self.allocators)  # per pool, kept with `evictable`
         self.waiters: dict[tuple[str, str], set[Waiter]] = {}
@@ -128,14 +131,15 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         if reclaimed:
             self.counters["reclaimed_sessions"] += 1
             self.counters[f"reclaimed_{reason}"] += (sum(session.leases.values()) + len(session.pins)
-                                                     + len(session.writes) - (session.reservation is not None))
+                                                     + len(session.writes))
         self._sessions.pop(session.id, None)
         for waiter in list(session.waiters):
             self._drop_waiter(waiter)
         for written in list(session.writes.values()):
             self._free(written)
         session.writes.clear()
-        session.reservation = None
+        if session.reservation is not None:
+            self.end_reservation(session.reservation, "reclaimed")
         for generation, count in session.leases.items():
             entry = self.by_generation.get(generation)
             if entry is not None:
@@ -181,9 +185,9 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         raise RequestError(Code.INVALID, f"arena={arena} is not a CUDA arena: {arenas}; -1 is the host pool")
 
     def tier_of(self, generation: int) -> tuple[int, ...]:
-        """The tier of an entry (the host pool when the generation names none)."""
-        entry = self.by_generation.get(generation)
-        return (entry.pool,) if entry is not None and entry.pool in self.arena_pools else self.host_pools
+        """The tier of an entry or reservation (the host pool when the generation names none)."""
+        held = self.by_generation.get(generation) or self.reservations.get(generation)
+        return (held.pool,) if held is not None and held.pool in self.arena_pools else self.host_pools
 
     def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
         failure = self.check_key(ns, item.key)
@@ -222,69 +226,16 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         entry = self._new_write(session, placed, ns, item.key, item.dtype, list(item.shape), item.nbytes)
         return Extent(entry.generation, entry.pool, entry.offset)
 
-    def reserve(self, session: Session, nbytes: int, pools: tuple[int, ...] | None = None) -> Extent | Failure:
-        """An anonymous extent the client fills before naming it (Publish), saving the Alloc
-        round trip of its next put. Never evicts for it: a put that may not come must not cost
-        the cache anything, so under pressure the client simply falls back to Alloc. Placed in
-        `pools` (a tier: the one of the commit it rides on; default the host pool)."""
-        pools = self.host_pools if pools is None else pools
-        if session.reservation is not None:
-            return Failure(Code.LIMIT, "this client already holds a reservation")
-        ns = session.reserve_ns
-        if ns is None:
-            return Failure(Code.INVALID, "a reservation is asked for with a commit: this client has committed nothing")
-        too_large = self._too_large(nbytes, pools)
-        if too_large:
-            return Failure(Code.INVALID, f"cannot reserve: {too_large}")
-        quota = self.quotas.get(ns)
-        if quota is not None and self.ns_used.get(ns, 0) + align_up(max(nbytes, 1)) > quota:
-            self.counters["reserve_refused"] += 1  # not a refused put: the next put takes Alloc
-            return Failure(Code.QUOTA_EXCEEDED, f"no reservation of {nbytes} bytes: it would take namespace "
-                                                f"{ns!r} over its quota of {quota} bytes")
-        placed = self._place(nbytes, None, (), evict=False, pools=pools)
-        if placed is None:
-            self.counters["reserve_refused"] += 1
-            return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
-        entry = self._new_write(session, placed, ns, "", "uint8", [nbytes], nbytes)
-        session.reservation = entry
-        return Extent(entry.generation, entry.pool, entry.offset)
-
-    def publish(self, session: Session, ns: str, generation: int, item: AllocItem,
-                checksum: int = 0) -> Failure | None:
-        """Name this client's reservation and commit it."""
-        entry = session.reservation
-        if entry is None or entry.generation != generation:
-            return Failure(Code.STALE, f"generation {generation} is not this client's reservation "
-                                       "(expired, aborted or already published)")
-        session.reservation = None
-        failure = self._check_item(ns, item, self.tier_of(generation))
-        extent_size = self.allocators[entry.pool].extent_size(entry.offset)
-        if failure is None and align_up(max(item.nbytes, 1)) != extent_size:
-            failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {extent_size}")
-        victims: list[Entry] | Failure = []
-        if failure is None and ns != entry.ns:  # its bytes move to `ns`: that quota decides
-            victims = self._quota_victims(ns, extent_size)
-            if isinstance(victims, Failure):
-                failure = victims
-        if failure is not None:
-            del session.writes[generation]
-            self._free(entry)  # gives its bytes back to the namespace it was charged to
-            return failure
-        for victim in victims:
-            self._evict(victim, "evicted_quota")
-        if ns != entry.ns:
-            self._uncharge(entry.ns, extent_size)
-            self.ns_used[ns] = self.ns_used.get(ns, 0) + extent_size
-        entry.ns, entry.key, entry.keyhash = ns, item.key, key_hash(ns, item.key)
-        entry.dtype, entry.shape, entry.nbytes = item.dtype, list(item.shape), item.nbytes
-        return self.commit(session, generation, checksum)
+    def _take_generation(self) -> int:
+        generation = self._next_generation
+        self._next_generation += 1
+        return generation
 
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
                    shape: list[int], nbytes: int) -> Entry:
-        generation = self._next_generation
-        self._next_generation += 1
+        generation = self._take_generation()
         now = self.clock()
-        entry = Entry(generation, ns, key, key_hash(ns, key) if key else 0, dtype, shape, nbytes,
+        entry = Entry(generation, ns, key, key_hash(ns, key), dtype, shape, nbytes,
                       placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry
@@ -297,12 +248,15 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
         entry = self.by_generation.get(generation)
         if entry is None or entry.state is not State.WRITING:
+            reservation = self.reservations.get(generation)
+            if reservation is not None and reservation.owner is not session:
+                return Failure(Code.NOT_OWNER, f"generation {generation} is another client's reservation")
+            if reservation is not None:
+                return Failure(Code.INVALID, f"generation {generation} is a reservation: Publish it with a key")
             return Failure(Code.STALE, f"generation {generation} is not an entry being written "
                                        "(aborted, expired or already committed)")
         if entry.owner is not session:
             return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
-        if entry is session.reservation:
-            return Failure(Code.INVALID, f"generation {generation} is a reservation: Publish it with a key")
         del session.writes[generation]
         if not checksum and entry.ns in self.verify_namespaces:
             self._free(entry)  # refused, not left WRITING until its TTL
@@ -334,14 +288,19 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         return None
 
     def abort(self, session: Session, generation: int) -> Failure | None:
+        """Give back a write (or this client's reservation) before it is committed."""
+        reservation = self.reservations.get(generation)
+        if reservation is not None:
+            if reservation.owner is not session:
+                return Failure(Code.NOT_OWNER, f"generation {generation} is another client's reservation")
+            self.end_reservation(reservation, "aborted")
+            return None
         entry = session.writes.pop(generation, None)
         if entry is None:
             entry = self.by_generation.get(generation)
             if entry is not None and entry.state is State.WRITING:
                 return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
             return Failure(Code.STALE, f"generation {generation} is not an entry being written")
-        if entry is session.reservation:
-            session.reservation = None
         self._free(entry)
         return None
 
@@ -517,13 +476,8 @@ class Store(Placement, Waiting, Deadlines, OperatorRequests):
         return {state: counts.get(state, 0) for state in State}
 
     def writes_in_progress(self) -> int:
-        """Named puts between alloc and commit (reservations are not puts yet). O(sessions)."""
-        return sum(len(s.writes) - (s.reservation is not None) for s in self._sessions.values())
-
-    def reservation_totals(self) -> tuple[int, int]:
-        """(reservations, bytes they hold)."""
-        held = [s.reservation for s in self._sessions.values() if s.reservation is not None]
-        return len(held), sum(self.allocators[e.pool].extent_size(e.offset) for e in held)
+        """Named puts between alloc and commit. O(sessions)."""
+        return sum(len(s.writes) for s in self._sessions.values())
 
     def lease_totals(self) -> tuple[int, int, int]:
         """(read leases, pins, parked waiters) over all sessions."""

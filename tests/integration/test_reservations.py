@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from conftest import entry_bytes, wait_for
+from conftest import entry_bytes, metric, metric_by_label, scrape_metrics, wait_for
 
 N = 300_032  # 1.2 MB of float32: above the inline limit, a whole number of 256-byte units
 
@@ -23,6 +23,11 @@ def test_repeated_same_size_puts_take_one_round_trip_each(daemon, actors):
         stats = c.stats()
         assert stats["reservations"] == 1 and stats["reserved_bytes"] >= N * 4
         assert entry_bytes(stats) == 5 * N * 4
+        body = scrape_metrics(daemon.metrics_port)
+        assert metric(body, "ecd_reserved_bytes") == stats["reserved_bytes"]
+        outcomes = metric_by_label(body, "ecd_reservations_total", "outcome")
+        assert outcomes == {"granted": 5, "refused": 0, "published": 4, "aborted": 0, "expired": 0,
+                            "reclaimed": 0}
 
 
 def test_a_different_size_falls_back_to_alloc_and_drops_the_old_reservation(daemon):

@@ -148,10 +148,17 @@ class Env:
         actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
         assert [int(w) for w in self.ring.presence] == [PRESENT if b in expected else ABSENT for b in range(BUCKETS)]
-        # allocator bytes are exactly those of entries holding extents
+        # allocator bytes are exactly those of entries and reservations holding extents
+        reservations = list(store.reservations.values())
         for pool, allocator in enumerate(store.allocators):
-            want = sum(align_up(max(e.nbytes, 1)) for e in entries if e.pool == pool)
+            want = (sum(align_up(max(e.nbytes, 1)) for e in entries if e.pool == pool)
+                    + sum(r.size for r in reservations if r.pool == pool))
             assert allocator.used == want, f"pool {pool}: used {allocator.used}, entries hold {want}"
+        # a reservation is its owner's one reservation, its generation no entry's
+        assert store.reserved_bytes == sum(r.size for r in reservations)
+        for r in reservations:
+            assert r.owner.reservation is r and r.generation not in store.by_generation
+            assert r.size == store.allocators[r.pool].extent_size(r.offset)
         # evictable == READY entries with no reader and no pin
         unheld = {e.generation for e in ready if not e.readers and not e.pins}
         assert set(store.evictable) == unheld
@@ -160,6 +167,8 @@ class Env:
         want_ns = collections.Counter()
         for e in entries:
             want_ns[e.ns] += align_up(max(e.nbytes, 1))
+        for r in reservations:
+            want_ns[r.ns] += r.size
         assert store.ns_used == dict(want_ns)
         # what a guaranteed share protects: the READY bytes of the namespace
         want_ready = {ns: sum(align_up(max(e.nbytes, 1)) for e in ready if e.ns == ns) for ns in store.guarantees}
@@ -994,6 +1003,45 @@ def test_reservation_of_a_watched_client_is_never_expired():
     env.store.expire()
     assert s.reservation is not None and env.used() == A
     assert env.store.publish(s, "ns", ext.generation, item("k", A)) is None
+    env.check()
+
+
+def test_reservations_are_counted_by_outcome_and_in_bytes():
+    """Their own record: every way one starts and ends is counted, and reserved_bytes follows
+    the extents held (what ecd_reservations_total and ecd_reserved_bytes report)."""
+    env = Env(write_ttl=5.0)
+    store = env.store
+    a, b, c = (env.reserving(env.session()) for _ in range(3))
+    first = store.reserve(a, A)
+    store.reserve(b, 2 * A)
+    assert store.reservation_totals() == (2, 3 * A) and store.writes_in_progress() == 0
+    assert store.publish(a, "ns", first.generation, item("k", A)) is None  # published
+    assert store.abort(b, b.reservation.generation) is None  # aborted
+    store.reserve(a, A)
+    store.close_session(a, reclaimed=True)  # reclaimed with its client: not a put it was writing
+    assert store.counters["reclaimed_client_exit"] == 0
+    store.reserve(c, A)
+    env.clock.now += 6.0
+    store.expire()  # expired: c is not a watched process
+    for _ in range(4):  # refused: no free extent without evicting
+        env.put(env.session(), f"fill{_}")
+    assert isinstance(store.reserve(c, A), Failure)
+    outcomes = {o: store.counters[f"reservations_{o}"] for o in
+                ("granted", "refused", "published", "aborted", "expired", "reclaimed")}
+    assert outcomes == {"granted": 4, "refused": 1, "published": 1, "aborted": 1, "expired": 1, "reclaimed": 1}
+    assert store.reservation_totals() == (0, 0)
+    env.check()
+
+
+def test_a_reservation_is_not_an_entry_of_any_state(env):
+    s = env.reserving(env.session())
+    ext = env.store.reserve(s, A)
+    assert ext.generation not in env.store.by_generation
+    assert env.store.count_states()[State.WRITING] == 0 and env.store.writes_in_progress() == 0
+    assert env.store.held([ext.generation]) == [True]  # it holds its extent all the same
+    other = env.session()
+    refused = env.store.abort(other, ext.generation)
+    assert isinstance(refused, Failure) and refused.code == Code.NOT_OWNER
     env.check()
 
 
