@@ -37,13 +37,6 @@ from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
-RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
-RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
-# A put or get that finds this many unread ring events applies them to the location cache, so a
-# client that never calls exists() keeps its cached locations current (pruned of evictions)
-# instead of falling RING_MAX_BACKLOG behind and losing them all at its next exists().
-RING_SYNC_BACKLOG = 1024
-
 
 class Client(ControlClient):
     """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
@@ -56,9 +49,10 @@ class Client(ControlClient):
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
         prefault the pool mappings when they are made (MAP_POPULATE) rather than on first use."""
         self.populate = populate
-        # (extent, aligned size, use-by monotonic time, session, epoch) of the daemon's
-        # reservation for this client's next put, and whether a put is filling it right now
-        self._reservation: tuple | None = None
+        # [(extent, aligned size, use-by monotonic time, session, epoch mapping)] of the daemon's
+        # reservation for this client's next put, or []: a list, so a put claims it with one
+        # atomic pop; and whether a put is filling the one it claimed right now
+        self._reservation: list[tuple[Extent, int, float, int, EpochMapping]] = []
         self._reservation_busy = False
         self._map: EpochMapping | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
@@ -79,7 +73,7 @@ class Client(ControlClient):
         self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
         self._map = mapping
         self._cache.clear()
-        self._reservation = None
+        self._reservation.clear()
 
     def _verifies(self, asked: bool) -> bool:
         return asked or self.namespace in self._welcome.verify_namespaces
@@ -106,43 +100,23 @@ class Client(ControlClient):
         if tier is not None and tier not in ("host", "cuda"):
             raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
         _check_encodable("key", items)
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values()):
-            self._put_cuda_many(items, checksum, tier)
-            return
-        tensors = {key: host_tensor(t) for key, t in items.items()}
-        if not tensors:
-            return
-        for attempt in range(2):
-            epoch = self._map.epoch
-            try:
-                return self._put_once(tensors, self._verifies(checksum))
-            except StaleGeneration:
-                # The daemon restarted between alloc and commit: the bytes went with it. Retry once.
-                if attempt or self._map.epoch == epoch:
-                    raise
-
-    def _put_cuda_many(self, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None) -> None:
-        """put_many with CUDA tensors among the items: one Alloc/Commit per tier."""
-        from . import cuda
         pending = dict(items)
+        on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values())
         for attempt in range(2):
             epoch = self._map.epoch
-            plane = self._cuda_plane(cast(EpochMapping, self._map))  # connected: set
-            groups: dict[int, dict[str, torch.Tensor]] = {}
-            for key, t in pending.items():
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t = cuda.device_tensor(t)
-                    arena = plane.tier_for(t, tier)
-                else:
-                    t, arena = host_tensor(t), cuda.HOST
-                groups.setdefault(arena, {})[key] = t
             try:
+                if on_gpu:  # one Alloc/Commit per tier: the host pool, and each arena the tensors go to
+                    groups = self._cuda_plane(cast(EpochMapping, self._map)).group_by_tier(pending, tier)
+                else:
+                    groups = {-1: {key: host_tensor(t) for key, t in pending.items()}}  # -1: the host pool
                 for arena, tensors in groups.items():
-                    self._put_once(tensors, self._verifies(checksum), arena)
+                    if tensors:
+                        self._put_once(tensors, self._verifies(checksum), arena)
                     for key in tensors:
                         del pending[key]
                 return
             except StaleGeneration:
+                # The daemon restarted between alloc and commit: the bytes went with it. Retry once.
                 if attempt or self._map.epoch == epoch:
                     raise
 
@@ -160,27 +134,18 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
-    def _copy_cuda(self, mapping: EpochMapping, extents: Sequence[Extent], tensors: Sequence[torch.Tensor],
-                   checksum: bool) -> list[int]:
-        """Copy tensors into extents on the callers' current streams and wait for the copies: the
-        bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
-        plane = self._cuda_plane(mapping)
-        batch = plane.batch()
-        try:
-            for extent, t in zip(extents, tensors):
-                batch.put(extent.pool, extent.offset, t)
-            batch.wait()
-        except BaseException:
-            batch.wait_quietly()  # never give an extent back while a copy may still write into it
-            raise
-        if not checksum:
-            return [0] * len(extents)
-        return [plane.extent_checksum(e.pool, e.offset, t.numel() * t.element_size())
-                for e, t in zip(extents, tensors)]
-
     def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int = -1) -> None:
-        ns = self.namespace
-        reserve = 0
+        """The one put route. Place the bytes — in the message (inline-sized), in the extent the
+        daemon reserved for this client's next put, or in extents allocated for them (Alloc) —
+        then one round trip publishes them (PutInline, Publish or Commit) and brings the
+        reservation for the next put. A reserved or inline put takes the client's lock once."""
+        if not self._map.local:  # a client off the daemon's node: only puts small enough to ride inline
+            sizes = [t.numel() * t.element_size() for t in tensors.values()]
+            if max(sizes) > self.limits.inline_max_bytes:
+                self._map.require_local("a put larger than limits.inline_max_bytes", self.limits.inline_max_bytes)
+            for (key, t), nbytes in zip(tensors.items(), sizes):
+                self._put_inline(key, t, nbytes, checksum)
+            return
         if len(tensors) == 1:
             (key, t), = tensors.items()
             nbytes = t.numel() * t.element_size()
@@ -189,58 +154,134 @@ class Client(ControlClient):
                 return
             if self._put_reserved(key, t, nbytes, checksum, arena):
                 return
-            reserve = nbytes  # same-sized puts (embeddings, KV blocks) will reuse it
-        if not self._map.local:
-            self._put_unmapped(tensors, checksum)
-            return
+        self._put_allocated(tensors, checksum, arena)
+
+    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
+        if t.is_cuda:
+            t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
+        buf = bytearray(nbytes)
+        copy_into(buf, 0, t)
+        data = bytes(buf)
+        self._finish_put(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype), list(t.shape),
+                                   data, checksum_of(data) if checksum else 0), [key], [], -1)
+
+    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int) -> bool:
+        """Copy into the reservation the last put left, then Publish. False when there is no
+        usable reservation, or the daemon no longer holds it: the caller allocates."""
+        claimed = self._claim_reservation(nbytes, arena)
+        if claimed is None:
+            return False
+        extent, mapping, ring_pos = claimed
+        try:
+            if t.is_cuda or mapping.is_arena(extent.pool):
+                digest, = self._cuda_plane(mapping).copy_in([extent], [t], checksum)
+            else:
+                digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
+        except BaseException:
+            self._reservation_busy = False
+            self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
+            raise
+        item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
+        publish = Publish(next(self._ids), self.namespace, extent.generation, item, nbytes, digest)
+        return self._finish_put(publish, [key], [extent.generation], ring_pos, mapping)
+
+    def _claim_reservation(self, nbytes: int, arena: int) -> tuple[Extent, EpochMapping, int] | None:
+        """Take the reservation for this put, without the lock: list.pop is atomic, so two
+        threads never get the same one. Returns (extent, its epoch's mapping, ring position)."""
+        try:
+            extent, size, use_by, session, mapping = self._reservation.pop()
+        except IndexError:
+            return None
+        ring_pos = mapping.ring.next_seq
+        if (align_up(max(nbytes, 1)) != size or time.monotonic() > use_by or session != self._session
+                or mapping is not self._map or not mapping.fits(extent, arena)):
+            # Not usable (another size or tier, too old, another daemon run): hand it back if
+            # it is still ours, so the next Commit can reserve anew.
+            if session == self._session and mapping is self._map:
+                self._send_quietly(Abort(0, [extent.generation]))
+            return None
+        self._reservation_busy = True  # the daemon still holds it: asking for another is futile
+        return extent, mapping, ring_pos
+
+    def _put_allocated(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int) -> None:
+        """Alloc extents for the items, copy into them, Commit."""
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
         with self._lock:
             # Taken before the request: the daemon's write TTL starts later, when it allocates.
             use_by = time.monotonic() + self._safe_write_window()
-            reply: Allocated = self._call(Alloc(next(self._ids), ns, items, arena))
-            mapping, ring_pos = self._map, self._map.ring.next_seq
+            reply: Allocated = self._call(Alloc(next(self._ids), self.namespace, items, arena))
+            mapping, ring_pos = cast(EpochMapping, self._map), self._map.ring.next_seq
         extents = reply.results
         failed = next((r for r in extents if isinstance(r, Failure)), None)
         generations = [r.generation for r in extents if not isinstance(r, Failure)]
-        digests: list[int] = []
-        on_device: list[int] = []  # items whose copy runs on a GPU (after the host copies)
         try:
             if failed is not None:
                 raise error_from_code(failed.code, failed.message)
-            for i, (extent, t) in enumerate(zip(extents, tensors.values())):
-                if time.monotonic() > use_by:
-                    # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired
-                    # the write and handed the extent to another entry; copying now would
-                    # corrupt that entry, so give up as a commit of an expired write would.
-                    raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
-                                          "its bytes were copied: put again")
-                if t.is_cuda or mapping.is_arena(extent.pool):
-                    on_device.append(i)
-                    digests.append(0)
-                    continue
-                digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
-            if on_device:
-                values = list(tensors.values())
-                # connected (mapping set); the extents are not Failures (the first raised above)
-                done = self._copy_cuda(cast(EpochMapping, mapping),
-                                       cast("list[Extent]", [extents[i] for i in on_device]),
-                                       [values[i] for i in on_device], checksum)
-                for i, digest in zip(on_device, done):
-                    digests[i] = digest
+            digests = self._copy_into_extents(mapping, cast("list[Extent]", extents), list(tensors.values()),
+                                              checksum, use_by)
         except BaseException:
             if generations:
                 with contextlib.suppress(EcdError):
                     self._call(Abort(next(self._ids), generations))
             raise
+        reserve = items[0].nbytes if len(items) == 1 else 0  # same-sized puts (embeddings, KV blocks) reuse it
+        commit = Commit(next(self._ids), generations, reserve, digests if checksum else [])
+        self._finish_put(commit, list(tensors), generations, ring_pos, mapping)
+
+    def _copy_into_extents(self, mapping: EpochMapping, extents: list[Extent], tensors: list[torch.Tensor],
+                           checksum: bool, use_by: float) -> list[int]:
+        """Copy each tensor into its extent (host copies first, then those on a GPU); digests."""
+        digests: list[int] = []
+        on_device: list[int] = []  # items whose copy runs on a GPU (after the host copies)
+        for i, (extent, t) in enumerate(zip(extents, tensors)):
+            if time.monotonic() > use_by:
+                # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired the
+                # write and handed the extent to another entry; copying now would corrupt that
+                # entry, so give up as a commit of an expired write would.
+                raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                      "its bytes were copied: put again")
+            if t.is_cuda or mapping.is_arena(extent.pool):
+                on_device.append(i)
+                digests.append(0)
+                continue
+            digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
+        if on_device:
+            done = self._cuda_plane(mapping).copy_in([extents[i] for i in on_device], [tensors[i] for i in on_device],
+                                                      checksum)
+            for i, digest in zip(on_device, done):
+                digests[i] = digest
+        return digests
+
+    def _finish_put(self, request: PutInline | Publish | Commit, keys: list[str], generations: list[int],
+                    ring_pos: int, mapping: EpochMapping | None = None) -> bool:
+        """The put's last round trip, under one acquisition of the lock: ask for a reservation
+        for the next put unless this client holds one, send, keep the one that comes back and
+        the locations learnt. False when a Publish found its reservation gone or unfit (the
+        caller allocates); a failed item raises."""
         with self._lock:
-            if self._reservation is not None or self._reservation_busy:
-                reserve = 0  # the daemon keeps one reservation per client
-        committed: Committed = self._call(Commit(next(self._ids), generations, reserve,
-                                                 digests if checksum else []))
-        self._keep_reservation(committed.reservation, reserve)
-        self._raise_first(committed.results)
-        self._remember(ns, list(tensors), generations, ring_pos)
+            if isinstance(request, Publish):
+                self._reservation_busy = False  # this put claimed it; the reply says what became of it
+            if mapping is not None and mapping is not self._map:
+                # Another thread reconnected to a restarted daemon while this put copied: its
+                # extents went with the old one, and their generations may name others' there.
+                if isinstance(request, Publish):
+                    return False
+                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+            if not isinstance(request, PutInline) and (self._reservation or self._reservation_busy):
+                request.reserve = 0  # the daemon keeps one reservation per client
+            reply: Acked | Committed = self._call_locked(request)
+            if isinstance(reply, Committed):
+                self._keep_reservation(reply.reservation, request.reserve)
+            failure = next((r for r in reply.results if isinstance(r, Failure)), None)
+            if isinstance(request, PutInline):
+                self._cache.forget(key_hash(self.namespace, keys[0]))  # generation unknown: ask next time
+            elif failure is None:
+                self._remember_locked(self.namespace, keys, generations, ring_pos)
+        if failure is not None and isinstance(request, Publish) and failure.code in (Code.STALE, Code.INVALID):
+            return False  # the reservation was gone or unfit: put it the ordinary way
+        self._raise_first(reply.results)
+        return True
 
     def _safe_write_window(self) -> float:
         """How long after an Alloc (or reservation) this client may still start copying: half of
@@ -251,100 +292,26 @@ class Client(ControlClient):
             window = min(window, 1.5 * self._heartbeat_s)
         return window
 
-    def _put_unmapped(self, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
-        """A client off the daemon's node: only puts small enough to ride inline."""
-        inline_max = self.limits.inline_max_bytes
-        sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
-        if max(sizes.values()) > inline_max:
-            self._map.require_local("a put larger than limits.inline_max_bytes", inline_max)
-        for key, t in tensors.items():
-            self._put_inline(key, t, sizes[key], checksum)
-
-    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int = -1) -> bool:
-        """Copy into the reservation the last put left, then Publish: one round trip. False
-        when there is no usable reservation (the caller takes the Alloc path)."""
-        with self._lock:
-            res = self._reservation
-            if res is None:
-                return False
-            extent, size, expires, session, epoch = res
-            self._reservation = None
-            if (align_up(max(nbytes, 1)) != size or time.monotonic() > expires
-                    or session != self._session or epoch != self._map.epoch
-                    or not self._map.fits(extent, arena)):  # the last put left it in another tier
-                # Not usable: hand it back (if it is still ours) so the next Commit can reserve anew.
-                if session == self._session and epoch == self._map.epoch:
-                    self._send_quietly(Abort(0, [extent.generation]))
-                return False
-            self._reservation_busy = True
-            mapping, ring_pos = self._map, self._map.ring.next_seq
-        try:
-            try:
-                if t.is_cuda or mapping.is_arena(extent.pool):
-                    digest, = self._copy_cuda(cast(EpochMapping, mapping), [extent], [t], checksum)
-                else:
-                    digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
-                item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
-            except BaseException:
-                self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
-                raise
-            committed: Committed = self._call(Publish(next(self._ids), self.namespace, extent.generation,
-                                                      item, nbytes, digest))
-        finally:
-            with self._lock:
-                self._reservation_busy = False
-        self._keep_reservation(committed.reservation, nbytes)
-        result = committed.results[0]
-        if isinstance(result, Failure) and result.code in (Code.STALE, Code.INVALID):
-            return False  # the reservation was gone or unfit: put it the ordinary way
-        self._raise_first(committed.results)
-        self._remember(self.namespace, [key], [extent.generation], ring_pos)
-        return True
-
     def _keep_reservation(self, reservation: Extent | Failure | None, nbytes: int) -> None:
-        if not isinstance(reservation, Extent):
-            return
-        with self._lock:
+        """Under the lock, with the reply that brought it."""
+        if isinstance(reservation, Extent):
             # Use it only well inside the time the daemon gives it: after that the extent may belong
             # to someone else, and copying into it would corrupt their entry.
-            expires = time.monotonic() + self._safe_write_window()
-            self._reservation = (reservation, align_up(max(nbytes, 1)), expires, self._session,
-                                 self._map.epoch)
+            use_by = time.monotonic() + self._safe_write_window()
+            self._reservation[:] = [(reservation, align_up(max(nbytes, 1)), use_by, self._session,
+                                     cast(EpochMapping, self._map))]  # connected: set
 
-    def _remember(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
+    def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
-        was out: one of them may have been this entry's eviction, read before it was cached.
-        Then, when the ring has RING_SYNC_BACKLOG unread events (half the ring if smaller), apply
-        them: a client that only puts and gets would otherwise never read the ring."""
-        with self._lock:
-            ring = self._map.ring
-            if ring.next_seq != ring_pos:
-                return
-            cache = self._cache
-            for key, generation in zip(keys, generations):
-                cache.remember(key_hash(ns, key), ns, key, generation)
-            if self._map.local and ring.pending() >= min(RING_SYNC_BACKLOG, ring.nslots // 2):
-                events = ring.poll(RING_MAX_BACKLOG) if ring.usable(RING_SILENCE_S) else None
-                if events is None:
-                    # Too far behind (idle while others wrote), lapped, or the ring is not usable:
-                    # what is still valid cannot be told. Start again from the head, quietly: no
-                    # answer depended on it, so it is not reported as an overrun.
-                    cache.clear()
-                    ring.skip_to_head()
-                else:
-                    cache.apply(events.tolist())
-
-    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
-        if t.is_cuda:
-            t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
-        buf = bytearray(nbytes)
-        copy_into(buf, 0, t)
-        data = bytes(buf)
-        acked: Acked = self._call(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype),
-                                            list(t.shape), data, checksum_of(data) if checksum else 0))
-        self._raise_first(acked.results)
-        with self._lock:
-            self._cache.forget(key_hash(self.namespace, key))  # generation unknown: ask next time
+        was out: one of them may have been this entry's eviction, read before it was cached."""
+        ring = self._map.ring
+        if ring.next_seq != ring_pos:
+            return
+        cache = self._cache
+        for key, generation in zip(keys, generations):
+            cache.remember(key_hash(ns, key), ns, key, generation)
+        if self._map.local:
+            cache.catch_up(ring)
 
     @staticmethod
     def _raise_first(results: Sequence[Failure | None]) -> None:
@@ -362,14 +329,14 @@ class Client(ControlClient):
         with self._lock:
             self._map.require_local("get/view", self.limits.inline_max_bytes)
             ring_pos = self._map.ring.next_seq
-        with self._lock:
             # The mapping is taken with the reply, under the same lock: another thread's call could
             # otherwise reconnect to a restarted daemon in between, and this reply's locations (of
             # the old daemon's pools) would be read from the new daemon's: other entries' bytes.
-            reply: Acquired = self._call(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
+            reply: Acquired = self._call_locked(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
             session, mapping = self._session, self._map
-        found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
-        self._remember(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
+            found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
+            if mapping.ring.next_seq == ring_pos:  # else: _remember_locked would keep nothing
+                self._remember_locked(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
@@ -520,26 +487,6 @@ class Client(ControlClient):
 
     # ---- exists / pins / delete ---------------------------------------------------------
 
-    def _sync_ring(self) -> bool:
-        """Apply ring events to the location cache; True when the ring may answer negatives."""
-        ring = self._map.ring
-        # usable: the writer is alive and the header (epoch included) is as the daemon wrote it;
-        # a ring another group member scribbled over is not, until the daemon has repaired it.
-        if not ring.usable(RING_SILENCE_S):
-            self._cache.clear()
-            return False
-        if not self._cache:
-            ring.skip_to_head()
-            return True
-        corruptions = ring.corruptions
-        events = ring.poll(RING_MAX_BACKLOG)
-        if events is None:  # overrun, or events overwritten: we may have missed an eviction
-            self._cache.clear()
-            self._send_quietly(Report(0, 1))  # operators see overruns in ecd_ring_reader_overruns_total
-            return ring.corruptions == corruptions  # overwritten: ask the daemon this time
-        self._cache.apply(events.tolist())  # drops what was evicted, deleted, or replaced
-        return True
-
     # the ignore: a str is also a Sequence[str], but the implementation takes it as one key
     @overload
     def exists(self, keys: str, pin_s: float = 0.0) -> bool: ...  # type: ignore[overload-overlap]
@@ -557,8 +504,10 @@ class Client(ControlClient):
         with self._lock:
             if self._res.sock is None and not self._closed:
                 self._connect()
-            trusted = self._sync_ring()
             ring = self._map.ring
+            trusted, overrun = self._cache.sync(ring)
+            if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
+                self._send_quietly(Report(0, 1))
             answers: list[bool | None] = [None] * len(keys)
             ask: list[int] = []
             asked_hashes: list[int] = []

@@ -214,21 +214,25 @@ class ControlClient:
     def _call(self, request, wait_s: float = 0.0):
         """Round trip with reconnect: a daemon that restarted is greeted again, once."""
         with self._lock:
-            if self._closed:
-                raise EcdError("client is closed")
-            if self._res.sock is None:
-                self._connect()
+            return self._call_locked(request, wait_s)
+
+    def _call_locked(self, request, wait_s: float = 0.0):
+        """_call for a caller that holds the lock already (one acquisition for its whole step)."""
+        if self._closed:
+            raise EcdError("client is closed")
+        if self._res.sock is None:
+            self._connect()
+        reply = self._roundtrip(request, self.timeout + wait_s)
+        if isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED:
+            epoch = self._welcome.epoch
+            self._connect()
+            if isinstance(request, _NAMES_GENERATIONS) and self._welcome.epoch != epoch:
+                # Generations of the old daemon mean nothing (or something else) to the new one.
+                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
             reply = self._roundtrip(request, self.timeout + wait_s)
-            if isinstance(reply, Error) and reply.code == Code.NOT_REGISTERED:
-                epoch = self._welcome.epoch
-                self._connect()
-                if isinstance(request, _NAMES_GENERATIONS) and self._welcome.epoch != epoch:
-                    # Generations of the old daemon mean nothing (or something else) to the new one.
-                    raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
-                reply = self._roundtrip(request, self.timeout + wait_s)
-            if isinstance(reply, Error):
-                raise error_from_code(reply.code, reply.message)
-            return reply
+        if isinstance(reply, Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply
 
     def _send_quietly(self, request) -> None:
         """A fire-and-forget message (id 0) on the current socket; dropped if there is none."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +29,8 @@ import torch
 from ..errors import EcdError, InvalidRequest
 from ..integrity import EMPTY_CHECKSUM, checksum
 from ..memory.cuda import format_uuid as raw_uuid
-from ..protocol import ArenaInfo
-from .tensors import _numpy_view, dtype_name, torch_dtype
+from ..protocol import ArenaInfo, Extent
+from .tensors import _numpy_view, dtype_name, host_tensor, torch_dtype
 
 HOST = -1  # choose_tier's answer for the host pool (Alloc.arena's value for it too)
 TIERS = (None, "host", "cuda")
@@ -280,6 +280,34 @@ class CudaPlane:
 
     def batch(self) -> "CopyBatch":
         return CopyBatch(self)
+
+    def group_by_tier(self, items: Mapping[str, torch.Tensor], tier: str | None) -> dict[int, dict[str, torch.Tensor]]:
+        """A put's items by where they go: an arena's pool index, or HOST (CPU tensors always)."""
+        groups: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in items.items():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t = device_tensor(t)
+                arena = self.tier_for(t, tier)
+            else:
+                t, arena = host_tensor(t), HOST
+            groups.setdefault(arena, {})[key] = t
+        return groups
+
+    def copy_in(self, extents: Sequence[Extent], tensors: Sequence[torch.Tensor], with_checksum: bool) -> list[int]:
+        """Copy tensors into extents on the callers' current streams and wait for the copies: the
+        bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
+        batch = self.batch()
+        try:
+            for extent, t in zip(extents, tensors):
+                batch.put(extent.pool, extent.offset, t)
+            batch.wait()
+        except BaseException:
+            batch.wait_quietly()  # never give an extent back while a copy may still write into it
+            raise
+        if not with_checksum:
+            return [0] * len(extents)
+        return [self.extent_checksum(e.pool, e.offset, t.numel() * t.element_size())
+                for e, t in zip(extents, tensors)]
 
     def close(self) -> None:
         """Close the arena handles and unregister the host mappings (errors ignored: at exit the

@@ -17,6 +17,9 @@ keeps a flat footprint (before issue 12 the map only shrank through exists(): +2
 100k keys of a client that never called it). Remembering or answering from an entry makes it the
 most recent; the least recent goes when a new key would exceed the capacity.
 
+Kept current from the event ring by `sync` (before exists() answers from it) and `catch_up`
+(after a put or get, so a client that never calls exists() does not fall behind).
+
 Not thread-safe: the Client calls it under its lock. Torch-free.
 """
 from __future__ import annotations
@@ -31,6 +34,13 @@ from ..memory.ring import EventKind
 LOCATION_CACHE_ENTRIES = 8192
 
 _PUBLISHED = int(EventKind.PUBLISHED)
+
+RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
+RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
+# A put or get that finds this many unread ring events applies them to the location cache, so a
+# client that never calls exists() keeps its cached locations current (pruned of evictions)
+# instead of falling RING_MAX_BACKLOG behind and losing them all at its next exists().
+RING_SYNC_BACKLOG = 1024
 
 
 class LocationCache:
@@ -77,6 +87,40 @@ class LocationCache:
             cached = entries.get(keyhash)
             if cached is not None and (kind != _PUBLISHED or cached[2] != generation):
                 del entries[keyhash]
+
+    def sync(self, ring) -> tuple[bool, bool]:
+        """Apply the ring's unread events (a RingReader). Returns (whether the ring may answer
+        negatives now, whether this reader was overrun: to be reported to the daemon)."""
+        # usable: the writer is alive and the header (epoch included) is as the daemon wrote it;
+        # a ring another group member scribbled over is not, until the daemon has repaired it.
+        if not ring.usable(RING_SILENCE_S):
+            self.clear()
+            return False, False
+        if not self._entries:
+            ring.skip_to_head()
+            return True, False
+        corruptions = ring.corruptions
+        events = ring.poll(RING_MAX_BACKLOG)
+        if events is None:  # overrun, or events overwritten: an eviction may have been missed
+            self.clear()
+            return ring.corruptions == corruptions, True  # overwritten: ask the daemon this time
+        self.apply(events.tolist())  # drops what was evicted, deleted, or replaced
+        return True, False
+
+    def catch_up(self, ring) -> None:
+        """After a put or get: when the ring has RING_SYNC_BACKLOG unread events (half the ring
+        if smaller), apply them, so a client that only puts and gets keeps up."""
+        if ring.pending() < min(RING_SYNC_BACKLOG, ring.nslots // 2):
+            return
+        events = ring.poll(RING_MAX_BACKLOG) if ring.usable(RING_SILENCE_S) else None
+        if events is None:
+            # Too far behind (idle while others wrote), lapped, or the ring is not usable: what
+            # is still valid cannot be told. Start again from the head, quietly: no answer
+            # depended on it, so it is not reported as an overrun.
+            self.clear()
+            ring.skip_to_head()
+        else:
+            self.apply(events.tolist())
 
     def __len__(self) -> int:
         return len(self._entries)

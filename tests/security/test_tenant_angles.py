@@ -184,7 +184,7 @@ def test_reservations_do_not_hold_pool_bytes_outside_the_quota(daemon_factory):
         # An honest producer still gets its reservation while under the quota: it counts there.
         with d.client(namespace="q") as q:
             q.put("a", u8(1, 256 << 10))
-            assert q._reservation is not None and ns_used(d, "q") == 768 + (512 << 10)
+            assert q.stats()["reservations"] == 1 and ns_used(d, "q") == 768 + (512 << 10)
             q.put("b", u8(2, 256 << 10))  # through the reservation: already paid for
             assert ns_used(d, "q") == 768 + (768 << 10)  # tiny0..2, a, b and the next reservation
     finally:
@@ -618,7 +618,7 @@ def test_threaded_get_straddling_a_restart_reads_the_pools_its_answer_came_from(
     old, new = torch.full((numel,), 7, dtype=torch.int32), torch.full((numel,), 9, dtype=torch.int32)
     with daemon.client(timeout=3.0) as c:
         c.put("k", old)
-        real_call = c._call
+        real_call = c._call_locked  # the round trip under the lock (get takes it once)
         state = {}
 
         def call(request, *args):
@@ -635,10 +635,10 @@ def test_threaded_get_straddling_a_restart_reads_the_pools_its_answer_came_from(
                 state["thread"] = b
             return reply
 
-        c._call = call
+        c._call_locked = call
         got = c.get("k")
         state["thread"].join(10.0)
-        c._call = real_call
+        c._call_locked = real_call
         assert torch.equal(got, old), f"read {got[:4].tolist()}: bytes of the new daemon's entry"
         assert c.exists("k") is False  # the new daemon does not have it; the client reconnected
         assert torch.equal(c.get("other"), new)

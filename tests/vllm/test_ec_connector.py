@@ -142,15 +142,15 @@ def pins(daemon, key: str) -> int:
 
 @pytest.fixture
 def round_trips(monkeypatch):
-    """Counts daemon round trips by request type (every Client request goes through _call)."""
+    """Counts daemon round trips by request type (every Client request goes through _call_locked)."""
     seen: list[str] = []
-    original = Client._call
+    original = Client._call_locked
 
     def counting(self, request, *args, **kwargs):
         seen.append(type(request).__name__)
         return original(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(Client, "_call", counting)
+    monkeypatch.setattr(Client, "_call_locked", counting)
     return seen
 
 
