@@ -26,8 +26,8 @@ class Entry:
     ns: str
     key: str
     keyhash: int
-    dtype: str
-    shape: list[int]
+    dtype: str  # interned, as is ns: one string per distinct value, not one per entry
+    shape: tuple[int, ...]  # shared by the entries of one shape (Store._shared_shape)
     nbytes: int
     pool: int
     offset: int
@@ -36,12 +36,12 @@ class Entry:
     readers: int = 0
     pins: int = 0
     last_access: float = 0.0
-    write_deadline: float = 0.0
+    write_deadline: float = 0.0  # while WRITING (0.0 after: one float object fewer per entry)
     published_at: float = 0.0
     checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
 
     def location(self) -> Location:
-        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, self.shape,
+        return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, list(self.shape),
                         self.checksum)
 
 

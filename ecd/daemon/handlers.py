@@ -115,7 +115,7 @@ class Handlers:
             size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
             if page and size > LISTING_REPLY_BYTES:
                 break
-            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, e.shape, now - e.published_at,
+            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                                 now - e.last_access, e.readers, e.pins))
         return KeyList(rid, total, page, more=len(entries) > len(page))
 

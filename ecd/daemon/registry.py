@@ -4,7 +4,7 @@ each mixin is checked against it (mypy) and a reader of a mixin sees what it may
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import EventKind, RingWriter
@@ -54,6 +54,7 @@ class RegistryState:
     def _free(self, entry: Entry) -> None: raise NotImplementedError
     def _uncharge(self, ns: str, nbytes: int) -> None: raise NotImplementedError
     def _take_generation(self) -> int: raise NotImplementedError
+    def _shared_shape(self, shape: Sequence[int]) -> tuple[int, ...]: raise NotImplementedError
     def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
         raise NotImplementedError
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:

@@ -15,6 +15,8 @@ reservation goes with its process), or with its session. Counted by outcome in
 `reserved_bytes` (ecd_reserved_bytes). Mixed into Store."""
 from __future__ import annotations
 
+import sys
+
 from ..errors import Code
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
@@ -86,8 +88,9 @@ class Reservations(RegistryState):
         if ns != reservation.ns:
             self._uncharge(reservation.ns, reservation.size)
             self.ns_used[ns] = self.ns_used.get(ns, 0) + reservation.size
-        entry = Entry(generation, ns, item.key, key_hash(ns, item.key), item.dtype, list(item.shape),
-                      item.nbytes, reservation.pool, reservation.offset, owner=session,
+        ns = sys.intern(ns)
+        entry = Entry(generation, ns, item.key, key_hash(ns, item.key), sys.intern(item.dtype),
+                      self._shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
                       last_access=self.clock(), write_deadline=reservation.deadline)
         self.by_generation[generation] = entry
         session.writes[generation] = entry

@@ -28,8 +28,9 @@ rides on). Namespace quotas and guaranteed shares count an entry's bytes whateve
 from __future__ import annotations
 
 import collections
+import sys
 import time
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
@@ -41,6 +42,9 @@ from .operator import OperatorRequests
 from .placement import Placement
 from .reservations import Reservations
 from .waiting import Waiting
+
+
+SHARED_SHAPES = 4096  # distinct shapes whose tuple entries share (_shared_shape)
 
 
 class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
@@ -65,6 +69,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         self.by_generation: dict[int, Entry] = {}  # every entry that holds an extent
         self.reservations: dict[int, Reservation] = {}  # by generation (reservations.py)
         self.reserved_bytes = 0
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.evictable: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
         self.evictable_bytes = [0] * len(self.allocators)  # per pool, kept with `evictable`
         self.waiters: dict[tuple[str, str], set[Waiter]] = {}
@@ -223,7 +228,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes, pools))
-        entry = self._new_write(session, placed, ns, item.key, item.dtype, list(item.shape), item.nbytes)
+        entry = self._new_write(session, placed, ns, item.key, item.dtype, item.shape, item.nbytes)
         return Extent(entry.generation, entry.pool, entry.offset)
 
     def _take_generation(self) -> int:
@@ -231,11 +236,25 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         self._next_generation += 1
         return generation
 
+    def _shared_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """One tuple per distinct shape, shared by its entries (a list per entry cost 72 bytes;
+        KV blocks and embeddings come in a few shapes). Bounded: clients choose shapes."""
+        shape = tuple(shape)
+        shared = self._shapes.get(shape)
+        if shared is not None:
+            return shared
+        if len(self._shapes) < SHARED_SHAPES:
+            self._shapes[shape] = shape
+        return shape
+
     def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
-                   shape: list[int], nbytes: int) -> Entry:
+                   shape: Sequence[int], nbytes: int) -> Entry:
         generation = self._take_generation()
         now = self.clock()
-        entry = Entry(generation, ns, key, key_hash(ns, key), dtype, shape, nbytes,
+        # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
+        # interned string nothing refers to, so client-chosen names cannot pile up).
+        ns, dtype = sys.intern(ns), sys.intern(dtype)
+        entry = Entry(generation, ns, key, key_hash(ns, key), dtype, self._shared_shape(shape), nbytes,
                       placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry
@@ -266,6 +285,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
+        entry.write_deadline = 0.0
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = self.clock()
         old = self.index.get((entry.ns, entry.key))
