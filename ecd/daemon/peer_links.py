@@ -39,6 +39,9 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
                      | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
+REFUSED_RETRY_S = 1.0  # a refused link tries a fresh handshake this often, at most
+
+
 class PeerUnavailable(Exception):
     """No answer from a peer in time, or it refused us; `reason` labels the metrics."""
 
@@ -63,22 +66,44 @@ class PeerLink:
         self._welcomed = False
         self._hello_lock = asyncio.Lock()
         self._decoder = peer_reply_decoder()
+        self._server_key = server_key
+        if cluster.curve is not None and server_key is None:
+            raise RequestError(Code.INVALID, f"no CURVE public key for peer {endpoint}: add it to "
+                                             "cluster.peer_keys")
+        self.refused_at = 0.0
+        self._io_tasks: list[asyncio.Task] = []
+        self._open()
+        self._tasks = [cluster.d.loop.create_task(self._ping_every(float(cluster.config.peer_ttl) / 3))]
+
+    def _open(self) -> None:
+        """A fresh DEALER (and its reader and handshake watcher). After a refused handshake
+        libzmq would retry the same one forever: the link opens a new socket instead, at most
+        once per REFUSED_RETRY_S, so a key allowed later (SIGHUP at the peer) is picked up."""
+        cluster = self.cluster
         sock = cluster.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if cluster.curve is not None:
-            if server_key is None:
-                raise RequestError(Code.INVALID, f"no CURVE public key for peer {endpoint}: add it to "
-                                                 "cluster.peer_keys")
             sock.curve_publickey, sock.curve_secretkey = cluster.curve.public, cluster.curve.secret
-            sock.curve_serverkey = server_key
+            sock.curve_serverkey = self._server_key
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        sock.connect(endpoint)
+        sock.connect(self.endpoint)
         self.sock = sock
+        self.refused = None
+        self._welcomed = False
         loop = cluster.d.loop
-        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch_handshakes()),
-                       loop.create_task(self._ping_every(float(cluster.config.peer_ttl) / 3))]
+        self._io_tasks = [loop.create_task(self._read()), loop.create_task(self._watch_handshakes())]
+
+    def _close_socket(self) -> None:
+        for task in self._io_tasks:
+            task.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self.sock.close(0)
 
     @property
     def label(self) -> str:
@@ -108,6 +133,7 @@ class PeerLink:
             if self.state != "refused":
                 log.warning("peer %s: %s", self.endpoint, self.refused)
             self.state = "refused"
+            self.refused_at = time.monotonic()
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}"))
@@ -159,6 +185,9 @@ class PeerLink:
             self._welcomed = True
 
     async def _roundtrip(self, message: Any, deadline: float) -> Any:
+        if self.refused is not None and time.monotonic() - self.refused_at >= REFUSED_RETRY_S:
+            self._close_socket()
+            self._open()
         if self.refused is not None:
             raise PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}")
         rid = next(self._ids)
@@ -171,6 +200,9 @@ class PeerLink:
                 reply = await future
         except TimeoutError:
             self._pending.pop(rid, None)
+            if self.refused is not None:  # the send waited for a connection the peer refused
+                self.state = "refused"
+                raise PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}") from None
             if self.state != "down":
                 log.warning("peer %s did not answer within the timeout: marked down", self.endpoint)
             self.state = "down"
@@ -187,12 +219,7 @@ class PeerLink:
             if not future.done():
                 future.set_exception(PeerUnavailable("shutdown", "the peer link was closed"))
         self._pending.clear()
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(0)
-        self.sock.close(0)
+        self._close_socket()
 
 
 class PeerLinks:
