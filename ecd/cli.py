@@ -209,6 +209,10 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> d
         "evictions": last["evictions"], "reclaimed_sessions": last["reclaimed_sessions"],
         "expired_writes": last["expired_writes"], "ring_events": last["ring_events"],
         "ops_per_s": ops_per_s, "interval_s": elapsed, "ops": last["ops"], "errors": last["errors"],
+        "cluster": {"listen": last.get("cluster_listen", ""), "peers": last.get("peers", []),
+                    "transfer_leases": last.get("transfer_leases", 0),
+                    "fetches_in_flight": last.get("fetches_in_flight", 0),
+                    "fetch_failures": last.get("fetch_failures", {})},
     }
 
 

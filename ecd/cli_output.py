@@ -116,6 +116,26 @@ def render_status(doc: dict, console: Console) -> None:
     pools.add_row("total", human_size(doc["used_bytes"]), human_size(doc["capacity_bytes"]),
                   f"{doc['used_pct']:.1f}%", style="bold")
     console.print(pools)
+    render_peers(doc.get("cluster") or {}, console)
+
+
+def render_peers(cluster: dict, console: Console) -> None:
+    """The peer plane's part of `ecd status` (nothing without [cluster])."""
+    if not cluster.get("listen"):
+        return
+    failures = ", ".join(f"{k}={v}" for k, v in sorted(cluster["fetch_failures"].items())) or "none"
+    console.print(f"peer plane on {cluster['listen']}: {cluster['transfer_leases']} transfer leases, "
+                  f"{cluster['fetches_in_flight']} keys being fetched, failures: {failures}")
+    peers = Table(title="peers", title_justify="left", show_edge=False)
+    for name in ("endpoint", "node", "state"):
+        peers.add_column(name)
+    for name in ("fetched", "served", "failures"):
+        peers.add_column(name, justify="right")
+    for p in cluster["peers"]:
+        peers.add_row(p["endpoint"] + ("" if p["configured"] else " (named)"), p["node"] or "?", p["state"],
+                      f"{p['fetched_entries']} ({human_size(p['fetched_bytes'])})",
+                      f"{p['served_entries']} ({human_size(p['served_bytes'])})", str(p["failures"]))
+    console.print(peers)
 
 
 # ---- keys --------------------------------------------------------------------------------

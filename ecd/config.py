@@ -266,6 +266,90 @@ class MetricsSection(_Section):
         return host.strip("[]"), int(port)
 
 
+_TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>\d{1,5})")
+
+
+def split_tcp_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of "tcp://HOST:PORT" (IPv6 in brackets), or None when it is not one."""
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    if match is None or int(match.group("port")) > 65535:
+        return None
+    return match.group("host").strip("[]"), int(match.group("port"))
+
+
+class ClusterSection(_Section):
+    """`[cluster]`: the peer plane, through which daemons fetch entries from each other.
+
+    Control (who holds what, transfer leases, one-time data tokens) is ZeroMQ on `listen`; the
+    bytes go over `transport` on `data_listen`. Off while `listen` is ""."""
+
+    listen: str = ""  # tcp://HOST:PORT of this node's peer control socket ("": no peer plane)
+    # tcp://HOST:PORT of the bulk data listener; "": listen's host and its port + 1 (port 0 when
+    # listen's is 0: a free one, announced to peers in the handshake)
+    data_listen: str = ""
+    peers: list[str] = msgspec.field(default_factory=list)  # other nodes' `listen` endpoints
+    transport: str = "tcp"
+    # CURVE, as in [control]: this node's key pair (it is both server and client of its peers),
+    # the directory of the peers' public keys it admits (*.key, re-read on SIGHUP), and the
+    # public key of each peer it connects to (a key file or the Z85 text), by endpoint.
+    curve_secret_key: str = ""
+    curve_allowed_keys: str = ""
+    peer_keys: dict[str, str] = msgspec.field(default_factory=dict)
+    insecure: bool = False  # allow a non-loopback listen without CURVE
+    transfer_ttl: Duration = Duration(60.0)  # longest an owner holds entries leased for a transfer
+    fetch_timeout: Duration = Duration(30.0)  # a fetch's default (and longest) time
+    request_timeout: Duration = Duration(5.0)  # one control round trip to a peer
+    # A peer silent this long is "down", and (as owner) its leases are given back; the puller
+    # pings every third of it.
+    peer_ttl: Duration = Duration(10.0)
+    max_inflight: int = 4  # transfers at once, each way (threads)
+    max_peers: int = 64  # peers known at once (configured and named by fetches)
+
+    def __post_init__(self) -> None:
+        if self.listen:
+            _check(split_tcp_endpoint(self.listen) is not None, "listen",
+                   f"must be tcp://HOST:PORT, got {self.listen!r}")
+        if self.data_listen:
+            _check(split_tcp_endpoint(self.data_listen) is not None, "data_listen",
+                   f"must be tcp://HOST:PORT, got {self.data_listen!r}")
+        for peer in self.peers:
+            where = split_tcp_endpoint(peer)
+            _check(where is not None and where[1] > 0, "peers",
+                   f"each must be tcp://HOST:PORT with a port > 0, got {peer!r}")
+        _check(len(set(self.peers)) == len(self.peers), "peers", f"lists a peer twice: {self.peers!r}")
+        _check(self.transport in ("tcp", "nixl"), "transport", f"must be \"tcp\", got {self.transport!r}")
+        _check(self.transport != "nixl", "transport",
+               "\"nixl\" is not built yet (issue 14): use \"tcp\"")
+        _check(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
+               "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
+               "curve_secret_key and curve_allowed_keys must be set together")
+        for endpoint in self.peer_keys:
+            _check(split_tcp_endpoint(endpoint) is not None, "peer_keys",
+                   f"keys must be tcp://HOST:PORT endpoints, got {endpoint!r}")
+        if self.curve:
+            missing = [p for p in self.peers if p not in self.peer_keys]
+            _check(not missing, "peer_keys", f"no public key for peer {', '.join(missing)} (CURVE is on: "
+                                             "each peer needs one)")
+        for key, value in (("transfer_ttl", self.transfer_ttl), ("fetch_timeout", self.fetch_timeout),
+                           ("request_timeout", self.request_timeout), ("peer_ttl", self.peer_ttl)):
+            _check(0 < value <= 3600, key, f"must be between 0 and 1 hour, got {float(value)}")
+        _check(1 <= self.max_inflight <= 256, "max_inflight", f"must be between 1 and 256, got {self.max_inflight}")
+        _check(1 <= self.max_peers <= 4096, "max_peers", f"must be between 1 and 4096, got {self.max_peers}")
+        if self.listen and not self.data_listen:
+            host, port = split_tcp_endpoint(self.listen)  # type: ignore[misc]
+            host = f"[{host}]" if ":" in host else host
+            self.data_listen = f"tcp://{host}:{port + 1 if port else 0}"
+            _check(port < 65535, "data_listen", "listen's port is 65535: give data_listen explicitly")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen)
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_secret_key)
+
+
 class NamespaceSection(_Section):
     """`[namespaces.NAME]`: per-tenant policy for the keys of one namespace."""
 
@@ -296,6 +380,7 @@ class Config(_Section):
     leases: LeasesSection = msgspec.field(default_factory=LeasesSection)
     limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
     namespaces: dict[str, NamespaceSection] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -338,6 +423,18 @@ def check_control_policy(config: Config) -> None:
         raise ConfigError(f"control.endpoint: {control.endpoint} is not a loopback address: set "
                           "control.curve_secret_key and control.curve_allowed_keys, or "
                           "control.insecure = true to serve it without authentication")
+
+
+def check_cluster_policy(config: Config) -> None:
+    """Start-time rule for the peer plane, as for control: a `cluster.listen` reachable from the
+    network needs CURVE (peers authenticate each other both ways), or `insecure = true`."""
+    cluster = config.cluster
+    if cluster.enabled and not endpoint_is_loopback(cluster.listen) and not cluster.curve and not cluster.insecure:
+        raise ConfigError(f"cluster.listen: {cluster.listen} is not a loopback address: set "
+                          "cluster.curve_secret_key and cluster.curve_allowed_keys (CURVE), or "
+                          "cluster.insecure = true to serve peers without authentication")
+    if cluster.peers and not cluster.enabled:
+        raise ConfigError("cluster.peers: set cluster.listen too (peers answer on it)")
 
 
 _PATH_IN_MESSAGE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -412,6 +509,8 @@ def dumps_toml(config: Config) -> str:
         if scalars:
             lines.append(f"[{prefix}]")
             for key, value in scalars.items():
+                if not re.fullmatch(r"[A-Za-z0-9_-]+", key):  # e.g. cluster.peer_keys' endpoints
+                    key = json.dumps(key, ensure_ascii=False)
                 if isinstance(value, (str, list)):  # JSON strings and arrays of them are TOML too
                     lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
                 elif isinstance(value, bool):

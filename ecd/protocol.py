@@ -119,6 +119,19 @@ class Failure(_Msg, tag="failure"):
     message: str
 
 
+class PeerState(Struct):
+    """One peer of the peer plane ([cluster]), as `ecd status` shows it."""
+    endpoint: str
+    node: str  # "" until its handshake answered
+    state: str  # "up" (answered its last ping), "down", "connecting"
+    configured: bool  # in cluster.peers (else named by a fetch)
+    fetched_entries: int = 0
+    fetched_bytes: int = 0
+    served_entries: int = 0  # to this peer (matched by node name)
+    served_bytes: int = 0
+    failures: int = 0  # fetches from it that failed
+
+
 class DaemonStats(Struct):
     node: str
     epoch: int
@@ -145,6 +158,12 @@ class DaemonStats(Struct):
     ops: dict[str, int]
     errors: dict[str, int]
     integrity_failures: int = 0  # reads clients reported as not matching the stored checksum
+    # The peer plane ([cluster]); empty and 0 without it.
+    cluster_listen: str = ""
+    peers: list[PeerState] = []
+    transfer_leases: int = 0  # entries this node holds leased for peers' fetches
+    fetches_in_flight: int = 0  # keys this node is pulling from peers now
+    fetch_failures: dict[str, int] = {}  # by reason
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -281,12 +300,25 @@ class Report(_Msg, tag="report"):
     integrity_failures: Annotated[int, Meta(ge=0, le=2**31)] = 0  # reads that failed verification
 
 
+class Fetch(_Msg, tag="fetch"):
+    """Make these keys local: pull the absent ones from a peer daemon ([cluster]). `peer`: a
+    peer's endpoint (tcp://HOST:PORT) or node name; "" asks the configured peers, first holder
+    wins. Answered with `flags`: per key, whether it is local now (already local counts). The
+    daemon answers within timeout_s (0: cluster.fetch_timeout)."""
+
+    id: int
+    ns: str
+    keys: list[str]
+    peer: str = ""
+    timeout_s: Seconds = 0.0
+
+
 class Bye(_Msg, tag="bye"):
     id: int  # never answered; the daemon reclaims the session at once
 
 
 Request = Union[Hello, Ping, Alloc, Commit, Publish, Abort, PutInline, Acquire, Release, Exists, Unpin,
-                Delete, Stats, Keys, Evict, Held, Report, Bye]
+                Delete, Stats, Keys, Evict, Held, Report, Bye, Fetch]
 
 
 # ---- replies --------------------------------------------------------------------------------

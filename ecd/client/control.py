@@ -33,7 +33,7 @@ import zmq
 from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, LimitExceeded,
                       ProtocolError, StaleGeneration, error_from_code)
 from ..protocol import (PROTOCOL_VERSION, Abort, Acquire, Bye, Commit, Delete, Error, Evict, Evicted, Exists,
-                        Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
+                        Fetch, Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
                         StatsReply, Unpin, Welcome, encoder, reply_decoder)
 from .. import protocol
 from .connection import HANDSHAKE_EVENTS, Resources, curve_keys, heartbeat
@@ -44,6 +44,9 @@ _REQUESTS = typing.get_args(protocol.Request)
 # The client's own business, never sent through request(): the session (Hello, Bye) and the
 # counters it reports (Report, which the daemon never answers).
 _NOT_REQUESTABLE = (Hello, Bye, Report)
+# A fetch's default timeout (the daemon's cluster.fetch_timeout default): the round trip waits for
+# it plus the client's own timeout.
+FETCH_DEFAULT_TIMEOUT_S = 30.0
 _Self = typing.TypeVar("_Self", bound="ControlClient")  # `with Client(...) as c`: c is a Client
 
 
@@ -267,6 +270,8 @@ class ControlClient:
         wait_s = 0.0
         if isinstance(message, Acquire):  # the daemon answers when the wait is over, at the latest
             wait_s = min(message.wait_s, self.limits.max_wait_s)
+        elif isinstance(message, Fetch):
+            wait_s = message.timeout_s or FETCH_DEFAULT_TIMEOUT_S
         return self._call(msgspec.structs.replace(message, id=next(self._ids)), wait_s)
 
     @property
@@ -311,6 +316,35 @@ class ControlClient:
 
     def _forget(self, ns: str, keys: list[str]) -> None:
         """Drop what this client knows of these entries (deleted): a control client knows nothing."""
+
+    # ---- the peer plane ----------------------------------------------------------------
+
+    def fetch(self, keys: str | Sequence[str], peer: str | None = None,
+              timeout: float = FETCH_DEFAULT_TIMEOUT_S) -> bool | list[bool]:
+        """Make keys local: the local daemon pulls the absent ones from a peer daemon ([cluster]
+        in its node.toml) and answers which keys are local now (one already local counts).
+
+        `peer`: a peer's endpoint ("tcp://HOST:PORT") or node name; None asks the daemon's
+        configured peers, first holder wins. `timeout` bounds the whole fetch (the daemon caps it
+        at its cluster.fetch_timeout); a key not fetched by then is False. DaemonUnavailable when the
+        local daemon does not answer within timeout plus this client's own timeout;
+        InvalidRequest for a daemon without a peer plane or a peer it does not know."""
+        keys, single = _key_list(keys)
+        _check_encodable("key", keys)
+        if peer is not None and not isinstance(peer, str):
+            raise InvalidRequest(f"peer must be an endpoint or a node name, got {type(peer).__name__}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if len(keys) > self.limits.max_batch:
+            raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
+        reply: Flags = self._call(Fetch(next(self._ids), self.namespace, keys, peer or "", float(timeout)),
+                                  float(timeout))
+        values = list(reply.values)
+        self._fetched(self.namespace, [k for k, v in zip(keys, values) if v])
+        return values[0] if single else values
+
+    def _fetched(self, ns: str, keys: list[str]) -> None:
+        """These keys are local now: a control client caches nothing about them."""
 
     # ---- operators ----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from ..errors import Code
-from ..protocol import (Alloc, Bye, Error, Hello, Ping, Publish, PutInline, Release, Report, encoder,
+from ..protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInline, Release, Report, encoder,
                         request_decoder, salvage_request_id)
 from .connections import Connection
 from .entries import RequestError
@@ -176,7 +176,7 @@ class ControlLoop:
                                         "unknown client: say Hello first (the daemon may have restarted)")
             if not session.watched:
                 session.last_seen = time.monotonic()
-            if self.d.state == "draining" and isinstance(request, (Alloc, PutInline, Publish)):
+            if self.d.state == "draining" and isinstance(request, (Alloc, PutInline, Publish, Fetch)):
                 return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
                                         "daemon is shutting down: no new writes")
             refused = self.d.store.quota_refused

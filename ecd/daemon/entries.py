@@ -87,6 +87,7 @@ class Session:
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
     parked_keys: int = 0  # keys named by `waiters` (what their memory grows with)
+    fetching: int = 0  # Fetch requests of this client in progress (it waits on the daemon: not silent)
     closed: bool = False
 
 

@@ -11,7 +11,7 @@ from .. import __version__
 from ..errors import Code
 from ..integrity import checksum as checksum_of, describe
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
-                        Committed, DaemonStats, Delete, Evict, Evicted, Exists, Failure, Flags, Held, Hello,
+                        Committed, DaemonStats, Delete, Evict, Evicted, Exists, Failure, Fetch, Flags, Held, Hello,
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
@@ -92,6 +92,8 @@ class Handlers:
             case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
                 evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force)
                 return Evicted(rid, evicted, refused, missing, draining)
+            case Fetch(id=rid, ns=ns, keys=keys, peer=peer, timeout_s=timeout_s):
+                return self.fetch(identity, session, rid, ns, keys, peer, timeout_s)
             case Held(id=rid, generations=generations):
                 return Flags(rid, store.held(generations))
             case Report(ring_overruns=overruns, integrity_failures=corrupt):
@@ -103,6 +105,28 @@ class Handlers:
                                 "y" if corrupt == 1 else "ies")
                 return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
+
+    def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
+              timeout_s: float) -> None:
+        """Answered when the peer plane is done (cluster.py), within the fetch's timeout."""
+        cluster = self.d.cluster
+        if cluster is None:
+            raise RequestError(Code.INVALID, "this daemon has no peer plane ([cluster] listen is not set)")
+        task = cluster.fetch(ns, keys, peer, timeout_s)  # RequestError now for a bad peer
+        session.fetching += 1
+
+        def done(task) -> None:
+            session.fetching -= 1
+            if rid == 0:
+                return
+            if task.cancelled():
+                self.reply_error(identity, rid, Code.SHUTTING_DOWN, "daemon is shutting down")
+            elif task.exception() is not None:
+                log.error("fetch failed: %r", task.exception())
+                self.reply_error(identity, rid, Code.INTERNAL, f"fetch failed: {task.exception()!r}")
+            else:
+                self.send(identity, Flags(rid, task.result()))
+        task.add_done_callback(done)
 
     def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:
         """One page of `ecd keys`, at most LISTING_REPLY_BYTES encoded: a listing of a big index
@@ -171,11 +195,22 @@ def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
         capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
         entries_ready=states[State.READY], entries_writing=store.writes_in_progress(),
         reservations=reservations, reserved_bytes=reserved_bytes,
-        entries_retired=states[State.RETIRED], clients=store.sessions, read_leases=leases,
+        entries_retired=states[State.RETIRED], read_leases=leases,
         pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
-        integrity_failures=sum(counters.integrity_failures.values()))
+        integrity_failures=sum(counters.integrity_failures.values()), **cluster_stats(d))
+
+
+def cluster_stats(d: "DaemonView") -> dict[str, Any]:
+    """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
+    peer plane's internal sessions."""
+    cluster = d.cluster
+    if cluster is None:
+        return {"clients": d.store.sessions}
+    return {"clients": d.store.sessions - cluster.internal_sessions, "cluster_listen": cluster.listen,
+            "peers": cluster.peer_states(), "transfer_leases": cluster.transfer_leases(),
+            "fetches_in_flight": cluster.fetches_in_flight(), "fetch_failures": dict(cluster.stats.failures)}
 
 
 def error_counts(d: "DaemonView", counters: "ServeCounters") -> dict[str, int]:

@@ -203,7 +203,10 @@ class DaemonCollector:
                 shed.add_metric([reason], http.shed[reason])
             yield shed
 
-        yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions)
+        internal = d.cluster.internal_sessions if d.cluster is not None else 0
+        yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
+        if d.cluster is not None:
+            yield from peer_metrics(d.cluster)
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
@@ -224,6 +227,40 @@ class DaemonCollector:
         info = InfoMetricFamily("ecd_build", "ecd build information")
         info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
         yield info
+
+
+def peer_metrics(cluster) -> Iterator:
+    """The peer plane ([cluster]): bytes and entries fetched and served by peer, fetch latency,
+    peers up, transfer leases, failures by reason."""
+    stats = cluster.stats
+    for name, table, what in (("ecd_peer_fetched", stats.fetched_by, "pulled from"),
+                              ("ecd_peer_served", stats.served_by, "sent to")):
+        entries = CounterMetricFamily(f"{name}_entries", f"Entries {what} a peer daemon, by its node name",
+                                      labels=["peer"])
+        nbytes = CounterMetricFamily(f"{name}_bytes", f"Bytes of entries {what} a peer daemon, by its node name",
+                                     labels=["peer"])
+        for peer, (n, b) in sorted(table.items()):
+            entries.add_metric([peer], n)
+            nbytes.add_metric([peer], b)
+        yield entries
+        yield nbytes
+    latency = HistogramMetricFamily("ecd_fetch_duration_seconds", "Time a fetch that pulled from peers took, "
+                                    "lookup to commit")
+    latency.add_metric([], stats.fetch_latency.buckets(), stats.fetch_latency.sum)
+    yield latency
+    up = GaugeMetricFamily("ecd_peer_up", "1 when the peer answered its last ping (or request), else 0",
+                           labels=["peer", "endpoint"])
+    for state in cluster.peer_states():
+        up.add_metric([state.node or state.endpoint, state.endpoint], 1 if state.state == "up" else 0)
+    yield up
+    yield GaugeMetricFamily("ecd_transfer_leases", "Entries held leased for peers' fetches",
+                            value=cluster.transfer_leases())
+    failures = CounterMetricFamily("ecd_transfer_failures", "Fetches (and, serve_*, sends to peers) that "
+                                   "failed, by reason", labels=["reason"])
+    from .cluster import FAILURE_REASONS
+    for reason in sorted(set(FAILURE_REASONS) | set(stats.failures)):
+        failures.add_metric([reason], stats.failures.get(reason, 0))
+    yield failures
 
 
 def make_registry(daemon: "DaemonView") -> CollectorRegistry:

@@ -10,7 +10,9 @@ An invalid file is logged and nothing changes. The directory of allowed CURVE cl
 (control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
 clients' heartbeat interval when they next say hello. limits.max_connections and
 client_queue_bytes apply at once (the request-side part of client_queue_bytes, ZMQ_RCVHWM, to
-connections made after it).
+connections made after it). `[cluster]`: `peers` and `peer_keys` apply at once (links to peers no
+longer listed close; the allowed peer keys, cluster.curve_allowed_keys, are re-read); the rest of
+[cluster] needs a restart.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ log = logging.getLogger("ecd.daemon")
 
 RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace"}
 RUNTIME_SECTIONS = {"leases", "limits", "namespaces"}
+RUNTIME_PREFIXES = ("cluster.peers", "cluster.peer_keys.")
 
 
 def _flatten(table: dict, prefix: str = "") -> dict[str, object]:
@@ -57,6 +60,8 @@ def reload_config(daemon: "DaemonView") -> None:
     if daemon.curve is not None:
         daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
     if daemon.config_path is None:
+        if daemon.cluster is not None and daemon.cluster.curve is not None:
+            daemon.cluster.curve.reload()
         log.warning("SIGHUP: no config file to reload")
         return
     try:
@@ -67,9 +72,11 @@ def reload_config(daemon: "DaemonView") -> None:
     old_flat, new_flat = _flatten(daemon.config.to_dict()), _flatten(new.to_dict())
     # both ways: a [namespaces.NAME] table can be removed
     changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
-    applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS)
-               and not k.endswith(".verify")]
+    applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS
+                                      or k.startswith(RUNTIME_PREFIXES)) and not k.endswith(".verify")]
     refused = [k for k in changed if k not in applied]
+    if daemon.cluster is not None and (daemon.config.cluster.enabled == new.cluster.enabled):
+        daemon.cluster.reload(new.cluster)  # peers and peer keys; the allowed peer keys re-read
     if not changed:
         log.info("SIGHUP: config unchanged")
         return
@@ -77,6 +84,7 @@ def reload_config(daemon: "DaemonView") -> None:
     new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
     new.control, new.pool, new.ring, new.metrics = (daemon.config.control, daemon.config.pool,
                                                     daemon.config.ring, daemon.config.metrics)
+    new.cluster = daemon.config.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(daemon.config.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:

@@ -1,4 +1,5 @@
-"""Who may reach the daemon: the group its local files belong to, and CURVE for the control socket.
+"""Who may reach the daemon: the group its local files belong to, and CURVE for the control socket
+and for the peer plane (`[cluster]`, the same key handling: one CurveAuth per ZMQ context).
 
 Local: the runtime dir (0770), the ipc socket (0660) and every /dev/shm file (0660) belong to
 `node.group`, so engines join that group and nobody else gets in. Remote: with
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ..config import Config, check_control_policy
-from ..curve import load_allowed_keys, load_keyfile
+from ..config import Config, check_cluster_policy, check_control_policy
+from ..curve import load_allowed_keys, load_keyfile, load_public_key
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,15 +48,40 @@ def check_security(config: Config) -> tuple[int, "CurveAuth | None"]:
     key files and the group. Returns (gid, the loaded CurveAuth or None); raises ConfigError
     naming the key. `ecd serve` keeps both; `ecd check-config` only checks."""
     check_control_policy(config)
+    check_cluster_policy(config)
     curve = CurveAuth.load(config) if config.control.curve else None
+    cluster_curve(config)  # the peer plane's keys: the daemon loads them again when it starts it
     return resolve_group(config.node.group), curve
+
+
+def cluster_curve(config: Config) -> "tuple[CurveAuth, dict[str, bytes]] | None":
+    """`[cluster]` CURVE: this node's key pair and admitted peers (a CurveAuth), and each
+    configured peer's public key by endpoint; None without CURVE. ConfigError naming the key."""
+    cluster = config.cluster
+    if not cluster.enabled or not cluster.curve:
+        return None
+    auth = CurveAuth.from_files(cluster.curve_secret_key, cluster.curve_allowed_keys, "cluster")
+    return auth, load_peer_keys(cluster.peer_keys)
+
+
+def load_peer_keys(peer_keys: dict[str, str]) -> dict[str, bytes]:
+    """cluster.peer_keys: endpoint -> the peer's Z85 public key (from a key file or the text)."""
+    keys = {}
+    for endpoint, value in peer_keys.items():
+        try:
+            keys[endpoint] = load_public_key(value)
+        except ValueError as exc:
+            raise ConfigError(f"cluster.peer_keys: {endpoint}: {exc}") from None
+    return keys
 
 
 class CurveAuth:
     """The server key pair and the allowed client keys, and the ZAP handler that consults them."""
 
-    def __init__(self, public: bytes, secret: bytes, allowed: frozenset[bytes], directory: str) -> None:
+    def __init__(self, public: bytes, secret: bytes, allowed: frozenset[bytes], directory: str,
+                 section: str = "control") -> None:
         self.public, self.secret = public, secret
+        self.section = section  # the config section the keys come from, named in messages
         self.allowed = allowed  # replaced whole on reload: the ZAP thread reads it without a lock
         self.directory = directory
         self.rejected = 0  # handshakes refused (read by stats; written only by the ZAP thread)
@@ -65,16 +91,19 @@ class CurveAuth:
 
     @classmethod
     def load(cls, config: Config) -> "CurveAuth":
-        control = config.control
+        return cls.from_files(config.control.curve_secret_key, config.control.curve_allowed_keys, "control")
+
+    @classmethod
+    def from_files(cls, secret_key: str, allowed_keys: str, section: str) -> "CurveAuth":
         try:
-            public, secret = load_keyfile(control.curve_secret_key, need_secret=True)
+            public, secret = load_keyfile(secret_key, need_secret=True)
         except ValueError as exc:
-            raise ConfigError(f"control.curve_secret_key: {exc}") from None
+            raise ConfigError(f"{section}.curve_secret_key: {exc}") from None
         try:
-            allowed = load_allowed_keys(control.curve_allowed_keys)
+            allowed = load_allowed_keys(allowed_keys)
         except ValueError as exc:
-            raise ConfigError(f"control.curve_allowed_keys: {exc}") from None
-        return cls(public, secret, allowed, control.curve_allowed_keys)
+            raise ConfigError(f"{section}.curve_allowed_keys: {exc}") from None
+        return cls(public, secret, allowed, allowed_keys, section)
 
     def start(self, ctx: zmq.Context) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -82,8 +111,8 @@ class CurveAuth:
         self._authenticator.start()
         self._authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
         if not self.allowed:
-            log.warning("control.curve_allowed_keys: %s holds no *.key file: no client can connect "
-                        "(add keys, then SIGHUP)", self.directory)
+            log.warning("%s.curve_allowed_keys: %s holds no *.key file: no client can connect "
+                        "(add keys, then SIGHUP)", self.section, self.directory)
 
     def apply(self, sock: zmq.Socket) -> None:
         """Make `sock` (before bind) a CURVE server whose peers the ZAP handler vets."""
@@ -112,14 +141,14 @@ class CurveAuth:
         try:
             allowed = load_allowed_keys(self.directory)
         except ValueError as exc:
-            log.error("SIGHUP: keeping the allowed CURVE keys: control.curve_allowed_keys: %s", exc)
+            log.error("SIGHUP: keeping the allowed CURVE keys: %s.curve_allowed_keys: %s", self.section, exc)
             return
         added, removed = len(allowed - self.allowed), len(self.allowed - allowed)
         self.allowed = allowed
         with self._lock:
             self._logged.clear()
-        log.info("SIGHUP: %d allowed CURVE client key(s) (%d added, %d removed); connected clients "
-                 "keep their sessions", len(allowed), added, removed)
+        log.info("SIGHUP: %d allowed CURVE client key(s) in %s (%d added, %d removed); connected "
+                 "clients keep their sessions", len(allowed), self.section, added, removed)
 
     def stop(self) -> None:
         if self._authenticator is not None:

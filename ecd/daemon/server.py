@@ -88,6 +88,7 @@ class Daemon:
         self.max_connections = 0  # limits.max_connections, or fewer if fd_limit cannot hold them
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
+        self.cluster: Any = None  # the peer plane (cluster.Cluster), with [cluster] listen
         self.control = ControlLoop(self, self.counters)  # the ROUTER loop and the request handlers
         self._stopping: asyncio.Event | None = None
         self._force_stop = asyncio.Event()
@@ -121,6 +122,7 @@ class Daemon:
             self._create_arenas()
             self._bind()
             self._bind_metrics()
+            self._bind_cluster()
         except BaseException:
             self.close()
             raise
@@ -296,6 +298,16 @@ class Daemon:
             raise StartupError(f"metrics.listen: cannot bind {self.config.metrics.listen}: "
                                f"{exc.strerror or exc}") from None
 
+    def _bind_cluster(self) -> None:
+        if not self.config.cluster.enabled:
+            return
+        from .cluster import Cluster
+        try:
+            self.cluster = Cluster(self)
+            self.cluster.prepare()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+
     # ---- serving ------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -313,6 +325,8 @@ class Daemon:
                            arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, self.control.schedule_drain)
+        if self.cluster is not None:
+            self.cluster.start()
         if self.metrics_listener is not None:
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state,
                                                 max_connections=self.config.metrics.max_connections)
@@ -410,6 +424,9 @@ class Daemon:
             self.store.fail_waiters(Code.SHUTTING_DOWN, "daemon is shutting down")
         if self.sessions is not None:
             self.sessions.close()
+        if self.cluster is not None:
+            self.cluster.close()  # its threads stop touching the pools before they are unmapped
+            self.cluster = None
         if self.loop is not None and self.sock is not None:
             with suppress(Exception):
                 self.loop.remove_reader(cast(int, self.sock.getsockopt(zmq.FD)))
@@ -418,6 +435,9 @@ class Daemon:
 
     def close(self) -> None:
         """Release everything prepare() created; safe to call more than once."""
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.sock is not None:
             self.connections.close_monitor()
             self.sock.close(linger=200)  # let the last replies (ShuttingDown to waiters) go out

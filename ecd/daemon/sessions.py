@@ -139,7 +139,7 @@ class Sessions:
         now = time.monotonic()
         cutoff = now - session_ttl
         for session in [s for s in self.unwatched.values() if s.last_seen < cutoff]:
-            if session.waiters:
+            if session.waiters or session.fetching:
                 session.last_seen = now
                 continue
             log.info("session %d (pid %d, not watchable) silent for %gs: reclaiming it", session.id,

@@ -41,6 +41,7 @@ class DaemonView(Protocol):
     counters: "ServeCounters"
     curve: "CurveAuth | None"
     metrics_server: Any
+    cluster: Any  # the peer plane (cluster.Cluster) or None
     max_connections: int
 
     def arena_infos(self) -> list["ArenaInfo"]: ...

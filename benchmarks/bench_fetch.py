@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Daemon-to-daemon fetch (the peer plane, transport "tcp") against a bare TCP socket on loopback.
+
+Starts two daemons (owner A, puller B) joined by [cluster] on 127.0.0.1. For each size (16 MiB
+and 256 MiB by default), a sample is one `Client.fetch` on B of an entry A holds (then the copy
+on B is deleted, so the next sample pulls again), and beside it a reference: a separate sender
+process `sendall`s the same number of bytes from a pre-faulted buffer and this process
+`recv_into`s a pre-faulted buffer, on a fresh connection, as the transport does. Samples
+alternate (fetch, reference, fetch, ...); each fetch is divided by the reference taken beside
+it, and the median of those ratios (reference time / fetch time = fetch throughput as a share of
+the bare socket's) is the figure. Goal: >= 0.8. `--checksum` stores entries with a checksum,
+which the puller then verifies (xxh3-64 of every byte, on its transfer thread).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_daemon import BenchDaemon, write_results  # noqa: E402
+
+GOAL = 0.8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sender(port_q, sizes: list[int]) -> None:
+    """The reference's owner: per connection, read the size asked for, sendall that many bytes."""
+    buf = np.ones(max(sizes), dtype=np.uint8)  # touched: pre-faulted
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port_q.put(listener.getsockname()[1])
+    view = memoryview(buf)
+    while True:
+        conn, _ = listener.accept()
+        head = conn.recv(8)
+        n = int.from_bytes(head, "big")
+        if n == 0:
+            conn.close()
+            return
+        conn.sendall(view[:n])
+        conn.close()
+
+
+def reference(port: int, dest: memoryview, n: int) -> float:
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(n.to_bytes(8, "big"))
+        got = 0
+        while got < n:
+            k = s.recv_into(dest[got:n])
+            if not k:
+                raise RuntimeError("reference sender closed early")
+            got += k
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", default="16,256")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--checksum", action="store_true", help="entries carry a checksum the puller verifies")
+    parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
+    args = parser.parse_args()
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+    work = tempfile.mkdtemp(prefix="ecd-bench-fetch-")
+    ea, eb = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pool = f"{max(sizes) * 2 // (1 << 20) + 64}MiB"
+
+    def cluster(listen: str, peer: str) -> str:
+        return (f'\n[cluster]\nlisten = "{listen}"\ndata_listen = "tcp://127.0.0.1:0"\npeers = ["{peer}"]\n'
+                f'\n[pool.host]\nsize = "{pool}"\n')
+    os.makedirs(f"{work}/a")
+    os.makedirs(f"{work}/b")
+    a = BenchDaemon(f"{work}/a", "fa", pool=pool, extra=cluster(ea, eb).replace(f'[pool.host]\nsize = "{pool}"\n', ""))
+    b = BenchDaemon(f"{work}/b", "fb", pool=pool, extra=cluster(eb, ea).replace(f'[pool.host]\nsize = "{pool}"\n', ""))
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    sender = ctx.Process(target=_sender, args=(port_q, sizes), daemon=True)
+    sender.start()
+    port = port_q.get(timeout=30)
+    dest = np.zeros(max(sizes), dtype=np.uint8)
+    dest[:] = 1  # pre-fault, like the pool's pages
+    results: dict = {"goal": GOAL, "checksum": args.checksum, "sizes": {}}
+    try:
+        ca, cb = a.connect(timeout=30), b.connect(timeout=30)
+        for n in sizes:
+            key = f"e{n}"
+            ca.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
+            assert cb.fetch(key, peer=ea, timeout=60) is True  # warm-up: links, handshakes, pages
+            cb.delete(key)
+            reference(port, memoryview(dest), n)
+            ratios, fetch_s, ref_s = [], [], []
+            for _ in range(args.reps):
+                started = time.perf_counter()
+                ok = cb.fetch(key, peer=ea, timeout=60)
+                f = time.perf_counter() - started
+                assert ok is True
+                cb.delete(key)
+                r = reference(port, memoryview(dest), n)
+                fetch_s.append(f)
+                ref_s.append(r)
+                ratios.append(r / f)
+            row = {"bytes": n, "fetch_ms_median": statistics.median(fetch_s) * 1e3,
+                   "tcp_ms_median": statistics.median(ref_s) * 1e3,
+                   "fetch_GBps_median": n / statistics.median(fetch_s) / 1e9,
+                   "tcp_GBps_median": n / statistics.median(ref_s) / 1e9,
+                   "ratio_median": statistics.median(ratios), "ratios": ratios}
+            results["sizes"][f"{n >> 20}MiB"] = row
+            verdict = "PASS" if row["ratio_median"] >= GOAL else "MISS"
+            print(f"{n >> 20:5d} MiB: fetch {row['fetch_ms_median']:8.1f} ms ({row['fetch_GBps_median']:.2f} GB/s)  "
+                  f"bare tcp {row['tcp_ms_median']:8.1f} ms ({row['tcp_GBps_median']:.2f} GB/s)  "
+                  f"ratio {row['ratio_median']:.2f} (goal >= {GOAL}) {verdict}")
+        ca.close()
+        cb.close()
+    finally:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall((0).to_bytes(8, "big"))
+        sender.join(5)
+        rc = a.stop() | b.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        write_results(args.json, results)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The peer plane (`[cluster]`): daemons fetch entries from each other. This module assembles it
+and counts what it does; the parts are siblings:
+
+- peers.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
+- peer_links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
+- fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
+- ../transport/  the bulk bytes, on their own threads (tcp; nixl later, behind the same interface)
+
+Everything ZeroMQ here lives in its own context (zmq.asyncio, on the daemon's event loop) with
+its own ZAP handler, so `[control]` and `[cluster]` keys never mix. prepare() binds (start-up
+errors before READY, exit 2); start() runs it on the loop; close() stops the transport's threads
+before the daemon unmaps its pools.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from ..config import ClusterSection, split_tcp_endpoint
+from ..errors import ConfigError
+from ..protocol import PeerState
+from ..transport import Transport, make_transport
+from .fetch import Fetcher, check_fetch
+from .peer_links import PeerLink, PeerLinks
+from .peers import REAP_INTERVAL_S, PeerServer
+from .security import CurveAuth, cluster_curve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .view import DaemonView
+
+log = logging.getLogger("ecd.peers")
+
+# 1 ms .. 60 s: a fetch is a few round trips plus the bytes (16 MiB ~ 5-10 ms on loopback)
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FAILURE_REASONS = ("timeout", "connection", "refused", "protocol", "checksum", "pool_full", "invalid",
+                   "lookup_refused", "lookup_failed", "commit_refused", "shutdown")
+MAX_LABELS = 256  # peer labels kept in counters: node names are the peers' claims
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, cumulative = [], 0
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            cumulative += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        return out
+
+
+class PeerStats:
+    """Plain counters for /metrics and Stats, by peer label (node name, else endpoint)."""
+
+    def __init__(self) -> None:
+        self.fetched_by: dict[str, list[int]] = {}  # label -> [entries, bytes]
+        self.served_by: dict[str, list[int]] = {}
+        self.failures: dict[str, int] = {}  # by reason (serve_* for the owner's side)
+        self.failures_by: dict[str, int] = {}  # by peer label (fetches only)
+        self.fetch_latency = Histogram(FETCH_BUCKETS)
+
+    @staticmethod
+    def _bump(table: dict[str, list[int]], label: str, nbytes: int) -> None:
+        if label not in table and len(table) >= MAX_LABELS:
+            label = "other"
+        row = table.setdefault(label, [0, 0])
+        row[0] += 1
+        row[1] += nbytes
+
+    def fetched(self, link: PeerLink, nbytes: int) -> None:
+        self._bump(self.fetched_by, link.label, nbytes)
+
+    def served(self, node: str, nbytes: int) -> None:
+        self._bump(self.served_by, node or "unknown", nbytes)
+
+    def count_failure(self, reason: str, link: PeerLink | None = None) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        if link is not None:
+            label = link.label if link.label in self.failures_by or len(self.failures_by) < MAX_LABELS else "other"
+            self.failures_by[label] = self.failures_by.get(label, 0) + 1
+
+
+class Cluster:
+    def __init__(self, daemon: "DaemonView") -> None:
+        self.d = daemon
+        self.config: ClusterSection = daemon.config.cluster
+        self.stats = PeerStats()
+        self.ctx = zmq.asyncio.Context(io_threads=1)
+        loaded = cluster_curve(daemon.config)
+        self.curve: CurveAuth | None = loaded[0] if loaded else None
+        peer_keys = loaded[1] if loaded else {}
+        self._ids = itertools.count(1)
+        host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
+        self.transport: Transport = make_transport(self.config.transport, host=host, port=port,
+                                                   max_inflight=self.config.max_inflight,
+                                                   io_timeout=float(self.config.request_timeout))
+        self.data_address: tuple[str, int] = ("", 0)
+        self.listen = self.config.listen
+        self._router: Any = None
+        self.server: PeerServer | None = None
+        self.links = PeerLinks(self, peer_keys)
+        self.fetcher: Fetcher | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def internal_session_id(self) -> int:
+        """Store sessions of the peer plane take negative ids: never a client's."""
+        return -next(self._ids)
+
+    @property
+    def internal_sessions(self) -> int:
+        return len(self.server.sessions) + 1 if self.server is not None else 0
+
+    def prepare(self) -> None:
+        """Bind the peer ROUTER and the data listener (ConfigError naming the key on failure)."""
+        if self.curve is not None:
+            self.curve.start(zmq.Context.shadow(self.ctx.underlying))  # ZAP for this context
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(self.d.config.limits.max_message_bytes))
+        if self.curve is not None:
+            self.curve.apply(sock)
+        try:
+            sock.bind(self.config.listen)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ConfigError(f"cluster.listen: cannot bind {self.config.listen}: {exc}") from None
+        self._router = sock
+        self.listen = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            host, port = self.transport.bind()  # type: ignore[attr-defined]
+        except OSError as exc:
+            raise ConfigError(f"cluster.data_listen: cannot bind {self.config.data_listen}: "
+                              f"{exc.strerror or exc}") from None
+        # Announce a wildcard bind as "": peers then use the host they dialled for control.
+        self.data_address = ("" if host in ("0.0.0.0", "::") else host, port)
+
+    def start(self) -> None:
+        loop = self.d.loop
+        self.transport._loop = loop  # type: ignore[attr-defined]  # completions come back here
+        self.server = PeerServer(self, self._router, self.transport)
+        self.fetcher = Fetcher(self)
+        self.transport.serve(lambda pool: self.d.pool.segments[pool].buf, self.server.on_sent)
+        self.links.configure(list(self.config.peers), self.links.peer_keys)
+        self._tasks = [loop.create_task(self.server.run()), loop.create_task(self._reap())]
+        log.info("peer plane on %s (data: %s:%d, transport %s), %d configured peer(s)", self.listen,
+                 self.data_address[0] or "*", self.data_address[1], self.transport.name, len(self.config.peers))
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            if self.server is not None:
+                self.server.reap()
+
+    def fetch(self, ns: str, keys: list[str], peer: str, timeout_s: float) -> "asyncio.Task[list[bool]]":
+        """Start a client's Fetch; RequestError now for a bad request or an unknown peer."""
+        assert self.fetcher is not None
+        check_fetch(self.d.store, ns, keys)
+        links = self.links.resolve(peer)
+        deadline = self.fetcher.deadline_for(timeout_s)
+        return self.d.loop.create_task(self.fetcher.fetch(ns, keys, links, deadline))
+
+    def reload(self, new: ClusterSection) -> None:
+        """SIGHUP: cluster.peers and cluster.peer_keys; the allowed peer keys are re-read."""
+        from .security import load_peer_keys
+        if self.curve is not None:
+            self.curve.reload()
+        try:
+            keys = load_peer_keys(new.peer_keys) if self.curve is not None else {}
+        except ConfigError as exc:
+            log.error("SIGHUP: keeping the peers: %s", exc)
+            return
+        self.config.peers, self.config.peer_keys = list(new.peers), dict(new.peer_keys)
+        self.links.configure(list(new.peers), keys)
+
+    def peer_states(self) -> list[PeerState]:
+        out = []
+        served = self.stats.served_by
+        for link in self.links.links.values():
+            fetched = self.stats.fetched_by.get(link.label, [0, 0])
+            serve = served.get(link.node, [0, 0]) if link.node else [0, 0]
+            out.append(PeerState(link.endpoint, link.node, link.state, link.configured, fetched[0], fetched[1],
+                                 serve[0], serve[1], self.stats.failures_by.get(link.label, 0)))
+        return out
+
+    def transfer_leases(self) -> int:
+        return self.server.transfer_leases() if self.server is not None else 0
+
+    def fetches_in_flight(self) -> int:
+        return len(self.fetcher.inflight) if self.fetcher is not None else 0
+
+    def close(self) -> None:
+        """At shutdown: after this no thread touches a pool mapping."""
+        for task in self._tasks:
+            task.cancel()
+        self.links.close()
+        self.transport.close()  # joins the data threads
+        if self.server is not None:
+            self.server.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
+        if self._router is not None:
+            self._router.close(0)
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()

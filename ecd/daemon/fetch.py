@@ -1,0 +1,243 @@
+"""The puller's fetch flow: make keys local by pulling them from the daemon that owns them.
+
+For a `Fetch` request (a client asks its local daemon), on the event loop:
+1. keys already READY here count as fetched; a key another fetch on this node is pulling now is
+   waited for, not pulled again (`inflight`: one future per (ns, key): concurrent fetches of the
+   same key pull once);
+2. `lookup` at the named peer, or at every configured peer in parallel (first holder wins; the
+   losers' leases are released, late replies included);
+3. per owner, `Store.alloc` a local extent per key under this node's fetch session (WRITING:
+   invisible to every reader), then the transport pulls the bytes into those extents on a worker
+   thread, and the same thread checks each against the owner's xxh3-64 checksum;
+4. back on the loop, each key is committed (READY, a PUBLISHED ring event, parked gets woken)
+   only when its bytes arrived whole and matched; anything else is aborted (nothing visible) and
+   counted by reason, and tokens the transfer did not use are released at the owner.
+A transfer is never abandoned while its thread may still write: the loop waits for the thread,
+which itself gives up at the fetch's deadline (socket timeouts), so the daemon answers in time.
+The deadline is kept under `leases.write_ttl`, so the store never expires a write being filled.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import Code
+from ..integrity import checksum as checksum_of
+from ..peer_protocol import Leased, Lookup, Offer, PeerError, PeerRelease
+from ..protocol import AllocItem, Extent
+from ..transport import PullItem, TransferError
+from .entries import RequestError
+from .peer_links import PeerLink, PeerUnavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cluster import Cluster
+
+log = logging.getLogger("ecd.peers")
+
+
+class Fetcher:
+    def __init__(self, cluster: "Cluster") -> None:
+        self.cluster = cluster
+        self.inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self.session = cluster.d.store.open_session(cluster.internal_session_id(), 0)
+
+    @property
+    def store(self):
+        return self.cluster.d.store
+
+    def deadline_for(self, timeout_s: float) -> float:
+        cfg = self.cluster.config
+        timeout = float(cfg.fetch_timeout) if timeout_s <= 0 else min(timeout_s, float(cfg.fetch_timeout))
+        # a local extent being filled must never reach the store's write TTL
+        return time.monotonic() + min(timeout, 0.9 * float(self.cluster.d.config.leases.write_ttl))
+
+    async def fetch(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> list[bool]:
+        started = time.monotonic()
+        result = [False] * len(keys)
+        mine: list[str] = []
+        waits: list[tuple[int, asyncio.Future]] = []
+        loop = self.cluster.d.loop
+        for i, key in enumerate(keys):
+            if (ns, key) in self.store.index:
+                result[i] = True
+            elif (ns, key) in self.inflight:
+                waits.append((i, self.inflight[(ns, key)]))
+            else:
+                self.inflight[(ns, key)] = loop.create_future()
+                mine.append(key)
+        got: dict[str, bool] = {}
+        try:
+            if mine:
+                got = await self._pull(ns, mine, links, deadline)
+        finally:
+            for key in mine:
+                future = self.inflight.pop((ns, key))
+                if not future.done():
+                    future.set_result(got.get(key, False))
+        for i, key in enumerate(keys):
+            if key in got:
+                result[i] = got[key]
+        for i, future in waits:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    result[i] = await asyncio.shield(future)
+            except TimeoutError:
+                result[i] = (ns, keys[i]) in self.store.index
+        if mine:
+            self.cluster.stats.fetch_latency.observe(time.monotonic() - started)
+        return result
+
+    async def _pull(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> dict[str, bool]:
+        offers = await self._lookup(ns, keys, links, deadline)
+        by_link: dict[PeerLink, list[Offer]] = {}
+        for key in keys:
+            if key in offers:
+                link, offer = offers[key]
+                by_link.setdefault(link, []).append(offer)
+        got: dict[str, bool] = {}
+        results = await asyncio.gather(*(self._transfer(link, ns, chosen, deadline)
+                                         for link, chosen in by_link.items()))
+        for part in results:
+            got.update(part)
+        return got
+
+    async def _lookup(self, ns: str, keys: list[str], links: list[PeerLink],
+                      deadline: float) -> dict[str, tuple[PeerLink, Offer]]:
+        """Ask every link at once; per key the first that holds it wins. Offers that lose, in
+        replies that come after we stopped waiting too, are released at their owner."""
+        cfg = self.cluster.config
+        ttl = max(1.0, deadline - time.monotonic() + 1.0)
+        chosen: dict[str, tuple[PeerLink, Offer]] = {}
+        timeout = min(float(cfg.request_timeout), max(0.0, deadline - time.monotonic()))
+        loop = self.cluster.d.loop
+        tasks = {loop.create_task(link.request(Lookup(0, ns, keys, ttl), timeout)): link for link in links}
+        pending = set(tasks)
+
+        def take(task: asyncio.Task) -> None:
+            link = tasks[task]
+            if task.cancelled() or task.exception() is not None:
+                exc = None if task.cancelled() else task.exception()
+                reason = exc.reason if isinstance(exc, PeerUnavailable) else "lookup_failed"
+                self.cluster.stats.count_failure(reason, link)
+                return
+            reply = task.result()
+            if isinstance(reply, PeerError):
+                log.warning("peer %s refused a lookup: %s", link.endpoint, reply.message)
+                self.cluster.stats.count_failure("lookup_refused", link)
+                return
+            if not isinstance(reply, Leased) or len(reply.offers) != len(keys):
+                self.cluster.stats.count_failure("protocol", link)
+                return
+            unused = []
+            for key, offer in zip(keys, reply.offers):
+                if offer is None:
+                    continue
+                if key in chosen or offer.key != key:
+                    unused.append(offer.token)
+                else:
+                    chosen[key] = (link, offer)
+            self.release(link, unused)
+
+        while pending and len(chosen) < len(set(keys)):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                take(task)
+        for task in pending:  # still out when every key found a holder: release what they lease
+            task.add_done_callback(lambda t: take(t) if not t.cancelled() else None)
+        return chosen
+
+    def release(self, link: PeerLink, tokens: list[bytes]) -> None:
+        """Give leases back at the owner, without waiting (its TTL covers a lost message)."""
+        if not tokens:
+            return
+
+        async def send() -> None:
+            try:
+                await link.request(PeerRelease(0, tokens), float(self.cluster.config.request_timeout))
+            except PeerUnavailable:
+                pass
+        self.cluster.d.loop.create_task(send())
+
+    async def _transfer(self, link: PeerLink, ns: str, offers: list[Offer], deadline: float) -> dict[str, bool]:
+        got: dict[str, bool] = {}
+        placed: list[tuple[Offer, Extent]] = []
+        unused: list[bytes] = []
+        for offer in offers:
+            if (ns, offer.key) in self.store.index:  # published here meanwhile
+                got[offer.key] = True
+                unused.append(offer.token)
+                continue
+            extent = self.store.alloc(self.session, ns, AllocItem(offer.key, offer.dtype, offer.shape, offer.nbytes))
+            if isinstance(extent, Extent):
+                placed.append((offer, extent))
+            else:
+                log.warning("fetch of %r from %s: no local room: %s", offer.key, link.label, extent.message)
+                self.cluster.stats.count_failure("pool_full" if extent.code == Code.POOL_FULL else "invalid", link)
+                got[offer.key] = False
+                unused.append(offer.token)
+        self.release(link, unused)
+        if not placed:
+            return got
+        assert link.data_address is not None  # set by the hello the lookup needed
+        segments = self.cluster.d.pool.segments
+        items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes) for o, e in placed]
+        host, port = link.data_address
+        transport = self.cluster.transport
+        loop = self.cluster.d.loop
+        future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
+                                      [o.checksum for o, _ in placed], deadline)
+        try:
+            # shield: even if this task is cancelled, the extents stay until the thread is done
+            verdicts = await asyncio.shield(future)
+        except TransferError as exc:
+            log.warning("fetch of %d entr%s from %s failed: %s", len(placed), "y" if len(placed) == 1 else "ies",
+                        link.label, exc)
+            self.cluster.stats.count_failure(exc.reason, link)
+            for offer, extent in placed:
+                self.store.abort(self.session, extent.generation)
+                got[offer.key] = False
+            self.release(link, [o.token for o, _ in placed])
+            return got
+        for (offer, extent), ok in zip(placed, verdicts):
+            if not ok:
+                log.error("fetch of %r from %s: bytes do not match the owner's checksum: dropped",
+                          offer.key, link.label)
+                self.cluster.stats.count_failure("checksum", link)
+                self.store.abort(self.session, extent.generation)
+                got[offer.key] = False
+            elif (ns, offer.key) in self.store.index:
+                self.store.abort(self.session, extent.generation)  # a local put won meanwhile: keep it
+                got[offer.key] = True
+            else:
+                failure = self.store.commit(self.session, extent.generation, offer.checksum)
+                got[offer.key] = failure is None
+                if failure is not None:
+                    log.warning("fetch of %r: commit refused: %s", offer.key, failure.message)
+                    self.cluster.stats.count_failure("commit_refused", link)
+                else:
+                    self.cluster.stats.fetched(link, offer.nbytes)
+        return got
+
+    def close(self) -> None:
+        for future in self.inflight.values():
+            if not future.done():
+                future.set_result(False)
+
+
+def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],
+                     deadline: float) -> list[bool]:
+    """On a transport thread: pull, then check each entry against its owner's checksum."""
+    transport.pull(host, port, items, deadline)
+    return [not want or checksum_of(item.buf, item.offset, item.nbytes) == want
+            for item, want in zip(items, checksums)]
+
+
+def check_fetch(store: Any, ns: str, keys: list[str]) -> None:
+    """What a Fetch must satisfy before anything starts (RequestError otherwise)."""
+    store.check_batch(len(keys))
+    for key in keys:
+        failure = store.check_key(ns, key)
+        if failure is not None:
+            raise RequestError(Code(failure.code), failure.message)

@@ -1,0 +1,286 @@
+"""The puller's side of the peer plane's control: one DEALER per peer daemon, on the event loop.
+
+A PeerLink says `peer_hello` on first use (and again when the owner answers NOT_REGISTERED: it
+restarted, or reaped this node's session), matches replies to requests by id, and gives every
+request a timeout, so a peer that stopped answering (SIGSTOP, a dead host) costs its callers at
+most that timeout and never the loop. A ping every `cluster.peer_ttl / 3` keeps this node's
+session at the owner alive and tells up from down (`ecd status`, the ecd_peer_up gauge). With
+CURVE, the DEALER is a CURVE client with this node's key pair and the peer's public key
+(`cluster.peer_keys`); a refused handshake (seen on the socket monitor) marks the link
+"refused" and fails its requests at once rather than at their timeout.
+
+PeerLinks holds the configured peers (`cluster.peers`, re-read on SIGHUP) and the ones fetches
+named by endpoint, at most `cluster.max_peers`, and resolves a fetch's `peer` (an endpoint or a
+node name) to a link.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..config import split_tcp_endpoint
+from ..errors import Code
+from ..peer_protocol import (PEER_PROTOCOL_VERSION, PeerError, PeerHello, PeerPing, PeerWelcome, encoder,
+                             peer_reply_decoder)
+from .entries import RequestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cluster import Cluster
+
+log = logging.getLogger("ecd.peers")
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+
+REFUSED_RETRY_S = 1.0  # a refused link tries a fresh handshake this often, at most
+
+
+class PeerUnavailable(Exception):
+    """No answer from a peer in time, or it refused us; `reason` labels the metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PeerLink:
+    def __init__(self, cluster: "Cluster", endpoint: str, configured: bool, server_key: bytes | None) -> None:
+        self.cluster = cluster
+        self.endpoint = endpoint
+        self.host = split_tcp_endpoint(endpoint)[0]  # type: ignore[index]
+        self.configured = configured
+        self.node = ""
+        self.state = "connecting"
+        self.refused: str | None = None  # why the security handshake failed, if it did
+        self.data_address: tuple[str, int] | None = None
+        self.last_used = time.monotonic()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._welcomed = False
+        self._hello_lock = asyncio.Lock()
+        self._decoder = peer_reply_decoder()
+        self._server_key = server_key
+        if cluster.curve is not None and server_key is None:
+            raise RequestError(Code.INVALID, f"no CURVE public key for peer {endpoint}: add it to "
+                                             "cluster.peer_keys")
+        self.refused_at = 0.0
+        self._io_tasks: list[asyncio.Task] = []
+        self._open()
+        self._tasks = [cluster.d.loop.create_task(self._ping_every(float(cluster.config.peer_ttl) / 3))]
+
+    def _open(self) -> None:
+        """A fresh DEALER (and its reader and handshake watcher). After a refused handshake
+        libzmq would retry the same one forever: the link opens a new socket instead, at most
+        once per REFUSED_RETRY_S, so a key allowed later (SIGHUP at the peer) is picked up."""
+        cluster = self.cluster
+        sock = cluster.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if cluster.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = cluster.curve.public, cluster.curve.secret
+            sock.curve_serverkey = self._server_key
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self.refused = None
+        self._welcomed = False
+        loop = cluster.d.loop
+        self._io_tasks = [loop.create_task(self._read()), loop.create_task(self._watch_handshakes())]
+
+    def _close_socket(self) -> None:
+        for task in self._io_tasks:
+            task.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self.sock.close(0)
+
+    @property
+    def label(self) -> str:
+        return self.node or self.endpoint
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                reply = self._decoder.decode(frame)
+            except Exception as exc:
+                log.warning("peer %s sent a malformed reply: %s", self.endpoint, exc)
+                continue
+            future = self._pending.pop(reply.id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+
+    async def _watch_handshakes(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+                continue
+            self.refused = ("it refused this node's CURVE key (is it in the peer's cluster.curve_allowed_keys?)"
+                            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                            "security handshake failed (CURVE on one side only, or a wrong cluster.peer_keys entry)")
+            if self.state != "refused":
+                log.warning("peer %s: %s", self.endpoint, self.refused)
+            self.state = "refused"
+            self.refused_at = time.monotonic()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}"))
+            self._pending.clear()
+
+    async def _ping_every(self, interval: float) -> None:
+        while True:
+            try:
+                await self.request(PeerPing(0), float(self.cluster.config.request_timeout))
+            except PeerUnavailable:
+                pass  # request() has set the state
+            except Exception:
+                log.exception("pinging peer %s", self.endpoint)
+            await asyncio.sleep(interval)
+
+    async def request(self, message: Any, timeout: float) -> Any:
+        """Send one peer request and return its reply; PeerUnavailable after `timeout` seconds
+        (all of it: the hello on a fresh link included)."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(2):
+            if not self._welcomed:
+                await self._hello(deadline)
+            reply = await self._roundtrip(message, deadline)
+            if isinstance(reply, PeerError) and reply.code == Code.NOT_REGISTERED and attempt == 0:
+                self._welcomed = False  # the owner restarted or reaped us: greet it again, once
+                continue
+            return reply
+        return reply
+
+    async def _hello(self, deadline: float) -> None:
+        async with self._hello_lock:
+            if self._welcomed:
+                return
+            d = self.cluster.d
+            reply = await self._roundtrip(PeerHello(0, PEER_PROTOCOL_VERSION, d.node, d.epoch), deadline)
+            if isinstance(reply, PeerError):
+                self.state = "down"
+                raise PeerUnavailable("refused", f"peer {self.endpoint} refused the handshake: {reply.message}")
+            if not isinstance(reply, PeerWelcome):
+                raise PeerUnavailable("protocol", f"peer {self.endpoint} answered hello with {type(reply).__name__}")
+            if reply.transport != self.cluster.transport.name:
+                self.state = "down"
+                raise PeerUnavailable("refused", f"peer {self.endpoint} uses transport {reply.transport!r}, "
+                                                 f"this node {self.cluster.transport.name!r}")
+            if self.node and self.node != reply.node:
+                log.info("peer %s is now node %r (was %r)", self.endpoint, reply.node, self.node)
+            self.node = reply.node
+            self.data_address = (reply.data_host or self.host, reply.data_port)
+            self._welcomed = True
+
+    async def _roundtrip(self, message: Any, deadline: float) -> Any:
+        if self.refused is not None and time.monotonic() - self.refused_at >= REFUSED_RETRY_S:
+            self._close_socket()
+            self._open()
+        if self.refused is not None:
+            raise PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}")
+        rid = next(self._ids)
+        future = self.cluster.d.loop.create_future()
+        self._pending[rid] = future
+        message.id = rid
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self.sock.send(encoder.encode(message))
+                reply = await future
+        except TimeoutError:
+            self._pending.pop(rid, None)
+            if self.refused is not None:  # the send waited for a connection the peer refused
+                self.state = "refused"
+                raise PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}") from None
+            if self.state != "down":
+                log.warning("peer %s did not answer within the timeout: marked down", self.endpoint)
+            self.state = "down"
+            raise PeerUnavailable("timeout", f"no answer from peer {self.endpoint} in time") from None
+        if self.state != "up":
+            log.info("peer %s (node %r) is up", self.endpoint, self.node)
+        self.state = "up"
+        return reply
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerUnavailable("shutdown", "the peer link was closed"))
+        self._pending.clear()
+        self._close_socket()
+
+
+class PeerLinks:
+    def __init__(self, cluster: "Cluster", peer_keys: dict[str, bytes]) -> None:
+        self.cluster = cluster
+        self.peer_keys = peer_keys
+        self.links: dict[str, PeerLink] = {}  # by endpoint
+
+    def configure(self, peers: list[str], peer_keys: dict[str, bytes]) -> None:
+        """Start, or on SIGHUP: links to configured peers; peers no longer listed are dropped
+        (a fetch may still name them, as any endpoint)."""
+        self.peer_keys = peer_keys
+        for endpoint, link in list(self.links.items()):
+            if endpoint not in peers or peer_keys.get(endpoint) != (link.sock.curve_serverkey
+                                                                    if self.cluster.curve else None):
+                link.close()
+                del self.links[endpoint]
+        for endpoint in peers:
+            if endpoint not in self.links:
+                self.links[endpoint] = PeerLink(self.cluster, endpoint, True, peer_keys.get(endpoint))
+        for link in self.links.values():
+            link.configured = link.endpoint in peers
+
+    def configured(self) -> list[PeerLink]:
+        return [link for link in self.links.values() if link.configured]
+
+    def resolve(self, peer: str) -> list[PeerLink]:
+        """The links a fetch asks: its named peer (endpoint or node name), else every configured
+        one. RequestError INVALID for a name no link knows or a bad endpoint."""
+        if not peer:
+            links = self.configured()
+            if not links:
+                raise RequestError(Code.INVALID, "no peer named and cluster.peers is empty")
+            return links
+        if peer.startswith("tcp://"):
+            if split_tcp_endpoint(peer) is None:
+                raise RequestError(Code.INVALID, f"peer {peer!r} is not tcp://HOST:PORT")
+            link = self.links.get(peer)
+            if link is None:
+                link = self._add(peer)
+            link.last_used = time.monotonic()
+            return [link]
+        named = [link for link in self.links.values() if link.node == peer]
+        if not named:
+            raise RequestError(Code.INVALID, f"no known peer is node {peer!r} (known: "
+                               f"{', '.join(sorted(x.node for x in self.links.values() if x.node)) or 'none yet'})")
+        return named[:1]
+
+    def _add(self, endpoint: str) -> PeerLink:
+        if len(self.links) >= self.cluster.config.max_peers:
+            # drop the least recently used link a fetch named (configured ones stay)
+            adhoc = sorted((x for x in self.links.values() if not x.configured), key=lambda x: x.last_used)
+            if not adhoc:
+                raise RequestError(Code.LIMIT, f"cluster.max_peers={self.cluster.config.max_peers} peers known")
+            adhoc[0].close()
+            del self.links[adhoc[0].endpoint]
+        link = PeerLink(self.cluster, endpoint, False, self.peer_keys.get(endpoint))
+        self.links[endpoint] = link
+        return link
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()

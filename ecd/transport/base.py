@@ -1,0 +1,109 @@
+"""The interface every bulk transport of the peer plane implements, and the token table.
+
+An owner serves bytes straight from its pool mapping; a puller receives them straight into an
+extent it allocated. Both happen on the transport's own threads, never on the daemon's event
+loop: a pull is a blocking call the daemon runs in an executor (its future completes on the loop
+through call_soon_threadsafe), and the owner's sends report back through the `on_sent` callback,
+which the transport calls on the loop (call_soon_threadsafe) once the bytes are in the kernel's
+hands, so the loop can give the transfer lease back.
+
+Tokens: the owner's control plane grants each leased entry a random one-time token
+(`secrets.token_bytes(32)`) and files it here; a data connection must present it. Taking a token
+(GrantTable.take, on a transport thread) and revoking it (on the loop: lease TTL, release, the
+puller's session ending) race, so both go through one lock and exactly one of them wins: a
+revoked token admits nothing, and a taken one cannot be revoked while its bytes are being sent.
+"""
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class TransferError(Exception):
+    """A transfer failed; `reason` is the metrics label (timeout, connection, refused, protocol,
+    checksum, shutdown)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Grant:
+    """One leased entry the owner will send to whoever presents `token` (once)."""
+    token: bytes
+    pool: int
+    offset: int
+    nbytes: int
+    owner: Any = None  # the peer session that holds the lease (the loop's business)
+    generation: int = 0
+    state: str = "pending"  # -> "sending" (taken by a data connection) -> "done"
+
+
+class GrantTable:
+    """token -> Grant, shared by the loop (files and revokes) and transport threads (take)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._grants: dict[bytes, Grant] = {}
+
+    def add(self, grant: Grant) -> None:
+        with self._lock:
+            self._grants[grant.token] = grant
+
+    def take(self, token: bytes) -> Grant | None:
+        """A transport thread claims a token: its Grant (now "sending"), or None when unknown,
+        used or revoked."""
+        with self._lock:
+            grant = self._grants.pop(token, None)
+            if grant is not None:
+                grant.state = "sending"
+            return grant
+
+    def revoke(self, token: bytes) -> Grant | None:
+        """The loop withdraws a token nobody has taken yet: its Grant, or None when a data
+        connection took it first (then the send's completion gives the lease back)."""
+        with self._lock:
+            return self._grants.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+
+@dataclass
+class PullItem:
+    """One entry to receive: its token and the local extent the bytes go to."""
+    token: bytes
+    buf: Any  # the pool segment's mapping (a writable buffer)
+    offset: int
+    nbytes: int
+
+
+OnSent = Callable[[list[Grant], int, "str | None"], None]  # (grants, bytes sent, failure reason or None)
+
+
+class Transport(abc.ABC):
+    """A bulk data plane. The daemon creates one at start (cluster.transport) and closes it at
+    shutdown, before its pools are unmapped."""
+
+    name: str
+    grants: GrantTable
+
+    @abc.abstractmethod
+    def serve(self, segments: Callable[[int], Any], on_sent: OnSent) -> tuple[str, int]:
+        """Start serving grants from the pool (segments(pool) -> its mapping); returns where
+        peers reach it (host, port). `on_sent` runs on the event loop after each connection."""
+
+    @abc.abstractmethod
+    def pull(self, host: str, port: int, items: list[PullItem], deadline: float) -> int:
+        """Blocking (run it in `executor`): receive every item from the owner at host:port by
+        `deadline` (time.monotonic()); returns bytes received; TransferError otherwise. Never
+        returns while a byte may still be written into an item's extent."""
+
+    executor: Any  # where pulls run: at most cluster.max_inflight at once
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving and pulling; returns once no thread touches a pool mapping any more."""
