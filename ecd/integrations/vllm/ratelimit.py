@@ -1,5 +1,5 @@
-"""Log lines for failures that repeat every step: one line per kind per interval, and the
-lines held back in between are counted into the next one. Thread-safe."""
+"""The connectors' loggers, and log lines for failures that repeat every step: one line per kind
+per interval, and the lines held back in between are counted into the next one. Thread-safe."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +7,18 @@ import math
 import threading
 import time
 from typing import Any
+
+# vLLM configures only the loggers under "vllm" (a handler on "vllm", propagate=False), so a logger
+# named after our module would print nothing in an engine: ours are children of vLLM's and show in
+# its output with its format and VLLM_LOGGING_LEVEL. Without vLLM's set-up (VLLM_CONFIGURE_LOGGING=0)
+# they propagate to the root logger like any other.
+LOGGER_PREFIX = "vllm.ecd."
+
+
+def connector_logger(name: str) -> logging.Logger:
+    """The logger of one connector module, e.g. connector_logger("kv_connector") ->
+    "vllm.ecd.kv_connector"."""
+    return logging.getLogger(LOGGER_PREFIX + name)
 
 
 class RateLimitedLog:
