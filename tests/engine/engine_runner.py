@@ -11,7 +11,8 @@ waits, and returns what the child wrote:
 The spec is general: a model path, LLM(...) keyword arguments (kv_transfer_config /
 ec_transfer_config dicts included), batches of prompts (a string, a token id list, or a dict as
 vLLM's `generate` takes it, e.g. {"prompt": ..., "multi_modal_data": ...} where the data is
-JSON-able) and SamplingParams keyword arguments per batch.
+JSON-able) and SamplingParams keyword arguments per batch; `"reset_prefix_cache": true` in a
+batch empties the engine's own prefix cache first, so its prompts are computed or loaded anew.
 
 Between batches the child can stop and wait for the test (`pause_before`: batch indices): it
 creates `OUT.paused.N`, waits for `OUT.go.N`, then runs batch N. A test uses that to change the
@@ -162,6 +163,8 @@ def _child(spec_path: str, out_path: str) -> None:
             Path(f"{out_path}.paused.{n}").touch()
             while not Path(f"{out_path}.go.{n}").exists():
                 time.sleep(0.05)
+        if batch.get("reset_prefix_cache"):  # forget what earlier batches computed locally
+            assert llm.reset_prefix_cache(), "vLLM refused to reset the prefix cache"
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in batch["prompts"]]
         params = SamplingParams(**batch.get("sampling", {}))
         t0 = time.monotonic()
