@@ -30,7 +30,10 @@ class RateLimitedLog:
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool | BaseException = False) -> None:
+    def log(self, level: int, key: str, message: str, *args: Any, exc_info: bool | BaseException = False,
+            stacklevel: int = 1) -> None:
+        """`stacklevel` as in logging, counted from the caller of this method: the record names
+        the file and line that reported the failure, not this module."""
         now = time.monotonic()
         with self._lock:
             if now - self._last.get(key, -math.inf) < self.interval:
@@ -41,7 +44,7 @@ class RateLimitedLog:
         if held:
             message += " (%d similar since the last report)"
             args = (*args, held)
-        self.logger.log(level, self.prefix + message, *args, exc_info=exc_info)
+        self.logger.log(level, self.prefix + message, *args, exc_info=exc_info, stacklevel=stacklevel + 1)
 
     def warning(self, key: str, message: str, *args: Any) -> None:
-        self.log(logging.WARNING, key, message, *args)
+        self.log(logging.WARNING, key, message, *args, stacklevel=2)
