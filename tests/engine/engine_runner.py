@@ -20,8 +20,10 @@ world (restart the daemon, run another engine) while this engine stays up.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,7 +82,7 @@ class EngineProcess:
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(self.spec_path),
                                       str(self.out_path)], stdout=self._stderr, stderr=subprocess.STDOUT,
-                                     env=child_env, cwd=self.workdir)
+                                     env=child_env, cwd=self.workdir, start_new_session=True)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -106,6 +108,9 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise EngineFailed("engine timed out", self.stderr()) from None
+        except BaseException:  # interrupted (pytest-timeout, Ctrl-C): leave no engine behind
+            self.kill()
+            raise
         finally:
             self._stderr.close()
         if self.proc.returncode != 0 or not self.out_path.exists():
@@ -115,9 +120,13 @@ class EngineProcess:
         return result
 
     def kill(self) -> None:
+        """Kill the engine and the engine core and worker processes it spawned (its own session:
+        one process group), e.g. after a failed test left it paused."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._stderr.close()
 
 
 def start_engine(model: str, batches: list[dict[str, Any]], *, workdir: str | os.PathLike,
