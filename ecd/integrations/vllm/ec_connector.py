@@ -58,7 +58,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (ECConnectorBase, ECC
                                                             ECConnectorRole, ECConnectorWorkerMetadata)
 
 from .lazy_client import LOG_INTERVAL_S, LazyClient
-from .ratelimit import RateLimitedLog
+from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings, default_namespace, parse_settings
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = connector_logger("ec_connector")  # "vllm.ecd.ec_connector": shown in the engine's log
 
 
 # ---- metadata -------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ back-off (lazy_client.py, shared with the EC connector).
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .paged_kv import PagedKV
-from .ratelimit import RateLimitedLog
+from .ratelimit import RateLimitedLog, connector_logger
 from .settings import default_namespace, parse_settings
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = connector_logger("kv_connector")  # "vllm.ecd.kv_connector": shown in the engine's log
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: never loaded or saved
 STAGING_MAX_BYTES = 256 << 20  # saves that must be staged (layers not in one allocation) go in
