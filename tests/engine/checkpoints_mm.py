@@ -31,6 +31,11 @@ PATCH_SIZE = 14
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 16
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
 INIT_STD = 0.2
+# PaliGemma divides image features by sqrt(text hidden size) while Gemma multiplies token
+# embeddings by it: with every weight at INIT_STD the image tokens would be ~1/64 of the text
+# tokens in the residual stream and the generated tokens would hardly depend on the image. A
+# larger projector brings them to the same scale.
+PROJECTOR_STD = 2.0
 DTYPE = "float32"
 
 CHAT_TEMPLATE = (
@@ -147,6 +152,8 @@ def _random_state(config, seed: int, vision_seed: int) -> dict:
             value = torch.randn(tensor.shape, generator=gen) * 0.05
             if "vision_tower." in out and out.endswith(".weight"):
                 value += 1.0
+        elif out.startswith("multi_modal_projector.") and out.endswith(".weight"):
+            value = torch.randn(tensor.shape, generator=gen) * PROJECTOR_STD
         else:
             value = torch.randn(tensor.shape, generator=gen) * INIT_STD
         state[out] = value.to(getattr(torch, DTYPE)).contiguous()

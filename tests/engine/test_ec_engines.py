@@ -31,14 +31,12 @@ from mm_fixtures import EcdDaemon, EngineRun, ecd_daemon, paligemma, run_engine 
 pytestmark = pytest.mark.timeout(900)
 
 TOKENS = 16
-# Two images, one of them asked about twice (the second time its embedding is looked up again),
-# prompts long enough (> 2 blocks of 32 with the 16 image tokens) for the KV connector to move
-# full blocks.
-PROMPTS = [
-    {"text": "what is in this picture? answer with a long and careful description please", "image_seed": 1},
-    {"text": "describe the colours, the shapes and the texture you can see in this image", "image_seed": 2},
-    {"text": "and now tell a short story about the same picture, in one or two sentences", "image_seed": 1},
-]
+# Two images; prompts 0 and 2 differ only by their image (the model must depend on it), prompts
+# 1 and 2 share an image (its embedding is looked up again); long enough (> 2 blocks of 32 with
+# the 16 image tokens) for the KV connector to move full blocks.
+TEXT_A = "what is in this picture? answer with a long and careful description please"
+TEXT_B = "describe the colours, the shapes and the texture you can see in this image"
+PROMPTS = [{"text": TEXT_A, "image_seed": 1}, {"text": TEXT_B, "image_seed": 2}, {"text": TEXT_A, "image_seed": 2}]
 EC_CONNECTOR = {"connector": "EcdECConnector", "module": "ecd.integrations.vllm"}
 
 
@@ -78,7 +76,7 @@ def mono(paligemma, tmp_path_factory) -> dict:
     out = run_engine(spec(paligemma["main"]), tmp_path_factory.mktemp("mono"), "monolithic")
     # the checkpoint is good for this: images change the tokens
     toks = tokens(out)
-    assert toks[0] != toks[1], "the tiny model's tokens do not depend on the image"
+    assert toks[0] != toks[2], "the tiny model's tokens do not depend on the image"
     return out
 
 
@@ -135,16 +133,25 @@ def test_e_to_p_to_d_gives_monolithic_tokens(ecd_daemon, paligemma, mono, tmp_pa
 
 def test_negative_control_other_vision_weights_diverge(ecd_daemon, paligemma, mono, tmp_path):
     """Same text model, same namespace, other vision tower in the encoder: if the consumer used
-    the loaded bytes, its tokens change."""
-    publish(ecd_daemon, paligemma["other_vision"], tmp_path, namespace="shared-ec", name="encoder-other")
+    the loaded bytes, its tokens change.
+
+    Both engines are given the same model path (a symlink, pointed at the other-vision checkpoint
+    while the encoder runs, then at the main one): vLLM's mm_hash, the key, includes the model
+    string, so engines given different model strings never share an embedding (a miss, encoded
+    locally: the control would prove nothing)."""
+    model = tmp_path / "model"
+    model.symlink_to(paligemma["other_vision"])
+    publish(ecd_daemon, str(model), tmp_path, namespace="shared-ec", name="encoder-other")
+    model.unlink()
+    model.symlink_to(paligemma["main"])
     before = ecd_daemon.status()
-    out = run_engine(spec(paligemma["main"], ec=ec("ec_consumer", ecd_daemon, "shared-ec")), tmp_path, "pd")
+    out = run_engine(spec(str(model), ec=ec("ec_consumer", ecd_daemon, "shared-ec")), tmp_path, "pd")
     after = ecd_daemon.status()
-    assert after["hits"] - before["hits"] >= 2, (before, after)
+    assert after["hits"] - before["hits"] >= 2, (before, after)  # it did load them
     got, want = tokens(out), tokens(mono)
     diverged = sum(g != w for g, w in zip(got, want))
     print(f"[negative] {diverged}/{len(want)} prompts diverged from the monolithic tokens")
-    assert diverged >= 1, "the consumer's tokens do not depend on the embeddings it loaded"
+    assert diverged == len(want), "the consumer's tokens do not depend on the embeddings it loaded"
 
 
 @pytest.mark.parametrize("fault", ["delete", "restart"])
