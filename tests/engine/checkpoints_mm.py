@@ -49,8 +49,7 @@ CHAT_TEMPLATE = (
 
 def _vocab() -> list[str]:
     chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tokens = SPECIAL + chars
-    return tokens + [f"<unused{i}>" for i in range(128 - len(tokens))]
+    return SPECIAL + chars  # 102 tokens: whatever the model generates decodes to characters
 
 
 def _config_dict(vocab_size: int) -> dict:
