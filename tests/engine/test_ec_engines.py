@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-
 from mm_fixtures import EcdDaemon, EngineRun, ecd_daemon, paligemma, require_vllm, run_engine  # noqa: F401
 
 require_vllm()
