@@ -20,6 +20,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
+from ..listeners import bind_tcp_listener
 from .entries import State
 from .reservations import RESERVATION_OUTCOMES
 
@@ -271,15 +272,7 @@ def make_registry(daemon: "DaemonView") -> CollectorRegistry:
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """Bind now (start-up errors are reported before READY); serve later on the loop."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(64)
-    except OSError:
-        sock.close()
-        raise
+    sock = bind_tcp_listener(host, port, 64)
     sock.setblocking(False)
     return sock
 

@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from ..listeners import bind_tcp_listener
 from ..peer_protocol import TOKEN_BYTES
 from .base import Grant, GrantTable, OnSent, PullItem, Transport, TransferError
 
@@ -109,16 +110,7 @@ class TcpTransport(Transport):
 
     def bind(self) -> tuple[str, int]:
         """Bind now (start-up errors are reported before READY); serve() starts accepting."""
-        host, port = self._bind
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((host, port))
-            listener.listen(128)
-        except OSError:
-            listener.close()
-            raise
+        listener = bind_tcp_listener(*self._bind, 128)
         listener.settimeout(0.25)  # the accept thread notices close() this often
         self._listener = listener
         return listener.getsockname()[:2]

@@ -40,21 +40,13 @@ def require_engine() -> None:
 # ---- the daemon --------------------------------------------------------------------------------
 
 @pytest.fixture
-def ecd_daemon_factory():
-    """make(size="256MiB", extra="") -> a started `ecd serve` subprocess on its own temp runtime
-    dir, node name and config (tests/conftest.py's DaemonProcess); all stopped at the end."""
-    made: list[DaemonProcess] = []
-
+def ecd_daemon_factory(daemon_factory):
+    """tests/conftest.py's daemon_factory with a pool an engine's KV fits in by default:
+    make(size="256MiB", extra="") -> a started `ecd serve` subprocess on its own temp runtime
+    dir, node name and config; all stopped at the end."""
     def make(size: str = "256MiB", extra: str = "", start: bool = True) -> DaemonProcess:
-        daemon = DaemonProcess(size, extra)
-        made.append(daemon)
-        if start:
-            daemon.start()
-        return daemon
-
-    yield make
-    for daemon in made:
-        daemon.cleanup()
+        return daemon_factory(size, extra, start)
+    return make
 
 
 @pytest.fixture
