@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..errors import Code
+from ..memory.ring import key_hash
 from ..protocol import Failure, Location
 
 
@@ -25,7 +26,6 @@ class Entry:
     generation: int
     ns: str
     key: str
-    keyhash: int
     dtype: str  # interned, as is ns: one string per distinct value, not one per entry
     shape: tuple[int, ...]  # shared by the entries of one shape (Store._shared_shape)
     nbytes: int
@@ -39,6 +39,12 @@ class Entry:
     write_deadline: float = 0.0  # while WRITING (0.0 after: one float object fewer per entry)
     published_at: float = 0.0
     checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
+
+    @property
+    def keyhash(self) -> int:
+        """The ring's hash of (ns, key): computed when an event needs it (publish, removal),
+        not stored: 44 bytes per entry saved for ~1 µs per event."""
+        return key_hash(self.ns, self.key)
 
     def location(self) -> Location:
         return Location(self.generation, self.pool, self.offset, self.nbytes, self.dtype, list(self.shape),

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import EventKind, RingWriter
 from ..protocol import AllocItem, Failure, Location
+from .key_index import KeyIndex
 from .entries import Entry, Reservation, Scheduler, Session, StoreLimits, Waiter
 
 
@@ -21,7 +22,7 @@ class RegistryState:
     scheduler: Scheduler
     limits: StoreLimits
     clock: Callable[[], float]
-    index: dict[tuple[str, str], Entry]  # READY entries only
+    index: KeyIndex  # READY entries only, by (namespace, key)
     by_generation: dict[int, Entry]  # every entry that holds an extent
     reservations: dict[int, Reservation]  # by generation: extents held for a client's next put
     reserved_bytes: int

@@ -19,7 +19,6 @@ import sys
 
 from ..errors import Code
 from ..memory.allocator import align_up
-from ..memory.ring import key_hash
 from ..protocol import AllocItem, Extent, Failure
 from .entries import Entry, Reservation, Session
 from .registry import RegistryState
@@ -89,7 +88,7 @@ class Reservations(RegistryState):
             self._uncharge(reservation.ns, reservation.size)
             self.ns_used[ns] = self.ns_used.get(ns, 0) + reservation.size
         ns = sys.intern(ns)
-        entry = Entry(generation, ns, item.key, key_hash(ns, item.key), sys.intern(item.dtype),
+        entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
                       self._shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
                       last_access=self.clock(), write_deadline=reservation.deadline)
         self.by_generation[generation] = entry

@@ -34,10 +34,11 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 from ..errors import Code
 from ..memory.allocator import ExtentAllocator, align_up
-from ..memory.ring import EventKind, RingWriter, key_hash
+from ..memory.ring import EventKind, RingWriter
 from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 from .entries import Entry, RequestError, Reservation, Scheduler, Session, State, StoreLimits, Waiter
 from .deadlines import Deadlines
+from .key_index import KeyIndex
 from .operator import OperatorRequests
 from .placement import Placement
 from .reservations import Reservations
@@ -65,7 +66,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         self.limits = limits
         self.clock = clock
         self._next_generation = 1
-        self.index: dict[tuple[str, str], Entry] = {}  # READY entries only
+        self.index = KeyIndex()  # READY entries only, by (namespace, key)
         self.by_generation: dict[int, Entry] = {}  # every entry that holds an extent
         self.reservations: dict[int, Reservation] = {}  # by generation (reservations.py)
         self.reserved_bytes = 0
@@ -254,7 +255,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
         # interned string nothing refers to, so client-chosen names cannot pile up).
         ns, dtype = sys.intern(ns), sys.intern(dtype)
-        entry = Entry(generation, ns, key, key_hash(ns, key), dtype, self._shared_shape(shape), nbytes,
+        entry = Entry(generation, ns, key, dtype, self._shared_shape(shape), nbytes,
                       placed[0], placed[1], owner=session, last_access=now,
                       write_deadline=now + self.limits.write_ttl)
         self.by_generation[generation] = entry

