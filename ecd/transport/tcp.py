@@ -98,6 +98,9 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float, io_timeo
                 raise TransferError("timeout", f"no data for {io_timeout:.1f}s ({got} of {len(view)} bytes)") from None
             except InterruptedError:
                 continue
+            except ssl.SSLError as exc:  # TLS 1.3: the owner's verdict on our certificate comes here
+                reason = "refused" if "ALERT" in str(exc).upper() else "connection"
+                raise TransferError(reason, f"TLS on the data connection failed: {exc}") from None
             except OSError as exc:
                 raise TransferError("connection", f"data connection failed: {exc.strerror or exc}") from None
             if n == 0:
@@ -281,7 +284,7 @@ class TcpTransport(Transport):
                 raise TransferError("shutdown", "the daemon is shutting down")
             sock, reused = self._checkout((host, port), deadline)
             try:
-                received = self._exchange(sock, host, port, items, deadline)
+                received = self._exchange(sock, host, port, items, deadline, reused)
             except TransferError as exc:
                 self._drop(sock)
                 if reused and attempt == 0 and exc.reason == "connection" and not getattr(exc, "progress", 0):
@@ -354,12 +357,16 @@ class TcpTransport(Transport):
             self.connections_opened += 1
         return sock
 
-    def _exchange(self, sock: socket.socket, host: str, port: int, items: list[PullItem], deadline: float) -> int:
+    def _exchange(self, sock: socket.socket, host: str, port: int, items: list[PullItem], deadline: float,
+                  reused: bool) -> int:
         """One transfer on `sock`: the request, then every item into its extent."""
         received = 0
         _set_io_timeout(sock, min(self.io_timeout, max(0.001, deadline - time.monotonic())))
         try:
             sock.sendall(REQUEST_HEAD.pack(MAGIC, len(items)) + b"".join(i.token for i in items))
+        except ssl.SSLError as exc:  # on a fresh TLS connection: the owner refused our certificate
+            raise TransferError("connection" if reused else "refused",
+                                f"data request to {host}:{port} failed (TLS): {exc}") from None
         except OSError as exc:
             raise TransferError("connection", f"data request to {host}:{port} failed: {exc}") from None
         head = bytearray(ITEM_HEAD.size)
