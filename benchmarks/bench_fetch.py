@@ -9,7 +9,9 @@ process `sendall`s the same number of bytes from a pre-faulted buffer and this p
 alternate (fetch, reference, fetch, ...); each fetch is divided by the reference taken beside
 it, and the median of those ratios (reference time / fetch time = fetch throughput as a share of
 the bare socket's) is the figure. Goal: >= 0.8. `--checksum` stores entries with a checksum,
-which the puller then verifies (xxh3-64 of every byte, on its transfer thread).
+which the puller then verifies (xxh3-64 of every byte, on its transfer thread). `--tls` starts a
+second pair with `[cluster] tls = true` (certificates from `ecd keygen --tls`) and adds a TLS
+fetch to each sample: its ratio to the bare socket and to the plain fetch beside it.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def main() -> int:
     parser.add_argument("--sizes-mib", default="16,256")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--checksum", action="store_true", help="entries carry a checksum the puller verifies")
+    parser.add_argument("--tls", action="store_true", help="also measure a pair of daemons with [cluster] tls = true")
     parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
     args = parser.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
@@ -89,6 +92,25 @@ def main() -> int:
     os.makedirs(f"{work}/b")
     a = BenchDaemon(f"{work}/a", "fa", pool=pool, extra=cluster(ea, eb).replace(f'[pool.host]\nsize = "{pool}"\n', ""))
     b = BenchDaemon(f"{work}/b", "fb", pool=pool, extra=cluster(eb, ea).replace(f'[pool.host]\nsize = "{pool}"\n', ""))
+    c = d = None
+    if args.tls:
+        from ecd.transport.tls import write_tls_pair
+        for name in ("c", "d"):
+            write_tls_pair(work, name)
+        for name, peer in (("c", "d"), ("d", "c")):
+            os.makedirs(f"{work}/{name}-allowed")
+            shutil.copy(f"{work}/{peer}.crt", f"{work}/{name}-allowed/")
+        ec, ed = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+        def tls(name: str) -> str:
+            return (f'tls = true\ntls_cert = "{work}/{name}.crt"\ntls_key = "{work}/{name}.crt_secret"\n'
+                    f'tls_allowed_certs = "{work}/{name}-allowed"\n')
+        os.makedirs(f"{work}/c")
+        os.makedirs(f"{work}/d")
+        c = BenchDaemon(f"{work}/c", "fc", pool=pool, extra=cluster(ec, ed).replace(f'[pool.host]\nsize = "{pool}"\n', "")
+                        + tls("c"))
+        d = BenchDaemon(f"{work}/d", "fd", pool=pool, extra=cluster(ed, ec).replace(f'[pool.host]\nsize = "{pool}"\n', "")
+                        + tls("d"))
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
     sender = ctx.Process(target=_sender, args=(port_q, sizes), daemon=True)
@@ -96,17 +118,28 @@ def main() -> int:
     port = port_q.get(timeout=30)
     dest = np.zeros(max(sizes), dtype=np.uint8)
     dest[:] = 1  # pre-fault, like the pool's pages
-    results: dict = {"goal": GOAL, "checksum": args.checksum, "sizes": {}}
+    results: dict = {"goal": GOAL, "checksum": args.checksum, "tls": args.tls, "sizes": {}}
     try:
         ca, cb = a.connect(timeout=30), b.connect(timeout=30)
+        cc, cd = (c.connect(timeout=30), d.connect(timeout=30)) if c and d else (None, None)
         for n in sizes:
             key = f"e{n}"
             ca.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
             assert cb.fetch(key, peer=ea, timeout=60) is True  # warm-up: links, handshakes, pages
             cb.delete(key)
+            tls_s: list[float] = []
+            if cc is not None and cd is not None:
+                cc.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
+                assert cd.fetch(key, peer=ec, timeout=60) is True
+                cd.delete(key)
             reference(port, memoryview(dest), n)
             ratios, fetch_s, ref_s = [], [], []
             for _ in range(args.reps):
+                if cd is not None:
+                    started = time.perf_counter()
+                    assert cd.fetch(key, peer=ec, timeout=60) is True
+                    tls_s.append(time.perf_counter() - started)
+                    cd.delete(key)
                 started = time.perf_counter()
                 ok = cb.fetch(key, peer=ea, timeout=60)
                 f = time.perf_counter() - started
@@ -121,18 +154,26 @@ def main() -> int:
                    "fetch_GBps_median": n / statistics.median(fetch_s) / 1e9,
                    "tcp_GBps_median": n / statistics.median(ref_s) / 1e9,
                    "ratio_median": statistics.median(ratios), "ratios": ratios}
+            if tls_s:
+                row["tls_ms_median"] = statistics.median(tls_s) * 1e3
+                row["tls_ratio_to_tcp"] = statistics.median([r / t for r, t in zip(ref_s, tls_s)])
+                row["tls_ratio_to_fetch"] = statistics.median([f / t for f, t in zip(fetch_s, tls_s)])
             results["sizes"][f"{n >> 20}MiB"] = row
             verdict = "PASS" if row["ratio_median"] >= GOAL else "MISS"
             print(f"{n >> 20:5d} MiB: fetch {row['fetch_ms_median']:8.1f} ms ({row['fetch_GBps_median']:.2f} GB/s)  "
                   f"bare tcp {row['tcp_ms_median']:8.1f} ms ({row['tcp_GBps_median']:.2f} GB/s)  "
                   f"ratio {row['ratio_median']:.2f} (goal >= {GOAL}) {verdict}")
-        ca.close()
-        cb.close()
+            if tls_s:
+                print(f"{'':9s}tls fetch {row['tls_ms_median']:8.1f} ms ({n / statistics.median(tls_s) / 1e9:.2f} GB/s)  "
+                      f"ratio to bare tcp {row['tls_ratio_to_tcp']:.2f}, to plain fetch {row['tls_ratio_to_fetch']:.2f}")
+        for client in (ca, cb, cc, cd):
+            if client is not None:
+                client.close()
     finally:
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall((0).to_bytes(8, "big"))
         sender.join(5)
-        rc = a.stop() | b.stop()
+        rc = a.stop() | b.stop() | (c.stop() | d.stop() if c and d else 0)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         write_results(args.json, results)

@@ -76,14 +76,28 @@ def check_config(path: Path = typer.Argument(..., help="node.toml to validate"))
 @app.command()
 def keygen(directory: Path = typer.Argument(..., help="where to write the key pair (created if missing)"),
            name: str = typer.Option("ecd", "--name", help="file name stem: NAME.key and NAME.key_secret"),
-           force: bool = typer.Option(False, "--force", help="overwrite an existing key pair")) -> None:
+           force: bool = typer.Option(False, "--force", help="overwrite an existing key pair"),
+           tls: bool = typer.Option(False, "--tls", help="write a TLS pair for [cluster] tls instead: NAME.crt "
+                                                         "and NAME.crt_secret (needs the openssl command)")) -> None:
     """Write a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600).
 
     The daemon's pair: point control.curve_secret_key at its .key_secret and give clients its
-    .key. A client's pair: copy its .key into the daemon's control.curve_allowed_keys directory."""
+    .key. A client's pair: copy its .key into the daemon's control.curve_allowed_keys directory.
+    With --tls: a self-signed certificate NAME.crt (peers pin it: copy it into their
+    cluster.tls_allowed_certs directory) and its key NAME.crt_secret (mode 0600)."""
     from .curve import write_keypair
     if not name or "/" in name or name.startswith("."):
         _fail(f"--name: must be a plain file name, got {name!r}", EXIT_USAGE)
+    if tls:
+        from .transport.tls import fingerprint, write_tls_pair
+        try:
+            cert, key = write_tls_pair(str(directory), name, force)
+        except FileExistsError as exc:
+            _fail(f"{exc} exists: not overwriting it (use --force)", EXIT_USAGE)
+        except (OSError, RuntimeError) as exc:
+            _fail(f"cannot write a TLS pair in {directory}: {exc}", EXIT_USAGE)
+        typer.echo(f"certificate: {cert}\nkey: {key}\nsha256: {fingerprint(cert)}")
+        return
     try:
         public, secret = write_keypair(str(directory), name, force)
     except FileExistsError as exc:

@@ -296,6 +296,15 @@ class ClusterSection(_Section):
     curve_allowed_keys: str = ""
     peer_keys: dict[str, str] = msgspec.field(default_factory=dict)
     insecure: bool = False  # allow a non-loopback listen without CURVE
+    # TLS 1.3 on the data streams (mutual: pinned self-signed certificates, see
+    # ecd/transport/tls.py). This node's certificate and key (`ecd keygen --tls`), and the
+    # directory of the peers' certificates (*.crt) it admits and trusts. With CURVE set, each
+    # defaults to its CURVE sibling: NAME.crt and NAME.crt_secret beside curve_secret_key's
+    # NAME.key_secret, and the curve_allowed_keys directory.
+    tls: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_allowed_certs: str = ""
     transfer_ttl: Duration = Duration(60.0)  # longest an owner holds entries leased for a transfer
     fetch_timeout: Duration = Duration(30.0)  # a fetch's default (and longest) time
     request_timeout: Duration = Duration(5.0)  # one control round trip to a peer
@@ -335,6 +344,15 @@ class ClusterSection(_Section):
             _check(0 < value <= 3600, key, f"must be between 0 and 1 hour, got {float(value)}")
         _check(1 <= self.max_inflight <= 256, "max_inflight", f"must be between 1 and 256, got {self.max_inflight}")
         _check(1 <= self.max_peers <= 4096, "max_peers", f"must be between 1 and 4096, got {self.max_peers}")
+        if self.tls:
+            if self.curve:
+                stem = self.curve_secret_key.removesuffix(".key_secret")
+                self.tls_cert = self.tls_cert or stem + ".crt"
+                self.tls_key = self.tls_key or stem + ".crt_secret"
+                self.tls_allowed_certs = self.tls_allowed_certs or self.curve_allowed_keys
+            for key in ("tls_cert", "tls_key", "tls_allowed_certs"):
+                _check(bool(getattr(self, key)), key, "tls = true needs it (or CURVE keys to derive it from: "
+                                                      "see docs/operating.md, \"TLS on the data streams\")")
         if self.listen and not self.data_listen:
             host, port = split_tcp_endpoint(self.listen)  # type: ignore[misc]
             host = f"[{host}]" if ":" in host else host

@@ -29,7 +29,7 @@ from ..transport import Transport, make_transport
 from .fetch import Fetcher, check_fetch
 from .peer_links import PeerLink, PeerLinks
 from .peers import REAP_INTERVAL_S, PeerServer
-from .security import CurveAuth, cluster_curve
+from .security import CurveAuth, cluster_curve, cluster_tls
 
 if TYPE_CHECKING:  # pragma: no cover
     from .view import DaemonView
@@ -105,7 +105,8 @@ class Cluster:
         host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
         self.transport: Transport = make_transport(self.config.transport, host=host, port=port,
                                                    max_inflight=self.config.max_inflight,
-                                                   io_timeout=float(self.config.request_timeout))
+                                                   io_timeout=float(self.config.request_timeout),
+                                                   tls=cluster_tls(daemon.config))
         self.data_address: tuple[str, int] = ("", 0)
         self.listen = self.config.listen
         self._router: Any = None

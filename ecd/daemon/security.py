@@ -24,6 +24,8 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
+    from ..transport.tls import TlsConfig
+
 log = logging.getLogger("ecd.daemon")
 
 ZAP_DOMAIN = "ecd"
@@ -51,6 +53,7 @@ def check_security(config: Config) -> tuple[int, "CurveAuth | None"]:
     check_cluster_policy(config)
     curve = CurveAuth.load(config) if config.control.curve else None
     cluster_curve(config)  # the peer plane's keys: the daemon loads them again when it starts it
+    cluster_tls(config)
     return resolve_group(config.node.group), curve
 
 
@@ -62,6 +65,18 @@ def cluster_curve(config: Config) -> "tuple[CurveAuth, dict[str, bytes]] | None"
         return None
     auth = CurveAuth.from_files(cluster.curve_secret_key, cluster.curve_allowed_keys, "cluster")
     return auth, load_peer_keys(cluster.peer_keys)
+
+
+def cluster_tls(config: Config) -> "TlsConfig | None":
+    """`[cluster] tls`: the data streams' TLS contexts; None without it. ConfigError naming the key."""
+    from ..transport.tls import load_tls
+    cluster = config.cluster
+    if not cluster.enabled or not cluster.tls:
+        return None
+    try:
+        return load_tls(cluster.tls_cert, cluster.tls_key, cluster.tls_allowed_certs)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.{exc}") from None
 
 
 def load_peer_keys(peer_keys: dict[str, str]) -> dict[str, bytes]:

@@ -1,25 +1,37 @@
-"""transport = "tcp": one plain TCP stream per transfer, straight from pool to pool.
+"""transport = "tcp": TCP streams straight from pool to pool, one per peer reused across
+transfers (optionally TLS 1.3: `cluster.tls`, see tls.py).
 
-Wire (length-framed): the puller connects to the owner's data port and sends
-`b"ECD1" | u32 count | count x 32-byte token`; for each token, in order, the owner answers
-`u8 status | u64 nbytes` and then (status 0) exactly nbytes of the entry, `sendall` from a
-memoryview of its pool mapping; the puller `recv_into`s a memoryview of the extent it allocated.
-Status 1: the token is unknown, used or expired (nbytes 0). The owner then closes the stream.
+Wire (length-framed): the puller opens a data connection to the owner's data port (with TLS: the
+mutual handshake first) and, per transfer, sends `b"ECD2" | u32 count | count x 32-byte token`;
+for each token, in order, the owner answers `u8 status | u64 nbytes` and then (status 0) exactly
+nbytes of the entry, `sendall` from a memoryview of its pool mapping; the puller `recv_into`s a
+memoryview of the extent it allocated. Status 1: the token is unknown, used or expired (nbytes 0).
+Then the owner waits for the next request on the same connection (up to IDLE_TIMEOUT_S, then it
+closes it). The connection carries no authority of its own: every transfer presents its tokens,
+each admits one send, ever (GrantTable.take), so reusing a connection never lets a token be used
+twice. The puller puts a connection back in its per-peer pool only after a transfer that went
+through whole (every status 0, every byte read); after anything else it closes it. Before reusing
+one it checks the socket (the owner closed it: readable at EOF) and, when a reused connection
+fails before the owner answered a byte, retries once on a fresh one (a token the owner had
+already taken then answers status 1: a clean failure, never a second send).
 
 Why not ZeroMQ for the bytes: measured on this machine, a bare socket moves 16 MiB at ~3 GB/s and
 sees a dead peer in 0.04 s, pyzmq reached half of that and hung 30 s on a SIGKILLed peer. Dead
 peers: every blocking call has a timeout (no progress for `io_timeout`, and the transfer's
 deadline), TCP keepalive is on, and a peer that dies shows as EOF or a reset.
 
-Threads: an accept thread, one thread per data connection served (at most `max_conns` at once;
-the excess is closed at once: pullers retry through the control plane), and an executor of
-`max_inflight` threads for pulls. close() shuts every socket down and joins them, so no thread
-touches a pool mapping after it returns.
+Threads: an accept thread, one thread per data connection served, which lives as long as the
+connection and so serves all its transfers (at most `max_conns` at once; past it an idle
+connection is closed to make room, else the new one is: pullers retry through the control
+plane), and an executor of `max_inflight` threads for pulls. close() shuts every socket down and
+joins them, so no thread touches a pool mapping after it returns.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -29,19 +41,22 @@ from typing import Any, Callable
 from ..listeners import bind_tcp_listener
 from ..peer_protocol import TOKEN_BYTES
 from .base import Grant, GrantTable, OnSent, PullItem, Transport, TransferError
+from .tls import TlsConfig, raw_shutdown
 
 log = logging.getLogger("ecd.transport")
 
-MAGIC = b"ECD1"
+MAGIC = b"ECD2"
 REQUEST_HEAD = struct.Struct("!4sI")  # magic, token count
 ITEM_HEAD = struct.Struct("!BQ")  # status, nbytes
 STATUS_OK, STATUS_BAD_TOKEN = 0, 1
 CHUNK = 8 << 20  # sendall in pieces, so the timeout bounds a stall, not a whole large entry
 MAX_TOKENS = 16384  # limits.max_batch's default: a request head the owner reads is bounded
+IDLE_TIMEOUT_S = 60.0  # the owner closes a data connection idle this long
+POOL_IDLE_S = 30.0  # the puller reuses a pooled connection idle at most this long (< the owner's)
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # request and heads go out at once
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # keepalive probes after 5 s idle, every 2 s, 3 tries: a vanished host is seen in ~11 s
     for opt, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
@@ -51,7 +66,11 @@ def _tune(sock: socket.socket) -> None:
 
 def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
     """A blocking socket with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO): Python's own socket
-    timeouts poll() before every send and recv, which at GB/s costs about half the throughput."""
+    timeouts poll() before every send and recv, which at GB/s costs about half the throughput.
+    A TLS socket takes Python's timeout: its blocking read retries a kernel timeout forever."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(max(seconds, 0.001))
+        return
     sock.settimeout(None)
     whole = int(seconds)
     micros = max(int((seconds - whole) * 1e6), 0 if whole else 1000)  # 0 would mean "never"
@@ -61,50 +80,76 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float, io_timeout: float) -> None:
-    """Fill `view` from a socket set up by _set_io_timeout; TransferError when no byte comes for
-    io_timeout, the deadline passes or the peer closes. Near the deadline the kernel timeout is
-    lowered, so that no single call waits past it."""
+    """Fill `view` from a socket set up by _set_io_timeout; TransferError (with `progress`, the
+    bytes that did come) when no byte comes for io_timeout, the deadline passes or the peer
+    closes. Near the deadline the timeout is lowered, so that no single call waits past it."""
     got = 0
-    while got < len(view):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError("timeout", f"transfer deadline passed after {got} of {len(view)} bytes")
-        if left < io_timeout:
-            io_timeout = left
-            _set_io_timeout(sock, left)
-        try:
-            n = sock.recv_into(view[got:])
-        except (BlockingIOError, socket.timeout):  # SO_RCVTIMEO passed with nothing received
-            raise TransferError("timeout", f"no data for {io_timeout:.1f}s ({got} of {len(view)} bytes)") from None
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            raise TransferError("connection", f"data connection failed: {exc.strerror or exc}") from None
-        if n == 0:
-            raise TransferError("connection", f"peer closed the data connection after {got} of "
-                                              f"{len(view)} bytes")
-        got += n
+    try:
+        while got < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("timeout", f"transfer deadline passed after {got} of {len(view)} bytes")
+            if left < io_timeout:
+                io_timeout = left
+                _set_io_timeout(sock, left)
+            try:
+                n = sock.recv_into(view[got:])
+            except (BlockingIOError, socket.timeout):  # the timeout passed with nothing received
+                raise TransferError("timeout", f"no data for {io_timeout:.1f}s ({got} of {len(view)} bytes)") from None
+            except InterruptedError:
+                continue
+            except ssl.SSLError as exc:  # TLS 1.3: the owner's verdict on our certificate comes here
+                reason = "refused" if "ALERT" in str(exc).upper() else "connection"
+                raise TransferError(reason, f"TLS on the data connection failed: {exc}") from None
+            except OSError as exc:
+                raise TransferError("connection", f"data connection failed: {exc.strerror or exc}") from None
+            if n == 0:
+                raise TransferError("connection", f"peer closed the data connection after {got} of "
+                                                  f"{len(view)} bytes")
+            got += n
+    except TransferError as exc:
+        exc.progress = got  # type: ignore[attr-defined]
+        raise
+
+
+def _stale(sock: socket.socket) -> bool:
+    """A pooled connection must have nothing to read: readable means EOF, a reset, or bytes the
+    owner should never have sent."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, host: str, port: int, max_inflight: int = 4, io_timeout: float = 5.0,
-                 loop: Any = None) -> None:
+                 loop: Any = None, tls: TlsConfig | None = None) -> None:
         self.grants = GrantTable()
         self.executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="ecd-pull")
         self.io_timeout = io_timeout
         self.max_conns = max_inflight * 4
+        self.max_pooled = max_inflight  # idle connections kept per peer
+        self.idle_timeout = IDLE_TIMEOUT_S
+        self.pool_idle = POOL_IDLE_S
+        self.tls = tls
         self._loop = loop
         self._listener: socket.socket | None = None
         self._bind = (host, port)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._active: set[socket.socket] = set()  # every data socket open, both ways
+        self._waiting: set[socket.socket] = set()  # served connections between requests
+        self._pool: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}  # idle, by owner
         self._threads: set[threading.Thread] = set()
         self._accept_thread: threading.Thread | None = None
         self._segments: Callable[[int], Any] | None = None
         self._on_sent: OnSent | None = None
+        self.connections_opened = 0  # data connections this puller opened (tests, stats)
 
     # ---- owner side ---------------------------------------------------------------------
 
@@ -134,23 +179,64 @@ class TcpTransport(Transport):
             except OSError:
                 return  # closed
             with self._lock:
-                if len(self._threads) >= self.max_conns or self._stop.is_set():
-                    conn.close()  # over the cap: the puller sees EOF at once
+                if self._stop.is_set():
+                    conn.close()
                     continue
+                if len(self._threads) >= self.max_conns:
+                    if not self._waiting:
+                        conn.close()  # over the cap, every connection busy: the puller sees EOF at once
+                        continue
+                    raw_shutdown(self._waiting.pop())  # make room: an idle one goes (its thread exits)
                 self._active.add(conn)
-                thread = threading.Thread(target=self._serve_one, args=(conn,), name="ecd-data-send", daemon=True)
+                thread = threading.Thread(target=self._serve_conn, args=(conn,), name="ecd-data-send", daemon=True)
                 self._threads.add(thread)
             thread.start()
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_conn(self, conn: socket.socket) -> None:
+        """One data connection, all its transfers, until the puller closes it or it idles out."""
+        try:
+            _tune(conn)
+            if self.tls is not None:
+                raw = conn
+                raw.settimeout(self.io_timeout)
+                conn = self.tls.server.wrap_socket(raw, server_side=True)
+                with self._lock:
+                    self._active.discard(raw)
+                    self._active.add(conn)
+                self.tls.check_peer(conn)  # type: ignore[arg-type]
+            head = bytearray(REQUEST_HEAD.size)
+            while not self._stop.is_set():
+                with self._lock:
+                    self._waiting.add(conn)
+                _set_io_timeout(conn, self.idle_timeout)
+                try:
+                    n = conn.recv_into(head, 1)  # the next request's first byte, or EOF/idle: done
+                except OSError:
+                    return
+                finally:
+                    with self._lock:
+                        self._waiting.discard(conn)
+                if n == 0:
+                    return
+                _set_io_timeout(conn, self.io_timeout)
+                if not self._serve_request(conn, head):
+                    return
+        except (ssl.SSLError, OSError) as exc:  # the handshake failed: a peer we do not pin, or not TLS
+            log.warning("data connection refused: %s", exc)
+        finally:
+            with self._lock:
+                self._active.discard(conn)
+                self._waiting.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _serve_request(self, conn: socket.socket, head: bytearray) -> bool:
+        """One transfer (head[0] already read); True when the connection may serve another."""
         taken: list[Grant] = []
         sent, failure = 0, None
         try:
-            _tune(conn)
-            _set_io_timeout(conn, self.io_timeout)
-            head = bytearray(REQUEST_HEAD.size)
             deadline = time.monotonic() + self.io_timeout
-            _recv_exact(conn, memoryview(head), deadline, self.io_timeout)
+            _recv_exact(conn, memoryview(head)[1:], deadline, self.io_timeout)
             magic, count = REQUEST_HEAD.unpack(head)
             if magic != MAGIC or not 0 < count <= MAX_TOKENS:
                 raise TransferError("protocol", "not an ecd data request")
@@ -173,18 +259,15 @@ class TcpTransport(Transport):
         except TransferError as exc:
             failure = exc.reason
             log.debug("data connection: %s", exc)
-        except (socket.timeout, BlockingIOError):  # SO_SNDTIMEO: the puller stopped reading
+        except (socket.timeout, BlockingIOError):  # the puller stopped reading
             failure = "timeout"
         except OSError as exc:
             failure = "connection"
             log.debug("data connection failed: %s", exc)
         finally:
-            with self._lock:
-                self._active.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.close()
             if taken and self._on_sent is not None:
                 self._report(taken, sent, failure)
+        return failure is None
 
     def _report(self, taken: list[Grant], sent: int, failure: str | None) -> None:
         # The bytes are in the kernel's hands (or the send failed): the loop gives the leases back.
@@ -196,31 +279,102 @@ class TcpTransport(Transport):
     # ---- puller side --------------------------------------------------------------------
 
     def pull(self, host: str, port: int, items: list[PullItem], deadline: float) -> int:
-        if self._stop.is_set():
-            raise TransferError("shutdown", "the daemon is shutting down")
+        for attempt in range(2):
+            if self._stop.is_set():
+                raise TransferError("shutdown", "the daemon is shutting down")
+            sock, reused = self._checkout((host, port), deadline)
+            try:
+                received = self._exchange(sock, host, port, items, deadline, reused)
+            except TransferError as exc:
+                self._drop(sock)
+                if reused and attempt == 0 and exc.reason == "connection" and not getattr(exc, "progress", 0):
+                    log.debug("pooled data connection to %s:%d was gone (%s): a fresh one", host, port, exc)
+                    continue  # the owner closed it before answering: nothing of this transfer happened
+                raise
+            except BaseException:
+                self._drop(sock)
+                raise
+            self._checkin((host, port), sock)
+            return received
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _checkout(self, where: tuple[str, int], deadline: float) -> tuple[socket.socket, bool]:
+        """An idle pooled connection to `where` that is still open, else a new one."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                idle = self._pool.get(where)
+                if not idle:
+                    break
+                sock, since = idle.pop()
+            if now - since < self.pool_idle and not _stale(sock):
+                return sock, True
+            self._drop(sock)
+        return self._connect(*where, deadline), False
+
+    def _checkin(self, where: tuple[str, int], sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._pool.setdefault(where, [])
+            if not self._stop.is_set() and len(idle) < self.max_pooled:
+                idle.append((sock, time.monotonic()))
+                return
+        self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._active.discard(sock)
+        sock.close()
+
+    def _connect(self, host: str, port: int, deadline: float) -> socket.socket:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferError("timeout", "the fetch's deadline passed before its transfer started")
+        wait = min(self.io_timeout, left)
         try:
-            sock = socket.create_connection((host, port), timeout=min(self.io_timeout, left))
+            sock = socket.create_connection((host, port), timeout=wait)
         except socket.timeout:
-            raise TransferError("timeout", f"cannot connect to {host}:{port} within "
-                                           f"{min(self.io_timeout, left):.1f}s") from None
+            raise TransferError("timeout", f"cannot connect to {host}:{port} within {wait:.1f}s") from None
         except OSError as exc:
             raise TransferError("connection", f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
-        with self._lock:
-            self._active.add(sock)
-        received = 0
         try:
             _tune(sock)
-            _set_io_timeout(sock, min(self.io_timeout, max(0.001, deadline - time.monotonic())))
-            try:
-                sock.sendall(REQUEST_HEAD.pack(MAGIC, len(items)) + b"".join(i.token for i in items))
-            except OSError as exc:
-                raise TransferError("connection", f"data request to {host}:{port} failed: {exc}") from None
-            head = bytearray(ITEM_HEAD.size)
+            if self.tls is not None:
+                sock.settimeout(wait)
+                try:
+                    sock = self.tls.client.wrap_socket(sock)
+                    self.tls.check_peer(sock)  # type: ignore[arg-type]
+                except (ssl.SSLError, ssl.CertificateError) as exc:
+                    sock.close()
+                    raise TransferError("refused", f"TLS handshake with {host}:{port} failed: {exc}") from None
+                except socket.timeout:
+                    sock.close()
+                    raise TransferError("timeout", f"TLS handshake with {host}:{port} timed out") from None
+        except OSError as exc:
+            sock.close()
+            raise TransferError("connection", f"data connection to {host}:{port} failed: {exc}") from None
+        with self._lock:
+            self._active.add(sock)
+            self.connections_opened += 1
+        return sock
+
+    def _exchange(self, sock: socket.socket, host: str, port: int, items: list[PullItem], deadline: float,
+                  reused: bool) -> int:
+        """One transfer on `sock`: the request, then every item into its extent."""
+        received = 0
+        _set_io_timeout(sock, min(self.io_timeout, max(0.001, deadline - time.monotonic())))
+        try:
+            sock.sendall(REQUEST_HEAD.pack(MAGIC, len(items)) + b"".join(i.token for i in items))
+        except ssl.SSLError as exc:  # on a fresh TLS connection: the owner refused our certificate
+            raise TransferError("connection" if reused else "refused",
+                                f"data request to {host}:{port} failed (TLS): {exc}") from None
+        except OSError as exc:
+            raise TransferError("connection", f"data request to {host}:{port} failed: {exc}") from None
+        head = bytearray(ITEM_HEAD.size)
+        answered = 0  # bytes of the owner's answer read so far
+        try:
             for item in items:
                 _recv_exact(sock, memoryview(head), deadline, self.io_timeout)
+                answered += ITEM_HEAD.size
                 status, nbytes = ITEM_HEAD.unpack(head)
                 if status == STATUS_BAD_TOKEN:
                     raise TransferError("refused", "the owner did not accept the token (expired or used)")
@@ -230,12 +384,12 @@ class TcpTransport(Transport):
                 with memoryview(item.buf) as seg:
                     with seg[item.offset:item.offset + item.nbytes] as dest:
                         _recv_exact(sock, dest, deadline, self.io_timeout)
+                answered += nbytes
                 received += nbytes
-            return received
-        finally:
-            with self._lock:
-                self._active.discard(sock)
-            sock.close()
+        except TransferError as exc:
+            exc.progress = answered + getattr(exc, "progress", 0)  # type: ignore[attr-defined]
+            raise
+        return received
 
     # ---- shutdown -----------------------------------------------------------------------
 
@@ -245,11 +399,12 @@ class TcpTransport(Transport):
             self._listener.close()
         with self._lock:
             for sock in self._active:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in send/recv
-                except OSError:
-                    pass
+                raw_shutdown(sock)  # wakes a thread blocked in send/recv
+            pooled = [sock for idle in self._pool.values() for sock, _ in idle]
+            self._pool.clear()
             threads = list(self._threads)
+        for sock in pooled:
+            self._drop(sock)
         for thread in threads:
             thread.join(5.0)
         if self._accept_thread is not None:
