@@ -278,7 +278,11 @@ class EcdECConnector(ECConnectorBase):
         if not ask:
             return found
         timeout = self.settings.fetch_timeout_s
-        got = self._client.call("fetch", lambda c: c.fetch(ask, timeout=timeout)) or [False] * len(ask)
+
+        def fetch(client) -> list[bool]:
+            return client.fetch(ask, timeout=timeout)  # a list of keys: a list of answers
+
+        got = self._client.call("fetch", fetch) or [False] * len(ask)
         arrived = [k for k, ok in zip(ask, got) if ok]
         self._fetch_missed.update((k, now) for k, ok in zip(ask, got) if not ok)
         if not arrived:
