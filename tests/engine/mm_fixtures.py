@@ -59,7 +59,8 @@ def engine_env(extra: dict | None = None) -> dict:
 class EcdDaemon:
     """One `ecd serve` subprocess on a private node (runtime dir, socket, shm names)."""
 
-    def __init__(self, size: str = "256MiB") -> None:
+    def __init__(self, size: str = "256MiB", extra: str = "") -> None:
+        """`extra`: more node.toml (e.g. a [cluster] section)."""
         self.runtime_dir = tempfile.mkdtemp(prefix="ecd-e-", dir="/tmp")  # short: a socket path
         self.node = f"e{os.getpid()}x{os.path.basename(self.runtime_dir)[-6:]}"
         self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
@@ -75,6 +76,7 @@ endpoint = "{self.endpoint}"
 size = "{size}"
 [metrics]
 listen = "127.0.0.1:0"
+{extra}
 """)
         self.log_path = Path(self.runtime_dir) / "daemon.log"
         self.proc: subprocess.Popen | None = None
