@@ -339,6 +339,9 @@ class Welcome(_Msg, tag="welcome"):
     verify_namespaces: list[str] = []
     # `[pool.cuda]`: one arena per configured device (empty without it).
     arenas: list[ArenaInfo] = []
+    # The peer plane ([cluster]): this node's peer endpoint as bound (tcp://HOST:PORT; "" without
+    # one), so an engine can tell another node where to fetch what it published.
+    cluster_listen: str = ""
 
 
 class Pong(_Msg, tag="pong"):

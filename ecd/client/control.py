@@ -285,6 +285,17 @@ class ControlClient:
         return self._welcome.epoch
 
     @property
+    def node(self) -> str:
+        """The daemon's node name ([node] name), from its Welcome."""
+        return self._welcome.node
+
+    @property
+    def cluster_listen(self) -> str:
+        """The daemon's peer endpoint (`cluster.listen` as bound, tcp://HOST:PORT), "" when it has
+        no peer plane (or is older than this field): where other nodes fetch its entries from."""
+        return self._welcome.cluster_listen
+
+    @property
     def verify_namespaces(self) -> frozenset[str]:
         """Namespaces the daemon is configured to checksum (`verify = true`): puts into them
         always store a checksum and reads from them always verify it."""

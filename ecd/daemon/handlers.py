@@ -177,7 +177,8 @@ class Handlers:
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
-            sorted(self.d.store.verify_namespaces), self.d.arena_infos()))
+            sorted(self.d.store.verify_namespaces), self.d.arena_infos(),
+            self.d.cluster.listen if self.d.cluster is not None else ""))
         return "ok"
 
 

@@ -11,7 +11,8 @@ waits, and returns what the child wrote:
 The spec is general: a model path, LLM(...) keyword arguments (kv_transfer_config /
 ec_transfer_config dicts included), batches of prompts (a string, a token id list, or a dict as
 vLLM's `generate` takes it, e.g. {"prompt": ..., "multi_modal_data": ...} where the data is
-JSON-able) and SamplingParams keyword arguments per batch; `"reset_prefix_cache": true` in a
+JSON-able) and SamplingParams keyword arguments per batch; `"kv_transfer_params": [dict or null per prompt]` in a batch passes them as vLLM's P/D proxy does
+(SamplingParams.extra_args; each output reports the engine's own); `"reset_prefix_cache": true` in a
 batch empties the engine's own prefix cache first, so its prompts are computed or loaded anew.
 
 Between batches the child can stop and wait for the test (`pause_before`: batch indices): it
@@ -175,7 +176,11 @@ def _child(spec_path: str, out_path: str) -> None:
         if batch.get("reset_prefix_cache"):  # forget what earlier batches computed locally
             assert llm.reset_prefix_cache(), "vLLM refused to reset the prefix cache"
         prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in batch["prompts"]]
-        params = SamplingParams(**batch.get("sampling", {}))
+        params: Any = SamplingParams(**batch.get("sampling", {}))
+        if batch.get("kv_transfer_params") is not None:  # per prompt, as vLLM's P/D proxy sends them
+            params = [SamplingParams(**batch.get("sampling", {}), extra_args={"kv_transfer_params": kv})
+                      if kv is not None else SamplingParams(**batch.get("sampling", {}))
+                      for kv in batch["kv_transfer_params"]]
         t0 = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds["batches"].append(time.monotonic() - t0)
@@ -187,7 +192,8 @@ def _child(spec_path: str, out_path: str) -> None:
                 logprobs = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
             results.append({"prompt": prompt, "prompt_token_ids": list(out.prompt_token_ids or []),
                             "token_ids": list(completion.token_ids), "text": completion.text,
-                            "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens})
+                            "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens,
+                            "kv_transfer_params": out.kv_transfer_params})
         batches.append(results)
     tmp = f"{out_path}.tmp"
     with open(tmp, "w") as f:

@@ -45,7 +45,11 @@ def engine_env(extra: dict | None = None) -> dict:
 
 
 class EcdDaemon(DaemonProcess):
-    """tests/conftest.py's `ecd serve` subprocess, seen as an operator sees it (the CLI)."""
+    """tests/conftest.py's `ecd serve` subprocess, seen as an operator sees it (the CLI).
+    `extra`: more node.toml (e.g. a [cluster] section)."""
+
+    def __init__(self, size: str = "256MiB", extra: str = "") -> None:
+        super().__init__(size, extra)
 
     def restart(self) -> None:
         self.stop()

@@ -39,6 +39,13 @@ is the one case the connector cannot save. Requests without media (metadata-only
 are therefore checked before they are scheduled: ensure_cache_available pins what they need, or
 defers them while it is missing, up to load_timeout_s, then fails them (retryable).
 
+Across nodes (`"fetch_from_peers": true`, off by default): an item encoded on another node. A
+lookup that misses asks the local daemon once to pull the missing items from its configured
+peers (`fetch`: the daemon asks them in parallel, first holder wins, within fetch_timeout_s),
+then pins what arrived: one peer round trip at most per lookup, and the worker's load then reads
+the bytes from the local pool as usual. An item a fetch did not find is not asked for again for
+FETCH_RETRY_S (a request deferred for its embedding checks every step).
+
 Every daemon failure inside a connector method is caught, logged (rate-limited) and turned into
 a miss: the connector never raises into the engine. The Client is created on first use,
 dropped after DaemonUnavailable and re-created after a short back-off (lazy_client.py, shared
@@ -124,6 +131,9 @@ def _engine_device() -> torch.device:
         return torch.device("cpu")
 
 
+FETCH_RETRY_S = 1.0  # an item a fetch from peers did not find is not asked for again before this
+
+
 # ---- the connector --------------------------------------------------------------------------
 
 class EcdECConnector(ECConnectorBase):
@@ -157,6 +167,7 @@ class EcdECConnector(ECConnectorBase):
         self._waiting_since: dict[tuple[str, str], float] = {}  # (req_id, mm_hash) -> first miss
         self._unavailable: set[str] = set()  # req_ids for take_unavailable_requests
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first need
+        self._fetch_missed: dict[str, float] = {}  # mm_hash -> when a fetch last failed to find it
 
         # worker side
         self._device: torch.device | None = None
@@ -251,8 +262,35 @@ class EcdECConnector(ECConnectorBase):
         found = self._client.call("lookup", lambda c: c.exists(keys, pin_s=self.settings.pin_seconds))
         if found is None:
             return [False] * len(keys)
+        if self.settings.fetch_from_peers and not all(found):
+            found = self._fetch_missing(keys, found)
         self._step_hits.update(k for k, hit in zip(keys, found) if hit)
         return found
+
+    def _fetch_missing(self, keys: list[str], found: list[bool]) -> list[bool]:
+        """Pull the missing keys from the daemon's configured peers (one fetch, bounded by
+        fetch_timeout_s), then pin those that arrived. Keys a recent fetch did not find are not
+        asked again before FETCH_RETRY_S."""
+        now = time.monotonic()
+        for h in [h for h, t in self._fetch_missed.items() if now - t >= FETCH_RETRY_S]:
+            del self._fetch_missed[h]
+        ask = [k for k, hit in zip(keys, found) if not hit and k not in self._fetch_missed]
+        if not ask:
+            return found
+        timeout = self.settings.fetch_timeout_s
+
+        def fetch(client) -> list[bool]:
+            return client.fetch(ask, timeout=timeout)  # a list of keys: a list of answers
+
+        got = self._client.call("fetch", fetch) or [False] * len(ask)
+        arrived = [k for k, ok in zip(ask, got) if ok]
+        self._fetch_missed.update((k, now) for k, ok in zip(ask, got) if not ok)
+        if not arrived:
+            return found
+        pinned = self._client.call("lookup", lambda c: c.exists(arrived, pin_s=self.settings.pin_seconds))
+        here = {k for k, hit in zip(arrived, pinned or ()) if hit}
+        logger.debug("EcdECConnector: %d of %d missing items fetched from peers", len(here), len(ask))
+        return [hit or k in here for k, hit in zip(keys, found)]
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self.is_consumer:

@@ -17,6 +17,17 @@ one `get_many` and copies it into the paged cache; `wait_for_save` writes the st
 with one `put_many`, copying straight out of the paged cache. Loads are synchronous (the step
 that consumes them waits for them); a save is finished when `wait_for_save` returns.
 
+Across nodes (the daemons' peer plane, `[cluster]`; docs/vllm.md "Across nodes"): a producer
+answers a request that asked for it (`kv_transfer_params: {"do_remote_decode": true}`, as vLLM's
+P/D proxy sends) from `request_finished` with transfer params naming its daemon (node name and
+peer endpoint, learnt from the daemon's Welcome) and the blocks it holds (their count and the last
+block's key: a chained hash names its whole prefix). A consumer given those params (or with
+`fetch_from_peers`) has its local daemon pull the blocks it lacks before the lookup: the fetch
+runs on a connector thread, bounded by `fetch_timeout_s`, while `get_num_new_matched_tokens`
+answers None ("not decided yet": vLLM leaves the request waiting and asks again next step), so
+the scheduler loop never blocks on the network. Then the lookup and load are the local ones
+above; whatever the fetch did not bring (owner gone, timeout, evicted) is a miss and recomputed.
+
 Every daemon failure is caught, logged (rate-limited) and becomes a miss, a skipped save, or a
 load error reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks
 with `kv_load_failure_policy: "recompute"`, or fails the request with the default "fail"). The
@@ -26,6 +37,8 @@ back-off (lazy_client.py, shared with the EC connector).
 from __future__ import annotations
 
 import hashlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +128,47 @@ def _layout_facts(vllm_config: Any) -> dict[str, Any]:
     }
 
 
+# ---- across nodes: kv_transfer_params -------------------------------------------------------
+
+PARAM_NODE = "ecd_node"  # the producer daemon's node name
+PARAM_PEER = "ecd_peer"  # its peer endpoint (tcp://HOST:PORT), "" when it has none to give
+PARAM_BLOCKS = "ecd_blocks"  # how many of the prompt's first full blocks it holds
+PARAM_LAST_KEY = "ecd_last_key"  # the key of the last of them (names the whole prefix)
+FETCH_WORKERS = 4  # fetches in flight at once, per scheduler
+_WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::", "*", "")
+
+
+def advertised_endpoint(listen: str) -> str:
+    """A daemon's cluster.listen as another node can dial it: "" for a wildcard address."""
+    if not listen.startswith("tcp://"):
+        return ""
+    host = listen[len("tcp://"):].rpartition(":")[0]
+    return "" if host in _WILDCARD_HOSTS else listen
+
+
+def remote_source(params: Any) -> tuple[str, int, str] | None:
+    """(peer or node, blocks, last key) of a request's ecd kv_transfer_params; None when the
+    request carries none (or they do not ask for a remote prefill)."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    peer = params.get(PARAM_PEER) or params.get(PARAM_NODE)
+    blocks, last = params.get(PARAM_BLOCKS), params.get(PARAM_LAST_KEY)
+    if not isinstance(peer, str) or not peer or not isinstance(blocks, int) or not isinstance(last, str):
+        return None
+    return peer, blocks, last
+
+
+@dataclass
+class _Fetch:
+    """A request's pull from peers, on the connector's fetch threads."""
+
+    future: Future | None
+    deadline: float  # monotonic: the request is looked up then, fetched or not
+
+    def settled(self) -> bool:
+        return self.future is None or self.future.done() or time.monotonic() >= self.deadline
+
+
 # ---- scheduler-side state -------------------------------------------------------------------
 
 @dataclass
@@ -156,6 +210,9 @@ class EcdKVConnector(KVConnectorBase_V1):
                                   self._log, populate=role == KVConnectorRole.WORKER)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
+        self._fetches: dict[str, _Fetch] = {}  # req_id -> its fetch from peers (kept once settled)
+        self._fetch_pool: ThreadPoolExecutor | None = None
+        self._identity: tuple[str, str] | None = None  # (node, peer endpoint) of our daemon
         # worker side
         self._paged: PagedKV | None = None
         self._rank_suffix = ""
@@ -205,11 +262,109 @@ class EcdKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
+            if self._loads_enabled and self._fetching(request, num_computed_tokens):
+                return None, False  # blocks on their way from a peer: vLLM asks again next step
             return self._match(request, num_computed_tokens), False
         except Exception as exc:  # never out of the connector: a miss
             self._log.warning("lookup", "lookup for %s failed: %s: %s", request.request_id,
                               type(exc).__name__, exc)
             return 0, False
+
+    # ---- across nodes ----
+
+    def _fetching(self, request: "Request", num_computed_tokens: int) -> bool:
+        """Whether this request waits for blocks being pulled from a peer. The first call starts
+        the pull (when the request names a producer on another node, or fetch_from_peers is on
+        and blocks are missing here); later calls answer until it settles (done, or its deadline
+        passed). Once settled, never again for this request."""
+        req_id = request.request_id
+        job = self._fetches.get(req_id)
+        if job is not None:
+            return not job.settled()
+        self._fetches[req_id] = _Fetch(None, 0.0)  # settled unless a pull starts below
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return False
+        source = remote_source(getattr(request, "kv_transfer_params", None))
+        if source is None and not self.settings.fetch_from_peers:
+            return False
+        bs = self._block_size
+        keys = self._block_keys(request)
+        loadable = min(len(keys), (request.num_tokens - 1) // bs)
+        peer: str | None = None
+        if source is not None:
+            peer, blocks, last = source
+            if blocks <= 0 or blocks > len(keys) or keys[blocks - 1] != last:
+                self._log.warning("fetch-params", "request %s: the producer's blocks (%d, last %s) are not "
+                                  "this engine's (other model, namespace or block size?): not fetched",
+                                  req_id, blocks, last[:16])
+                return False
+            loadable = min(loadable, blocks)
+            if peer in self._our_identity():
+                return False  # the producer shares our daemon: a local lookup finds them
+        wanted = [k for key in keys[num_computed_tokens // bs:loadable] for k in self._rank_keys(key)]
+        if not wanted:
+            return False
+        local = self._client.call("exists", lambda c: c.exists(wanted))
+        missing = [k for k, hit in zip(wanted, local or [False] * len(wanted)) if not hit]
+        if local is None or not missing:
+            return False  # no daemon (a miss anyway) or all here already
+        if self._fetch_pool is None:
+            self._fetch_pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="ecd-kv-fetch")
+        timeout = self.settings.fetch_timeout_s
+        future = self._fetch_pool.submit(self._pull, req_id, missing, peer, timeout)
+        # The client's own reply timeout comes on top of the fetch's: past both, stop waiting.
+        self._fetches[req_id] = _Fetch(future, time.monotonic() + timeout + self.settings.load_timeout_s)
+        return True
+
+    def _pull(self, req_id: str, keys: list[str], peer: str | None, timeout: float) -> int:
+        """On a fetch thread: make `keys` local through our daemon (from `peer`, or its configured
+        peers for None), within `timeout` overall. Returns how many are local now; never raises."""
+        deadline = time.monotonic() + timeout
+
+        def fetch(client) -> int:
+            n = 0
+            for part in _chunks(keys, client.limits.max_batch):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                n += sum(client.fetch(part, peer=peer, timeout=left))
+            return n
+
+        got = self._client.call("fetch", fetch) or 0  # failures logged there, a miss here
+        if got < len(keys):
+            self._log.warning("fetch-miss", "request %s: %d of %d blocks fetched from %s; the rest are "
+                              "recomputed", req_id, got, len(keys), peer or "the configured peers")
+        else:
+            logger.debug("ecd kv connector: request %s: %d blocks fetched from %s", req_id, got,
+                         peer or "the configured peers")
+        return got
+
+    def _our_identity(self) -> tuple[str, str]:
+        """(node name, peer endpoint) of the local daemon, asked once; ("", "") while unknown."""
+        if self._identity is None:
+            client = self._client.get("identity")
+            if client is None:
+                return "", ""
+            node = getattr(client, "node", "") or ""
+            endpoint = self.settings.peer_endpoint or advertised_endpoint(getattr(client, "cluster_listen", "") or "")
+            self._identity = (node, endpoint)
+        return self._identity
+
+    def _transfer_params(self, request: "Request", state: _RequestState | None) -> dict[str, Any] | None:
+        """A producer's answer to `do_remote_decode`: where the request's blocks are."""
+        asked = getattr(request, "kv_transfer_params", None)
+        if not (self._saves_enabled and isinstance(asked, dict) and asked.get("do_remote_decode")):
+            return None
+        if state is None:
+            return None
+        blocks = 0
+        while blocks < min(state.next_save, len(state.keys)) and state.present[blocks]:
+            blocks += 1
+        node, endpoint = self._our_identity()
+        if blocks == 0 or not (node or endpoint):
+            return None  # nothing stored (a short prompt) or no daemon: the decode side computes it
+        return {"do_remote_prefill": True, "do_remote_decode": False, PARAM_NODE: node, PARAM_PEER: endpoint,
+                PARAM_BLOCKS: blocks, PARAM_LAST_KEY: state.keys[blocks - 1]}
 
     def _match(self, request: "Request", num_computed_tokens: int) -> int:
         bs = self._block_size
@@ -335,11 +490,18 @@ class EcdKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # the ignore: dict.pop takes any key at run time; a request without an id finds nothing
-        state = self._requests.pop(getattr(request, "request_id", None), None)  # type: ignore[arg-type]
+        req_id = getattr(request, "request_id", None)
+        state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
+        self._fetches.pop(req_id, None)  # type: ignore[arg-type]  # a pull still running just lands
         if state is not None and state.pinned:
             pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
             self._client.call("unpin", lambda c: c.unpin(pinned))
-        return False, None  # saves finish inside the step (wait_for_save): free the blocks now
+        try:
+            params = self._transfer_params(request, state)
+        except Exception as exc:  # never out of the connector: the decode side recomputes
+            self._log.warning("params", "no kv_transfer_params for %s: %s: %s", req_id, type(exc).__name__, exc)
+            params = None
+        return False, params  # saves finish inside the step (wait_for_save): free the blocks now
 
     # ==== worker side ============================================================================
 
@@ -479,5 +641,7 @@ class EcdKVConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
+        if self._fetch_pool is not None:
+            self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
         return None

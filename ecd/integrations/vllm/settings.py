@@ -19,6 +19,14 @@ class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     namespace: str = ""  # "" = derived from model, dtype and layout
     pin_seconds: float = 60.0  # how long a scheduler-side hit stays pinned for the worker's load
     load_timeout_s: float = 5.0  # per daemon round trip (and the longest a load may wait)
+    # The peer plane ([cluster] of the daemons; docs/vllm.md, "Across nodes"). Consumers: ask the
+    # local daemon to pull what is missing from its configured peers (a KV request that carries
+    # a producer's ecd kv_transfer_params is fetched from that producer whatever this says).
+    fetch_from_peers: bool = False
+    fetch_timeout_s: float = 5.0  # longest one fetch from peers may take
+    # Producers: the peer endpoint other nodes reach this node's daemon at, as put in
+    # kv_transfer_params ("": the daemon's cluster.listen, unless that is a wildcard address).
+    peer_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://")):
@@ -27,6 +35,10 @@ class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             raise ValueError(f"pin_seconds: must be in (0, 86400], got {self.pin_seconds}")
         if not 0 < self.load_timeout_s <= 3600:
             raise ValueError(f"load_timeout_s: must be in (0, 3600], got {self.load_timeout_s}")
+        if not 0 < self.fetch_timeout_s <= 3600:
+            raise ValueError(f"fetch_timeout_s: must be in (0, 3600], got {self.fetch_timeout_s}")
+        if self.peer_endpoint and not self.peer_endpoint.startswith("tcp://"):
+            raise ValueError(f"peer_endpoint: must be tcp://HOST:PORT, got {self.peer_endpoint!r}")
         if len(self.namespace) > 256:
             raise ValueError("namespace: longer than 256 characters")
 
