@@ -455,35 +455,50 @@ class Client(ControlClient):
         waited for before the lease is released (kernels reading the view finish first); a
         verified view is checked by staging the entry to host memory (slow).
         """
+        with self.view_many([key], timeout, verify=verify) as (tensor,):
+            yield cast(torch.Tensor, tensor)  # not missing_ok: a missing key raised
+
+    @contextlib.contextmanager
+    def view_many(self, keys: Sequence[str], timeout: float | None = None, *, missing_ok: bool = False,
+                  verify: bool = False) -> Iterator[list[torch.Tensor | None]]:
+        """Views (as in view) of several entries under one round trip's read leases, released
+        together when the block exits; None for a missing key if missing_ok. What a consumer
+        copying entries somewhere of its own wants: one copy, out of the pool."""
+        keys = list(keys)
         verify = self._verifies(verify)
-        (result,), session, mapping = self._acquire([key], timeout)
-        loc = self._located(key, result) if isinstance(result, Failure) else result
-        if mapping.is_arena(loc.pool):
-            try:
-                plane = self._cuda_plane(mapping)
-                tensor = plane.arena_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
-                if verify and loc.checksum:
-                    from .cuda import tensor_checksum
-                    actual = tensor_checksum(tensor)
-                    if actual != loc.checksum:
-                        raise self._corrupt(key, loc, actual)
-                batch = plane.batch()
-                try:
-                    yield tensor
-                finally:
-                    batch.after(tensor)
-                    batch.wait_quietly()
-            finally:
-                self._release([loc.generation], session, mapping.epoch)
-            return
+        results, session, mapping = self._acquire(keys, timeout)
+        on_gpu: list[torch.Tensor] = []
         try:
-            if verify and loc.checksum:
-                actual = checksum_of(mapping.ro[loc.pool], loc.offset, loc.nbytes)
-                if actual != loc.checksum:
-                    raise self._corrupt(key, loc, actual)
-            yield view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
+            views: list[torch.Tensor | None] = []
+            for key, result in zip(keys, results):
+                if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
+                    views.append(None)
+                    continue
+                loc = self._located(key, result)
+                if mapping.is_arena(loc.pool):
+                    tensor = self._cuda_plane(mapping).arena_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype,
+                                                                    loc.shape)
+                    on_gpu.append(tensor)
+                    if verify and loc.checksum:
+                        from .cuda import tensor_checksum
+                        actual = tensor_checksum(tensor)
+                        if actual != loc.checksum:
+                            raise self._corrupt(key, loc, actual)
+                else:
+                    if verify and loc.checksum:
+                        actual = checksum_of(mapping.ro[loc.pool], loc.offset, loc.nbytes)
+                        if actual != loc.checksum:
+                            raise self._corrupt(key, loc, actual)
+                    tensor = view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                views.append(tensor)
+            yield views
         finally:
-            self._release([loc.generation], session, mapping.epoch)
+            if on_gpu:  # the lease goes only once the work queued on those devices is done
+                batch = self._cuda_plane(mapping).batch()
+                for tensor in on_gpu:
+                    batch.after(tensor)
+                batch.wait_quietly()
+            self._release([r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
 
     # ---- exists / pins / delete ---------------------------------------------------------
 

@@ -106,3 +106,26 @@ def test_failed_batch_put_leaves_nothing_behind(small):
             c.put_many({"ok": torch.ones(10), "bad": torch.ones(3 * MiB)})  # 12 MiB > pool
         stats = c.stats()
         assert stats["entries_writing"] == 0 and entry_bytes(stats) == 0 and c.exists("ok") is False
+
+
+def test_view_many_leases_every_entry_for_the_block_and_releases_them_together(small):
+    """One round trip's views: each the entry's bytes, leased until the block exits
+    (delete meanwhile retires the bytes, it does not free them); a missing key is None only
+    with missing_ok, otherwise KeyNotFound and no lease is left behind."""
+    a, b = mib_tensor(1, 3.0), torch.arange(1000, dtype=torch.int64)
+    with small.client() as c:
+        c.put("a", a)
+        c.put("b", b)
+        acquires = c.stats()["ops"].get("acquire", 0)
+        with c.view_many(["a", "absent", "b"], missing_ok=True) as views:
+            assert c.stats()["ops"]["acquire"] == acquires + 1  # one round trip for all three
+            assert views[1] is None
+            assert torch.equal(views[0], a) and torch.equal(views[2], b)
+            assert c.stats()["read_leases"] == 2
+            assert c.delete("a") is True
+            assert torch.equal(views[0], a) and c.stats()["entries_retired"] == 1
+        assert c.stats()["read_leases"] == 0 and c.stats()["entries_retired"] == 0
+        with pytest.raises(ecd.KeyNotFound):
+            with c.view_many(["b", "absent"]):
+                pass
+        assert c.stats()["read_leases"] == 0

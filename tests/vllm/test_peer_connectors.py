@@ -22,7 +22,7 @@ from peerutil import cluster  # noqa: E402,F401 - the fixture
 from test_ec_connector import SCHEDULER, encoder_output, make_connector  # noqa: E402
 from test_kv_connector import BS, LAYERS, Engine, make_request, tokens  # noqa: E402
 
-from ecd.integrations.vllm.kv_connector import advertised_endpoint, remote_source  # noqa: E402
+from ecd.integrations.vllm.kv_peers import advertised_endpoint, remote_source  # noqa: E402
 
 ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 

@@ -13,20 +13,15 @@ Scheduler side: one batched `exists(pin_s=...)` per lookup gives the longest run
 blocks after the local prefix-cache hit (never the prompt's last token) and pins it until the
 request finishes; `build_connector_meta` names the blocks to load (into which block ids) and the
 new full prompt blocks to save. Worker side: `start_load_kv` fetches every block of the step with
-one `get_many` and copies it into the paged cache; `wait_for_save` writes the step's new blocks
-with one `put_many`, copying straight out of the paged cache. Loads are synchronous (the step
+one `view_many` (a CPU engine: one copy, from the pool into its blocks) or `get_many` (a GPU
+engine: straight to its device) and copies it into the paged cache; `wait_for_save` writes the
+step's new blocks with one `put_many`, copying straight out of the paged cache. Loads are synchronous (the step
 that consumes them waits for them); a save is finished when `wait_for_save` returns.
 
-Across nodes (the daemons' peer plane, `[cluster]`; docs/vllm.md "Across nodes"): a producer
-answers a request that asked for it (`kv_transfer_params: {"do_remote_decode": true}`, as vLLM's
-P/D proxy sends) from `request_finished` with transfer params naming its daemon (node name and
-peer endpoint, learnt from the daemon's Welcome) and the blocks it holds (their count and the last
-block's key: a chained hash names its whole prefix). A consumer given those params (or with
-`fetch_from_peers`) has its local daemon pull the blocks it lacks before the lookup: the fetch
-runs on a connector thread, bounded by `fetch_timeout_s`, while `get_num_new_matched_tokens`
-answers None ("not decided yet": vLLM leaves the request waiting and asks again next step), so
-the scheduler loop never blocks on the network. Then the lookup and load are the local ones
-above; whatever the fetch did not bring (owner gone, timeout, evicted) is a miss and recomputed.
+Across nodes (the daemons' peer plane; kv_peers.py): a producer asked `do_remote_decode` answers
+from `request_finished` with transfer params naming its daemon and the blocks it holds; a
+consumer given them (or with `fetch_from_peers`) has its daemon pull the blocks it lacks on a
+connector thread while the lookup answers "not decided yet", then loads them as local ones.
 
 Every daemon failure is caught, logged (rate-limited) and becomes a miss, a skipped save, or a
 load error reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks
@@ -37,8 +32,6 @@ back-off (lazy_client.py, shared with the EC connector).
 from __future__ import annotations
 
 import hashlib
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .lazy_client import LOG_INTERVAL_S, LazyClient
+from .kv_peers import PeerPulls, remote_source
+from .lazy_client import LOG_INTERVAL_S, LazyClient, batches
 from .paged_kv import PagedKV
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import default_namespace, parse_settings
@@ -87,11 +81,6 @@ class EcdKVConnectorMetadata(KVConnectorMetadata):
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def _chunks(items: list, size: int):
-    for i in range(0, len(items), max(1, size)):
-        yield items[i:i + size]
-
-
 def _hash_hex(block_hash: Any) -> str:
     if isinstance(block_hash, (bytes, bytearray, memoryview)):
         return bytes(block_hash).hex()
@@ -126,47 +115,6 @@ def _layout_facts(vllm_config: Any) -> dict[str, Any]:
         "attention_backend": str(getattr(attention, "backend", None)),
         "hash_algo": getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None),
     }
-
-
-# ---- across nodes: kv_transfer_params -------------------------------------------------------
-
-PARAM_NODE = "ecd_node"  # the producer daemon's node name
-PARAM_PEER = "ecd_peer"  # its peer endpoint (tcp://HOST:PORT), "" when it has none to give
-PARAM_BLOCKS = "ecd_blocks"  # how many of the prompt's first full blocks it holds
-PARAM_LAST_KEY = "ecd_last_key"  # the key of the last of them (names the whole prefix)
-FETCH_WORKERS = 4  # fetches in flight at once, per scheduler
-_WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::", "*", "")
-
-
-def advertised_endpoint(listen: str) -> str:
-    """A daemon's cluster.listen as another node can dial it: "" for a wildcard address."""
-    if not listen.startswith("tcp://"):
-        return ""
-    host = listen[len("tcp://"):].rpartition(":")[0]
-    return "" if host in _WILDCARD_HOSTS else listen
-
-
-def remote_source(params: Any) -> tuple[str, int, str] | None:
-    """(peer or node, blocks, last key) of a request's ecd kv_transfer_params; None when the
-    request carries none (or they do not ask for a remote prefill)."""
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-        return None
-    peer = params.get(PARAM_PEER) or params.get(PARAM_NODE)
-    blocks, last = params.get(PARAM_BLOCKS), params.get(PARAM_LAST_KEY)
-    if not isinstance(peer, str) or not peer or not isinstance(blocks, int) or not isinstance(last, str):
-        return None
-    return peer, blocks, last
-
-
-@dataclass
-class _Fetch:
-    """A request's pull from peers, on the connector's fetch threads."""
-
-    future: Future | None
-    deadline: float  # monotonic: the request is looked up then, fetched or not
-
-    def settled(self) -> bool:
-        return self.future is None or self.future.done() or time.monotonic() >= self.deadline
 
 
 # ---- scheduler-side state -------------------------------------------------------------------
@@ -210,9 +158,7 @@ class EcdKVConnector(KVConnectorBase_V1):
                                   self._log, populate=role == KVConnectorRole.WORKER)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
-        self._fetches: dict[str, _Fetch] = {}  # req_id -> its fetch from peers (kept once settled)
-        self._fetch_pool: ThreadPoolExecutor | None = None
-        self._identity: tuple[str, str] | None = None  # (node, peer endpoint) of our daemon
+        self._peers = PeerPulls(self._client, self.settings, self._log, logger)  # across nodes
         # worker side
         self._paged: PagedKV | None = None
         self._rank_suffix = ""
@@ -278,10 +224,10 @@ class EcdKVConnector(KVConnectorBase_V1):
         and blocks are missing here); later calls answer until it settles (done, or its deadline
         passed). Once settled, never again for this request."""
         req_id = request.request_id
-        job = self._fetches.get(req_id)
-        if job is not None:
-            return not job.settled()
-        self._fetches[req_id] = _Fetch(None, 0.0)  # settled unless a pull starts below
+        waiting = self._peers.waiting(req_id)
+        if waiting is not None:
+            return waiting
+        self._peers.settle(req_id)  # settled unless a pull starts below
         if getattr(request, "skip_reading_prefix_cache", False):
             return False
         source = remote_source(getattr(request, "kv_transfer_params", None))
@@ -299,7 +245,7 @@ class EcdKVConnector(KVConnectorBase_V1):
                                   req_id, blocks, last[:16])
                 return False
             loadable = min(loadable, blocks)
-            if peer in self._our_identity():
+            if peer in self._peers.identity():
                 return False  # the producer shares our daemon: a local lookup finds them
         wanted = [k for key in keys[num_computed_tokens // bs:loadable] for k in self._rank_keys(key)]
         if not wanted:
@@ -308,47 +254,8 @@ class EcdKVConnector(KVConnectorBase_V1):
         missing = [k for k, hit in zip(wanted, local or [False] * len(wanted)) if not hit]
         if local is None or not missing:
             return False  # no daemon (a miss anyway) or all here already
-        if self._fetch_pool is None:
-            self._fetch_pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="ecd-kv-fetch")
-        timeout = self.settings.fetch_timeout_s
-        future = self._fetch_pool.submit(self._pull, req_id, missing, peer, timeout)
-        # The client's own reply timeout comes on top of the fetch's: past both, stop waiting.
-        self._fetches[req_id] = _Fetch(future, time.monotonic() + timeout + self.settings.load_timeout_s)
+        self._peers.start(req_id, missing, peer)
         return True
-
-    def _pull(self, req_id: str, keys: list[str], peer: str | None, timeout: float) -> int:
-        """On a fetch thread: make `keys` local through our daemon (from `peer`, or its configured
-        peers for None), within `timeout` overall. Returns how many are local now; never raises."""
-        deadline = time.monotonic() + timeout
-
-        def fetch(client) -> int:
-            n = 0
-            for part in _chunks(keys, client.limits.max_batch):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                n += sum(client.fetch(part, peer=peer, timeout=left))
-            return n
-
-        got = self._client.call("fetch", fetch) or 0  # failures logged there, a miss here
-        if got < len(keys):
-            self._log.warning("fetch-miss", "request %s: %d of %d blocks fetched from %s; the rest are "
-                              "recomputed", req_id, got, len(keys), peer or "the configured peers")
-        else:
-            logger.debug("ecd kv connector: request %s: %d blocks fetched from %s", req_id, got,
-                         peer or "the configured peers")
-        return got
-
-    def _our_identity(self) -> tuple[str, str]:
-        """(node name, peer endpoint) of the local daemon, asked once; ("", "") while unknown."""
-        if self._identity is None:
-            client = self._client.get("identity")
-            if client is None:
-                return "", ""
-            node = getattr(client, "node", "") or ""
-            endpoint = self.settings.peer_endpoint or advertised_endpoint(getattr(client, "cluster_listen", "") or "")
-            self._identity = (node, endpoint)
-        return self._identity
 
     def _transfer_params(self, request: "Request", state: _RequestState | None) -> dict[str, Any] | None:
         """A producer's answer to `do_remote_decode`: where the request's blocks are."""
@@ -360,11 +267,7 @@ class EcdKVConnector(KVConnectorBase_V1):
         blocks = 0
         while blocks < min(state.next_save, len(state.keys)) and state.present[blocks]:
             blocks += 1
-        node, endpoint = self._our_identity()
-        if blocks == 0 or not (node or endpoint):
-            return None  # nothing stored (a short prompt) or no daemon: the decode side computes it
-        return {"do_remote_prefill": True, "do_remote_decode": False, PARAM_NODE: node, PARAM_PEER: endpoint,
-                PARAM_BLOCKS: blocks, PARAM_LAST_KEY: state.keys[blocks - 1]}
+        return self._peers.transfer_params(blocks, state.keys[blocks - 1] if blocks else "")
 
     def _match(self, request: "Request", num_computed_tokens: int) -> int:
         bs = self._block_size
@@ -392,7 +295,7 @@ class EcdKVConnector(KVConnectorBase_V1):
 
         def exists(client) -> list[bool]:
             found: list[bool] = []
-            for chunk in _chunks(asked, client.limits.max_batch):
+            for chunk in batches(asked, client.limits.max_batch):
                 found.extend(client.exists(chunk, pin_s=pin_s))
             return found
 
@@ -492,7 +395,7 @@ class EcdKVConnector(KVConnectorBase_V1):
         # the ignore: dict.pop takes any key at run time; a request without an id finds nothing
         req_id = getattr(request, "request_id", None)
         state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
-        self._fetches.pop(req_id, None)  # type: ignore[arg-type]  # a pull still running just lands
+        self._peers.forget(req_id)
         if state is not None and state.pinned:
             pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
             self._client.call("unpin", lambda c: c.unpin(pinned))
@@ -563,32 +466,33 @@ class EcdKVConnector(KVConnectorBase_V1):
                               "no usable KV caches" if paged is None else "the daemon is unavailable")
             return
         device = None if paged.use_numpy else paged.device
-        good_ids: list[int] = []
-        good: list[torch.Tensor] = []
         missing = 0
-        for key_chunk, id_chunk in zip(_chunks(keys, client.limits.max_batch),
-                                       _chunks(ids, client.limits.max_batch)):
-            # GPU engines: straight onto the cache's device, complete when get_many returns
-            got = self._client.call("get_many", lambda c: c.get_many(key_chunk, missing_ok=True, device=device))
-            if got is None:
+        for key_chunk, id_chunk in zip(batches(keys, client.limits.max_batch),
+                                       batches(ids, client.limits.max_batch)):
+            if paged.use_numpy:  # a CPU engine: one copy, out of the pool straight into its blocks
+                def load(c, keys=key_chunk, ids=id_chunk):
+                    with c.view_many(keys, missing_ok=True) as views:
+                        return self._scatter_found(paged, ids, views)
+            else:  # a GPU engine: straight onto the cache's device, complete when get_many returns
+                def load(c, keys=key_chunk, ids=id_chunk):
+                    return self._scatter_found(paged, ids, c.get_many(keys, missing_ok=True, device=device))
+            done = self._client.call("get_many", load)
+            if done is None:
                 self._load_errors.update(id_chunk)
                 continue
-            for block_id, tensor in zip(id_chunk, got):
-                if tensor is None or tuple(tensor.shape) != paged.entry_shape or tensor.dtype != paged.dtype:
-                    missing += 1
-                    self._load_errors.add(block_id)
-                else:
-                    good_ids.append(block_id)
-                    good.append(tensor)
+            missing += done[0]
+            self._load_errors.update(done[1])
         if missing:
             self._log.warning("load-miss", "%d of %d pinned blocks could not be read (evicted, deleted "
                               "or of another layout); vLLM recomputes them", missing, len(ids))
-        try:
-            paged.scatter(good_ids, good)
-        except Exception as exc:
-            self._load_errors.update(good_ids)
+
+    def _scatter_found(self, paged: PagedKV, ids: list[int], got: list[torch.Tensor | None]) -> tuple[int, list[int]]:
+        """PagedKV.scatter_found, its failure logged: (missing, block ids that did not load)."""
+        missing, failed, error = paged.scatter_found(ids, got)
+        if error is not None:
             self._log.warning("scatter", "copying %d blocks into the KV cache failed: %s: %s",
-                              len(good_ids), type(exc).__name__, exc)
+                              len(ids) - missing, type(error).__name__, error)
+        return missing, failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv finished every layer before the forward pass started
@@ -625,7 +529,7 @@ class EcdKVConnector(KVConnectorBase_V1):
         per_put = client.limits.max_batch
         if self._paged.stacked is None or not self._paged.use_numpy:
             per_put = min(per_put, max(1, STAGING_MAX_BYTES // self._paged.entry_nbytes))
-        for chunk in _chunks(items, per_put):
+        for chunk in batches(items, per_put):
             if self._client.backing_off:
                 return  # the daemon went away during this save: the rest would be misses too
             try:
@@ -641,7 +545,6 @@ class EcdKVConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self):
-        if self._fetch_pool is not None:
-            self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._peers.shutdown()
         self._client.close()
         return None

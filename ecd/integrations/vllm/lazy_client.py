@@ -75,6 +75,12 @@ def _new_client(settings: ConnectorSettings, namespace: str, name: str, populate
     return Client(settings.endpoint, namespace, timeout=settings.load_timeout_s, name=name, populate=populate)
 
 
+def batches(items: list, size: int):
+    """`items` in slices of at most `size` (a request's max_batch)."""
+    for i in range(0, len(items), max(1, size)):
+        yield items[i:i + size]
+
+
 class LazyClient:
     """One connector's Client (see the module docstring). `call(op, fn)` is the usual way in;
     `get(op)` hands out the Client (or None) for work that needs it before calling."""

@@ -130,6 +130,27 @@ class PagedKV:
 
     # load ------------------------------------------------------------------------------------
 
+    def scatter_found(self, block_ids: list[int], got: list[torch.Tensor | None]
+                      ) -> tuple[int, list[int], Exception | None]:
+        """Scatter the entries that were found and have this cache's layout: (how many were
+        missing or of another layout, the block ids that did not load, the copy's exception).
+        Never raises: a failed copy fails its blocks."""
+        good_ids: list[int] = []
+        good: list[torch.Tensor] = []
+        failed: list[int] = []
+        for block_id, tensor in zip(block_ids, got):
+            if tensor is None or tuple(tensor.shape) != self.entry_shape or tensor.dtype != self.dtype:
+                failed.append(block_id)
+            else:
+                good_ids.append(block_id)
+                good.append(tensor)
+        missing = len(failed)
+        try:
+            self.scatter(good_ids, good)
+        except Exception as exc:
+            return missing, failed + good_ids, exc
+        return missing, failed, None
+
     def scatter(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
         if not block_ids:
             return
