@@ -36,6 +36,10 @@ PROMPTS = [
 GENERATE = {"max_tokens": 16, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
 PREFILL = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 LOGPROB_TOLERANCE = 1e-5
+# A request whose pull from a peer failed is recomputed once its own pull settles, so it may be
+# batched with other requests than in the monolithic run, and vLLM's CPU kernels (bf16) are not
+# batch-invariant: the same tokens, logprobs off in the second decimal (0.027 seen in CI).
+RESCHEDULED_LOGPROB_TOLERANCE = 0.1
 
 
 def generate(prompts=PROMPTS):
@@ -58,11 +62,12 @@ def distinct_blocks(outputs: list[dict], tokens_of=lambda o: len(o["prompt_token
     return {tuple(o["prompt_token_ids"][:(i + 1) * BLOCK]) for o in outputs for i in range(tokens_of(o) // BLOCK)}
 
 
-def assert_same_generation(outputs: list[dict], reference: list[dict]) -> None:
+def assert_same_generation(outputs: list[dict], reference: list[dict],
+                           logprob_tolerance: float = LOGPROB_TOLERANCE) -> None:
     for out, ref in zip(outputs, reference, strict=True):
         assert out["token_ids"] == ref["token_ids"], f"tokens differ for {out['prompt'][:40]!r}"
         worst = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True))
-        assert worst <= LOGPROB_TOLERANCE, f"logprobs differ by {worst:g} for {out['prompt'][:40]!r}"
+        assert worst <= logprob_tolerance, f"logprobs differ by {worst:g} for {out['prompt'][:40]!r}"
 
 
 @pytest.fixture(scope="session")
