@@ -335,8 +335,7 @@ class Client(ControlClient):
             reply: Acquired = self._call_locked(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
             session, mapping = self._session, self._map
             found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
-            if mapping.ring.next_seq == ring_pos:  # else: _remember_locked would keep nothing
-                self._remember_locked(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
+            self._remember_locked(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
