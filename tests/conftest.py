@@ -16,24 +16,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+# One /proc/PID/status reader for tests and benchmarks (re-exported: tests import it from here).
+from bench_daemon import proc_memory_kib  # noqa: E402,F401
+
 ACTOR = REPO / "tests" / "actor.py"
 _counter = itertools.count()
 
 
 def shm_files(node: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{node}."))
-
-
-def proc_memory_kib(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS, RssAnon (private: where a leak would live) and RssShmem (pool pages touched) of a
-    process, in KiB, from /proc/PID/status."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssShmem"):
-                out[name] = int(value.split()[0])
-    return out
 
 
 def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "",
