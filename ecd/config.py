@@ -191,7 +191,7 @@ class PoolSection(_Section):
 
 class RingSection(_Section):
     slots: int = 65536  # events kept before a slow reader is overrun
-    presence_buckets: int = 1 << 20  # counters clients read to answer exists() negatives locally
+    presence_buckets: int = 1 << 20  # words clients read to answer unpinned exists() locally
 
     def __post_init__(self) -> None:
         for key, value in (("slots", self.slots), ("presence_buckets", self.presence_buckets)):

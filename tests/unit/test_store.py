@@ -15,7 +15,7 @@ import pytest
 
 from ecd.errors import Code
 from ecd.memory.allocator import ALIGNMENT, align_up
-from ecd.memory.ring import ABSENT, PRESENT, EventKind, RingReader, RingWriter, key_hash, ring_bytes
+from ecd.memory.ring import ABSENT, SHARED, EventKind, RingReader, RingWriter, key_hash, ring_bytes
 from ecd.daemon.entries import RequestError, State, StoreLimits
 from ecd.daemon.store import Store
 from ecd.protocol import AllocItem, Extent, Failure, Location
@@ -143,11 +143,19 @@ class Env:
         for (ns, key), e in store.index.items():
             assert (e.ns, e.key) == (ns, key) and e.keyhash == key_hash(ns, key)
         # presence counters: one per READY entry in its bucket, nothing else; the shared table
-        # says PRESENT exactly where a counter is not zero
+        # says ABSENT exactly where a counter is zero, and names a key hash only where every
+        # READY entry in the bucket has it (SHARED otherwise)
         expected = collections.Counter(e.keyhash & (BUCKETS - 1) for e in ready)
         actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
-        assert [int(w) for w in self.ring.presence] == [PRESENT if b in expected else ABSENT for b in range(BUCKETS)]
+        hashes = collections.defaultdict(set)
+        for e in ready:
+            hashes[e.keyhash & (BUCKETS - 1)].add(e.keyhash)
+        for bucket, word in enumerate(int(w) for w in self.ring.presence):
+            if bucket not in expected:
+                assert word == ABSENT
+            elif word != SHARED:
+                assert hashes[bucket] == {word}
         # allocator bytes are exactly those of entries and reservations holding extents
         reservations = list(store.reservations.values())
         for pool, allocator in enumerate(store.allocators):
