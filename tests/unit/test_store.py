@@ -166,7 +166,13 @@ class Env:
         assert store.reserved_bytes == sum(r.size for r in reservations)
         for r in reservations:
             assert r.owner.reservation is r and r.generation not in store.by_generation
-            assert r.size == store.allocators[r.pool].extent_size(r.offset)
+        # entries' and reservations' extents and the free ones tile each pool exactly
+        for pool, allocator in enumerate(store.allocators):
+            spans = sorted([(e.offset, align_up(max(e.nbytes, 1))) for e in entries if e.pool == pool]
+                           + [(r.offset, r.size) for r in reservations if r.pool == pool]
+                           + allocator.free_extents())
+            assert all(o1 + s1 == o2 for (o1, s1), (o2, _) in zip(spans, spans[1:])), spans
+            assert spans[0][0] == 0 and spans[-1][0] + spans[-1][1] == allocator.capacity
         # evictable == READY entries with no reader and no pin
         unheld = {e.generation for e in ready if not e.readers and not e.pins}
         assert set(store.evictable) == unheld
