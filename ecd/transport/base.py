@@ -115,6 +115,7 @@ class Transport(abc.ABC):
 
     def learn_peer(self, address: tuple[str, int], metadata: bytes) -> None:
         """On the loop, from an owner's welcome: its transport metadata, keyed by its data address."""
+        return None  # tcp needs none: the data connection's token is all
 
     def address_of(self, buf: Any, offset: int) -> int:
         """What an offer's `addr` says of an entry at `offset` in pool segment `buf` (nixl: its
