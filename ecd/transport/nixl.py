@@ -45,6 +45,14 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # check_xfer_state backoff: a 16 MiB READ 
 CANCEL_GRACE_S = 2.0  # a transfer that cannot be cancelled at once gets this long to end
 
 
+def _reason(exc: Exception) -> str:
+    """The failure label of a NIXL exception: what the owner sent was wrong (bad metadata, or
+    descriptors outside its registered pool) is "protocol"; anything else (seen: the remote
+    agent disconnected, a backend error while UCX reaches a dead owner) means it went away."""
+    bad = type(exc).__name__ in ("nixlInvalidParamError", "nixlMismatchError", "nixlNotSupportedError")
+    return "protocol" if bad else "connection"
+
+
 class NixlUnavailable(Exception):
     """NIXL does not import here (the message says why and how to install it)."""
 
@@ -170,8 +178,9 @@ class NixlTransport(Transport):
                 self._forget_locked(address)
             try:
                 name = self.agent.add_remote_agent(metadata)
-            except Exception as exc:
-                raise TransferError("protocol", f"cannot load the owner's NIXL metadata: {exc}") from None
+            except Exception as exc:  # seen: NIXL_ERR_BACKEND when UCX cannot reach a dead owner
+                raise TransferError(_reason(exc), f"cannot load the owner's NIXL metadata: "
+                                                  f"{type(exc).__name__}: {exc}") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._loaded[address] = (metadata, name)
             return name
@@ -211,11 +220,10 @@ class NixlTransport(Transport):
                 handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
                                                     self.agent.get_xfer_descs(far, "DRAM"), remote,
                                                     backends=["UCX"])
-        except Exception as exc:  # the owner's descriptors are not in its registered pool, or it is gone
+        except Exception as exc:
             with self._lock:
                 self._forget_locked(address)
-            raise TransferError("protocol" if "REMOTE_DISCONNECT" not in str(exc) else "connection",
-                                f"cannot set up the NIXL READ from {remote}: {exc}") from None
+            raise TransferError(_reason(exc), f"cannot set up the NIXL READ from {remote}: {type(exc).__name__}: {exc}") from None
         try:
             state = self._run(handle, deadline)
         except TransferError:
@@ -223,7 +231,7 @@ class NixlTransport(Transport):
             raise
         except Exception as exc:  # nixlRemoteDisconnectError and friends: the owner died or vanished
             self._cancel(handle, address)
-            raise TransferError("connection", f"NIXL READ from {remote} failed: {exc}") from None
+            raise TransferError("connection", f"NIXL READ from {remote} failed: {type(exc).__name__}: {exc}") from None
         self._release(handle, address)
         if state != "DONE":
             with self._lock:
