@@ -266,8 +266,12 @@ class NixlTransport(Transport):
 
     def _cancel(self, handle: Any, address: tuple[str, int]) -> None:
         """Make sure no byte of this READ lands after we return: release (NIXL cancels an active
-        transfer), else wait for it to end, else disconnect from the owner altogether."""
+        transfer), else wait for it to end; then disconnect from the owner altogether, so that
+        nothing UCX still had under way for it can reach the extent, which the daemon is about
+        to free and may hand to another entry. (The next pull loads the owner's metadata again.)"""
         if self._release(handle, address):
+            with self._lock:
+                self._forget_locked(address)
             return
         until = time.monotonic() + CANCEL_GRACE_S
         while time.monotonic() < until:
