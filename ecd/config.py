@@ -288,6 +288,9 @@ class ClusterSection(_Section):
     # listen's is 0: a free one, announced to peers in the handshake)
     data_listen: str = ""
     peers: list[str] = msgspec.field(default_factory=list)  # other nodes' `listen` endpoints
+    # "tcp" (ecd's TCP streams on data_listen) or "nixl" (one-sided READs through a NIXL agent
+    # that registered the pool; needs `pip install --no-deps nixl-cu12 numpy`; data_listen and
+    # tls do not apply)
     transport: str = "tcp"
     # CURVE, as in [control]: this node's key pair (it is both server and client of its peers),
     # the directory of the peers' public keys it admits (*.key, re-read on SIGHUP), and the
