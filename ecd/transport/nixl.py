@@ -183,6 +183,16 @@ class NixlTransport(Transport):
                                                   f"{type(exc).__name__}: {exc}") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._loaded[address] = (metadata, name)
+            # Connect now rather than inside the first transfer: seen here, an owner that died
+            # while UCX set up the connection lazily inside postXferReq made UCX abort the whole
+            # process (an assertion in its error path); on an established endpoint a dead owner
+            # is a clean nixlRemoteDisconnectError.
+            try:
+                self.agent.make_connection(name, backends=["UCX"])
+            except Exception as exc:
+                self._forget_locked(address)
+                raise TransferError(_reason(exc), f"cannot connect to the owner's NIXL agent: "
+                                                  f"{type(exc).__name__}: {exc}") from None
             return name
 
     def _forget_locked(self, address: tuple[str, int]) -> None:

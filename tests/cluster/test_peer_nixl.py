@@ -170,6 +170,7 @@ def test_owner_killed_mid_fetch(only_lo, cluster):
             "the transfer never started"
         a.stop(signal.SIGKILL)
         thread.join(40)
+        assert b.alive(), f"the puller died (UCX aborted?): {b.log()[-3000:]}"
         assert not thread.is_alive(), "the fetch hung"
         assert out["elapsed"] < 20 + 10, (out, b.log()[-4000:])
         assert out["result"] == [False] * len(KEYS), out
