@@ -146,6 +146,42 @@ def test_fetch_from_named_peer_is_bit_identical(only_lo, cluster):
 
 
 @inner
+def test_configured_peers_first_holder_wins_and_concurrent_fetches_pull_once(only_lo, cluster):
+    a, b, c = cluster(3, extra=[NIXL, NIXL, NIXL])
+    with a.client() as ca, b.client() as cb, c.client() as cc:
+        ca.put("only-a", torch.arange(100, dtype=torch.float64))
+        cb.put("only-b", torch.arange(50, dtype=torch.int32))
+        ca.put("both", torch.ones(10))
+        cb.put("both", torch.ones(10))
+        ca.put("hot", torch.randn(4 << 20))  # 16 MiB
+        assert cc.fetch(["only-a", "only-b", "both", "nowhere"], timeout=20) == [True, True, True, False]
+        assert torch.equal(cc.get("only-a"), torch.arange(100, dtype=torch.float64))
+        assert torch.equal(cc.get("only-b"), torch.arange(50, dtype=torch.int32))
+        results = []
+        barrier = threading.Barrier(6)
+
+        def fetch():
+            with c.client() as client:
+                barrier.wait()
+                results.append(client.fetch("hot", peer=a.peer_endpoint, timeout=30))
+
+        threads = [threading.Thread(target=fetch) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True] * 6
+        assert torch.equal(cc.get("hot"), ca.get("hot"))
+        for client in (ca, cb):  # the loser's lease on "both" was released, the winners' done
+            assert wait_for(lambda: client.stats()["read_leases"] == 0 and client.stats()["transfer_leases"] == 0,
+                            timeout=10), client.stats()
+        served = wait_for(lambda: {p["node"]: p for p in ca.stats()["peers"]}.get(c.node), timeout=15)
+        served_b = wait_for(lambda: {p["node"]: p for p in cb.stats()["peers"]}.get(c.node), timeout=15)
+        # only-a, only-b, "both" from whichever won, and "hot" once: 4 in all
+        assert served["served_entries"] + served_b["served_entries"] == 4, (served, served_b)
+
+
+@inner
 def test_owner_restart_reloads_its_agent(only_lo, cluster):
     a, b = cluster(2, extra=[NIXL, NIXL])
     with a.client() as ca, b.client() as cb:
