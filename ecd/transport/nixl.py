@@ -160,9 +160,9 @@ class NixlTransport(Transport):
 
     def learn_peer(self, address: tuple[str, int], metadata: bytes) -> None:
         """On the loop, from a peer's welcome: the metadata to load before reading from it.
-        Loading (a NIXL call) waits for the first pull, on a pull thread."""
-        with self._lock:
-            self._peers[address] = metadata
+        Loading (a NIXL call) waits for the first pull, on a pull thread. No lock: the loop must
+        never wait for a pull thread inside NIXL (a single dict store is atomic)."""
+        self._peers[address] = metadata
 
     def _remote(self, address: tuple[str, int]) -> str:
         """The loaded remote agent for `address` (loading or reloading its metadata here)."""
