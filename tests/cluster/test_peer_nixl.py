@@ -60,6 +60,7 @@ def _namespace_missing() -> str | None:
 
 
 @pytest.mark.skipif(INNER, reason="already inside the namespace")
+@pytest.mark.timeout(900)  # the whole inner suite (~1 min here; each inner test has its own 120 s)
 def test_nixl_in_a_network_namespace():
     missing = _nixl_missing() or _namespace_missing()
     if missing:
