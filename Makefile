@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install uninstall venv clean promtool test-vllm bench-vllm test-engine example-epd
+.PHONY: serve test lint bench install uninstall venv clean promtool nixl nixl-optional test-vllm bench-vllm test-engine example-epd
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,22 @@ venv: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/ecd serve --config $(CONFIG)
 
-test: $(VENV)/.installed promtool
+test: $(VENV)/.installed promtool nixl-optional
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# [cluster] transport = "nixl": NIXL's wheel (UCX inside; no GPU needed for host memory), with
+# --no-deps so pip never replaces the CPU torch (its requirements, torch and numpy, are ecd's
+# own). ~69 MB download, ~250 MB installed, a few seconds. `make test` tries it and goes on
+# without it (tests/cluster/test_peer_nixl.py then skips and says why).
+NIXL_SPEC ?= nixl-cu12==1.5.1
+$(VENV)/.nixl: | $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps "$(NIXL_SPEC)"
+	touch $@
+
+nixl: $(VENV)/.nixl
+
+nixl-optional: | $(VENV)/.installed
+	@$(MAKE) --no-print-directory $(VENV)/.nixl || echo "NIXL not installed: the transport = \"nixl\" tests will be skipped"
 
 # ruff with the rule set in pyproject.toml (pyflakes, pycodestyle errors, bugbear), then mypy
 # on the ecd package ([tool.mypy] in pyproject.toml)

@@ -11,7 +11,11 @@ it, and the median of those ratios (reference time / fetch time = fetch throughp
 the bare socket's) is the figure. Goal: >= 0.8. `--checksum` stores entries with a checksum,
 which the puller then verifies (xxh3-64 of every byte, on its transfer thread). `--tls` starts a
 second pair with `[cluster] tls = true` (certificates from `ecd keygen --tls`) and adds a TLS
-fetch to each sample: its ratio to the bare socket and to the plain fetch beside it.
+fetch to each sample: its ratio to the bare socket and to the plain fetch beside it. `--nixl`
+does the same with a pair of daemons on `[cluster] transport = "nixl"` (NIXL, UCX over TCP on
+lo); since UCX may use any interface it finds, the whole run then happens in a network namespace
+with only `lo` (the script re-executes itself under `unshare -n`, as root, with
+UCX_TLS=tcp UCX_NET_DEVICES=lo) and refuses to run otherwise.
 """
 from __future__ import annotations
 
@@ -32,6 +36,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_daemon import BenchDaemon, write_results  # noqa: E402
 
 GOAL = 0.8
+NIXL_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def only_loopback() -> bool:
+    return sorted(name for _, name in socket.if_nameindex()) == ["lo"]
+
+
+def enter_namespace() -> None:
+    """--nixl: re-run this script in a new network namespace with only lo up (never returns),
+    unless already in one."""
+    if only_loopback() and all(os.environ.get(k) == v for k, v in NIXL_ENV.items()):
+        return
+    if only_loopback():
+        os.environ.update(NIXL_ENV)
+        return
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        sys.exit("--nixl runs only in a network namespace with just lo: needs root, unshare and ip")
+    script = 'ip link set lo up && exec "$0" "$@"'
+    os.execvpe("unshare", ["unshare", "-n", "sh", "-c", script, sys.executable, os.path.abspath(__file__)]
+               + sys.argv[1:], dict(os.environ, **NIXL_ENV))
 
 
 def free_port() -> int:
@@ -78,8 +102,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--checksum", action="store_true", help="entries carry a checksum the puller verifies")
     parser.add_argument("--tls", action="store_true", help="also measure a pair of daemons with [cluster] tls = true")
+    parser.add_argument("--nixl", action="store_true",
+                        help="also measure a pair with [cluster] transport = \"nixl\" (in a namespace with only lo)")
     parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
     args = parser.parse_args()
+    if args.nixl:
+        enter_namespace()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     work = tempfile.mkdtemp(prefix="ecd-bench-fetch-")
     ea, eb = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -111,6 +139,15 @@ def main() -> int:
                         + tls("c"))
         d = BenchDaemon(f"{work}/d", "fd", pool=pool, extra=cluster(ed, ec).replace(f'[pool.host]\nsize = "{pool}"\n', "")
                         + tls("d"))
+    ne = nf = None
+    if args.nixl:
+        ee, ef = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        os.makedirs(f"{work}/e")
+        os.makedirs(f"{work}/f")
+        ne = BenchDaemon(f"{work}/e", "fe", pool=pool, extra=cluster(ee, ef).replace(f'[pool.host]\nsize = "{pool}"\n', "")
+                        + 'transport = "nixl"\n')
+        nf = BenchDaemon(f"{work}/f", "ff", pool=pool, extra=cluster(ef, ee).replace(f'[pool.host]\nsize = "{pool}"\n', "")
+                        + 'transport = "nixl"\n')
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
     sender = ctx.Process(target=_sender, args=(port_q, sizes), daemon=True)
@@ -118,10 +155,11 @@ def main() -> int:
     port = port_q.get(timeout=30)
     dest = np.zeros(max(sizes), dtype=np.uint8)
     dest[:] = 1  # pre-fault, like the pool's pages
-    results: dict = {"goal": GOAL, "checksum": args.checksum, "tls": args.tls, "sizes": {}}
+    results: dict = {"goal": GOAL, "checksum": args.checksum, "tls": args.tls, "nixl": args.nixl, "sizes": {}}
     try:
         ca, cb = a.connect(timeout=30), b.connect(timeout=30)
         cc, cd = (c.connect(timeout=30), d.connect(timeout=30)) if c and d else (None, None)
+        ce, cf = (ne.connect(timeout=30), nf.connect(timeout=30)) if ne and nf else (None, None)
         for n in sizes:
             key = f"e{n}"
             ca.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
@@ -132,6 +170,11 @@ def main() -> int:
                 cc.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
                 assert cd.fetch(key, peer=ec, timeout=60) is True
                 cd.delete(key)
+            nixl_s: list[float] = []
+            if ce is not None and cf is not None:
+                ce.put(key, torch.randint(0, 255, (n,), dtype=torch.uint8), checksum=args.checksum)
+                assert cf.fetch(key, peer=ee, timeout=60) is True
+                cf.delete(key)
             reference(port, memoryview(dest), n)
             ratios, fetch_s, ref_s = [], [], []
             for _ in range(args.reps):
@@ -140,6 +183,11 @@ def main() -> int:
                     assert cd.fetch(key, peer=ec, timeout=60) is True
                     tls_s.append(time.perf_counter() - started)
                     cd.delete(key)
+                if cf is not None:
+                    started = time.perf_counter()
+                    assert cf.fetch(key, peer=ee, timeout=60) is True
+                    nixl_s.append(time.perf_counter() - started)
+                    cf.delete(key)
                 started = time.perf_counter()
                 ok = cb.fetch(key, peer=ea, timeout=60)
                 f = time.perf_counter() - started
@@ -158,6 +206,10 @@ def main() -> int:
                 row["tls_ms_median"] = statistics.median(tls_s) * 1e3
                 row["tls_ratio_to_tcp"] = statistics.median([r / t for r, t in zip(ref_s, tls_s)])
                 row["tls_ratio_to_fetch"] = statistics.median([f / t for f, t in zip(fetch_s, tls_s)])
+            if nixl_s:
+                row["nixl_ms_median"] = statistics.median(nixl_s) * 1e3
+                row["nixl_ratio_to_tcp"] = statistics.median([r / t for r, t in zip(ref_s, nixl_s)])
+                row["nixl_ratio_to_fetch"] = statistics.median([f / t for f, t in zip(fetch_s, nixl_s)])
             results["sizes"][f"{n >> 20}MiB"] = row
             verdict = "PASS" if row["ratio_median"] >= GOAL else "MISS"
             print(f"{n >> 20:5d} MiB: fetch {row['fetch_ms_median']:8.1f} ms ({row['fetch_GBps_median']:.2f} GB/s)  "
@@ -166,14 +218,17 @@ def main() -> int:
             if tls_s:
                 print(f"{'':9s}tls fetch {row['tls_ms_median']:8.1f} ms ({n / statistics.median(tls_s) / 1e9:.2f} GB/s)  "
                       f"ratio to bare tcp {row['tls_ratio_to_tcp']:.2f}, to plain fetch {row['tls_ratio_to_fetch']:.2f}")
-        for client in (ca, cb, cc, cd):
+            if nixl_s:
+                print(f"{'':8s}nixl fetch {row['nixl_ms_median']:8.1f} ms ({n / statistics.median(nixl_s) / 1e9:.2f} GB/s)  "
+                      f"ratio to bare tcp {row['nixl_ratio_to_tcp']:.2f}, to tcp fetch {row['nixl_ratio_to_fetch']:.2f}")
+        for client in (ca, cb, cc, cd, ce, cf):
             if client is not None:
                 client.close()
     finally:
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall((0).to_bytes(8, "big"))
         sender.join(5)
-        rc = a.stop() | b.stop() | (c.stop() | d.stop() if c and d else 0)
+        rc = a.stop() | b.stop() | (c.stop() | d.stop() if c and d else 0) | (ne.stop() | nf.stop() if ne and nf else 0)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         write_results(args.json, results)

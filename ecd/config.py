@@ -291,6 +291,9 @@ class ClusterSection(_Section):
     # put it in kv_transfer_params); "": `listen` itself (nothing, where it binds a wildcard)
     advertise: str = ""
     peers: list[str] = msgspec.field(default_factory=list)  # other nodes' `listen` endpoints
+    # "tcp" (ecd's TCP streams on data_listen) or "nixl" (one-sided READs through a NIXL agent
+    # that registered the pool; needs `pip install --no-deps nixl-cu12 numpy`; data_listen and
+    # tls do not apply)
     transport: str = "tcp"
     # CURVE, as in [control]: this node's key pair (it is both server and client of its peers),
     # the directory of the peers' public keys it admits (*.key, re-read on SIGHUP), and the
@@ -334,9 +337,11 @@ class ClusterSection(_Section):
             _check(where is not None and where[1] > 0, "peers",
                    f"each must be tcp://HOST:PORT with a port > 0, got {peer!r}")
         _check(len(set(self.peers)) == len(self.peers), "peers", f"lists a peer twice: {self.peers!r}")
-        _check(self.transport in ("tcp", "nixl"), "transport", f"must be \"tcp\", got {self.transport!r}")
-        _check(self.transport != "nixl", "transport",
-               "\"nixl\" is not built yet (issue 14): use \"tcp\"")
+        _check(self.transport in ("tcp", "nixl"), "transport",
+               f"must be \"tcp\" or \"nixl\", got {self.transport!r}")
+        # NIXL moves the bytes itself (UCX, RDMA): ecd's TLS wraps only its own TCP streams
+        _check(not (self.tls and self.transport == "nixl"), "tls",
+               "applies to transport \"tcp\" only (NIXL/UCX traffic is not encrypted by ecd)")
         _check(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
                "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
                "curve_secret_key and curve_allowed_keys must be set together")

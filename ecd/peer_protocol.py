@@ -4,6 +4,10 @@ The puller's daemon holds one DEALER per peer; the owner's daemon one ROUTER. Li
 protocol, every message is one msgpack frame holding a tagged, array-like msgspec Struct with an
 `id` the reply repeats. Bulk bytes never travel here: a `leased` reply hands out one-time tokens
 that admit a data connection to the owner's transport (ecd/transport/).
+
+Fields added later go at the end with a default: an array-like Struct decodes a shorter array
+(the default fills in) and ignores extra trailing elements, so daemons of either age still talk
+(the nixl fields: PeerWelcome.agent, Offer.addr; PeerDone is new, sent only over nixl).
 """
 from __future__ import annotations
 
@@ -49,7 +53,15 @@ class PeerRelease(_PeerMsg, tag="peer_release"):
     tokens: list[bytes]
 
 
-PeerRequest = Union[PeerHello, PeerPing, Lookup, PeerRelease]
+class PeerDone(_PeerMsg, tag="peer_done"):
+    """transport "nixl": the puller READ these leased entries whole (the owner's CPU saw nothing
+    of it); the owner gives their leases back and counts them served. Unknown tokens are
+    ignored. Answered with peer_acked."""
+    id: int
+    tokens: list[bytes]
+
+
+PeerRequest = Union[PeerHello, PeerPing, Lookup, PeerRelease, PeerDone]
 
 
 class Offer(Struct, array_like=True):
@@ -60,6 +72,7 @@ class Offer(Struct, array_like=True):
     shape: list[int]
     checksum: Checksum  # xxh3-64 the producer stored (0: none)
     token: bytes
+    addr: int = 0  # transport "nixl": the entry's address in the owner's registered pool
 
 
 class PeerWelcome(_PeerMsg, tag="peer_welcome"):
@@ -67,11 +80,13 @@ class PeerWelcome(_PeerMsg, tag="peer_welcome"):
     version: int
     node: str
     epoch: int
-    transport: str  # "tcp"
+    transport: str  # "tcp" or "nixl"
     # Where the owner's transport listens: host ("": the host of the control endpoint dialled)
-    # and port.
+    # and port. nixl has no listener of its own (UCX opens one): the port is then the owner's
+    # control port, which names the owner on its host.
     data_host: str
     data_port: int
+    agent: bytes = b""  # transport "nixl": the owner's NIXL agent metadata (add_remote_agent)
 
 
 class PeerPong(_PeerMsg, tag="peer_pong"):

@@ -4,7 +4,7 @@ and counts what it does; the parts are siblings:
 - peers.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
 - peer_links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
 - fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
-- ../transport/  the bulk bytes, on their own threads (tcp; nixl later, behind the same interface)
+- ../transport/  the bulk bytes, on their own threads (tcp, or nixl: one interface)
 
 Everything ZeroMQ here lives in its own context (zmq.asyncio, on the daemon's event loop) with
 its own ZAP handler, so `[control]` and `[cluster]` keys never mix. prepare() binds (start-up
@@ -102,11 +102,7 @@ class Cluster:
         self.curve: CurveAuth | None = loaded[0] if loaded else None
         peer_keys = loaded[1] if loaded else {}
         self._ids = itertools.count(1)
-        host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
-        self.transport: Transport = make_transport(self.config.transport, host=host, port=port,
-                                                   max_inflight=self.config.max_inflight,
-                                                   io_timeout=float(self.config.request_timeout),
-                                                   tls=cluster_tls(daemon.config))
+        self.transport: Transport = self._make_transport()
         self.data_address: tuple[str, int] = ("", 0)
         self.listen = self.config.listen
         self.advertised = self.config.advertise or self.listen
@@ -115,6 +111,18 @@ class Cluster:
         self.links = PeerLinks(self, peer_keys)
         self.fetcher: Fetcher | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _make_transport(self) -> Transport:
+        host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
+        kwargs: dict[str, Any] = dict(host=host, port=port, max_inflight=self.config.max_inflight,
+                                      io_timeout=float(self.config.request_timeout))
+        if self.config.transport != "nixl":
+            return make_transport(self.config.transport, tls=cluster_tls(self.d.config), **kwargs)
+        from ..transport.nixl import NixlUnavailable
+        try:  # an agent name no other daemon, nor this node's next run, ever had
+            return make_transport("nixl", agent_name=f"ecd:{self.d.node}:{self.d.epoch}", **kwargs)
+        except NixlUnavailable as exc:
+            raise ConfigError(f"cluster.transport: \"nixl\" is configured but {exc}") from None
 
     def internal_session_id(self) -> int:
         """Store sessions of the peer plane take negative ids: never a client's."""
@@ -148,6 +156,10 @@ class Cluster:
                               f"{exc.strerror or exc}") from None
         # Announce a wildcard bind as "": peers then use the host they dialled for control.
         self.data_address = ("" if host in ("0.0.0.0", "::") else host, port)
+        if self.transport.name == "nixl":
+            # UCX listens by itself (its address is in the agent metadata): what peers get only
+            # names this daemon, as the key of its metadata; the control port is unique on its host.
+            self.data_address = ("", split_tcp_endpoint(self.listen)[1])  # type: ignore[index]
 
     def start(self) -> None:
         loop = self.d.loop

@@ -11,7 +11,9 @@ For a `Fetch` request (a client asks its local daemon), on the event loop:
    thread, and the same thread checks each against the owner's xxh3-64 checksum;
 4. back on the loop, each key is committed (READY, a PUBLISHED ring event, parked gets woken)
    only when its bytes arrived whole and matched; anything else is aborted (nothing visible) and
-   counted by reason, and tokens the transfer did not use are released at the owner.
+   counted by reason, and tokens the transfer did not use are released at the owner. Over nixl
+   the owner never sees its bytes leave (one-sided READs): after a READ the puller sends
+   `peer_done` for its tokens, and the owner gives those leases back.
 A transfer is never abandoned while its thread may still write: the loop waits for the thread,
 which itself gives up at the fetch's deadline (socket timeouts), so the daemon answers in time.
 The deadline is kept under `leases.write_ttl`, so the store never expires a write being filled.
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import Code
 from ..integrity import checksum as checksum_of
-from ..peer_protocol import Leased, Lookup, Offer, PeerError, PeerRelease
+from ..peer_protocol import Leased, Lookup, Offer, PeerDone, PeerError, PeerRelease
 from ..protocol import AllocItem, Extent
 from ..transport import PullItem, TransferError
 from .entries import RequestError
@@ -148,14 +150,16 @@ class Fetcher:
             task.add_done_callback(lambda t: take(t) if not t.cancelled() else None)
         return chosen
 
-    def release(self, link: PeerLink, tokens: list[bytes]) -> None:
-        """Give leases back at the owner, without waiting (its TTL covers a lost message)."""
+    def release(self, link: PeerLink, tokens: list[bytes], done: bool = False) -> None:
+        """Give leases back at the owner, without waiting (its TTL covers a lost message);
+        `done`: their bytes were read (peer_done, so the owner counts them served)."""
         if not tokens:
             return
+        message = PeerDone(0, tokens) if done else PeerRelease(0, tokens)
 
         async def send() -> None:
             try:
-                await link.request(PeerRelease(0, tokens), float(self.cluster.config.request_timeout))
+                await link.request(message, float(self.cluster.config.request_timeout))
             except PeerUnavailable:
                 pass
         self.cluster.d.loop.create_task(send())
@@ -182,7 +186,7 @@ class Fetcher:
             return got
         assert link.data_address is not None  # set by the hello the lookup needed
         segments = self.cluster.d.pool.segments
-        items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes) for o, e in placed]
+        items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes, o.addr) for o, e in placed]
         host, port = link.data_address
         transport = self.cluster.transport
         loop = self.cluster.d.loop
@@ -200,6 +204,8 @@ class Fetcher:
                 got[offer.key] = False
             self.release(link, [o.token for o, _ in placed])
             return got
+        if not transport.owner_sees_send:  # nixl: the READs are over, the owner's leases can go
+            self.release(link, [o.token for o, _ in placed], done=True)
         for (offer, extent), ok in zip(placed, verdicts):
             if not ok:
                 log.error("fetch of %r from %s: bytes do not match the owner's checksum: dropped",

@@ -182,6 +182,8 @@ class PeerLink:
                 log.info("peer %s is now node %r (was %r)", self.endpoint, reply.node, self.node)
             self.node = reply.node
             self.data_address = (reply.data_host or self.host, reply.data_port)
+            if reply.agent:  # nixl: the owner's agent metadata, loaded on the first pull
+                self.cluster.transport.learn_peer(self.data_address, reply.agent)
             self._welcomed = True
 
     async def _roundtrip(self, message: Any, deadline: float) -> Any:

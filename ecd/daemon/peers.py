@@ -8,7 +8,8 @@ evicted; a replacement retires it until the lease goes). Each leased entry gets 
 (`secrets.token_bytes(32)`) filed in the transport's GrantTable; a data connection that presents it
 gets the bytes once. A lease ends, whichever comes first:
 - when its bytes were sent (or the send failed): the transport reports on the loop (`on_sent`);
-- when the puller releases it (`peer_release`), e.g. for keys another peer won;
+- when the puller releases it (`peer_release`), e.g. for keys another peer won, or says it READ
+  the bytes (`peer_done`: transport "nixl", whose one-sided READs the owner never sees);
 - when its TTL (`lookup.ttl_s`, at most `cluster.transfer_ttl`) passes unused;
 - when the peer session ends: a new hello from the same routing id, or `cluster.peer_ttl` of
   silence (a SIGKILLed puller stops pinging). Leases whose bytes are being sent at that moment
@@ -26,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ..errors import Code
-from ..peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerAcked, PeerError, PeerHello,
-                             PeerPing, PeerPong, PeerRelease, PeerWelcome, encoder, peer_request_decoder)
+from ..peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerAcked, PeerDone, PeerError,
+                             PeerHello, PeerPing, PeerPong, PeerRelease, PeerWelcome, encoder,
+                             peer_request_decoder)
 from ..protocol import Location
 from ..transport import Grant, Transport
 from .entries import RequestError, Session
@@ -101,6 +103,13 @@ class PeerServer:
                     for token in tokens[:self.store.limits.max_batch]:
                         self.revoke(session, token)
                     return PeerAcked(rid)
+                case PeerDone(id=rid, tokens=tokens):
+                    for token in tokens[:self.store.limits.max_batch]:
+                        held = session.grants.get(token)
+                        if held is not None:
+                            self.cluster.stats.served(session.node, held[0].nbytes)
+                            self.revoke(session, token)
+                    return PeerAcked(rid)
         except RequestError as exc:
             return PeerError(request.id, int(exc.code), str(exc))
         return PeerError(request.id, int(Code.PROTOCOL), f"unexpected {type(request).__name__}")
@@ -120,13 +129,14 @@ class PeerServer:
         log.info("peer %s (node %r) said hello", identity.hex()[:8], hello.node)
         host, port = self.cluster.data_address
         return PeerWelcome(hello.id, PEER_PROTOCOL_VERSION, self.cluster.d.node, self.cluster.d.epoch,
-                           self.transport.name, host, port)
+                           self.transport.name, host, port, self.transport.metadata())
 
     def lookup(self, session: PeerSession, request: Lookup) -> Leased:
         ttl = min(request.ttl_s, float(self.cluster.config.transfer_ttl))
         results = self.store.acquire(session.store_session, request.ns, request.keys, 0.0, _never)
         assert results is not None  # wait 0: answered now
         loop = self.cluster.d.loop
+        segments = self.cluster.d.pool.segments
         offers: list[Offer | None] = []
         for key, result in zip(request.keys, results):
             if not isinstance(result, Location):
@@ -136,7 +146,9 @@ class PeerServer:
             grant = Grant(token, result.pool, result.offset, result.nbytes, session, result.generation)
             self.transport.grants.add(grant)
             session.grants[token] = (grant, loop.call_later(ttl, self.revoke, session, token))
-            offers.append(Offer(key, result.nbytes, result.dtype, list(result.shape), result.checksum, token))
+            addr = (self.transport.address_of(segments[result.pool].buf, result.offset)
+                    if result.pool < len(segments) else 0)  # host pool entries only (nixl reads DRAM)
+            offers.append(Offer(key, result.nbytes, result.dtype, list(result.shape), result.checksum, token, addr))
         return Leased(request.id, offers, ttl)
 
     def revoke(self, session: PeerSession, token: bytes) -> None:

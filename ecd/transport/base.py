@@ -79,6 +79,7 @@ class PullItem:
     buf: Any  # the pool segment's mapping (a writable buffer)
     offset: int
     nbytes: int
+    remote: int = 0  # nixl: the entry's address in the owner's registered pool (its offer's addr)
 
 
 OnSent = Callable[[list[Grant], int, "str | None"], None]  # (grants, bytes sent, failure reason or None)
@@ -103,6 +104,23 @@ class Transport(abc.ABC):
         returns while a byte may still be written into an item's extent."""
 
     executor: Any  # where pulls run: at most cluster.max_inflight at once
+
+    # tcp: the owner sees its sends end (on_sent gives the leases back). nixl: READs are
+    # one-sided, so the puller tells the owner over the control plane (peer_done).
+    owner_sees_send: bool = True
+
+    def metadata(self) -> bytes:
+        """What the owner's peer_welcome carries for this transport (nixl: its agent metadata)."""
+        return b""
+
+    def learn_peer(self, address: tuple[str, int], metadata: bytes) -> None:
+        """On the loop, from an owner's welcome: its transport metadata, keyed by its data address."""
+        return None  # tcp needs none: the data connection's token is all
+
+    def address_of(self, buf: Any, offset: int) -> int:
+        """What an offer's `addr` says of an entry at `offset` in pool segment `buf` (nixl: its
+        address in the registered pool; 0 where the transport needs none)."""
+        return 0
 
     @abc.abstractmethod
     def close(self) -> None:

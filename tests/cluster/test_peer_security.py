@@ -85,7 +85,7 @@ def test_sighup_rereads_peers(cluster):
     ({"listen": "0.0.0.0:1"}, "cluster.listen"),
     ({"listen": "tcp://127.0.0.1:7480", "peers": ["10.0.0.1:7480"]}, "cluster.peers"),
     ({"listen": "tcp://127.0.0.1:7480", "peers": ["tcp://a:1", "tcp://a:1"]}, "cluster.peers"),
-    ({"listen": "tcp://127.0.0.1:7480", "transport": "nixl"}, "cluster.transport"),
+    ({"listen": "tcp://127.0.0.1:7480", "transport": "nixl", "tls": True}, "cluster.tls"),
     ({"listen": "tcp://127.0.0.1:7480", "transport": "udp"}, "cluster.transport"),
     ({"listen": "tcp://127.0.0.1:7480", "curve_secret_key": "/k"}, "cluster.curve_allowed_keys"),
     ({"listen": "tcp://127.0.0.1:7480", "curve_secret_key": "/k", "curve_allowed_keys": "/d",
@@ -109,7 +109,7 @@ def test_derived_data_port():
 @pytest.mark.parametrize("cluster_text, needle", [
     ('listen = "tcp://0.0.0.0:7480"', "cluster.listen: tcp://0.0.0.0:7480 is not a loopback address"),
     ('listen = "tcp://127.0.0.1:7480"\npeers = ["bogus"]', "cluster.peers: each must be tcp://HOST:PORT"),
-    ('listen = "tcp://127.0.0.1:7480"\ntransport = "nixl"', 'cluster.transport: "nixl" is not built yet'),
+    ('listen = "tcp://127.0.0.1:7480"\ntransport = "nixl"\ntls = true', 'cluster.tls: applies to transport "tcp" only'),
     ('peers = ["tcp://127.0.0.1:7481"]', "cluster.peers: set cluster.listen too"),
 ])
 def test_config_errors_are_one_line_exit_2(tmp_path, cluster_text, needle):
