@@ -109,8 +109,14 @@ class DaemonProcess:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` skip cleanly where torch sees no CUDA device (torch is imported only
-    when such tests were collected)."""
+    """Tests marked `netns_inner` run only inside the network namespace their outer test makes
+    (ECD_NIXL_NETNS=1 there): deselected anywhere else. Tests marked `gpu` skip cleanly where
+    torch sees no CUDA device (torch is imported only when such tests were collected)."""
+    if os.environ.get("ECD_NIXL_NETNS") != "1":
+        outside = [item for item in items if item.get_closest_marker("netns_inner") is not None]
+        if outside:
+            config.hook.pytest_deselected(items=outside)
+            items[:] = [item for item in items if item.get_closest_marker("netns_inner") is None]
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
