@@ -1,0 +1,231 @@
+"""Store + DiskTier driven directly on a real event loop (no daemon): spill on eviction, promote
+on read (once for concurrent readers), replacement and deletion of spilled keys, corrupt and
+missing records, persist. Every step ends with the registry's invariant check (test_store.Env.check,
+which covers the disk tier: presence of spilled keys, one record per key agreeing with its host
+entry, the disk budget)."""
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from ecd.config import load_config
+from ecd.daemon.disk_tier import DiskTier
+from ecd.errors import Code
+from ecd.integrity import checksum
+from ecd.memory.ring import key_hash
+from ecd.protocol import Extent, Failure, Location
+from test_store import Env, item
+
+KIB = 1024
+ENTRY = 64 * KIB
+POOL = 4 * ENTRY  # four entries fit
+
+
+def payload(key: str, n: int = ENTRY) -> bytes:
+    seed = checksum(key.encode())
+    return (seed.to_bytes(8, "little") * (n // 8 + 1))[:n]
+
+
+class DiskEnv(Env):
+    def __init__(self, path: str, loop, size: str = "16MiB", **disk) -> None:
+        super().__init__(pool_sizes=(POOL,))
+        self.store.scheduler = loop  # parked requests and promotions need real timers and tasks
+        self.segments = [SimpleNamespace(buf=mmap.mmap(-1, POOL))]
+        cfg = load_config({"pool": {"disk": {"path": path, "size": size, "min_spill_size": 0, **disk}}}).pool.disk
+        self.disk = DiskTier(cfg, epoch=7)
+        self.disk.open()
+        self.disk.attach(self.store, loop, self.segments)
+        self.writer = self.session()
+
+    def put_bytes(self, key: str, data: bytes | None = None) -> int:
+        data = payload(key) if data is None else data
+        extent = self.store.alloc(self.writer, "ns", item(key, len(data)))
+        assert isinstance(extent, Extent), extent
+        self.segments[0].buf[extent.offset:extent.offset + len(data)] = data
+        assert self.store.commit(self.writer, extent.generation, checksum(data)) is None
+        return extent.generation
+
+    async def settle(self) -> None:
+        for _ in range(2000):
+            if not self.disk.writes and not self.disk.promoting:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("disk tier did not settle")
+
+    async def get(self, session, keys):
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        now = self.store.acquire(session, "ns", list(keys), 0, done.set_result)
+        return now if now is not None else await asyncio.wait_for(done, 10)
+
+    def read(self, loc: Location) -> bytes:
+        return bytes(self.segments[0].buf[loc.offset:loc.offset + loc.nbytes])
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def tier_dir(tmp_path):
+    path = tmp_path / "disk"
+    path.mkdir()
+    return str(path)
+
+
+def test_evicted_entries_spill_and_come_back_bit_identical(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        reader = env.session()
+        keys = [f"k{i}" for i in range(10)]  # 10 entries through a pool of 4
+        for key in keys:
+            env.put_bytes(key)
+            env.check()
+        await env.settle()
+        env.check()
+        assert env.disk.counters["spills"] == 6
+        assert all(env.store.exists(reader, "ns", keys, 0))
+        assert all(env.reader.maybe_present(key_hash("ns", k)) for k in keys)  # spilled keys stay present
+        for key in keys:
+            (loc,) = await env.get(reader, [key])
+            assert isinstance(loc, Location), loc
+            assert env.read(loc) == payload(key)
+            env.store.release(reader, loc.generation)
+            env.check()
+        await env.settle()
+        env.check()
+        assert env.disk.counters["promotions"] == 10  # reading k0-k5 back pushed k6-k9 out to disk
+        env.disk.close()
+    run(main())
+
+
+def test_concurrent_readers_promote_once(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        assert not env.present("k0") and env.disk.holds("ns", "k0")
+        readers = [env.session() for _ in range(4)]
+        results = await asyncio.gather(*(env.get(r, ["k0"]) for r in readers))
+        assert env.disk.counters["promotions"] == 1
+        generations = {res[0].generation for res in results}
+        assert len(generations) == 1
+        for r, (loc,) in zip(readers, results):
+            assert env.read(loc) == payload("k0")
+            env.store.release(r, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_replacing_or_deleting_a_spilled_key_drops_its_record(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(6):
+            env.put_bytes(f"k{i}")  # k0, k1 spill
+        await env.settle()
+        env.put_bytes("k0", payload("new"))  # replaced while on disk: the old bytes must never be served
+        env.check()
+        assert env.store.delete("ns", ["k1"]) == [True]
+        env.check()
+        assert env.store.exists(env.session(), "ns", ["k1"], 0) == [False]
+        await env.settle()
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("new")
+        env.store.release(reader, loc.generation)
+        await asyncio.sleep(0.05)  # the files of dropped records are removed on worker threads
+        assert len([n for n in os.listdir(tier_dir) if n.endswith(".ecd")]) == len(env.disk.records)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_flipped_byte_is_never_served(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        record = env.disk.record("ns", "k0")
+        path = os.path.join(tier_dir, record.name)
+        with open(path, "r+b") as f:
+            f.seek(record.header.header_len + 1000)
+            byte = f.read(1)
+            f.seek(record.header.header_len + 1000)
+            f.write(bytes([byte[0] ^ 0x01]))
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        assert env.disk.counters["integrity_failures"] == 1
+        assert not env.disk.holds("ns", "k0") and not os.path.exists(path)
+        assert env.store.exists(reader, "ns", ["k0"], 0) == [False]
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_deleted_file_is_a_clean_miss(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        os.unlink(os.path.join(tier_dir, env.disk.record("ns", "k0").name))
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        assert env.disk.errors["missing"] == 1
+        # the pool was full: the promotion's extent evicted (spilled) another entry, then was aborted
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_persist_writes_through_and_survives_a_new_tier(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        generation = env.put_bytes("p")
+        entry = env.store.by_generation[generation]
+        (result,) = await env.disk.persist([entry])
+        assert result is None
+        assert env.disk.record("ns", "p").persisted and entry.readers == 0
+        env.check()
+        env.disk.close()
+        again = DiskEnv(tier_dir, asyncio.get_running_loop())  # a restart: headers re-indexed
+        assert again.disk.loaded == 1 and again.disk.record("ns", "p").persisted
+        assert again.reader.maybe_present(key_hash("ns", "p"))
+        reader = again.session()
+        (loc,) = await again.get(reader, ["p"])
+        assert again.read(loc) == payload("p")
+        again.store.release(reader, loc.generation)
+        again.check()
+        again.disk.close()
+    run(main())
+
+
+def test_spill_budget_drops_least_recently_used_spills(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop(), size="16MiB")
+        env.disk.capacity = 3 * (ENTRY + 4096)  # room for three spilled records
+        for i in range(10):
+            env.put_bytes(f"k{i}")
+            await env.settle()
+            env.check()
+        assert len(env.disk.records) == 3 and env.disk.counters["disk_evictions"] == 3
+        assert not env.disk.holds("ns", "k0")
+        env.check()  # k0's presence went with its record (check() counts presence exactly)
+        env.disk.close()
+    run(main())
+
+
+def test_unusable_paths_are_refused_with_the_key_and_path(tmp_path):
+    from ecd.errors import ConfigError
+    missing = str(tmp_path / "nope")
+    cfg = load_config({"pool": {"disk": {"path": missing, "size": "16MiB"}}}).pool.disk
+    with pytest.raises(ConfigError, match=r"pool\.disk\.path: .*nope"):
+        DiskTier(cfg, 1).open()
