@@ -314,7 +314,7 @@ class DiskTier:
         self.loop.create_task(self._spill_write(record, staged, expect))
 
     async def _spill_write(self, record: DiskRecord, staged: int, expect: int) -> None:
-        assert self.loop is not None and self.staging_alloc is not None
+        assert self.loop is not None and self.staging is not None and self.staging_alloc is not None
         view = memoryview(self.staging)[staged:staged + record.header.nbytes]
         error: files.DiskIOError | None = None
         try:

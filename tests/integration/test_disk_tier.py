@@ -274,3 +274,19 @@ def test_other_clients_are_served_during_a_1gib_spill(disk_daemon, disk_dir):
         assert during > 0, "the neighbour was not served while the spill ran"
         for i in (0, 31, 63):
             assert torch.equal(c.get(f"big{i}"), tensor(i, 16 * MIB))
+
+
+def test_status_shows_the_disk_tier(disk_daemon, disk_dir):
+    with disk_daemon.client() as c:
+        c.put("p", tensor(1, 1 * MIB), persist=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    run = [sys.executable, "-m", "ecd", "status", "--config", str(disk_daemon.config), "--interval", "0"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("disk tier")]
+    assert len(lines) == 1 and disk_dir in lines[0] and "1 records (1 persisted)" in lines[0], result.stdout
+    as_json = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60, env=env)
+    import json
+    disk = json.loads(as_json.stdout)["disk"]
+    assert disk["path"] == disk_dir and disk["entries"] == 1 and disk["persisted_entries"] == 1
+    assert disk["capacity_bytes"] == 1 << 30 and disk["used_bytes"] == 4096 + 1 * MIB
