@@ -338,9 +338,12 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
     # ---- get ----------------------------------------------------------------------------
 
     def acquire(self, session: Session, ns: str, keys: list[str], wait_s: float,
-                on_done: Callable[[list[Location | Failure]], None]) -> list[Location | Failure] | None:
+                on_done: Callable[[list[Location | Failure]], None],
+                park_for_disk: bool = True) -> list[Location | Failure] | None:
         """Read-lease every key. Returns the results now, or None after parking the request
-        (on_done fires when every key is READY or wait_s passes, whichever comes first)."""
+        (on_done fires when every key is READY or wait_s passes, whichever comes first).
+        `park_for_disk` False (a peer's lookup, answered at once): keys on disk are missing now,
+        and start coming back for the next ask."""
         self.check_batch(len(keys))
         for key in keys:
             failure = self.check_key(ns, key)
@@ -353,6 +356,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         # keys on disk come back into the host pool first (disk_tier.promote): the request parks
         # until they are READY, however short its wait (a promotion failure answers it at once)
         promotable = {key for key in missing if self.disk.holds(ns, key)} if self.disk is not None and missing else ()
+        if promotable and not park_for_disk:
+            for key in promotable:
+                self.disk.promote(ns, key)
+            promotable = ()
         if missing and (wait_s > 0 or promotable):
             if len(session.waiters) >= self.limits.max_waiters_per_client:
                 raise RequestError(Code.LIMIT, f"client has {len(session.waiters)} parked requests; "
