@@ -237,6 +237,23 @@ def test_spill_budget_drops_least_recently_used_spills(tier_dir):
     run(main())
 
 
+def test_operator_evict_removes_keys_from_both_tiers(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(6):
+            env.put_bytes(f"k{i}")  # k0, k1 on disk only
+        await env.settle()
+        evicted, refused, missing, _ = env.store.evict("ns", ["k0", "k5", "nope"], False, False, False)
+        assert (evicted, refused, missing) == (2, [], ["nope"])
+        assert not env.disk.holds("ns", "k0") and env.disk.holds("ns", "k1")
+        env.check()
+        evicted, *_ = env.store.evict("", [], False, True, False)
+        assert evicted == 4 and not env.disk.records and len(env.store.index) == 0  # k1 (on disk), k2-k4
+        env.check()
+        env.disk.close()
+    run(main())
+
+
 def test_unusable_paths_are_refused_with_the_key_and_path(tmp_path):
     from ecd.errors import ConfigError
     missing = str(tmp_path / "nope")
