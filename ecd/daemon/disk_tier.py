@@ -318,8 +318,8 @@ class DiskTier:
         view = memoryview(self.staging)[staged:staged + record.header.nbytes]
         error: files.DiskIOError | None = None
         try:
-            record.name = await self.loop.run_in_executor(self.executor, _checked_write, self.path, self.dirfd,
-                                                          record.header, view, expect, self.direct, False)
+            record.name = await self.loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd,
+                                                          record.header, view, self.direct, False, expect)
         except files.DiskIOError as exc:
             error = exc
         except RuntimeError as exc:  # the executor shut down: the daemon is stopping
@@ -502,8 +502,8 @@ class DiskTier:
             with memoryview(self.segments[entry.pool].buf) as seg:
                 src = seg[entry.offset:entry.offset + entry.nbytes]
                 try:
-                    record.name = await loop.run_in_executor(self.executor, _checked_write, self.path, self.dirfd,
-                                                             record.header, src, entry.checksum, self.direct, True)
+                    record.name = await loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd,
+                                                             record.header, src, self.direct, True, entry.checksum)
                 except files.DiskIOError as exc:
                     error = exc
                 except RuntimeError as exc:
@@ -526,14 +526,3 @@ class DiskTier:
                          sum(1 for r in self.records.values() if r.persisted), self.counters["spills"],
                          self.counters["promotions"], self.writes, staged, self.counters["integrity_failures"],
                          dict(self.errors), dict(self.dropped), self.loaded, self.load_s)
-
-
-def _checked_write(directory: str, dirfd: int, header: files.RecordHeader, src: memoryview, expect: int,
-                   direct: bool, sync: bool) -> str:
-    """On a worker thread: hash the bytes, refuse ones that no longer match the producer's
-    checksum (memory went bad: never write it as good), then write the record."""
-    digest = files.checksum_of(src)
-    if expect and digest != expect:
-        raise files.DiskIOError("corrupt", f"{header.key!r}: bytes in memory no longer match their checksum")
-    header.checksum = digest
-    return files.write_record(directory, dirfd, header, src, direct, sync)

@@ -29,6 +29,7 @@ import mmap
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -217,21 +218,22 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
 
 
 def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryview, direct: bool,
-                 sync: bool) -> str:
+                 sync: bool, expect: int = 0) -> str:
     """Write `src` (header.nbytes bytes) as a record named after the header; returns its name.
-    `sync`: durable before returning (fsync of the file, then of the directory after the
-    rename). Raises DiskIOError (the temporary file removed) on any failure."""
+    The bytes are hashed as they are written (header.checksum is set to it); `expect` (0: none):
+    the checksum they must have, else DiskIOError("corrupt") and nothing is kept (bytes that went
+    bad in memory are never written as good). `sync`: durable before returning (fsync of the file,
+    then of the directory after the rename). DiskIOError (the temporary file removed) on failure."""
     name = record_name(_keyhash(header), header.epoch, header.sequence)
     final = os.path.join(directory, name)
     temp = final + TEMP_SUFFIX
-    raw = header.encode()
     try:
         fd = _open_write(temp, direct)
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot create {temp}: {exc.strerror}") from None
     try:
         try:
-            _write_body(fd, raw, src, direct)
+            _write_body(fd, header, src, direct, expect)
             if sync:
                 os.fsync(fd)
         finally:
@@ -248,38 +250,90 @@ def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryvi
     return name
 
 
-def _write_body(fd: int, raw: bytes, src: memoryview, direct: bool) -> None:
-    header_len = len(raw)
+def _check_digest(header: RecordHeader, digest: int, expect: int) -> None:
+    if expect and digest != expect:
+        raise DiskIOError("corrupt", f"{header.key!r}: bytes in memory no longer match their checksum")
+    header.checksum = digest
+
+
+def _write_body(fd: int, header: RecordHeader, src: memoryview, direct: bool, expect: int) -> None:
+    """The data first (hashed while it is written), the header (with that hash) last: the file
+    is a temporary one until renamed, so the order costs nothing and saves a second pass."""
+    header_len = header.header_len
     nbytes = src.nbytes
     if not direct:
-        os.pwrite(fd, raw, 0)
-        _pwrite_all(fd, src, header_len)
+        hasher = xxhash.xxh3_64()
+        _pipelined_write(fd, src, header_len, hasher)
+        _check_digest(header, finish(hasher.intdigest()), expect)
+        os.pwrite(fd, header.encode(), 0)
         os.ftruncate(fd, header_len + padded(nbytes))
         return
     bounce = _bounce()
     with memoryview(bounce) as b:
-        # the header rides in the bounce buffer with the first bytes of data when those are unaligned
-        b[:header_len] = raw
-        aligned = address_of(src) % HEADER_UNIT == 0
-        if aligned:
-            os.pwrite(fd, b[:header_len], 0)
+        if address_of(src) % HEADER_UNIT == 0:  # in place, but for the last partial block
+            hasher = xxhash.xxh3_64()
             whole = nbytes // HEADER_UNIT * HEADER_UNIT
-            _pwrite_all(fd, src[:whole], header_len)
-            done = whole
-        else:
+            _pipelined_write(fd, src[:whole], header_len, hasher)
+            if whole < nbytes:
+                tail = nbytes - whole
+                b[:tail] = src[whole:]
+                b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
+                hasher.update(b[:tail])
+                _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
+            _check_digest(header, finish(hasher.intdigest()), expect)
+        else:  # everything through the bounce buffer: hash first, in one pass
+            _check_digest(header, finish(xxhash.xxh3_64_intdigest(src)), expect)
             done = 0
-            first = True
-        pos = header_len + done
-        while done < nbytes or (not aligned and first):
-            lead = header_len if not aligned and first else 0
-            n = min(nbytes - done, BOUNCE_BYTES - lead)
-            b[lead:lead + n] = src[done:done + n]
-            total = padded(lead + n)
-            b[lead + n:total] = bytes(total - lead - n)
-            _pwrite_all(fd, b[:total], pos - lead)
-            done += n
-            pos += n
-            first = False
+            while done < nbytes:
+                n = min(nbytes - done, BOUNCE_BYTES)
+                b[:n] = src[done:done + n]
+                total = padded(n)
+                b[n:total] = bytes(total - n)
+                _pwrite_all(fd, b[:total], header_len + done)
+                done += n
+        b[:header_len] = header.encode()
+        _pwrite_all(fd, b[:header_len], 0)
+
+
+# Helper threads for the pipelines below: a read or write (the GIL released in the syscall) on
+# one, the hash of the previous or same chunk on the caller's, so hashing costs no extra time.
+PIPE_CHUNK = 4 << 20
+_helpers: ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(8, thread_name_prefix="ecd-disk-pipe")
+        return _helpers
+
+
+def _pipelined_write(fd: int, src: memoryview, offset: int, hasher) -> None:
+    pool = _helper_pool()
+    for at in range(0, src.nbytes, PIPE_CHUNK):
+        chunk = src[at:at + PIPE_CHUNK]
+        pending = pool.submit(_pwrite_all, fd, chunk, offset + at)
+        hasher.update(chunk)
+        pending.result()
+
+
+def _pipelined_read(fd: int, dst: memoryview, offset: int, hasher) -> bool:
+    """Read dst.nbytes bytes at `offset`, hashing each chunk while the next is read. False: short."""
+    pool = _helper_pool()
+    spans = [(at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK)]
+    pending = pool.submit(_pread_all, fd, dst[0:spans[0][1]], offset) if spans else None
+    for i, (at, n) in enumerate(spans):
+        assert pending is not None
+        got = pending.result()
+        if got != n:
+            return False
+        if i + 1 < len(spans):
+            nxt, m = spans[i + 1]
+            pending = pool.submit(_pread_all, fd, dst[nxt:nxt + m], offset + nxt)
+        hasher.update(dst[at:at + n])
+    return True
 
 
 def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, direct: bool) -> None:
@@ -305,9 +359,10 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
                     want.ns, want.key, want.dtype, tuple(want.shape), want.nbytes, want.checksum):
                 raise DiskIOError("header", f"{path}: header describes another entry")
             nbytes = want.nbytes
-            if direct and address_of(dst) % HEADER_UNIT == 0:
-                whole = nbytes // HEADER_UNIT * HEADER_UNIT
-                if _pread_all(fd, dst[:whole], header_len) != whole:
+            hasher = xxhash.xxh3_64()
+            if not direct or address_of(dst) % HEADER_UNIT == 0:  # in place (O_DIRECT: all but the tail)
+                whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
+                if not _pipelined_read(fd, dst[:whole], header_len, hasher):
                     raise DiskIOError("truncated", f"{path}: short read")
                 done = whole
             else:
@@ -318,12 +373,13 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
                 if _pread_all(fd, b[:span], header_len + done) < n:
                     raise DiskIOError("truncated", f"{path}: short read")
                 dst[done:done + n] = b[:n]
+                hasher.update(b[:n])
                 done += n
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot read {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
-    if finish(xxhash.xxh3_64_intdigest(dst)) != want.checksum:
+    if finish(hasher.intdigest()) != want.checksum:
         raise DiskIOError("corrupt", f"{path}: bytes do not match the record's checksum")
 
 
