@@ -311,11 +311,14 @@ def _helper_pool() -> ThreadPoolExecutor:
 
 
 def _pipelined_write(fd: int, src: memoryview, offset: int, hasher) -> None:
-    pool = _helper_pool()
-    for at in range(0, src.nbytes, PIPE_CHUNK):
-        chunk = src[at:at + PIPE_CHUNK]
-        pending = pool.submit(_pwrite_all, fd, chunk, offset + at)
-        hasher.update(chunk)
+    """One write of it all on a helper (the device sees requests as large as dd's) while this
+    thread hashes the same bytes (neither changes them)."""
+    if not src.nbytes:
+        return
+    pending = _helper_pool().submit(_pwrite_all, fd, src, offset)
+    try:
+        hasher.update(src)
+    finally:
         pending.result()
 
 
