@@ -237,6 +237,81 @@ def test_spill_budget_drops_least_recently_used_spills(tier_dir):
     run(main())
 
 
+def test_a_peer_lookup_is_answered_at_once_and_starts_the_promotion(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        peer = env.session()
+
+        def never(results):
+            raise AssertionError(f"a peer's lookup parked: {results}")
+        (now,) = env.store.acquire(peer, "ns", ["k0"], 0.0, never, park_for_disk=False)
+        assert isinstance(now, Failure) and now.code == Code.KEY_NOT_FOUND
+        await env.settle()  # its promotion ran meanwhile: the next lookup finds it in memory
+        (loc,) = env.store.acquire(peer, "ns", ["k0"], 0.0, never, park_for_disk=False)
+        assert isinstance(loc, Location) and env.read(loc) == payload("k0")
+        env.store.release(peer, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_read_of_a_spill_still_being_written_waits_for_it(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0's spill starts; nothing has run on the loop yet
+        record = env.disk.record("ns", "k0")
+        assert not record.ready and env.store.exists(env.session(), "ns", ["k0"], 0) == [True]
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("k0")
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_promotion_into_a_pool_held_full_says_so(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        holder = env.session()
+        held = env.store.acquire(holder, "ns", [f"k{i}" for i in range(1, 5)], 0, None)
+        assert all(isinstance(loc, Location) for loc in held)  # every extent leased: nothing to evict
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.POOL_FULL and "on disk" in result.message
+        assert env.disk.holds("ns", "k0")  # still there for a later read
+        for loc in held:
+            env.store.release(holder, loc.generation)
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("k0")
+        env.store.release(reader, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+@pytest.mark.parametrize("disk, reason", [({"spill": False}, "disabled"), ({"min_spill_size": "1MiB"}, "too_small")])
+def test_evictions_not_worth_spilling_are_dropped_and_counted(tier_dir, disk, reason):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop(), **disk)
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        assert not env.disk.records and env.disk.dropped[reason] == 1
+        assert env.store.exists(env.session(), "ns", ["k0"], 0) == [False]
+        env.check()
+        env.disk.close()
+    run(main())
+
+
 def test_operator_evict_removes_keys_from_both_tiers(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
