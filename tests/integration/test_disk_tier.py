@@ -290,3 +290,19 @@ def test_status_shows_the_disk_tier(disk_daemon, disk_dir):
     disk = json.loads(as_json.stdout)["disk"]
     assert disk["path"] == disk_dir and disk["entries"] == 1 and disk["persisted_entries"] == 1
     assert disk["capacity_bytes"] == 1 << 30 and disk["used_bytes"] == 4096 + 1 * MIB
+
+
+def test_a_delete_or_replacement_is_not_undone_by_a_crash(disk_daemon, disk_dir):
+    with disk_daemon.client() as c:
+        c.put("deleted", tensor(1, 1 * MIB), persist=True)
+        c.put("replaced", tensor(2, 1 * MIB), persist=True)
+        c.delete("deleted")
+        c.put("replaced", tensor(3, 1 * MIB))  # a new value, in memory only
+    disk_daemon.stop(signal.SIGKILL)
+    disk_daemon.start()
+    with disk_daemon.client() as c:
+        with pytest.raises(KeyNotFound):
+            c.get("deleted")
+        with pytest.raises(KeyNotFound):  # never the old bytes of a replaced key
+            c.get("replaced")
+    assert records(disk_dir) == []
