@@ -217,7 +217,7 @@ class PoolSection(_Section):
 
 class RingSection(_Section):
     slots: int = 65536  # events kept before a slow reader is overrun
-    presence_buckets: int = 1 << 20  # counters clients read to answer exists() negatives locally
+    presence_buckets: int = 1 << 20  # words clients read to answer unpinned exists() locally
 
     def __post_init__(self) -> None:
         for key, value in (("slots", self.slots), ("presence_buckets", self.presence_buckets)):
@@ -313,6 +313,9 @@ class ClusterSection(_Section):
     # tcp://HOST:PORT of the bulk data listener; "": listen's host and its port + 1 (port 0 when
     # listen's is 0: a free one, announced to peers in the handshake)
     data_listen: str = ""
+    # tcp://HOST:PORT at which other nodes reach `listen`, told to clients (the vLLM connectors
+    # put it in kv_transfer_params); "": `listen` itself (nothing, where it binds a wildcard)
+    advertise: str = ""
     peers: list[str] = msgspec.field(default_factory=list)  # other nodes' `listen` endpoints
     transport: str = "tcp"
     # CURVE, as in [control]: this node's key pair (it is both server and client of its peers),
@@ -347,6 +350,11 @@ class ClusterSection(_Section):
         if self.data_listen:
             _check(split_tcp_endpoint(self.data_listen) is not None, "data_listen",
                    f"must be tcp://HOST:PORT, got {self.data_listen!r}")
+        if self.advertise:
+            where = split_tcp_endpoint(self.advertise)
+            _check(where is not None and where[1] > 0 and where[0] not in ("0.0.0.0", "::", "*"), "advertise",
+                   f"must be tcp://HOST:PORT that other nodes can dial (no wildcard, no port 0), "
+                   f"got {self.advertise!r}")
         for peer in self.peers:
             where = split_tcp_endpoint(peer)
             _check(where is not None and where[1] > 0, "peers",

@@ -27,7 +27,7 @@ import zmq
 from ..errors import (Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, LimitExceeded,
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
-from ..memory.ring import key_hash
+from ..memory.ring import HERE, NOT_HERE, key_hash
 from ..memory.allocator import align_up
 from ..protocol import (Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Bye, Commit, Committed,
                         Exists, Extent, Failure, Flags, Location, Publish, PutInline, Release, Report, Welcome,
@@ -525,7 +525,8 @@ class Client(ControlClient):
 
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
         """Which keys are present. With pin_s > 0, present entries cannot be evicted for pin_s
-        seconds (or until unpin()). Absent keys are answered from the event ring, no round trip."""
+        seconds (or until unpin()). Without a pin, the event ring's presence table answers most
+        keys with no round trip (absent ones; present ones it can name, see ecd.memory.ring)."""
         keys, single = _key_list(keys)
         ns = self.namespace
         _check_encodable("key", keys)  # key_hash needs the UTF-8 bytes
@@ -542,15 +543,18 @@ class Client(ControlClient):
             ask: list[int] = []
             asked_hashes: list[int] = []
             is_cached = self._cache.known
+            lookup = ring.lookup
             for i, key in enumerate(keys):
                 keyhash = key_hash(ns, key)
                 if trusted:
-                    known = is_cached(keyhash, ns, key)
-                    if not ring.maybe_present(keyhash):
-                        if not known:
+                    said = lookup(keyhash)
+                    if said == NOT_HERE:
+                        if not is_cached(keyhash, ns, key):
                             answers[i] = False
                             continue
-                    elif known and pin_s <= 0:
+                    elif pin_s <= 0 and (said == HERE or is_cached(keyhash, ns, key)):
+                        # the bucket names this key, or this client put or read it and has
+                        # not seen it go: present, as far as an unpinned (advisory) answer goes
                         answers[i] = True
                         continue
                 # Not trusted, a pin to take, or the ring and this client's cache disagree (an

@@ -12,7 +12,7 @@ import time
 
 from ..errors import EcdError, InvalidRequest, ProtocolError
 from ..memory.host import ShmError, ShmFile, shm_path
-from ..memory.ring import RingReader
+from ..memory.ring import ASK, RingReader
 from ..protocol import Extent, Location, Welcome
 
 # How long a client that finds the ring's header overwritten waits for the daemon to rewrite it
@@ -34,6 +34,10 @@ class NoRing:
     @staticmethod
     def usable(max_silence_s: float) -> bool:
         return False
+
+    @staticmethod
+    def lookup(keyhash: int) -> int:
+        return ASK
 
 
 def open_ring(ring_file: ShmFile, welcome: Welcome) -> RingReader | None:

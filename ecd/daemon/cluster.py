@@ -109,6 +109,7 @@ class Cluster:
                                                    tls=cluster_tls(daemon.config))
         self.data_address: tuple[str, int] = ("", 0)
         self.listen = self.config.listen
+        self.advertised = self.config.advertise or self.listen
         self._router: Any = None
         self.server: PeerServer | None = None
         self.links = PeerLinks(self, peer_keys)
@@ -139,6 +140,7 @@ class Cluster:
             raise ConfigError(f"cluster.listen: cannot bind {self.config.listen}: {exc}") from None
         self._router = sock
         self.listen = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.advertised = self.config.advertise or self.listen  # what clients are told
         try:
             host, port = self.transport.bind()  # type: ignore[attr-defined]
         except OSError as exc:

@@ -295,12 +295,13 @@ class DiskTier:
         if size > self.capacity:
             self.dropped["too_large"] += 1
             return
-        staged = self.staging_alloc.alloc(max(files.padded(entry.nbytes), files.HEADER_UNIT))
+        staged_size = max(files.padded(entry.nbytes), files.HEADER_UNIT)  # whole blocks: O_DIRECT-aligned
+        staged = self.staging_alloc.alloc(staged_size)
         if staged is None:
             self.dropped["backlog"] += 1  # the disk is slower than evictions: drop rather than block
             return
         if not self._make_room(size):
-            self.staging_alloc.free_extent(staged)
+            self.staging_alloc.free_extent(staged, staged_size)
             self.dropped["disk_full"] += 1
             return
         # A memcpy on the loop (~1 ms per 16 MiB), so the put that evicted this entry gets its
@@ -308,18 +309,18 @@ class DiskTier:
         with memoryview(self.segments[entry.pool].buf) as seg, memoryview(self.staging) as stage:
             stage[staged:staged + entry.nbytes] = seg[entry.offset:entry.offset + entry.nbytes]
         record = DiskRecord(self._header(entry, persisted=False), "", size, generation=entry.generation)
-        self._start_write(record, staged, entry.checksum)
+        self._start_write(record, staged, staged_size, entry.checksum)
 
-    def _start_write(self, record: DiskRecord, staged: int, expect: int) -> None:
+    def _start_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
         assert self.loop is not None
         header = record.header
         self.records[(header.ns, header.key)] = record
         self.used += record.size
         record.written = self.loop.create_future()
         self.writes += 1
-        self.loop.create_task(self._spill_write(record, staged, expect))
+        self.loop.create_task(self._spill_write(record, staged, staged_size, expect))
 
-    async def _spill_write(self, record: DiskRecord, staged: int, expect: int) -> None:
+    async def _spill_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
         assert self.loop is not None and self.staging is not None and self.staging_alloc is not None
         view = memoryview(self.staging)[staged:staged + record.header.nbytes]
         error: files.DiskIOError | None = None
@@ -332,7 +333,7 @@ class DiskTier:
             error = files.DiskIOError("shutdown", str(exc))
         finally:
             view.release()
-            self.staging_alloc.free_extent(staged)
+            self.staging_alloc.free_extent(staged, staged_size)
             self.writes -= 1
         self._write_done(record, error, "spill")
 
@@ -400,7 +401,7 @@ class DiskTier:
             return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
-        entry.write_deadline = math.inf  # never expired while a worker thread fills it
+        entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
         record.reads += 1
         error: files.DiskIOError | None = None
         try:

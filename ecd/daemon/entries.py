@@ -36,9 +36,18 @@ class Entry:
     readers: int = 0
     pins: int = 0
     last_access: float = 0.0
-    write_deadline: float = 0.0  # while WRITING (0.0 after: one float object fewer per entry)
-    published_at: float = 0.0
+    # While WRITING, when the write is aborted; from READY on, when it was published. One slot
+    # for the two (8 B per entry): no entry needs both at once.
+    when: float = 0.0
     checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
+
+    @property
+    def write_deadline(self) -> float:
+        return self.when if self.state is State.WRITING else 0.0
+
+    @property
+    def published_at(self) -> float:
+        return self.when if self.state is not State.WRITING else 0.0
 
     @property
     def keyhash(self) -> int:

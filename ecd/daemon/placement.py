@@ -120,7 +120,7 @@ class Placement(RegistryState):
         def free_on_paper(entry: Entry) -> tuple[int, int]:
             allocator, ends, starts = allocators[entry.pool], run_end[entry.pool], run_start[entry.pool]
             start = entry.offset
-            end = start + allocator.extent_size(start)
+            end = start + align_up(max(entry.nbytes, 1))
             left = starts.pop(start, None)
             if left is not None:
                 del ends[left]

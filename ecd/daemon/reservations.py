@@ -90,7 +90,7 @@ class Reservations(RegistryState):
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
                       self._shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
-                      last_access=self.clock(), write_deadline=reservation.deadline)
+                      last_access=self.clock(), when=reservation.deadline)
         self.by_generation[generation] = entry
         session.writes[generation] = entry
         return self.commit(session, generation, checksum)
@@ -98,7 +98,7 @@ class Reservations(RegistryState):
     def end_reservation(self, reservation: Reservation, outcome: str) -> None:
         """Free a reservation's extent and give its bytes back to its namespace."""
         self._forget_reservation(reservation, outcome)
-        self.allocators[reservation.pool].free_extent(reservation.offset)
+        self.allocators[reservation.pool].free_extent(reservation.offset, reservation.size)
         self._uncharge(reservation.ns, reservation.size)
 
     def _forget_reservation(self, reservation: Reservation, outcome: str) -> None:

@@ -4,9 +4,12 @@ Layout (little-endian, all fields naturally aligned):
   header page (4096 B): magic, version, slot count, bucket count, epoch, three zero words (the
                          64 bytes that never change), write_seq, heartbeat (CLOCK_MONOTONIC ns),
                          closed flag
-  presence table:       `buckets` x u32 - PRESENT where at least one READY entry's key hashes to
-                         the bucket, ABSENT where none does: ABSENT means "certainly absent", so
-                         clients answer exists() negatives locally
+  presence table:       `buckets` x u64 - ABSENT where no READY entry's key hashes to the bucket;
+                         the key hash itself where every READY entry in the bucket has that one
+                         hash (one key, or generations of it); SHARED where keys of two hashes
+                         met there (until the bucket empties). So clients answer exists() locally:
+                         ABSENT means "certainly absent", a word equal to the key's own hash
+                         "present" (see "What a presence word promises")
   event slots:          `slots` x [seq, kind, keyhash, generation] (4 x u64)
 
 The writer never waits for readers. It fills a slot (its sequence number and the event), then
@@ -22,11 +25,21 @@ process of the daemon's user (or root) can still scribble over it (a buggy tool;
   it rewrites what differs (the header at once, the presence table a slice at a time);
 - a reader checks what it reads in O(1) per poll (the fixed header words as one bytes compare,
   write_seq against its own position, the slot stamps and kinds it reads anyway), and each
-  presence word is one of two 32-bit constants, so a zeroed or garbled table reads as neither
-  and means "ask the daemon" rather than "absent". Whatever fails a check is handled like an
+  presence word is ABSENT, SHARED or a key hash whose low bits are its own bucket number, so a
+  zeroed or garbled table reads as none of them, and only ABSENT means "absent". Whatever fails
+  a check is handled like an
   overrun: drop what was derived from the ring, resync, ask the daemon; it is counted and
   logged once. Corruption costs round trips, not answers.
 What the checks cannot catch is a writer that forges well-formed content (see docs/protocol.md).
+
+What a presence word promises. ABSENT: at the moment the daemon wrote it, no READY entry's key
+hashed to the bucket. A key's own 64-bit hash: every READY entry hashing there had that hash,
+so the key was present (another (namespace, key) with the same 64-bit hash is a 2^-64 event per
+pair; unpinned exists() is advisory anyway: an entry may be evicted right after any answer).
+SHARED, or another key's hash: the ring cannot tell; the client asks. The daemon keeps a bucket
+SHARED until it empties rather than finding out which hash is left (that would take an index by
+bucket); a replaced key publishes its new generation before the old one goes, which the rules
+above keep as the key's own hash.
 
 Memory ordering. The protocol is a sequence lock whose sequence is write_seq: "write_seq = X"
 announces that slot X % slots may be rewritten from now on. Each u64 word is naturally aligned
@@ -57,7 +70,8 @@ that is not the daemon, and the heartbeat, closed flag and presence words are si
 on their own. (A presence word may be older or newer than the events polled just before it;
 exists() promises only what a message establishes: the daemon updates the table before it
 replies, and a message is a release/acquire pair, so whoever learnt of a put from its reply reads
-PRESENT.) x86 keeps stores in program order and loads in program order (TSO), so there the
+a word that is not ABSENT, and whoever learnt of its removal one that is not the key's hash.)
+Each presence word is one aligned 8-byte store and load: never seen half-written. x86 keeps stores in program order and loads in program order (TSO), so there the
 barriers are skipped: `_barrier` is None (ecd.memory.fence). Elsewhere each is a full fence
 (`dmb ish` on aarch64) through ctypes, ~0.15 us: two per append, two per poll that finds events,
 none per poll that finds none.
@@ -77,7 +91,7 @@ from .fence import barrier as _barrier  # None where the CPU keeps the order its
 log = logging.getLogger("ecd.ring")
 
 MAGIC = int.from_bytes(b"ECDRING1", "little")
-VERSION = 2  # 2: presence words are PRESENT/ABSENT constants, not counts
+VERSION = 3  # 2: presence words are constants, not counts; 3: 64-bit words naming the key
 HEADER_BYTES = 4096
 SLOT_WORDS = 4
 _INVALID = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
@@ -93,11 +107,16 @@ _CLOSED = 17
 # heartbeat and closed flag, adjacent: struct reads each u64 with one 8-byte load (native order)
 _LIVENESS = struct.Struct("<QQ")
 
-# Presence words. Neither is 0 nor all ones, so a table that was zeroed or filled reads as
-# "overwritten"; random bytes hit ABSENT with odds of 2^-32 per bucket.
-ABSENT = int.from_bytes(b"gone", "little")
-PRESENT = int.from_bytes(b"here", "little")
-_ABSENT, _PRESENT = np.uint32(ABSENT), np.uint32(PRESENT)
+# Presence words besides key hashes (key_hash never returns these, nor 0 or all ones, so a table
+# that was zeroed or filled reads as "overwritten"); random bytes hit ABSENT with odds of 2^-64.
+ABSENT = int.from_bytes(b"ecd:gone", "little")
+SHARED = int.from_bytes(b"ecd:many", "little")
+_ALL_ONES = (1 << 64) - 1
+_NOT_KEY_HASHES = frozenset((0, _ALL_ONES, ABSENT, SHARED))
+_ABSENT, _SHARED = np.uint64(ABSENT), np.uint64(SHARED)
+
+# What RingReader.lookup says of one key
+NOT_HERE, HERE, ASK = 0, 1, 2
 
 # A real write_seq stays far below this (2^62 events is a century at a billion a second): a
 # larger one was written by someone else, and resyncing to it would leave the reader stuck there.
@@ -122,21 +141,28 @@ _KIND_SET = frozenset(int(kind) for kind in EventKind)
 
 
 def key_hash(namespace: str, key: str) -> int:
-    """64-bit hash of (namespace, key), identical in every process (unlike hash())."""
-    digest = hashlib.blake2b(f"{namespace}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    """64-bit hash of (namespace, key), identical in every process (unlike hash()).
+
+    The namespace's length leads, so no two (namespace, key) pairs hash the same input
+    (("a\0", "x") and ("a", "\0x") did with a bare separator): a presence word naming this hash
+    answers "present" for exactly one pair."""
+    digest = hashlib.blake2b(f"{len(namespace)}:{namespace}\0{key}".encode(), digest_size=8).digest()
+    keyhash = int.from_bytes(digest, "little")
+    if keyhash in _NOT_KEY_HASHES:  # 4 in 2^64: keep the bucket (low bits), leave the word free
+        keyhash ^= 1 << 63
+    return keyhash
 
 
 def ring_bytes(slots: int, buckets: int) -> int:
-    return HEADER_BYTES + buckets * 4 + slots * SLOT_WORDS * 8
+    return HEADER_BYTES + buckets * 8 + slots * SLOT_WORDS * 8
 
 
 class _RingView:
     def __init__(self, buf, slots: int, buckets: int) -> None:
         self.header = np.frombuffer(buf, np.uint64, count=HEADER_BYTES // 8, offset=0)
-        self.presence = np.frombuffer(buf, np.uint32, count=buckets, offset=HEADER_BYTES)
+        self.presence = np.frombuffer(buf, np.uint64, count=buckets, offset=HEADER_BYTES)
         self.slots = np.frombuffer(buf, np.uint64, count=slots * SLOT_WORDS,
-                                   offset=HEADER_BYTES + buckets * 4).reshape(slots, SLOT_WORDS)
+                                   offset=HEADER_BYTES + buckets * 8).reshape(slots, SLOT_WORDS)
         self.slot_mask = slots - 1
         self.bucket_mask = buckets - 1
 
@@ -150,7 +176,8 @@ class RingWriter(_RingView):
     def __init__(self, buf, slots: int, buckets: int, epoch: int) -> None:
         super().__init__(buf, slots, buckets)
         self.header[:] = 0
-        self.counts = np.zeros(buckets, np.uint32)  # READY entries per bucket: the truth
+        self.counts = np.zeros(buckets, np.uint32)  # READY entries per bucket: the truth ...
+        self.words = np.full(buckets, _ABSENT, np.uint64)  # ... and the words it implies
         self.presence[:] = _ABSENT
         self.slots[:, 0] = _INVALID
         h = self.header
@@ -167,7 +194,7 @@ class RingWriter(_RingView):
             barrier()  # everything above before the magic
         h[_MAGIC] = MAGIC  # last: a reader that sees the magic sees a formatted ring
         self._buf = buf
-        self._slot_offset = HEADER_BYTES + buckets * 4
+        self._slot_offset = HEADER_BYTES + buckets * 8
         self.append(EventKind.EPOCH, 0, epoch)
 
     def append(self, kind: EventKind, keyhash: int, generation: int) -> None:
@@ -185,16 +212,26 @@ class RingWriter(_RingView):
 
     def publish(self, keyhash: int, generation: int) -> None:
         bucket = keyhash & self.bucket_mask
-        self.counts[bucket] = int(self.counts[bucket]) + 1
-        self.presence[bucket] = _PRESENT
+        count = int(self.counts[bucket])
+        self.counts[bucket] = count + 1
+        if count == 0:
+            self._set_word(bucket, np.uint64(keyhash))
+        elif int(self.words[bucket]) != keyhash:  # a second hash: the word cannot name both
+            self._set_word(bucket, _SHARED)
         self.append(EventKind.PUBLISHED, keyhash, generation)
 
     def unpublish(self, kind: EventKind, keyhash: int, generation: int) -> None:
         bucket = keyhash & self.bucket_mask
         left = max(int(self.counts[bucket]) - 1, 0)  # never wraps to "present for ever"
         self.counts[bucket] = left
-        self.presence[bucket] = _PRESENT if left else _ABSENT
+        if left == 0:
+            self._set_word(bucket, _ABSENT)
+        # else: the word stays what it was, the hash every entry left shares, or SHARED
         self.append(kind, keyhash, generation)
+
+    def _set_word(self, bucket: int, word: np.uint64) -> None:
+        self.words[bucket] = word
+        self.presence[bucket] = word
 
     def heartbeat(self) -> None:
         self.header[_HEARTBEAT] = time.monotonic_ns()
@@ -215,7 +252,7 @@ class RingWriter(_RingView):
             damaged.append("closed flag")
         lo = self._audit_at
         hi = min(lo + AUDIT_BUCKETS, self.counts.size)
-        expected = np.where(self.counts[lo:hi] != 0, _PRESENT, _ABSENT)
+        expected = self.words[lo:hi]
         if not np.array_equal(self.presence[lo:hi], expected):
             self.presence[lo:hi] = expected
             damaged.append(f"presence buckets {lo}-{hi - 1}")
@@ -301,14 +338,19 @@ class RingReader(_RingView):
             return False
         return age_ns < max_silence_s * 1e9
 
-    def maybe_present(self, keyhash: int) -> bool:
-        """False only where the bucket says ABSENT; an overwritten word means "ask"."""
-        word = self.presence[keyhash & self.bucket_mask]
-        if word == _ABSENT:
-            return False
-        if word != _PRESENT:
-            self._corrupt(f"presence word {int(word):#x}")
-        return True
+    def lookup(self, keyhash: int) -> int:
+        """What the presence table says of the key with this hash: HERE (the bucket's word is
+        this very hash), NOT_HERE (the word is ABSENT) or ASK (SHARED, another key's hash, or a
+        word that is none of these: an overwritten one, counted)."""
+        bucket = keyhash & self.bucket_mask
+        word = int(self.presence[bucket])
+        if word == keyhash:
+            return HERE
+        if word == ABSENT:
+            return NOT_HERE
+        if word != SHARED and (word & self.bucket_mask != bucket or word in _NOT_KEY_HASHES):
+            self._corrupt(f"presence word {word:#x} in bucket {bucket}")
+        return ASK
 
     def pending(self) -> int:
         return int(self.header[_WRITE_SEQ]) - self.next_seq

@@ -4,13 +4,18 @@ wheel), self-contained on aiohttp (a vLLM dependency):
 
   1. every image/audio item of the request goes to an encoder server, alone, as a chat request
      with max_tokens 1 (the encoder publishes its embedding to ecd); all of them must succeed;
-  2. the original request goes to a prefill server with max_tokens 1 (it loads the embeddings
-     from ecd and stores the prompt's KV blocks in ecd), unless no prefill server is given;
-  3. the original request goes to a decode server, whose answer (JSON or event stream) is the
-     proxy's answer (it loads the prompt's KV from ecd and generates).
+  2. the original request goes to a prefill server with max_tokens 1 and kv_transfer_params
+     {"do_remote_decode": true} (it loads the embeddings from ecd, stores the prompt's KV blocks
+     in ecd and answers with kv_transfer_params naming its daemon and the blocks), unless no
+     prefill server is given;
+  3. the original request, with the prefill's kv_transfer_params, goes to a decode server, whose
+     answer (JSON or event stream) is the proxy's answer (it loads the prompt's KV through ecd
+     and generates).
 
-With ecd, no transfer parameters pass between the stages: every engine finds what the previous
-stage stored by key (an image's mm_hash, a prompt block's hash) in the node's daemon.
+On one node the transfer parameters change nothing: every engine finds what the previous stage
+stored by key (an image's mm_hash, a prompt block's hash) in the node's daemon. Across nodes
+they tell the decode node's daemon which peer to pull the blocks from (docs/vllm.md, "Across
+nodes"), as vLLM's own P/D proxies do for its NixlConnector.
 
     python proxy.py --port 10001 --encode-servers-urls http://127.0.0.1:19534 \\
         --prefill-servers-urls http://127.0.0.1:19535 --decode-servers-urls http://127.0.0.1:19536
@@ -73,10 +78,14 @@ class Proxy:
             await self.encode_items(request, req_id)
         t1 = time.perf_counter()
         if self._p is not None:
-            body = {**request, "max_tokens": 1, "stream": False}
+            body = {**request, "max_tokens": 1, "stream": False,
+                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
             body.pop("max_completion_tokens", None)
             body.pop("stream_options", None)
-            await self._post(next(self._p), body, f"{req_id}-prefill", "prefill")
+            prefilled = await self._post(next(self._p), body, f"{req_id}-prefill", "prefill")
+            params = prefilled.get("kv_transfer_params")
+            if isinstance(params, dict):  # where the decode side's daemon finds the prompt's blocks
+                request = {**request, "kv_transfer_params": params}
         t2 = time.perf_counter()
         url = next(self._d)
         timing = f"encode {1e3 * (t1 - t0):.0f} ms, prefill {1e3 * (t2 - t1):.0f} ms"

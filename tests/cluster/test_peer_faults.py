@@ -109,3 +109,63 @@ def test_stopped_peer_does_not_stall_other_clients(cluster):
         a.proc.send_signal(signal.SIGCONT)
     with b.client() as cb:  # and once it is back, fetches work again
         assert wait_for(lambda: cb.fetch("k", peer=a.peer_endpoint, timeout=5), timeout=20)
+
+
+VANDAL = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+at = int(sys.argv[2])
+os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 4, at)), at)
+os.close(fd)
+"""
+
+
+def test_bytes_that_do_not_match_the_owners_checksum_are_never_committed(cluster):
+    """The owner's bytes changed behind its back (a bit flip in its pool, as a bad link would
+    change them in transit): the puller checks what arrived against the owner's xxh3, drops it,
+    counts it; nothing is visible on the puller and the owner's leases come back."""
+    import subprocess
+    import sys
+
+    from conftest import metric_by_label, scrape_metrics
+    from ecd.protocol import Acquire, Location, Release
+    a, b = cluster(2)
+    t = torch.randn(1 << 16)
+    with a.client() as ca, b.client() as cb:
+        ca.put("flipped", t, checksum=True)
+        ca.put("intact", t + 1, checksum=True)
+        (loc,) = ca.request(Acquire(0, ca.namespace, ["flipped"], 0.0)).results
+        assert isinstance(loc, Location) and loc.checksum
+        ca.request(Release(0, [loc.generation]))
+        pool = f"/dev/shm/{ca._welcome.pools[loc.pool].name}"
+        subprocess.run([sys.executable, "-c", VANDAL, pool, str(loc.offset + 4096)], check=True, timeout=60)
+
+        assert cb.fetch(["flipped", "intact"], peer=a.peer_endpoint, timeout=20) == [False, True]
+        assert cb.exists("flipped") is False
+        with pytest.raises(KeyNotFound):
+            cb.get("flipped", timeout=0)
+        assert torch.equal(cb.get("intact"), t + 1)
+        failures = metric_by_label(scrape_metrics(b.metrics_port), "ecd_transfer_failures_total", "reason")
+        assert failures.get("checksum") == 1, failures
+        sb = cb.stats()
+        assert sb["entries_writing"] == 0 and sb["entries_ready"] == 1 and sb["fetches_in_flight"] == 0
+        assert wait_for(lambda: ca.stats()["transfer_leases"] == 0, timeout=10), ca.stats()
+        assert "bytes do not match the owner's checksum" in b.log()
+
+
+def test_fetch_through_a_tcp_control_endpoint(cluster):
+    """A client on the puller's node that talks to its daemon over tcp (not ipc) fetches the
+    same way: Fetch is a control request, the bytes land in the daemon's pool."""
+    from peerutil import free_port
+    a, b = cluster(2, peers=True)
+    b.stop()
+    tcp = f"tcp://127.0.0.1:{free_port()}"
+    b.config.write_text(b.config.read_text().replace(f'endpoint = "{b.endpoint}"', f'endpoint = "{tcp}"'))
+    b.endpoint = tcp
+    b.start()
+    t = torch.arange(1 << 18, dtype=torch.int32)
+    with a.client() as ca, b.client() as cb:
+        ca.put("k", t)
+        assert cb.fetch(["k", "nope"], peer=a.peer_endpoint, timeout=20) == [True, False]
+        assert torch.equal(cb.get("k"), t)
+        assert cb.stats()["entries_ready"] == 1

@@ -124,3 +124,19 @@ def test_config_errors_are_one_line_exit_2(tmp_path, cluster_text, needle):
     ok.write_text(f'[node]\nname = "cfgtest"\nruntime_dir = "{tmp_path}"\n[cluster]\n'
                   'listen = "tcp://0.0.0.0:7480"\ninsecure = true\n')
     assert subprocess.run(ECD + ["check-config", str(ok)], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.parametrize("advertise", ["tcp://0.0.0.0:7480", "tcp://10.0.0.5:0", "10.0.0.5:7480"])
+def test_advertise_must_be_dialable(advertise):
+    with pytest.raises(ConfigError) as info:
+        load_config({"cluster": {"listen": "tcp://127.0.0.1:7480", "advertise": advertise}})
+    assert str(info.value).startswith("cluster.advertise"), str(info.value)
+
+
+def test_clients_are_told_the_advertised_endpoint(cluster):
+    """Behind NAT or a wildcard bind, the endpoint other nodes dial is not `listen`: clients (the
+    vLLM connectors put it in kv_transfer_params) learn `advertise`; without it, `listen`."""
+    a, b = cluster(2, extra=['advertise = "tcp://192.0.2.7:7480"', ""])
+    with a.client() as ca, b.client() as cb:
+        assert ca.cluster_listen == "tcp://192.0.2.7:7480"
+        assert cb.cluster_listen == b.peer_endpoint

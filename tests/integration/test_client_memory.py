@@ -42,10 +42,18 @@ def test_memory_stays_flat_over_distinct_keys(daemon):
         assert c.exists(f"k{warmup + more}") is True and c.exists("k1") is False
 
 
-def test_a_dropped_location_costs_one_round_trip_never_a_wrong_answer(daemon):
+def same_bucket_keys(n: int, buckets: int = 64) -> list[str]:
+    """n keys whose hashes share one presence bucket: its word is SHARED, so the ring cannot
+    answer "present" for them and the location cache is what saves the round trip."""
+    names = (f"e{i}" for i in range(1_000_000))
+    return [k for k in names if key_hash("default", k) % buckets == 0][:n]
+
+
+def test_a_dropped_location_costs_one_round_trip_never_a_wrong_answer(daemon_factory):
     from ecd.client.location_cache import LocationCache
+    daemon = daemon_factory(extra="[ring]\npresence_buckets = 64")
     t = torch.ones(KIB128)
-    keys = [f"e{i}" for i in range(20)]
+    keys = same_bucket_keys(20)
     with daemon.client() as c, daemon.client() as other:
         c._cache = LocationCache(8)  # room for the last 8 only
         for key in keys:
@@ -91,3 +99,20 @@ def test_an_idle_client_catches_up_with_the_ring_quietly(daemon):
         assert c.exists(["mine", "next", "o4999", "absent"]) == [True, True, True, False]
         c.ping()
         assert overruns(daemon) == 0
+
+
+def test_a_present_key_put_by_another_client_is_answered_from_the_ring(daemon):
+    """Unpinned exists() of a key another process put: the presence word names it, no round
+    trip; a pin still asks; a delete is seen at once; a key sharing a bucket with another asks."""
+    t = torch.ones(16)
+    with daemon.client() as producer, daemon.client() as consumer:
+        producer.put("there", t)
+        asked = consumer.stats()["ops"].get("exists", 0)
+        assert consumer.exists(["there", "nowhere"]) == [True, False]
+        assert consumer.stats()["ops"].get("exists", 0) == asked  # both from the ring
+        assert consumer.exists("there", pin_s=5) is True  # a pin is the daemon's to take
+        assert consumer.stats()["ops"].get("exists", 0) == asked + 1
+        consumer.unpin("there")
+        assert producer.delete("there") is True
+        assert consumer.exists("there") is False
+        assert consumer.stats()["ops"].get("exists", 0) == asked + 1

@@ -35,9 +35,9 @@ def payload(i: int):
 
 def scribble(pattern: str, buf: mmap.mmap, slots: int, buckets: int, rng: np.random.Generator, n: int) -> None:
     header = np.frombuffer(buf, np.uint64, count=HEADER_BYTES // 8)
-    presence = np.frombuffer(buf, np.uint32, count=buckets, offset=HEADER_BYTES)
+    presence = np.frombuffer(buf, np.uint64, count=buckets, offset=HEADER_BYTES)
     ring = np.frombuffer(buf, np.uint64, count=slots * SLOT_WORDS,
-                         offset=HEADER_BYTES + buckets * 4).reshape(slots, SLOT_WORDS)
+                         offset=HEADER_BYTES + buckets * 8).reshape(slots, SLOT_WORDS)
     head = int(header[WRITE_SEQ])
     if pattern == "header_random":
         header[:] = rng.integers(0, 2**64, header.size, dtype=np.uint64)
@@ -58,9 +58,9 @@ def scribble(pattern: str, buf: mmap.mmap, slots: int, buckets: int, rng: np.ran
     elif pattern == "presence_zero":
         presence[:] = 0
     elif pattern == "presence_random":
-        presence[:] = rng.integers(0, 2**32, buckets, dtype=np.uint32)
+        presence[:] = rng.integers(0, 2**64, buckets, dtype=np.uint64)
     elif pattern == "presence_ones":
-        presence[:] = np.uint32(0xFFFF_FFFF)
+        presence[:] = np.uint64(2**64 - 1)
     elif pattern == "header_fields":  # one field at a time: magic, version, geometry, epoch, closed, heartbeat
         word = [0, 1, 2, 3, 4, CLOSED, HEARTBEAT, HEARTBEAT][n % 8]
         header[word] = np.uint64([rng.integers(0, 2**64, dtype=np.uint64), 0, 2**64 - 1][n % 3])

@@ -23,7 +23,7 @@ def check_invariants(alloc: ExtentAllocator, live: dict[int, int]) -> None:
     # live extents: aligned, at least as big as asked, disjoint from each other and from free ones
     spans = [(o, o + s, "free") for o, s in free]
     for offset, nbytes in live.items():
-        size = alloc.extent_size(offset)
+        size = align_up(max(nbytes, 1))
         assert offset % A == 0
         assert size == align_up(max(nbytes, 1))
         spans.append((offset, offset + size, "live"))
@@ -31,7 +31,7 @@ def check_invariants(alloc: ExtentAllocator, live: dict[int, int]) -> None:
     for (s1, e1, k1), (s2, e2, k2) in zip(spans, spans[1:]):
         assert e1 <= s2, f"{k1} [{s1},{e1}) overlaps {k2} [{s2},{e2})"
     # accounting
-    used = sum(alloc.extent_size(o) for o in live)
+    used = sum(align_up(max(n, 1)) for n in live.values())
     assert alloc.used == used
     assert alloc.used + sum(s for _, s in free) == alloc.capacity
     assert alloc.free == alloc.capacity - alloc.used
@@ -69,9 +69,8 @@ def test_alloc_and_free_basics():
     c = alloc.alloc(A + 1)
     assert (a, b, c) == (0, A, 2 * A)
     assert alloc.used == 4 * A
-    assert alloc.extent_size(c) == 2 * A
     assert alloc.free_extents() == [(4 * A, 12 * A)]
-    alloc.free_extent(b)
+    alloc.free_extent(b, A)
     assert alloc.used == 3 * A
     assert alloc.free_extents() == [(A, A), (4 * A, 12 * A)]
     check_invariants(alloc, {a: 100, c: A + 1})
@@ -81,7 +80,7 @@ def test_alignment_of_every_offset():
     alloc = ExtentAllocator(64 * A)
     offsets = [alloc.alloc(n) for n in (1, 3, 255, 257, 511, 1000, 7)]
     assert all(o is not None and o % A == 0 for o in offsets)
-    assert [alloc.extent_size(o) for o in offsets] == [A, A, A, 2 * A, 2 * A, 4 * A, A]
+    assert offsets == [0, A, 2 * A, 3 * A, 5 * A, 7 * A, 11 * A]  # each extent as big as asked, rounded up
 
 
 def test_zero_byte_alloc_gets_a_distinct_extent():
@@ -89,7 +88,7 @@ def test_zero_byte_alloc_gets_a_distinct_extent():
     a = alloc.alloc(0)
     b = alloc.alloc(0)
     assert a is not None and b is not None and a != b
-    assert alloc.extent_size(a) == A
+    assert abs(a - b) == A
     assert alloc.used == 2 * A
     assert alloc.fits(0)
 
@@ -100,7 +99,7 @@ def test_none_when_full():
     assert alloc.alloc(1) is None
     assert not alloc.fits(1)
     assert alloc.largest_free == 0
-    alloc.free_extent(0)
+    alloc.free_extent(0, 4 * A)
     assert alloc.alloc(4 * A + 1) is None  # bigger than the segment
     assert alloc.used == 0
 
@@ -108,8 +107,8 @@ def test_none_when_full():
 def test_none_when_fragmented():
     alloc = ExtentAllocator(4 * A)
     offs = [alloc.alloc(A) for _ in range(4)]
-    alloc.free_extent(offs[0])
-    alloc.free_extent(offs[2])
+    alloc.free_extent(offs[0], A)
+    alloc.free_extent(offs[2], A)
     assert alloc.free == 2 * A
     assert not alloc.fits(2 * A)
     assert alloc.alloc(2 * A) is None
@@ -121,9 +120,9 @@ def test_best_fit_picks_smallest_hole_that_fits():
     # carve holes of 4A (at 0), 2A (at 5A), 3A (at 8A), separated by live 1A spacers
     x = [alloc.alloc(n * A) for n in (4, 1, 2, 1, 3, 1)]
     assert x == [0, 4 * A, 5 * A, 7 * A, 8 * A, 11 * A]
-    alloc.free_extent(0)
-    alloc.free_extent(5 * A)
-    alloc.free_extent(8 * A)
+    alloc.free_extent(0, 4 * A)
+    alloc.free_extent(5 * A, 2 * A)
+    alloc.free_extent(8 * A, 3 * A)
     # tail: [12A, 32A) of 20A
     assert alloc.alloc(2 * A) == 5 * A  # exact fit
     assert alloc.alloc(A + 1) == 8 * A  # 3A hole beats 4A and 20A
@@ -136,15 +135,15 @@ def test_best_fit_ties_prefer_lowest_offset():
     alloc = ExtentAllocator(8 * A)
     offs = [alloc.alloc(A) for _ in range(8)]
     for o in (offs[1], offs[3], offs[5]):
-        alloc.free_extent(o)
+        alloc.free_extent(o, A)
     assert alloc.alloc(A) == offs[1]
 
 
 def test_coalesce_with_left_neighbour():
     alloc = ExtentAllocator(4 * A)
     a, b, c, d = (alloc.alloc(A) for _ in range(4))
-    alloc.free_extent(a)
-    alloc.free_extent(b)
+    alloc.free_extent(a, A)
+    alloc.free_extent(b, A)
     assert alloc.free_extents() == [(0, 2 * A)]
     assert alloc.alloc(2 * A) == 0
 
@@ -152,8 +151,8 @@ def test_coalesce_with_left_neighbour():
 def test_coalesce_with_right_neighbour():
     alloc = ExtentAllocator(4 * A)
     a, b, c, d = (alloc.alloc(A) for _ in range(4))
-    alloc.free_extent(c)
-    alloc.free_extent(b)
+    alloc.free_extent(c, A)
+    alloc.free_extent(b, A)
     assert alloc.free_extents() == [(A, 2 * A)]
     assert alloc.largest_free == 2 * A
 
@@ -161,10 +160,10 @@ def test_coalesce_with_right_neighbour():
 def test_coalesce_with_both_neighbours():
     alloc = ExtentAllocator(5 * A)
     a, b, c, d, e = (alloc.alloc(A) for _ in range(5))
-    alloc.free_extent(b)
-    alloc.free_extent(d)
+    alloc.free_extent(b, A)
+    alloc.free_extent(d, A)
     assert alloc.free_extents() == [(A, A), (3 * A, A)]
-    alloc.free_extent(c)
+    alloc.free_extent(c, A)
     assert alloc.free_extents() == [(A, 3 * A)]
     assert alloc.alloc(3 * A) == A
     check_invariants(alloc, {a: A, A: 3 * A, e: A})
@@ -174,18 +173,18 @@ def test_coalesce_with_tail():
     alloc = ExtentAllocator(8 * A)
     a = alloc.alloc(A)
     b = alloc.alloc(A)
-    alloc.free_extent(b)
+    alloc.free_extent(b, A)
     assert alloc.free_extents() == [(A, 7 * A)]
-    alloc.free_extent(a)
+    alloc.free_extent(a, A)
     assert alloc.free_extents() == [(0, 8 * A)]
 
 
 def test_double_free_raises():
     alloc = ExtentAllocator(4 * A)
     a = alloc.alloc(A)
-    alloc.free_extent(a)
+    alloc.free_extent(a, A)
     with pytest.raises(ValueError):
-        alloc.free_extent(a)
+        alloc.free_extent(a, A)
     assert alloc.used == 0
     assert alloc.free_extents() == [(0, 4 * A)]
 
@@ -194,9 +193,15 @@ def test_free_of_unallocated_or_interior_offset_raises():
     alloc = ExtentAllocator(4 * A)
     a = alloc.alloc(2 * A)
     with pytest.raises(ValueError):
-        alloc.free_extent(a + A)  # inside a live extent
+        alloc.free_extent(a + A, A)  # inside a live extent
     with pytest.raises(ValueError):
-        alloc.free_extent(3 * A)  # inside the free tail
+        alloc.free_extent(3 * A, A)  # inside the free tail
+    with pytest.raises(ValueError):
+        alloc.free_extent(a + 1, A)  # not aligned
+    with pytest.raises(ValueError):
+        alloc.free_extent(a, 3 * A)  # reaches into the free tail
+    with pytest.raises(ValueError):
+        alloc.free_extent(8 * A, A)  # beyond the segment
     assert alloc.used == 2 * A
     check_invariants(alloc, {a: 2 * A})
 
@@ -231,12 +236,10 @@ def test_random_alloc_free_keeps_invariants(sequence):
                 live[offset] = arg
         elif live:
             offset = sorted(live)[arg % len(live)]
-            del live[offset]
-            alloc.free_extent(offset)
+            alloc.free_extent(offset, live.pop(offset))
         check_invariants(alloc, live)
     for offset in list(live):
-        alloc.free_extent(offset)
-        del live[offset]
+        alloc.free_extent(offset, live.pop(offset))
         check_invariants(alloc, live)
     assert alloc.free_extents() == [(0, CAPACITY)]
     assert alloc.used == 0

@@ -15,7 +15,7 @@ import pytest
 
 from ecd.memory import fence
 from ecd.memory import ring as ring_mod
-from ecd.memory.ring import (ABSENT, MAGIC, MAX_SEQ, PRESENT, EventKind, RingReader, RingWriter, key_hash,
+from ecd.memory.ring import (ABSENT, ASK, HERE, MAGIC, MAX_SEQ, NOT_HERE, SHARED, EventKind, RingReader, RingWriter, key_hash,
                              ring_bytes)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def events(array) -> list[tuple[int, int, int]]:
 
 
 def test_ring_bytes_layout():
-    assert ring_bytes(64, 128) == 4096 + 128 * 4 + 64 * 32
+    assert ring_bytes(64, 128) == 4096 + 128 * 8 + 64 * 32
 
 
 def test_writer_formats_header_and_writes_epoch_event(buf, writer):
@@ -93,28 +93,37 @@ def test_events_wrap_around_the_slots(writer, reader):
     assert reader.overruns == 0
 
 
-def test_presence_counters(writer, reader):
+def _colliding(h: int, prefix: str) -> int:
+    """Another key hash in h's bucket."""
+    return next(o for o in (key_hash("ns", f"{prefix}{i}") for i in range(100_000))
+                if o % BUCKETS == h % BUCKETS and o != h)
+
+
+def test_presence_words_name_the_key_or_say_absent(writer, reader):
     h1 = key_hash("ns", "a")
-    h2 = key_hash("ns", "b")
-    absent = next(h for h in (key_hash("ns", f"z{i}") for i in range(1000))
-                  if h % BUCKETS not in (h1 % BUCKETS, h2 % BUCKETS))
-    assert not reader.maybe_present(h1)
+    h2 = _colliding(h1, "b")  # same bucket, another key
+    absent = next(h for h in (key_hash("ns", f"z{i}") for i in range(1000)) if h % BUCKETS != h1 % BUCKETS)
+    bucket = h1 & (BUCKETS - 1)
+    assert reader.lookup(h1) == NOT_HERE
     writer.publish(h1, 1)
-    assert reader.maybe_present(h1)
-    assert int(writer.counts[h1 & (BUCKETS - 1)]) == 1
-    assert int(writer.presence[h1 & (BUCKETS - 1)]) == PRESENT
-    writer.publish(h1, 2)  # two READY entries in the same bucket (e.g. two namespaces colliding)
-    writer.publish(h2, 3)
-    assert int(writer.counts[h1 & (BUCKETS - 1)]) == (3 if h1 % BUCKETS == h2 % BUCKETS else 2)
-    assert not reader.maybe_present(absent)
+    assert reader.lookup(h1) == HERE  # the word is h1 itself
+    assert reader.lookup(h2) == ASK  # another key's hash: the ring cannot say
+    assert int(writer.counts[bucket]) == 1 and int(writer.presence[bucket]) == h1
+    writer.publish(h1, 2)  # a replacement publishes its new generation before the old one goes
     writer.unpublish(EventKind.DELETED, h1, 1)
-    assert reader.maybe_present(h1)
-    writer.unpublish(EventKind.EVICTED, h1, 2)
+    assert reader.lookup(h1) == HERE and int(writer.counts[bucket]) == 1
+    writer.publish(h2, 3)  # a second hash in the bucket: SHARED, both are asked about
+    assert int(writer.presence[bucket]) == SHARED
+    assert reader.lookup(h1) == ASK and reader.lookup(h2) == ASK
+    assert reader.lookup(absent) == NOT_HERE
     writer.unpublish(EventKind.DELETED, h2, 3)
-    assert not reader.maybe_present(h1)
-    assert not reader.maybe_present(h2)
+    assert reader.lookup(h1) == ASK  # SHARED until the bucket empties: never a wrong "here"
+    writer.unpublish(EventKind.EVICTED, h1, 2)
+    assert reader.lookup(h1) == NOT_HERE and reader.lookup(h2) == NOT_HERE
     assert int(writer.counts.sum()) == 0
     assert (writer.presence == ABSENT).all()
+    writer.publish(h2, 4)  # an emptied bucket names its next key again
+    assert reader.lookup(h2) == HERE and reader.lookup(h1) == ASK
     assert reader.corruptions == 0
 
 
@@ -225,6 +234,17 @@ def test_key_hash_separates_namespace_and_key():
     assert 0 <= key_hash("ns", "k") < 2**64
 
 
+def test_key_hash_never_collides_with_a_reserved_presence_word(monkeypatch):
+    # the 4 values a presence word uses for something else are moved, keeping their bucket
+    for reserved in (0, 2**64 - 1, ABSENT, SHARED):
+        class Digest:
+            def digest(self, reserved=reserved):
+                return reserved.to_bytes(8, "little")
+        monkeypatch.setattr(ring_mod.hashlib, "blake2b", lambda *a, **k: Digest())
+        h = key_hash("ns", "k")
+        assert h not in (0, 2**64 - 1, ABSENT, SHARED) and h & 0xFFFF == reserved & 0xFFFF
+
+
 def test_key_hash_is_stable_across_processes():
     code = "from ecd.memory.ring import key_hash; print(key_hash('ns', 'mm:abc'), key_hash('', 'é'))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -235,8 +255,13 @@ def test_key_hash_is_stable_across_processes():
 def test_key_hash_known_value():
     # Pinned: clients and daemons built from different checkouts must agree on the hash, so a
     # change to key_hash is a protocol change (bump the ring VERSION), not a refactor.
-    assert key_hash("ns", "k") == 13982026912262787732
-    assert key_hash("", "x") == 2812061760185643760
+    assert key_hash("ns", "k") == 6109780668389145436
+    assert key_hash("", "x") == 6095741918608312367
+
+
+def test_key_hash_tells_apart_pairs_that_join_to_the_same_text():
+    assert key_hash("a\0", "x") != key_hash("a", "\0x")
+    assert key_hash("1:a", "b") != key_hash("1", "a\0b")
 
 
 # ---- a ring another process scribbled over ----------------------------------------------------
@@ -358,18 +383,22 @@ def test_event_of_unknown_kind_with_a_valid_stamp(writer, reader, kind):
 def test_overwritten_presence_words_mean_ask_not_absent(writer, reader, fill):
     h = key_hash("ns", "k")
     writer.publish(h, 1)
-    words = {"zero": 0, "ones": 0xFFFF_FFFF}
+    words = {"zero": 0, "ones": 2**64 - 1}
     if fill == "random":
-        writer.presence[:] = np.random.default_rng(2).integers(0, 2**32, BUCKETS, dtype=np.uint32)
+        writer.presence[:] = np.random.default_rng(2).integers(0, 2**64, BUCKETS, dtype=np.uint64)
     else:
-        writer.presence[:] = np.uint32(words[fill])
-    # no bucket reads as "certainly absent" any more, least of all the present key's
-    assert all(reader.maybe_present(b) for b in range(BUCKETS))
-    assert reader.corruptions == BUCKETS
-    writer.heartbeat()  # the daemon rewrites the table from its private counts
-    assert reader.maybe_present(h)
-    assert sum(reader.maybe_present(b) for b in range(BUCKETS)) == 1
-    assert reader.corruptions == BUCKETS
+        writer.presence[:] = np.uint64(words[fill])
+    # no bucket reads as "certainly absent" or as naming a key any more, least of all the
+    # present key's: every lookup asks, and counts the garbled word
+    assert all(reader.lookup(b | 1 << 40) == ASK for b in range(BUCKETS))  # a key hash in bucket b
+    assert reader.lookup(h) == ASK
+    # random words pass the bucket check 1 time in BUCKETS (such a word still means "ask")
+    counted = reader.corruptions
+    assert counted == BUCKETS + 1 if fill != "random" else counted > BUCKETS * 0.9
+    writer.heartbeat()  # the daemon rewrites the table from its private truth
+    assert reader.lookup(h) == HERE
+    assert sum(reader.lookup(b | 1 << 40) != NOT_HERE for b in range(BUCKETS)) == 1
+    assert reader.corruptions == counted  # h's word is well formed for bucket h % BUCKETS
 
 
 def test_writer_never_reads_the_mapping_back(writer, reader):
@@ -382,7 +411,7 @@ def test_writer_never_reads_the_mapping_back(writer, reader):
         writer.publish(h, 3)
         writer.unpublish(EventKind.DELETED, h, 2)
     assert int(writer.counts[h & (BUCKETS - 1)]) == 1
-    assert reader.maybe_present(h)
+    assert reader.lookup(h) == HERE
     writer.header[ring_mod._WRITE_SEQ] = np.uint64(3)
     writer.publish(5, 5)  # its sequence is its own, not what it finds in the header
     assert int(writer.header[ring_mod._WRITE_SEQ]) == writer.events_written == 6
@@ -409,7 +438,7 @@ def test_presence_audit_sweeps_a_large_table_in_slices():
     w.heartbeat()
     assert (w.presence[:buckets // 2] == ABSENT).all() and not w.presence[buckets // 2:].any()
     w.heartbeat()
-    assert int(w.presence[-1]) == PRESENT and (w.presence[:-1] == ABSENT).all()
+    assert int(w.presence[-1]) == buckets - 1 and (w.presence[:-1] == ABSENT).all()
 
 
 def test_reader_survives_any_bytes(writer, reader):
@@ -418,8 +447,8 @@ def test_reader_survives_any_bytes(writer, reader):
     kind; once the daemon has repaired the ring it follows it again."""
     rng = np.random.default_rng(3)
     raw = np.frombuffer(reader._buf, np.uint8)
-    regions = [(0, 4096), (ring_mod._WRITE_SEQ * 8, ring_mod._WRITE_SEQ * 8 + 8), (4096, 4096 + BUCKETS * 4),
-               (4096 + BUCKETS * 4, raw.size), (0, raw.size)]
+    regions = [(0, 4096), (ring_mod._WRITE_SEQ * 8, ring_mod._WRITE_SEQ * 8 + 8), (4096, 4096 + BUCKETS * 8),
+               (4096 + BUCKETS * 8, raw.size), (0, raw.size)]
     for step in range(3000):
         op = rng.integers(0, 10)
         if op < 3:
@@ -436,7 +465,7 @@ def test_reader_survives_any_bytes(writer, reader):
             assert got.shape[1] == 3 and len(got) <= SLOTS
             assert ((got[:, 0] >= 1) & (got[:, 0] <= len(EventKind))).all()
         assert 0 <= reader.next_seq <= MAX_SEQ
-        reader.usable(5.0), reader.alive(5.0), reader.maybe_present(int(rng.integers(0, 2**63))), reader.pending()
+        reader.usable(5.0), reader.alive(5.0), reader.lookup(int(rng.integers(0, 2**63))), reader.pending()
         if step % 7 == 0:
             reader.skip_to_head()
     assert reader.corruptions > 0
@@ -447,7 +476,7 @@ def test_reader_survives_any_bytes(writer, reader):
     assert events(reader.poll()) == []
     writer.publish(42, 42)
     assert events(reader.poll()) == [(EventKind.PUBLISHED, 42, 42)]
-    assert all(reader.maybe_present(b) == bool(writer.counts[b]) for b in range(BUCKETS))
+    assert all((reader.lookup(b) != NOT_HERE) == bool(writer.counts[b]) for b in range(BUCKETS))
 
 
 # ---- a client attaching while the header is overwritten ---------------------------------------

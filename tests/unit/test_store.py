@@ -15,7 +15,7 @@ import pytest
 
 from ecd.errors import Code
 from ecd.memory.allocator import ALIGNMENT, align_up
-from ecd.memory.ring import ABSENT, PRESENT, EventKind, RingReader, RingWriter, key_hash, ring_bytes
+from ecd.memory.ring import ABSENT, SHARED, EventKind, RingReader, RingWriter, key_hash, ring_bytes
 from ecd.daemon.entries import RequestError, State, StoreLimits
 from ecd.daemon.store import Store
 from ecd.protocol import AllocItem, Extent, Failure, Location
@@ -143,13 +143,21 @@ class Env:
         for (ns, key), e in store.index.items():
             assert (e.ns, e.key) == (ns, key) and e.keyhash == key_hash(ns, key)
         # presence counters: one per key that is READY in the pool or has a disk-tier record (a
-        # spilled key stays present), nothing else; the shared table says PRESENT exactly where a
-        # counter is not zero
+        # spilled key stays present), nothing else; the shared table says ABSENT exactly where a
+        # counter is zero, and names a key hash only where every present key in the bucket has it
+        # (SHARED otherwise)
         present = {(e.ns, e.key) for e in ready} | (set(store.disk.records) if store.disk is not None else set())
         expected = collections.Counter(key_hash(ns, key) & (BUCKETS - 1) for ns, key in present)
         actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
-        assert [int(w) for w in self.ring.presence] == [PRESENT if b in expected else ABSENT for b in range(BUCKETS)]
+        hashes = collections.defaultdict(set)
+        for ns, key in present:
+            hashes[key_hash(ns, key) & (BUCKETS - 1)].add(key_hash(ns, key))
+        for bucket, word in enumerate(int(w) for w in self.ring.presence):
+            if bucket not in expected:
+                assert word == ABSENT
+            elif word != SHARED:
+                assert hashes[bucket] == {word}
         # allocator bytes are exactly those of entries and reservations holding extents
         reservations = list(store.reservations.values())
         for pool, allocator in enumerate(store.allocators):
@@ -160,7 +168,13 @@ class Env:
         assert store.reserved_bytes == sum(r.size for r in reservations)
         for r in reservations:
             assert r.owner.reservation is r and r.generation not in store.by_generation
-            assert r.size == store.allocators[r.pool].extent_size(r.offset)
+        # entries' and reservations' extents and the free ones tile each pool exactly
+        for pool, allocator in enumerate(store.allocators):
+            spans = sorted([(e.offset, align_up(max(e.nbytes, 1))) for e in entries if e.pool == pool]
+                           + [(r.offset, r.size) for r in reservations if r.pool == pool]
+                           + allocator.free_extents())
+            assert all(o1 + s1 == o2 for (o1, s1), (o2, _) in zip(spans, spans[1:])), spans
+            assert spans[0][0] == 0 and spans[-1][0] + spans[-1][1] == allocator.capacity
         # evictable == READY entries with no reader and no pin
         unheld = {e.generation for e in ready if not e.readers and not e.pins}
         assert set(store.evictable) == unheld

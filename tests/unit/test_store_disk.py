@@ -16,7 +16,7 @@ from ecd.config import load_config
 from ecd.daemon.disk_tier import DiskTier
 from ecd.errors import Code
 from ecd.integrity import checksum
-from ecd.memory.ring import key_hash
+from ecd.memory.ring import NOT_HERE, key_hash
 from ecd.protocol import Extent, Failure, Location
 from test_store import Env, item
 
@@ -96,7 +96,7 @@ def test_evicted_entries_spill_and_come_back_bit_identical(tier_dir):
         env.check()
         assert env.disk.counters["spills"] == 6
         assert all(env.store.exists(reader, "ns", keys, 0))
-        assert all(env.reader.maybe_present(key_hash("ns", k)) for k in keys)  # spilled keys stay present
+        assert all(env.reader.lookup(key_hash("ns", k)) != NOT_HERE for k in keys)  # spilled keys stay present
         for key in keys:
             (loc,) = await env.get(reader, [key])
             assert isinstance(loc, Location), loc
@@ -212,7 +212,7 @@ def test_persist_writes_through_and_survives_a_new_tier(tier_dir):
         env.disk.close()
         again = DiskEnv(tier_dir, asyncio.get_running_loop())  # a restart: headers re-indexed
         assert again.disk.loaded == 1 and again.disk.record("ns", "p").persisted
-        assert again.reader.maybe_present(key_hash("ns", "p"))
+        assert again.reader.lookup(key_hash("ns", "p")) != NOT_HERE
         reader = again.session()
         (loc,) = await again.get(reader, ["p"])
         assert again.read(loc) == payload("p")
