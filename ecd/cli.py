@@ -227,6 +227,7 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> d
                     "transfer_leases": last.get("transfer_leases", 0),
                     "fetches_in_flight": last.get("fetches_in_flight", 0),
                     "fetch_failures": last.get("fetch_failures", {})},
+        "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
     }
 
 

@@ -116,7 +116,31 @@ def render_status(doc: dict, console: Console) -> None:
     pools.add_row("total", human_size(doc["used_bytes"]), human_size(doc["capacity_bytes"]),
                   f"{doc['used_pct']:.1f}%", style="bold")
     console.print(pools)
+    render_disk(doc.get("disk"), console)
     render_peers(doc.get("cluster") or {}, console)
+
+
+def render_disk(disk: dict | None, console: Console) -> None:
+    """The disk tier's part of `ecd status` (nothing without [pool.disk])."""
+    if not disk:
+        return
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    io = "O_DIRECT" if disk["direct_io"] else "buffered I/O"
+    grid.add_row("disk tier", f"{shown(disk['path'])} ({io}): {human_size(disk['used_bytes'])} of "
+                              f"{human_size(disk['capacity_bytes'])} "
+                              f"({percent(disk['used_bytes'], disk['capacity_bytes']):.1f}%), {disk['entries']} "
+                              f"records ({disk['persisted_entries']} persisted)")
+    grid.add_row("disk traffic", f"{disk['spills']} spills, {disk['promotions']} promotions, "
+                                 f"{disk['writes_in_flight']} writes in flight "
+                                 f"({human_size(disk['spill_buffer_bytes'])} in the spill buffer); "
+                                 f"{disk['loaded']} records re-indexed at start in {disk['load_s']:.2f}s")
+    problems = [f"{disk['integrity_failures']} corrupt records removed"] if disk["integrity_failures"] else []
+    problems += [f"{k}={v}" for k, v in sorted(disk["errors"].items())]
+    problems += [f"not spilled ({k})={v}" for k, v in sorted(disk["dropped"].items())]
+    grid.add_row("disk problems", ", ".join(problems) or "none")
+    console.print(grid)
 
 
 def render_peers(cluster: dict, console: Console) -> None:

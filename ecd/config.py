@@ -184,9 +184,35 @@ class CudaPoolSection(_Section):
         self.size = ByteSize(-(-int(self.size) // (2 << 20)) * (2 << 20))
 
 
+class DiskPoolSection(_Section):
+    """`[pool.disk]`: a second tier on a local filesystem (ecd/daemon/disk_tier.py): host entries
+    evicted for room are spilled there, `put(persist=True)` writes through, a restart re-indexes it."""
+
+    path: str  # a directory on a local filesystem, owned by this daemon alone
+    size: ByteSize  # bytes of records (4 KiB headers included) it may hold
+    spill: bool = True  # write host entries evicted for room to disk instead of dropping them
+    # O_DIRECT: "auto" where the filesystem allows it (not tmpfs before Linux 6.6), true: required
+    # (a start error where it is not), false: buffered I/O through the page cache.
+    direct_io: bool | str = "auto"
+    min_spill_size: ByteSize = ByteSize(64 << 10)  # smaller evicted entries are dropped, not spilled
+    spill_buffer: ByteSize = ByteSize(256 << 20)  # RAM for evicted bytes on their way to disk
+    io_threads: int = 2  # worker threads doing the disk reads and writes
+
+    def __post_init__(self) -> None:
+        _check(self.path.startswith("/"), "path", f"must be an absolute path, got {self.path!r}")
+        _check(self.size >= 16 << 20, "size", f"must be >= 16MiB, got {int(self.size)}")
+        _check(self.direct_io in (True, False, "auto"), "direct_io",
+               f"must be true, false or \"auto\", got {self.direct_io!r}")
+        _check(self.min_spill_size >= 0, "min_spill_size", f"must be >= 0, got {int(self.min_spill_size)}")
+        _check(self.spill_buffer >= 1 << 20, "spill_buffer", f"must be >= 1MiB, got {int(self.spill_buffer)}")
+        _check(1 <= self.io_threads <= 64, "io_threads", f"must be between 1 and 64, got {self.io_threads}")
+        self.spill_buffer = ByteSize(-(-int(self.spill_buffer) // 4096) * 4096)
+
+
 class PoolSection(_Section):
     host: HostPoolSection = msgspec.field(default_factory=HostPoolSection)
     cuda: CudaPoolSection | None = None
+    disk: DiskPoolSection | None = None
 
 
 class RingSection(_Section):

@@ -20,6 +20,7 @@ class Code(enum.IntEnum):
     INTERNAL = 11
     QUOTA_EXCEEDED = 12  # the namespace is at its byte quota and none of its own entries can go
     CORRUPT = 13  # the bytes read do not match the checksum their producer stored
+    NOT_DURABLE = 14  # put(persist=True): stored in memory, but could not be made durable on disk
 
 
 class EcdError(Exception):
@@ -96,6 +97,13 @@ class IntegrityError(EcdError):
         self.key, self.expected, self.actual = key, expected, actual
 
 
+class PersistFailed(EcdError):
+    """put(persist=True) could not make the entry durable on the disk tier (full, I/O error,
+    read-only). The entry is still stored in the host pool, as a put without persist would be."""
+
+    code = Code.NOT_DURABLE
+
+
 class DaemonUnavailable(EcdError):
     """The daemon is down or did not answer within the client's timeout."""
 
@@ -127,6 +135,7 @@ _BY_CODE: dict[int, type[EcdError]] = {
         ShuttingDown,
         QuotaExceeded,
         IntegrityError,
+        PersistFailed,
     )
 }
 

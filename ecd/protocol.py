@@ -132,6 +132,25 @@ class PeerState(Struct):
     failures: int = 0  # fetches from it that failed
 
 
+class DiskStats(Struct):
+    """The disk tier, as `ecd status` shows it."""
+    path: str
+    direct_io: bool
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    persisted_entries: int
+    spills: int  # entries written on eviction
+    promotions: int  # entries read back into the host pool
+    writes_in_flight: int
+    spill_buffer_bytes: int  # evicted bytes waiting in RAM for their write
+    integrity_failures: int  # records found corrupt (never served, removed)
+    errors: dict[str, int] = {}  # failed disk operations by kind (enospc, eio, readonly, missing, ...)
+    dropped: dict[str, int] = {}  # evicted entries not spilled, by reason
+    loaded: int = 0  # records re-indexed at start
+    load_s: float = 0.0  # how long that took
+
+
 class DaemonStats(Struct):
     node: str
     epoch: int
@@ -164,6 +183,8 @@ class DaemonStats(Struct):
     transfer_leases: int = 0  # entries this node holds leased for peers' fetches
     fetches_in_flight: int = 0  # keys this node is pulling from peers now
     fetch_failures: dict[str, int] = {}  # by reason
+    # The disk tier ([pool.disk]); empty and 0 without it.
+    disk: "DiskStats | None" = None
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -200,6 +221,9 @@ class Commit(_Msg, tag="commit"):
     reserve: U64 = 0
     # Per generation, the checksum of the bytes written (0: none). Empty: none for any of them.
     checksums: list[Checksum] = []
+    # Also write the entries through to the disk tier ([pool.disk]) and answer once they are
+    # durable there (a failure per item: NOT_DURABLE; the entry stays in memory regardless).
+    persist: bool = False
 
 
 class Publish(_Msg, tag="publish"):
@@ -211,6 +235,7 @@ class Publish(_Msg, tag="publish"):
     item: AllocItem
     reserve: U64 = 0
     checksum: Checksum = 0  # of the bytes written (0: none)
+    persist: bool = False  # as in Commit
 
 
 class Abort(_Msg, tag="abort"):
@@ -226,6 +251,7 @@ class PutInline(_Msg, tag="put_inline"):
     shape: list[U64]
     data: bytes
     checksum: Checksum = 0  # of `data` (0: none); the daemon checks it before storing
+    persist: bool = False  # as in Commit
 
 
 class Acquire(_Msg, tag="acquire"):
@@ -342,6 +368,8 @@ class Welcome(_Msg, tag="welcome"):
     # The peer plane ([cluster]): this node's peer endpoint as bound (tcp://HOST:PORT; "" without
     # one), so an engine can tell another node where to fetch what it published.
     cluster_listen: str = ""
+    # `[pool.disk]` is configured: puts may ask for persist (the daemon refuses them otherwise).
+    disk: bool = False
 
 
 class Pong(_Msg, tag="pong"):

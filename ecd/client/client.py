@@ -38,6 +38,9 @@ from .mapping import EpochMapping
 from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
 
 
+PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
+
+
 class Client(ControlClient):
     """Put, get, view, wait for and look up tensors held by the local ecd daemon."""
 
@@ -80,7 +83,8 @@ class Client(ControlClient):
 
     # ---- put ----------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False, tier: str | None = None) -> None:
+    def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False, tier: str | None = None,
+            persist: bool = False) -> None:
         """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically.
         With `checksum` (always in a verify namespace) an xxh3-64 of the stored bytes is kept
         with the entry, for readers that verify (for bytes on a GPU it is computed by staging
@@ -90,15 +94,23 @@ class Client(ControlClient):
         caller's current stream; the entry is published only once that copy has completed. Without
         an arena on that device it goes to the host pool (an asynchronous device-to-host copy into
         the CUDA-registered mapping), as it does with tier="host"; tier="cuda" refuses the
-        fallback (InvalidRequest). CPU tensors always go to the host pool."""
-        self.put_many({key: tensor}, checksum=checksum, tier=tier)
+        fallback (InvalidRequest). CPU tensors always go to the host pool.
+
+        `persist`: also write the entry through to the daemon's disk tier (`[pool.disk]`) and
+        return only once it is durable there (it then survives a daemon restart or crash);
+        PersistFailed when it could not be made durable (the entry is stored in memory all the
+        same), InvalidRequest (nothing stored) when the daemon has no disk tier."""
+        self.put_many({key: tensor}, checksum=checksum, tier=tier, persist=persist)
 
     def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False,
-                 tier: str | None = None) -> None:
+                 tier: str | None = None, persist: bool = False) -> None:
         """Store several tensors with one allocation and one commit round trip per tier (the
-        host pool, and each arena the CUDA tensors go to: see put)."""
+        host pool, and each arena the CUDA tensors go to: see put; `persist` as in put)."""
         if tier is not None and tier not in ("host", "cuda"):
             raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
+        if persist and not self._welcome.disk:
+            raise InvalidRequest("persist=True but the daemon has no disk tier ([pool.disk] is not configured): "
+                                 "nothing was stored")
         _check_encodable("key", items)
         pending = dict(items)
         on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values())
@@ -111,7 +123,7 @@ class Client(ControlClient):
                     groups = {-1: {key: host_tensor(t) for key, t in pending.items()}}  # -1: the host pool
                 for arena, tensors in groups.items():
                     if tensors:
-                        self._put_once(tensors, self._verifies(checksum), arena)
+                        self._put_once(tensors, self._verifies(checksum), arena, persist)
                     for key in tensors:
                         del pending[key]
                 return
@@ -134,7 +146,8 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
-    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int = -1) -> None:
+    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int = -1,
+                  persist: bool = False) -> None:
         """The one put route. Place the bytes — in the message (inline-sized), in the extent the
         daemon reserved for this client's next put, or in extents allocated for them (Alloc) —
         then one round trip publishes them (PutInline, Publish or Commit) and brings the
@@ -144,28 +157,29 @@ class Client(ControlClient):
             if max(sizes) > self.limits.inline_max_bytes:
                 self._map.require_local("a put larger than limits.inline_max_bytes", self.limits.inline_max_bytes)
             for (key, t), nbytes in zip(tensors.items(), sizes):
-                self._put_inline(key, t, nbytes, checksum)
+                self._put_inline(key, t, nbytes, checksum, persist)
             return
         if len(tensors) == 1:
             (key, t), = tensors.items()
             nbytes = t.numel() * t.element_size()
             if arena < 0 and nbytes <= self.limits.inline_max_bytes:
-                self._put_inline(key, t, nbytes, checksum)
+                self._put_inline(key, t, nbytes, checksum, persist)
                 return
-            if self._put_reserved(key, t, nbytes, checksum, arena):
+            if self._put_reserved(key, t, nbytes, checksum, arena, persist):
                 return
-        self._put_allocated(tensors, checksum, arena)
+        self._put_allocated(tensors, checksum, arena, persist)
 
-    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool) -> None:
+    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, persist: bool = False) -> None:
         if t.is_cuda:
             t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
         buf = bytearray(nbytes)
         copy_into(buf, 0, t)
         data = bytes(buf)
         self._finish_put(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype), list(t.shape),
-                                   data, checksum_of(data) if checksum else 0), [key], [], -1)
+                                   data, checksum_of(data) if checksum else 0, persist), [key], [], -1)
 
-    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int) -> bool:
+    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int,
+                      persist: bool = False) -> bool:
         """Copy into the reservation the last put left, then Publish. False when there is no
         usable reservation, or the daemon no longer holds it: the caller allocates."""
         claimed = self._claim_reservation(nbytes, arena)
@@ -182,7 +196,7 @@ class Client(ControlClient):
             self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
             raise
         item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
-        publish = Publish(next(self._ids), self.namespace, extent.generation, item, nbytes, digest)
+        publish = Publish(next(self._ids), self.namespace, extent.generation, item, nbytes, digest, persist)
         return self._finish_put(publish, [key], [extent.generation], ring_pos, mapping)
 
     def _claim_reservation(self, nbytes: int, arena: int) -> tuple[Extent, EpochMapping, int] | None:
@@ -203,7 +217,8 @@ class Client(ControlClient):
         self._reservation_busy = True  # the daemon still holds it: asking for another is futile
         return extent, mapping, ring_pos
 
-    def _put_allocated(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int) -> None:
+    def _put_allocated(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int,
+                       persist: bool = False) -> None:
         """Alloc extents for the items, copy into them, Commit."""
         items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                  for key, t in tensors.items()]
@@ -226,7 +241,7 @@ class Client(ControlClient):
                     self._call(Abort(next(self._ids), generations))
             raise
         reserve = items[0].nbytes if len(items) == 1 else 0  # same-sized puts (embeddings, KV blocks) reuse it
-        commit = Commit(next(self._ids), generations, reserve, digests if checksum else [])
+        commit = Commit(next(self._ids), generations, reserve, digests if checksum else [], persist)
         self._finish_put(commit, list(tensors), generations, ring_pos, mapping)
 
     def _copy_into_extents(self, mapping: EpochMapping, extents: list[Extent], tensors: list[torch.Tensor],
@@ -270,7 +285,8 @@ class Client(ControlClient):
                 raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
             if not isinstance(request, PutInline) and (self._reservation or self._reservation_busy):
                 request.reserve = 0  # the daemon keeps one reservation per client
-            reply: Acked | Committed = self._call_locked(request)
+            # a persisted put is answered once the disk has it: give the write and its fsyncs time
+            reply: Acked | Committed = self._call_locked(request, PERSIST_WAIT_S if request.persist else 0.0)
             if isinstance(reply, Committed):
                 self._keep_reservation(reply.reservation, request.reserve)
             failure = next((r for r in reply.results if isinstance(r, Failure)), None)

@@ -85,6 +85,9 @@ class Waiter:
     missing: set[str]
     on_done: Callable[[list[Location | Failure]], None]
     timer: "Cancellable | None" = None
+    # False: asked with no wait, parked only while its keys come back from the disk tier
+    patient: bool = True
+    failures: dict[str, Failure] = field(default_factory=dict)  # keys whose promotion failed
 
 
 @dataclass(eq=False)

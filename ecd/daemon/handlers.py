@@ -59,8 +59,10 @@ class Handlers:
                 store.check_batch(len(items))
                 pools = store.tier(arena)
                 return Allocated(rid, [store.alloc(session, ns, item, pools) for item in items])
-            case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums):
+            case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums, persist=persist):
                 store.check_batch(len(generations))
+                if persist:
+                    self.check_persist(session, generations)
                 if checksums and len(checksums) != len(generations):
                     raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
                                                      f"{len(generations)} generations")
@@ -68,17 +70,33 @@ class Handlers:
                 # the reservation goes in the tier of the first committed item (host if none)
                 tier = store.tier_of(generations[0]) if reserve and generations else None
                 committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
-                return Committed(rid, committed, store.reserve(session, reserve, tier) if reserve else None)
+                reservation = store.reserve(session, reserve, tier) if reserve else None
+                if persist:
+                    return self.persist(identity, session, rid, generations, committed,
+                                        lambda results: Committed(rid, results, reservation))
+                return Committed(rid, committed, reservation)
             case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
-                         checksum=checksum):
+                         checksum=checksum, persist=persist):
+                if persist:
+                    self.check_persist(session, [generation])
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
                 result = store.publish(session, ns, generation, item, checksum)
-                return Committed(rid, [result], store.reserve(session, reserve, tier) if reserve else None)
+                reservation = store.reserve(session, reserve, tier) if reserve else None
+                if persist:
+                    return self.persist(identity, session, rid, [generation], [result],
+                                        lambda results: Committed(rid, results, reservation))
+                return Committed(rid, [result], reservation)
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
             case PutInline():
-                return Acked(request.id, [self.put_inline(session, request)])
+                if request.persist:
+                    self.check_persist(session, [])
+                placed = self.put_inline(session, request)
+                if request.persist and isinstance(placed, int):
+                    return self.persist(identity, session, request.id, [placed], [None],
+                                        lambda results: Acked(request.id, results))
+                return Acked(request.id, [placed if not isinstance(placed, int) else None])
             case Unpin(id=rid, ns=ns, keys=keys):
                 return Flags(rid, store.unpin(session, ns, keys))
             case Delete(id=rid, ns=ns, keys=keys):
@@ -105,6 +123,37 @@ class Handlers:
                                 "y" if corrupt == 1 else "ies")
                 return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
+
+    def check_persist(self, session: Session, generations: list[int]) -> None:
+        """A put asking for persist on a daemon without a disk tier is refused whole (its writes
+        aborted), never stored quietly in memory alone."""
+        if self.d.disk is not None:
+            return
+        for generation in generations:
+            self.d.store.abort(session, generation)
+        raise RequestError(Code.INVALID, "persist=True but this daemon has no disk tier ([pool.disk] is not "
+                                         "configured): nothing was stored")
+
+    def persist(self, identity: bytes, session: Session, rid: int, generations: list[int],
+                results: list[Failure | None], reply: Callable[[list[Failure | None]], Any]) -> None:
+        """Answer a committed put once its entries are durable on disk (disk_tier.persist)."""
+        store = self.d.store
+        entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
+        task = self.d.disk.persist(entries)
+        session.fetching += 1  # waits on the daemon: not a silent session
+
+        def done(task) -> None:
+            session.fetching -= 1
+            if rid == 0:
+                return
+            if task.cancelled():
+                self.reply_error(identity, rid, Code.SHUTTING_DOWN, "daemon is shutting down")
+            elif task.exception() is not None:
+                log.error("persist failed: %r", task.exception())
+                self.reply_error(identity, rid, Code.INTERNAL, f"persist failed: {task.exception()!r}")
+            else:
+                self.send(identity, reply([r if r is not None else p for r, p in zip(results, task.result())]))
+        task.add_done_callback(done)
 
     def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
               timeout_s: float) -> None:
@@ -143,7 +192,8 @@ class Handlers:
                                 now - e.last_access, e.readers, e.pins))
         return KeyList(rid, total, page, more=len(entries) > len(page))
 
-    def put_inline(self, session: Session, request: PutInline) -> Failure | None:
+    def put_inline(self, session: Session, request: PutInline) -> Failure | int:
+        """The committed entry's generation, or why not."""
         limit = int(self.d.config.limits.inline_max_bytes)
         if len(request.data) > limit:
             return Failure(Code.LIMIT, f"inline payload of {len(request.data)} bytes exceeds "
@@ -161,7 +211,8 @@ class Handlers:
         # Small enough that copying in the daemon costs less than the round trip it saves.
         segment = self.d.pool.segments[placed.pool].buf
         segment[placed.offset:placed.offset + len(request.data)] = request.data
-        return self.d.store.commit(session, placed.generation, request.checksum)
+        failure = self.d.store.commit(session, placed.generation, request.checksum)
+        return placed.generation if failure is None else failure
 
     def hello(self, identity: bytes, conn: Connection, hello: Hello) -> str:
         if hello.version != PROTOCOL_VERSION:
@@ -178,7 +229,7 @@ class Handlers:
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
             sorted(self.d.store.verify_namespaces), self.d.arena_infos(),
-            self.d.cluster.advertised if self.d.cluster is not None else ""))
+            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk is not None))
         return "ok"
 
 
@@ -200,16 +251,18 @@ def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
         pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
-        integrity_failures=sum(counters.integrity_failures.values()), **cluster_stats(d))
+        integrity_failures=sum(counters.integrity_failures.values()),
+        disk=d.disk.stats() if d.disk is not None else None, **cluster_stats(d))
 
 
 def cluster_stats(d: "DaemonView") -> dict[str, Any]:
     """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
     peer plane's internal sessions."""
     cluster = d.cluster
+    internal = d.disk.internal_sessions if d.disk is not None else 0  # the disk tier's own session
     if cluster is None:
-        return {"clients": d.store.sessions}
-    return {"clients": d.store.sessions - cluster.internal_sessions, "cluster_listen": cluster.listen,
+        return {"clients": d.store.sessions - internal}
+    return {"clients": d.store.sessions - cluster.internal_sessions - internal, "cluster_listen": cluster.listen,
             "peers": cluster.peer_states(), "transfer_leases": cluster.transfer_leases(),
             "fetches_in_flight": cluster.fetches_in_flight(), "fetch_failures": dict(cluster.stats.failures)}
 

@@ -205,9 +205,12 @@ class DaemonCollector:
             yield shed
 
         internal = d.cluster.internal_sessions if d.cluster is not None else 0
+        internal += d.disk.internal_sessions if d.disk is not None else 0
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
         if d.cluster is not None:
             yield from peer_metrics(d.cluster)
+        if d.disk is not None:
+            yield from disk_metrics(d.disk)
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
@@ -222,12 +225,51 @@ class DaemonCollector:
                                         labels=["where"])
         for where, n in sorted(d.counters.integrity_failures.items()):
             integrity.add_metric([where], n)
+        if d.disk is not None:  # records found corrupt on disk (never served, removed)
+            integrity.add_metric(["disk"], d.disk.counters["integrity_failures"])
         yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
         info = InfoMetricFamily("ecd_build", "ecd build information")
         info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
         yield info
+
+
+def disk_metrics(disk) -> Iterator:
+    """The disk tier ([pool.disk], disk_tier.DiskTier)."""
+    from .disk_tier import DROP_REASONS
+    yield GaugeMetricFamily("ecd_disk_capacity_bytes", "The disk tier's byte budget ([pool.disk] size)",
+                            value=disk.capacity)
+    yield GaugeMetricFamily("ecd_disk_used_bytes", "Bytes of records on disk (headers and padding included)",
+                            value=disk.used)
+    yield GaugeMetricFamily("ecd_disk_entries", "Records on disk (spilled and persisted)", value=len(disk.records))
+    yield GaugeMetricFamily("ecd_disk_writes_in_flight", "Spills and write-throughs being written", value=disk.writes)
+    yield GaugeMetricFamily("ecd_disk_spill_buffer_bytes", "Evicted bytes waiting in RAM for their spill",
+                            value=disk.staging_alloc.used if disk.staging_alloc is not None else 0)
+    c = disk.counters
+    yield CounterMetricFamily("ecd_disk_spills", "Entries evicted from the host pool and written to disk",
+                              value=c["spills"])
+    dropped = CounterMetricFamily("ecd_disk_spills_dropped", "Evicted entries not spilled, by reason: too_small "
+                                  "(min_spill_size), too_large, disk_full (persisted records fill it), backlog "
+                                  "(spill_buffer full), disabled (spill = false), failed (the write failed)",
+                                  labels=["reason"])
+    for reason in DROP_REASONS:
+        dropped.add_metric([reason], disk.dropped[reason])
+    yield dropped
+    yield CounterMetricFamily("ecd_disk_promotions", "Entries read back from disk into the host pool",
+                              value=c["promotions"])
+    yield CounterMetricFamily("ecd_disk_promotion_failures", "Reads of disk records that failed (see "
+                              "ecd_disk_errors_total and ecd_integrity_failures_total)", value=c["promotion_failures"])
+    yield CounterMetricFamily("ecd_disk_evictions", "Spilled records dropped for room on disk",
+                              value=c["disk_evictions"])
+    errors = CounterMetricFamily("ecd_disk_errors", "Failed disk operations by kind (enospc, eio, readonly, "
+                                 "missing, full, io, shutdown)", labels=["kind"])
+    for kind, n in sorted(disk.errors.items()):
+        errors.add_metric([kind], n)
+    yield errors
+    hist = disk.persist_latency
+    yield HistogramMetricFamily("ecd_disk_write_through_seconds", "put(persist=True): commit to durable on disk",
+                                buckets=hist.buckets(), sum_value=hist.sum)
 
 
 def peer_metrics(cluster) -> Iterator:

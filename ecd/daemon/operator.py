@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 
+from ..memory.ring import EventKind
 from .entries import Entry
 from .registry import RegistryState
 
@@ -48,6 +49,16 @@ class OperatorRequests(RegistryState):
             evicted += 1
             if entry.readers:
                 draining.append(entry.generation)
+        if self.disk is not None:  # keys only on the disk tier go too (their records and files)
+            if everything or whole_namespace:
+                on_disk = [k for k in self.disk.records if everything or k[0] == ns]
+            else:
+                on_disk = [(ns, k) for k in dict.fromkeys(keys) if (ns, k) not in self.index and self.disk.holds(ns, k)]
+                missing = [k for k in missing if not self.disk.holds(ns, k)]
+            for record_ns, key in on_disk:
+                if (record_ns, key) not in self.index:
+                    self.disk.drop(record_ns, key, EventKind.EVICTED)
+                    evicted += 1
         return evicted, refused, missing, draining
 
 

@@ -133,7 +133,8 @@ class PeerServer:
 
     def lookup(self, session: PeerSession, request: Lookup) -> Leased:
         ttl = min(request.ttl_s, float(self.cluster.config.transfer_ttl))
-        results = self.store.acquire(session.store_session, request.ns, request.keys, 0.0, _never)
+        # not parked for keys on the disk tier: they start coming back for the peer's next lookup
+        results = self.store.acquire(session.store_session, request.ns, request.keys, 0.0, _never, park_for_disk=False)
         assert results is not None  # wait 0: answered now
         loop = self.cluster.d.loop
         segments = self.cluster.d.pool.segments

@@ -97,6 +97,8 @@ class Placement(RegistryState):
 
 
     def _evict(self, victim: Entry, counter: str) -> None:
+        if self.disk is not None:
+            self.disk.spill(victim)  # first: a record that keeps its bytes keeps the key present
         self._unindex(victim, EventKind.EVICTED)
         self._free(victim)
         self.counters[counter] += 1

@@ -4,7 +4,7 @@ each mixin is checked against it (mypy) and a reader of a mixin sees what it may
 from __future__ import annotations
 
 import collections
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import EventKind, RingWriter
@@ -42,6 +42,7 @@ class RegistryState:
     _quota_lru: dict[str, collections.OrderedDict[int, Entry]]
     _quota_evictable_bytes: dict[str, int]
     _protected: int
+    disk: Any  # disk_tier.DiskTier with [pool.disk], else None
 
     # Store methods the mixins call (Store defines them; it comes first in its own MRO).
     def check_batch(self, n: int) -> None: raise NotImplementedError

@@ -89,6 +89,7 @@ class Daemon:
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
         self.cluster: Any = None  # the peer plane (cluster.Cluster), with [cluster] listen
+        self.disk: Any = None  # the disk tier (disk_tier.DiskTier), with [pool.disk]
         self.control = ControlLoop(self, self.counters)  # the ROUTER loop and the request handlers
         self._stopping: asyncio.Event | None = None
         self._force_stop = asyncio.Event()
@@ -115,6 +116,7 @@ class Daemon:
             raise StartupError(f"node.name: {exc}") from None
         try:
             self._check_endpoint_free()
+            self._open_disk()
             stale = remove_stale(self.node)
             if stale:
                 log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
@@ -126,6 +128,18 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+
+    def _open_disk(self) -> None:
+        """`[pool.disk]`: check the directory and re-index what a previous run left there."""
+        if self.config.pool.disk is None:
+            return
+        from .disk_tier import DiskTier
+        disk = DiskTier(self.config.pool.disk, self.epoch)
+        try:
+            disk.open()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+        self.disk = disk
 
     def _connection_cap(self) -> int:
         """limits.max_connections, or fewer when the open-file limit cannot hold them."""
@@ -327,6 +341,8 @@ class Daemon:
                                  lambda: self.config.limits, self.control.schedule_drain)
         if self.cluster is not None:
             self.cluster.start()
+        if self.disk is not None:
+            self.disk.attach(self.store, self.loop, self.pool.segments)
         if self.metrics_listener is not None:
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state,
                                                 max_connections=self.config.metrics.max_connections)
@@ -398,7 +414,8 @@ class Daemon:
         deadline = self.loop.time() + float(self.config.node.shutdown_grace)
         while self.loop.time() < deadline and not self._force_stop.is_set():
             # cheap checks (no full stats): this runs every DRAIN_POLL_S
-            if not self.store.writes_in_progress() and not self.store.waiters:
+            if (not self.store.writes_in_progress() and not self.store.waiters
+                    and not (self.disk is not None and self.disk.writes)):
                 return
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._force_stop.wait(), DRAIN_POLL_S)
@@ -451,6 +468,9 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+        if self.disk is not None:
+            self.disk.close()  # its threads stop touching the pools before those are unmapped
+            self.disk = None
         if self.ring is not None:
             self.ring.close()
         if self.ring_file is not None:

@@ -46,6 +46,7 @@ from .waiting import Waiting
 
 
 SHARED_SHAPES = 4096  # distinct shapes whose tuple entries share (_shared_shape)
+PROMOTE_WAIT_S = 30.0  # the longest a get waits for its keys to come back from the disk tier
 # Entries stamped (published, read) within this of each other share one float object (24 B
 # per entry saved for the entries of a batch); the stamps are for `ecd keys`, not for deadlines.
 STAMP_RESOLUTION_S = 0.001
@@ -97,6 +98,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         self.quota_refused = 0  # all of them: the server compares it to label a request's outcome
         self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
         self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
+        self.disk: Any = None  # the disk tier (disk_tier.DiskTier) with [pool.disk]; it sets itself here
         self.set_namespaces(namespaces or {})
 
     # ---- namespaces ---------------------------------------------------------------------
@@ -300,6 +302,11 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         entry.state = State.READY
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
+        disk = self.disk
+        if disk is not None:
+            record = disk.record(entry.ns, entry.key)
+            if record is not None and record.generation != entry.generation:
+                disk.drop(entry.ns, entry.key)  # a new value: the old bytes on disk must never be served
         old = self.index.get((entry.ns, entry.key))
         if old is not None:  # an atomic replace: current readers keep the old bytes
             self._unindex(old, EventKind.DELETED)
@@ -312,7 +319,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self._make_evictable(entry)
-        self.ring.publish(entry.keyhash, generation)
+        if disk is not None and disk.holds(entry.ns, entry.key):  # promoted: its record kept the key present
+            self.ring.append(EventKind.PUBLISHED, entry.keyhash, generation)
+        else:
+            self.ring.publish(entry.keyhash, generation)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self._wake_waiters(entry.ns, entry.key)
@@ -338,9 +348,12 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
     # ---- get ----------------------------------------------------------------------------
 
     def acquire(self, session: Session, ns: str, keys: list[str], wait_s: float,
-                on_done: Callable[[list[Location | Failure]], None]) -> list[Location | Failure] | None:
+                on_done: Callable[[list[Location | Failure]], None],
+                park_for_disk: bool = True) -> list[Location | Failure] | None:
         """Read-lease every key. Returns the results now, or None after parking the request
-        (on_done fires when every key is READY or wait_s passes, whichever comes first)."""
+        (on_done fires when every key is READY or wait_s passes, whichever comes first).
+        `park_for_disk` False (a peer's lookup, answered at once): keys on disk are missing now,
+        and start coming back for the next ask."""
         self.check_batch(len(keys))
         for key in keys:
             failure = self.check_key(ns, key)
@@ -350,7 +363,14 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
             raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
                                            f"limits.max_leases_per_client={self.limits.max_leases_per_client}")
         missing = {key for key in keys if (ns, key) not in self.index}
-        if missing and wait_s > 0:
+        # keys on disk come back into the host pool first (disk_tier.promote): the request parks
+        # until they are READY, however short its wait (a promotion failure answers it at once)
+        promotable = {key for key in missing if self.disk.holds(ns, key)} if self.disk is not None and missing else ()
+        if promotable and not park_for_disk:
+            for key in promotable:
+                self.disk.promote(ns, key)
+            promotable = ()
+        if missing and (wait_s > 0 or promotable):
             if len(session.waiters) >= self.limits.max_waiters_per_client:
                 raise RequestError(Code.LIMIT, f"client has {len(session.waiters)} parked requests; "
                                                f"limits.max_waiters_per_client={self.limits.max_waiters_per_client}")
@@ -362,12 +382,17 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
                                                f"{len(session.waiters)} requests; {len(keys)} more would pass "
                                                f"{max_keys}, the most one client may wait for (the larger of "
                                                f"limits.max_batch and limits.max_waiters_per_client)")
-            waiter = Waiter(session, ns, keys, missing, on_done)
-            for key in missing:
+            patient = wait_s > 0
+            waiter = Waiter(session, ns, keys, missing if patient else set(promotable), on_done, patient=patient)
+            for key in waiter.missing:
                 self.waiters.setdefault((ns, key), set()).add(waiter)
             session.waiters.add(waiter)
             session.parked_keys += len(keys)
             wait = min(wait_s, self.limits.max_wait)
+            if promotable:
+                wait = max(wait, PROMOTE_WAIT_S)
+                for key in promotable:
+                    self.disk.promote(ns, key)
             waiter.timer = self.scheduler.call_later(wait, lambda: self._expire_waiter(waiter))
             return None
         return self._lease_all(session, ns, keys)
@@ -410,8 +435,17 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
                                            f"limits.max_pins_per_client={self.limits.max_pins_per_client}")
         now = self.clock()
         found = []
+        disk = self.disk
         for key in keys:
             entry = self.index.get((ns, key))
+            if entry is None and disk is not None and disk.holds(ns, key):
+                found.append(True)
+                self.counters["hits"] += 1
+                if pin_s > 0:
+                    disk.promote(ns, key)  # a load follows a pinned lookup (vLLM): bring it back now
+                else:
+                    disk.touch(ns, key)
+                continue
             found.append(entry is not None)
             if entry is None:
                 self.counters["misses"] += 1
@@ -431,10 +465,13 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
             entry = self.index.get((ns, key))
             if entry is not None:
                 self._remove(entry)
-            result.append(entry is not None)
+            on_disk = self.disk is not None and self.disk.drop(ns, key)
+            result.append(entry is not None or on_disk)
         return result
 
     def _remove(self, entry: Entry) -> None:
+        if self.disk is not None:
+            self.disk.drop(entry.ns, entry.key)  # first: its record must not keep the key present
         self._unindex(entry, EventKind.DELETED)
         self.counters["evicted_deleted"] += 1
         self._retire_or_free(entry)
@@ -480,7 +517,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self._make_unevictable(entry)
-        self.ring.unpublish(kind, entry.keyhash, entry.generation)
+        if self.disk is not None and self.disk.holds(entry.ns, entry.key):
+            self.ring.append(kind, entry.keyhash, entry.generation)  # spilled: its record keeps the key present
+        else:
+            self.ring.unpublish(kind, entry.keyhash, entry.generation)
 
     def _retire_or_free(self, entry: Entry) -> None:
         if entry.readers:

@@ -42,6 +42,7 @@ class DaemonView(Protocol):
     curve: "CurveAuth | None"
     metrics_server: Any
     cluster: Any  # the peer plane (cluster.Cluster) or None
+    disk: Any  # the disk tier (disk_tier.DiskTier) or None
     max_connections: int
 
     def arena_infos(self) -> list["ArenaInfo"]: ...

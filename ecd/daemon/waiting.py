@@ -23,19 +23,45 @@ class Waiting(RegistryState):
             waiter.missing.discard(key)
             if waiter.missing:
                 continue
-            # Keys that were present when the request parked may have gone since: keep waiting.
+            # Keys that were present when the request parked may have gone since: keep waiting
+            # (one that went to disk comes back again; without a wait, only such keys are waited for).
             gone = {k for k in waiter.keys if (waiter.ns, k) not in self.index}
+            disk = self.disk
+            if not waiter.patient:
+                gone = {k for k in gone if k not in waiter.failures and disk is not None and disk.holds(waiter.ns, k)}
             if gone:
                 waiter.missing = gone
                 for k in gone:
                     self.waiters.setdefault((waiter.ns, k), set()).add(waiter)
+                    if disk is not None:
+                        disk.promote(waiter.ns, k)
             else:
                 self._complete_waiter(waiter)
 
 
     def _complete_waiter(self, waiter: Waiter) -> None:
         self._drop_waiter(waiter)
-        waiter.on_done(self._lease_all(waiter.session, waiter.ns, waiter.keys))
+        results = self._lease_all(waiter.session, waiter.ns, waiter.keys)
+        if waiter.failures:  # a key whose promotion failed says why, not just "not found"
+            results = [waiter.failures.get(k, r) if isinstance(r, Failure) else r for k, r in zip(waiter.keys, results)]
+        waiter.on_done(results)
+
+
+    def promotion_failed(self, ns: str, key: str, failure: Failure) -> None:
+        """The disk tier could not bring `key` back: requests that waited only for that answer now."""
+        parked = self.waiters.get((ns, key))
+        if not parked:
+            return
+        for waiter in list(parked):
+            waiter.failures[key] = failure
+            if waiter.patient:
+                continue  # it waits for a producer too
+            waiter.missing.discard(key)
+            parked.discard(waiter)
+            if not waiter.missing:
+                self._complete_waiter(waiter)
+        if not parked:
+            self.waiters.pop((ns, key), None)
 
 
     def _expire_waiter(self, waiter: Waiter) -> None:

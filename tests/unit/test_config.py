@@ -382,3 +382,26 @@ def test_check_config_good_file_prints_effective_config(tmp_path):
     assert cfg.pool.host.size == 2 << 30
     assert cfg.leases.write_ttl == 90.0
     assert cfg.ring == Config().ring
+
+
+@pytest.mark.parametrize("disk, key, fragment", [
+    ({"size": "1GiB"}, "pool.disk", "path"),
+    ({"path": "/x"}, "pool.disk", "size"),
+    ({"path": "rel/dir", "size": "1GiB"}, "pool.disk.path", "absolute"),
+    ({"path": "/x", "size": "1MiB"}, "pool.disk.size", ">= 16MiB"),
+    ({"path": "/x", "size": "1GiB", "direct_io": "yes"}, "pool.disk.direct_io", "auto"),
+    ({"path": "/x", "size": "1GiB", "spill_buffer": "4KiB"}, "pool.disk.spill_buffer", ">= 1MiB"),
+    ({"path": "/x", "size": "1GiB", "io_threads": 0}, "pool.disk.io_threads", "between 1 and 64"),
+    ({"path": "/x", "size": "1GiB", "bogus": 1}, "pool.disk.bogus", "unknown key"),
+])
+def test_disk_tier_config_errors_name_the_key(disk, key, fragment):
+    message = config_error({"pool": {"disk": disk}})
+    assert message.startswith(key) and fragment in message, message
+
+
+def test_disk_tier_config_defaults():
+    disk = load_config({"pool": {"disk": {"path": "/var/lib/ecd", "size": "2GiB"}}}).pool.disk
+    assert (disk.spill, disk.direct_io, int(disk.min_spill_size), int(disk.spill_buffer), disk.io_threads) == (
+        True, "auto", 64 << 10, 256 << 20, 2)
+    assert load_config({}).pool.disk is None
+    assert load_config({"pool": {"disk": {"path": "/d", "size": "2GiB", "direct_io": False}}}).pool.disk.direct_io is False

@@ -142,15 +142,17 @@ class Env:
         assert sorted(e.generation for e in store.index.values()) == sorted(e.generation for e in ready)
         for (ns, key), e in store.index.items():
             assert (e.ns, e.key) == (ns, key) and e.keyhash == key_hash(ns, key)
-        # presence counters: one per READY entry in its bucket, nothing else; the shared table
-        # says ABSENT exactly where a counter is zero, and names a key hash only where every
-        # READY entry in the bucket has it (SHARED otherwise)
-        expected = collections.Counter(e.keyhash & (BUCKETS - 1) for e in ready)
+        # presence counters: one per key that is READY in the pool or has a disk-tier record (a
+        # spilled key stays present), nothing else; the shared table says ABSENT exactly where a
+        # counter is zero, and names a key hash only where every present key in the bucket has it
+        # (SHARED otherwise)
+        present = {(e.ns, e.key) for e in ready} | (set(store.disk.records) if store.disk is not None else set())
+        expected = collections.Counter(key_hash(ns, key) & (BUCKETS - 1) for ns, key in present)
         actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
         hashes = collections.defaultdict(set)
-        for e in ready:
-            hashes[e.keyhash & (BUCKETS - 1)].add(e.keyhash)
+        for ns, key in present:
+            hashes[key_hash(ns, key) & (BUCKETS - 1)].add(key_hash(ns, key))
         for bucket, word in enumerate(int(w) for w in self.ring.presence):
             if bucket not in expected:
                 assert word == ABSENT
@@ -207,6 +209,22 @@ class Env:
             for w in s.waiters:
                 for key in w.missing:
                     assert w in store.waiters[(w.ns, key)]
+        if store.disk is not None:
+            self.check_disk()
+
+    def check_disk(self) -> None:
+        """The disk tier: its bytes are its records' and within its budget; a key's record and
+        its READY entry coexist only when they hold the same bytes (the same generation)."""
+        disk = self.store.disk
+        records = list(disk.records.values())
+        assert disk.used == sum(r.size for r in records) <= disk.capacity
+        for (ns, key), record in disk.records.items():
+            assert (record.header.ns, record.header.key) == (ns, key) and not record.dropped
+            entry = self.store.index.get((ns, key))
+            assert entry is None or entry.generation == record.generation, (key, entry, record)
+            assert record.ready == (record.written is None)
+        # every record not yet whole has its write in flight (a dropped record's may be too)
+        assert disk.writes >= sum(1 for r in records if not r.ready)
 
 
 @pytest.fixture

@@ -1,0 +1,454 @@
+"""The disk tier's files: one self-describing record per entry, and the blocking I/O on them.
+
+Every function here blocks and is called on a worker thread (ecd/daemon/disk_tier.py runs them in
+its executor), except `open_directory`, run once at start-up.
+
+A record is one file, `<keyhash>-<epoch>-<sequence>.ecd` (the key's ring hash, the daemon run
+that wrote it and the number of records that run wrote before it, all hex: no two writes share a
+name, so a write never races the removal of an older record of the same key): a header of HEADER_UNIT-aligned length,
+then the entry's bytes padded with zeros to a multiple of HEADER_UNIT (O_DIRECT moves whole
+blocks). The header carries what the entry is (namespace, key, dtype, shape, nbytes), the xxh3-64
+of its bytes, whether it was persisted, and its own xxh3-64 over everything before it, so a
+record describes itself completely: a restart re-indexes the directory by reading headers only,
+with no journal to replay, compact or lose (see docs/operating.md, "The disk tier").
+
+Torn writes: a record is written to `<name>.tmp`, (fsync'd when it must be durable), then renamed
+into place, so its final name only ever names a whole file; a crash leaves a `.tmp` that the next
+start removes. Bytes that rot after that are caught by the data checksum on every read.
+
+O_DIRECT (where the filesystem takes it): buffers handed to the kernel must be aligned to the
+block size in address and length. Pool extents whose address is page-aligned (large entries
+usually are: the allocator packs them from segment starts) are read and written in place; the
+unaligned rest, the header and the last partial block go through a per-thread aligned bounce
+buffer (an anonymous mmap: page-aligned).
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import xxhash
+
+from ..integrity import finish
+
+HEADER_UNIT = 4096  # the block every O_DIRECT transfer is a multiple of (covers 512-byte devices too)
+MAGIC = b"ECDREC01"
+VERSION = 1
+FLAG_PERSISTED = 1
+SUFFIX = ".ecd"
+TEMP_SUFFIX = ".tmp"
+BOUNCE_BYTES = 8 << 20  # per worker thread: the unaligned parts of a transfer go through it
+CHUNK = 64 << 20  # largest single pread/pwrite (the kernel caps one call near 2 GiB anyway)
+# magic, version, flags, header_len, reserved, nbytes, checksum, epoch, sequence, written_ns,
+# ns_len, key_len, dtype_len, ndim; then ndim u64 dimensions, the three strings, zeros, and the
+# header's own xxh3-64 in its last 8 bytes.
+_FIXED = struct.Struct("<8sIIIIQQQQQHHHH")
+_U64 = struct.Struct("<Q")
+
+
+class DiskIOError(Exception):
+    """A disk operation failed; `kind` labels it in metrics (enospc, eio, readonly, missing,
+    truncated, corrupt, header, io)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def error_kind(exc: OSError) -> str:
+    return {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "readonly",
+            errno.ENOENT: "missing"}.get(exc.errno or 0, "io")
+
+
+@dataclass(slots=True)
+class RecordHeader:
+    ns: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: int  # xxh3-64 of the entry's bytes (never 0)
+    epoch: int  # the daemon run that wrote it
+    sequence: int  # records that run wrote before it: (epoch, sequence) orders a key's records
+    written_ns: int  # wall clock at the write (restart order: newest last)
+    persisted: bool
+
+    def encode(self) -> bytes:
+        strings = self.ns.encode() + self.key.encode() + self.dtype.encode()
+        body = 8 * len(self.shape) + len(strings)
+        header_len = -(-(_FIXED.size + body + 8) // HEADER_UNIT) * HEADER_UNIT
+        fixed = _FIXED.pack(MAGIC, VERSION, FLAG_PERSISTED if self.persisted else 0, header_len, 0, self.nbytes,
+                            self.checksum, self.epoch, self.sequence, self.written_ns,
+                            len(self.ns.encode()), len(self.key.encode()), len(self.dtype.encode()), len(self.shape))
+        raw = bytearray(header_len)
+        raw[:_FIXED.size] = fixed
+        at = _FIXED.size
+        for dim in self.shape:
+            _U64.pack_into(raw, at, dim)
+            at += 8
+        raw[at:at + len(strings)] = strings
+        _U64.pack_into(raw, header_len - 8, finish(xxhash.xxh3_64_intdigest(bytes(raw[:header_len - 8]))))
+        return bytes(raw)
+
+    @property
+    def header_len(self) -> int:
+        return header_length(self.ns, self.key, self.dtype, len(self.shape))
+
+    @property
+    def file_size(self) -> int:
+        return self.header_len + padded(self.nbytes)
+
+
+def header_length(ns: str, key: str, dtype: str, ndim: int) -> int:
+    body = 8 * ndim + len(ns.encode()) + len(key.encode()) + len(dtype.encode())
+    return -(-(_FIXED.size + body + 8) // HEADER_UNIT) * HEADER_UNIT
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // HEADER_UNIT) * HEADER_UNIT
+
+
+def record_size(ns: str, key: str, dtype: str, ndim: int, nbytes: int) -> int:
+    """Bytes a record of this entry takes on disk (what the budget counts)."""
+    return header_length(ns, key, dtype, ndim) + padded(nbytes)
+
+
+def decode_header(raw: bytes) -> RecordHeader:
+    """Parse and check a header (raw: at least its header_len bytes); DiskIOError("header")."""
+    if len(raw) < _FIXED.size or raw[:8] != MAGIC:
+        raise DiskIOError("header", "not an ecd record (bad magic)")
+    (_, version, flags, header_len, _, nbytes, checksum, epoch, sequence, written_ns, ns_len, key_len,
+     dtype_len, ndim) = _FIXED.unpack_from(raw)
+    if version != VERSION:
+        raise DiskIOError("header", f"record version {version}, this ecd reads {VERSION}")
+    if header_len % HEADER_UNIT or header_len > len(raw) or _FIXED.size + 8 * ndim + ns_len + key_len + dtype_len + 8 > header_len:
+        raise DiskIOError("header", f"header length {header_len} does not fit its fields")
+    stored = _U64.unpack_from(raw, header_len - 8)[0]
+    if finish(xxhash.xxh3_64_intdigest(raw[:header_len - 8])) != stored:
+        raise DiskIOError("header", "header checksum does not match")
+    at = _FIXED.size
+    shape = tuple(_U64.unpack_from(raw, at + 8 * i)[0] for i in range(ndim))
+    at += 8 * ndim
+    try:
+        ns = raw[at:at + ns_len].decode()
+        key = raw[at + ns_len:at + ns_len + key_len].decode()
+        dtype = raw[at + ns_len + key_len:at + ns_len + key_len + dtype_len].decode()
+    except UnicodeDecodeError:
+        raise DiskIOError("header", "names are not UTF-8") from None
+    return RecordHeader(ns, key, dtype, shape, nbytes, checksum, epoch, sequence, written_ns,
+                        bool(flags & FLAG_PERSISTED))
+
+
+def record_name(keyhash: int, epoch: int, sequence: int) -> str:
+    return f"{keyhash:016x}-{epoch:x}-{sequence:x}{SUFFIX}"
+
+
+# ---- aligned buffers ----------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _bounce() -> mmap.mmap:
+    buf = getattr(_local, "bounce", None)
+    if buf is None:
+        buf = _local.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned, per thread
+    return buf
+
+
+def address_of(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if view.nbytes else 0
+
+
+# ---- the directory ------------------------------------------------------------------------
+
+def probe_direct_io(path: str) -> bool:
+    """Whether files in `path` take O_DIRECT (open and one aligned write); OSError other than
+    EINVAL (unwritable, full) propagates. Leaves nothing behind."""
+    probe = os.path.join(path, f".ecd-direct-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        block = mmap.mmap(-1, HEADER_UNIT)
+        try:
+            os.pwrite(fd, block, 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            block.close()
+        return True
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def _open_write(path: str, direct: bool) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o640)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.pwrite(fd, view[done:done + CHUNK], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:done + CHUNK]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryview, direct: bool,
+                 sync: bool, expect: int = 0) -> str:
+    """Write `src` (header.nbytes bytes) as a record named after the header; returns its name.
+    The bytes are hashed as they are written (header.checksum is set to it); `expect` (0: none):
+    the checksum they must have, else DiskIOError("corrupt") and nothing is kept (bytes that went
+    bad in memory are never written as good). `sync`: durable before returning (fsync of the file,
+    then of the directory after the rename). DiskIOError (the temporary file removed) on failure."""
+    name = record_name(_keyhash(header), header.epoch, header.sequence)
+    final = os.path.join(directory, name)
+    temp = final + TEMP_SUFFIX
+    try:
+        fd = _open_write(temp, direct)
+    except OSError as exc:
+        raise DiskIOError(error_kind(exc), f"cannot create {temp}: {exc.strerror}") from None
+    try:
+        try:
+            _write_body(fd, header, src, direct, expect)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        if sync:
+            os.fsync(dirfd)  # the rename itself must survive a power cut
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise DiskIOError(error_kind(exc), f"cannot write {temp}: {exc.strerror}") from None
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+    return name
+
+
+def _check_digest(header: RecordHeader, digest: int, expect: int) -> None:
+    if expect and digest != expect:
+        raise DiskIOError("corrupt", f"{header.key!r}: bytes in memory no longer match their checksum")
+    header.checksum = digest
+
+
+def _write_body(fd: int, header: RecordHeader, src: memoryview, direct: bool, expect: int) -> None:
+    """The data first (hashed while it is written), the header (with that hash) last: the file
+    is a temporary one until renamed, so the order costs nothing and saves a second pass."""
+    header_len = header.header_len
+    nbytes = src.nbytes
+    if not direct:
+        hasher = xxhash.xxh3_64()
+        _pipelined_write(fd, src, header_len, hasher)
+        _check_digest(header, finish(hasher.intdigest()), expect)
+        os.pwrite(fd, header.encode(), 0)
+        os.ftruncate(fd, header_len + padded(nbytes))
+        return
+    bounce = _bounce()
+    with memoryview(bounce) as b:
+        if address_of(src) % HEADER_UNIT == 0:  # in place, but for the last partial block
+            hasher = xxhash.xxh3_64()
+            whole = nbytes // HEADER_UNIT * HEADER_UNIT
+            _pipelined_write(fd, src[:whole], header_len, hasher)
+            if whole < nbytes:
+                tail = nbytes - whole
+                b[:tail] = src[whole:]
+                b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
+                hasher.update(b[:tail])
+                _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
+            _check_digest(header, finish(hasher.intdigest()), expect)
+        else:  # everything through the bounce buffer: hash first, in one pass
+            _check_digest(header, finish(xxhash.xxh3_64_intdigest(src)), expect)
+            done = 0
+            while done < nbytes:
+                n = min(nbytes - done, BOUNCE_BYTES)
+                b[:n] = src[done:done + n]
+                total = padded(n)
+                b[n:total] = bytes(total - n)
+                _pwrite_all(fd, b[:total], header_len + done)
+                done += n
+        b[:header_len] = header.encode()
+        _pwrite_all(fd, b[:header_len], 0)
+
+
+# Helper threads for the pipelines below: a read or write (the GIL released in the syscall) on
+# one, the hash of the previous or same chunk on the caller's, so hashing costs no extra time.
+PIPE_CHUNK = 4 << 20
+_helpers: ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(8, thread_name_prefix="ecd-disk-pipe")
+        return _helpers
+
+
+def _pipelined_write(fd: int, src: memoryview, offset: int, hasher) -> None:
+    """One write of it all on a helper (the device sees requests as large as dd's) while this
+    thread hashes the same bytes (neither changes them)."""
+    if not src.nbytes:
+        return
+    pending = _helper_pool().submit(_pwrite_all, fd, src, offset)
+    try:
+        hasher.update(src)
+    finally:
+        pending.result()
+
+
+def _pipelined_read(fd: int, dst: memoryview, offset: int, hasher) -> bool:
+    """Read dst.nbytes bytes at `offset`, hashing each chunk while the next is read. False: short."""
+    pool = _helper_pool()
+    spans = [(at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK)]
+    pending = pool.submit(_pread_all, fd, dst[0:spans[0][1]], offset) if spans else None
+    for i, (at, n) in enumerate(spans):
+        assert pending is not None
+        got = pending.result()
+        if got != n:
+            return False
+        if i + 1 < len(spans):
+            nxt, m = spans[i + 1]
+            pending = pool.submit(_pread_all, fd, dst[nxt:nxt + m], offset + nxt)
+        hasher.update(dst[at:at + n])
+    return True
+
+
+def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, direct: bool) -> None:
+    """Read a record into `dst` (want.nbytes bytes) and check it: its header must describe `want`
+    and its bytes must hash to want.checksum. DiskIOError: missing, truncated, header, corrupt,
+    eio... `dst` may hold anything after a failure."""
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    except OSError as exc:
+        raise DiskIOError(error_kind(exc), f"cannot open {path}: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        header_len = want.header_len
+        if size != header_len + padded(want.nbytes):
+            raise DiskIOError("truncated", f"{path} is {size} bytes, its record needs {header_len + padded(want.nbytes)}")
+        bounce = _bounce()
+        with memoryview(bounce) as b:
+            if _pread_all(fd, b[:header_len], 0) != header_len:
+                raise DiskIOError("truncated", f"{path}: short header")
+            got = decode_header(bytes(b[:header_len]))
+            if (got.ns, got.key, got.dtype, got.shape, got.nbytes, got.checksum) != (
+                    want.ns, want.key, want.dtype, tuple(want.shape), want.nbytes, want.checksum):
+                raise DiskIOError("header", f"{path}: header describes another entry")
+            nbytes = want.nbytes
+            hasher = xxhash.xxh3_64()
+            if not direct or address_of(dst) % HEADER_UNIT == 0:  # in place (O_DIRECT: all but the tail)
+                whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
+                if not _pipelined_read(fd, dst[:whole], header_len, hasher):
+                    raise DiskIOError("truncated", f"{path}: short read")
+                done = whole
+            else:
+                done = 0
+            while done < nbytes:
+                n = min(nbytes - done, BOUNCE_BYTES)
+                span = padded(n) if direct else n
+                if _pread_all(fd, b[:span], header_len + done) < n:
+                    raise DiskIOError("truncated", f"{path}: short read")
+                dst[done:done + n] = b[:n]
+                hasher.update(b[:n])
+                done += n
+    except OSError as exc:
+        raise DiskIOError(error_kind(exc), f"cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if finish(hasher.intdigest()) != want.checksum:
+        raise DiskIOError("corrupt", f"{path}: bytes do not match the record's checksum")
+
+
+def checksum_of(view: memoryview) -> int:
+    return finish(xxhash.xxh3_64_intdigest(view))
+
+
+def _keyhash(header: RecordHeader) -> int:
+    from .ring import key_hash
+    return key_hash(header.ns, header.key)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def remove(directory: str, name: str) -> None:
+    """Unlink a record; one already gone is not an error."""
+    try:
+        os.unlink(os.path.join(directory, name))
+    except FileNotFoundError:
+        pass
+
+
+# ---- re-indexing at start ----------------------------------------------------------------
+
+def read_header(directory: str, name: str) -> tuple[RecordHeader, int]:
+    """(header, file size) of one record, buffered (headers only: no data is read)."""
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            raw = f.read(HEADER_UNIT)
+            size = os.fstat(f.fileno()).st_size
+            if len(raw) >= _FIXED.size and raw[:8] == MAGIC:
+                header_len = _FIXED.unpack_from(raw)[3]
+                if HEADER_UNIT < header_len <= 64 * HEADER_UNIT:
+                    raw += f.read(header_len - HEADER_UNIT)
+    except OSError as exc:
+        raise DiskIOError(error_kind(exc), f"cannot read {path}: {exc.strerror}") from None
+    header = decode_header(raw)
+    if size != header.file_size:
+        raise DiskIOError("truncated", f"{path} is {size} bytes, its record needs {header.file_size}")
+    return header, size
+
+
+def list_directory(directory: str) -> tuple[list[str], list[str]]:
+    """(record names, leftover temporary files) in `directory`; other files are not ecd's."""
+    records, temps = [], []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.name.endswith(SUFFIX + TEMP_SUFFIX):
+                temps.append(entry.name)
+            elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                records.append(entry.name)
+    return records, temps
+
+
+def scan(directory: str, names: Iterable[str], executor) -> list[tuple[str, RecordHeader | DiskIOError, int]]:
+    """Read every record's header on `executor`'s threads: (name, header or the error, size)."""
+    def one(name: str) -> tuple[str, RecordHeader | DiskIOError, int]:
+        try:
+            header, size = read_header(directory, name)
+            return name, header, size
+        except DiskIOError as exc:
+            return name, exc, 0
+    return list(executor.map(one, names))

@@ -1,0 +1,337 @@
+"""Store + DiskTier driven directly on a real event loop (no daemon): spill on eviction, promote
+on read (once for concurrent readers), replacement and deletion of spilled keys, corrupt and
+missing records, persist. Every step ends with the registry's invariant check (test_store.Env.check,
+which covers the disk tier: presence of spilled keys, one record per key agreeing with its host
+entry, the disk budget)."""
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from ecd.config import load_config
+from ecd.daemon.disk_tier import DiskTier
+from ecd.errors import Code
+from ecd.integrity import checksum
+from ecd.memory.ring import NOT_HERE, key_hash
+from ecd.protocol import Extent, Failure, Location
+from test_store import Env, item
+
+KIB = 1024
+ENTRY = 64 * KIB
+POOL = 4 * ENTRY  # four entries fit
+
+
+def payload(key: str, n: int = ENTRY) -> bytes:
+    seed = checksum(key.encode())
+    return (seed.to_bytes(8, "little") * (n // 8 + 1))[:n]
+
+
+class DiskEnv(Env):
+    def __init__(self, path: str, loop, size: str = "16MiB", **disk) -> None:
+        super().__init__(pool_sizes=(POOL,))
+        self.store.scheduler = loop  # parked requests and promotions need real timers and tasks
+        self.segments = [SimpleNamespace(buf=mmap.mmap(-1, POOL))]
+        cfg = load_config({"pool": {"disk": {"path": path, "size": size, "min_spill_size": 0, **disk}}}).pool.disk
+        self.disk = DiskTier(cfg, epoch=7)
+        self.disk.open()
+        self.disk.attach(self.store, loop, self.segments)
+        self.writer = self.session()
+
+    def put_bytes(self, key: str, data: bytes | None = None) -> int:
+        data = payload(key) if data is None else data
+        extent = self.store.alloc(self.writer, "ns", item(key, len(data)))
+        assert isinstance(extent, Extent), extent
+        self.segments[0].buf[extent.offset:extent.offset + len(data)] = data
+        assert self.store.commit(self.writer, extent.generation, checksum(data)) is None
+        return extent.generation
+
+    async def settle(self) -> None:
+        for _ in range(2000):
+            if not self.disk.writes and not self.disk.promoting:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("disk tier did not settle")
+
+    async def get(self, session, keys):
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        now = self.store.acquire(session, "ns", list(keys), 0, done.set_result)
+        return now if now is not None else await asyncio.wait_for(done, 10)
+
+    def read(self, loc: Location) -> bytes:
+        return bytes(self.segments[0].buf[loc.offset:loc.offset + loc.nbytes])
+
+
+async def gone(path: str) -> None:
+    for _ in range(1000):
+        if not os.path.exists(path):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{path} was not removed")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def tier_dir(tmp_path):
+    path = tmp_path / "disk"
+    path.mkdir()
+    return str(path)
+
+
+def test_evicted_entries_spill_and_come_back_bit_identical(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        reader = env.session()
+        keys = [f"k{i}" for i in range(10)]  # 10 entries through a pool of 4
+        for key in keys:
+            env.put_bytes(key)
+            env.check()
+        await env.settle()
+        env.check()
+        assert env.disk.counters["spills"] == 6
+        assert all(env.store.exists(reader, "ns", keys, 0))
+        assert all(env.reader.lookup(key_hash("ns", k)) != NOT_HERE for k in keys)  # spilled keys stay present
+        for key in keys:
+            (loc,) = await env.get(reader, [key])
+            assert isinstance(loc, Location), loc
+            assert env.read(loc) == payload(key)
+            env.store.release(reader, loc.generation)
+            env.check()
+        await env.settle()
+        env.check()
+        assert env.disk.counters["promotions"] == 10  # reading k0-k5 back pushed k6-k9 out to disk
+        env.disk.close()
+    run(main())
+
+
+def test_concurrent_readers_promote_once(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        assert not env.present("k0") and env.disk.holds("ns", "k0")
+        readers = [env.session() for _ in range(4)]
+        results = await asyncio.gather(*(env.get(r, ["k0"]) for r in readers))
+        assert env.disk.counters["promotions"] == 1
+        generations = {res[0].generation for res in results}
+        assert len(generations) == 1
+        for r, (loc,) in zip(readers, results):
+            assert env.read(loc) == payload("k0")
+            env.store.release(r, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_replacing_or_deleting_a_spilled_key_drops_its_record(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(6):
+            env.put_bytes(f"k{i}")  # k0, k1 spill
+        await env.settle()
+        env.put_bytes("k0", payload("new"))  # replaced while on disk: the old bytes must never be served
+        env.check()
+        assert env.store.delete("ns", ["k1"]) == [True]
+        env.check()
+        assert env.store.exists(env.session(), "ns", ["k1"], 0) == [False]
+        await env.settle()
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("new")
+        env.store.release(reader, loc.generation)
+        # the files of dropped records are removed on worker threads
+        files_left = lambda: sorted(n for n in os.listdir(tier_dir) if n.endswith(".ecd"))  # noqa: E731
+        for _ in range(1000):
+            if files_left() == sorted(r.name for r in env.disk.records.values()):
+                break
+            await asyncio.sleep(0.005)
+        assert files_left() == sorted(r.name for r in env.disk.records.values())
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_flipped_byte_is_never_served(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        record = env.disk.record("ns", "k0")
+        path = os.path.join(tier_dir, record.name)
+        with open(path, "r+b") as f:
+            f.seek(record.header.header_len + 1000)
+            byte = f.read(1)
+            f.seek(record.header.header_len + 1000)
+            f.write(bytes([byte[0] ^ 0x01]))
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        assert env.disk.counters["integrity_failures"] == 1
+        assert not env.disk.holds("ns", "k0")
+        await gone(path)  # removed on a worker thread
+        assert env.store.exists(reader, "ns", ["k0"], 0) == [False]
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_deleted_file_is_a_clean_miss(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        os.unlink(os.path.join(tier_dir, env.disk.record("ns", "k0").name))
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        assert env.disk.errors["missing"] == 1
+        # the pool was full: the promotion's extent evicted (spilled) another entry, then was aborted
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_persist_writes_through_and_survives_a_new_tier(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        generation = env.put_bytes("p")
+        entry = env.store.by_generation[generation]
+        (result,) = await env.disk.persist([entry])
+        assert result is None
+        assert env.disk.record("ns", "p").persisted and entry.readers == 0
+        env.check()
+        env.disk.close()
+        again = DiskEnv(tier_dir, asyncio.get_running_loop())  # a restart: headers re-indexed
+        assert again.disk.loaded == 1 and again.disk.record("ns", "p").persisted
+        assert again.reader.lookup(key_hash("ns", "p")) != NOT_HERE
+        reader = again.session()
+        (loc,) = await again.get(reader, ["p"])
+        assert again.read(loc) == payload("p")
+        again.store.release(reader, loc.generation)
+        again.check()
+        again.disk.close()
+    run(main())
+
+
+def test_spill_budget_drops_least_recently_used_spills(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop(), size="16MiB")
+        env.disk.capacity = 3 * (ENTRY + 4096)  # room for three spilled records
+        for i in range(10):
+            env.put_bytes(f"k{i}")
+            await env.settle()
+            env.check()
+        assert len(env.disk.records) == 3 and env.disk.counters["disk_evictions"] == 3
+        assert not env.disk.holds("ns", "k0")
+        env.check()  # k0's presence went with its record (check() counts presence exactly)
+        env.disk.close()
+    run(main())
+
+
+def test_a_peer_lookup_is_answered_at_once_and_starts_the_promotion(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        peer = env.session()
+
+        def never(results):
+            raise AssertionError(f"a peer's lookup parked: {results}")
+        (now,) = env.store.acquire(peer, "ns", ["k0"], 0.0, never, park_for_disk=False)
+        assert isinstance(now, Failure) and now.code == Code.KEY_NOT_FOUND
+        await env.settle()  # its promotion ran meanwhile: the next lookup finds it in memory
+        (loc,) = env.store.acquire(peer, "ns", ["k0"], 0.0, never, park_for_disk=False)
+        assert isinstance(loc, Location) and env.read(loc) == payload("k0")
+        env.store.release(peer, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_read_of_a_spill_still_being_written_waits_for_it(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0's spill starts; nothing has run on the loop yet
+        record = env.disk.record("ns", "k0")
+        assert not record.ready and env.store.exists(env.session(), "ns", ["k0"], 0) == [True]
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("k0")
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_promotion_into_a_pool_held_full_says_so(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        holder = env.session()
+        held = env.store.acquire(holder, "ns", [f"k{i}" for i in range(1, 5)], 0, None)
+        assert all(isinstance(loc, Location) for loc in held)  # every extent leased: nothing to evict
+        reader = env.session()
+        (result,) = await env.get(reader, ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.POOL_FULL and "on disk" in result.message
+        assert env.disk.holds("ns", "k0")  # still there for a later read
+        for loc in held:
+            env.store.release(holder, loc.generation)
+        (loc,) = await env.get(reader, ["k0"])
+        assert env.read(loc) == payload("k0")
+        env.store.release(reader, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+@pytest.mark.parametrize("disk, reason", [({"spill": False}, "disabled"), ({"min_spill_size": "1MiB"}, "too_small")])
+def test_evictions_not_worth_spilling_are_dropped_and_counted(tier_dir, disk, reason):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop(), **disk)
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        assert not env.disk.records and env.disk.dropped[reason] == 1
+        assert env.store.exists(env.session(), "ns", ["k0"], 0) == [False]
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_operator_evict_removes_keys_from_both_tiers(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(6):
+            env.put_bytes(f"k{i}")  # k0, k1 on disk only
+        await env.settle()
+        evicted, refused, missing, _ = env.store.evict("ns", ["k0", "k5", "nope"], False, False, False)
+        assert (evicted, refused, missing) == (2, [], ["nope"])
+        assert not env.disk.holds("ns", "k0") and env.disk.holds("ns", "k1")
+        env.check()
+        evicted, *_ = env.store.evict("", [], False, True, False)
+        assert evicted == 4 and not env.disk.records and len(env.store.index) == 0  # k1 (on disk), k2-k4
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_unusable_paths_are_refused_with_the_key_and_path(tmp_path):
+    from ecd.errors import ConfigError
+    missing = str(tmp_path / "nope")
+    cfg = load_config({"pool": {"disk": {"path": missing, "size": "16MiB"}}}).pool.disk
+    with pytest.raises(ConfigError, match=r"pool\.disk\.path: .*nope"):
+        DiskTier(cfg, 1).open()
