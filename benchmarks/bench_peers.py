@@ -149,7 +149,7 @@ def main() -> int:
     import zmq
     workdir = tempfile.mkdtemp(prefix="ecd-peers-")
     storage = args.storage or tempfile.mkdtemp(prefix="ecd-peers-st-", dir="/tmp")
-    daemon = BenchDaemon(workdir, node_prefix="peers")
+    daemon = BenchDaemon(workdir, node_prefix="peers", pool="256MiB")  # two 16 MiB entries live at most
     redis_proc, redis_socket, redis_why = start_redis(workdir)
     skipped: dict[str, str] = {}
     if redis_proc is None:
