@@ -12,7 +12,7 @@ arguments; `--json PATH` also writes the results.
      without a round trip where the client can) and pinned (exists(pin_s=1), vLLM's scheduler
      path: always a round trip), and for absent keys (answered from the event ring) vs. a bare
      pyzmq REQ/REP ipc round trip to a separate echo process.
-  3. unbatched ops/s from 4 client processes (exists with round trip / 4 KiB put / 4 KiB get).
+  3. unbatched ops/s from 4 client processes (exists of a present key, unpinned / 4 KiB put / 4 KiB get).
   4. the cost of end-to-end integrity at 16 MiB: put(checksum=True) + view(verify=True) (and
      get(verify=True)) against the same calls without, interleaved rep by rep.
 
@@ -142,7 +142,7 @@ def _consumer(endpoint: str, conn) -> None:
 
 
 def _ops_worker(endpoint: str, wid: int, conn) -> None:
-    """One of the throughput clients: round-robin exists (round trip) / small put / small get."""
+    """One of the throughput clients: round-robin exists of a present key (unpinned) / small put / small get."""
     c = Client(endpoint, name=f"bench-ops-{wid}")
     small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
     ex_keys = [f"ops/ex/{j}" for j in range(OPS_KEYS)]  # put by the main process, never by us
@@ -575,7 +575,7 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
     p(f"  Exists requests seen by the daemon: {e['daemon_exists_requests']} (pinned lookups made: "
       f"{e['pinned_exists_requests']}; the rest are unpinned present-key lookups the client did not "
       f"answer itself, and absent ones sharing a presence bucket with a live key)")
-    p("\n3. unbatched ops/s (round-robin exists-rt / put 4 KiB / get 4 KiB)")
+    p("\n3. unbatched ops/s (round-robin exists (unpinned, present) / put 4 KiB / get 4 KiB)")
     for o in res["ops"]:
         mixs = ", ".join(f"{n} {v['ops_per_s']:.0f}/s @{v['mean_latency_us']:.0f}us"
                          for n, v in o["per_op"].items())
