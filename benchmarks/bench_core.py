@@ -8,10 +8,11 @@ arguments; `--json PATH` also writes the results.
 
   1. 1/16/64 MiB float32: memcpy (np.copyto between two pre-faulted buffers, the reference),
      put+get(copy) in one process, and put in one process + view in another.
-  2. exists() p50/p99 for a present key put by another process (one round trip) and for absent
-     keys (answered from the event ring, no round trip) vs. a bare pyzmq REQ/REP ipc round trip
-     to a separate echo process.
-  3. unbatched ops/s from 4 client processes (exists with round trip / 4 KiB put / 4 KiB get).
+  2. exists() p50/p99 for a present key put by another process, unpinned (advisory: answered
+     without a round trip where the client can) and pinned (exists(pin_s=1), vLLM's scheduler
+     path: always a round trip), and for absent keys (answered from the event ring) vs. a bare
+     pyzmq REQ/REP ipc round trip to a separate echo process.
+  3. unbatched ops/s from 4 client processes (exists of a present key, unpinned / 4 KiB put / 4 KiB get).
   4. the cost of end-to-end integrity at 16 MiB: put(checksum=True) + view(verify=True) (and
      get(verify=True)) against the same calls without, interleaved rep by rep.
 
@@ -48,9 +49,12 @@ OPS_SMALL_ELEMS = 1024  # 4 KiB float32: rides inline (limits.inline_max_bytes =
 OPS_KEYS = 64
 
 COLD_SPAN_MIB = 128  # > 2x this machine's 32 MiB L3
-TARGET_HANDOFF_RATIO = 1.2  # 16 MiB put (process A) + view (process B) <= 1.2x memcpy
-TARGET_EXISTS_RATIO = 1.5  # exists p50 <= 1.5x bare REQ/REP round trip p50
-TARGET_OPS = 15_000  # aggregate unbatched ops/s from 4 client processes
+# The goals of issue 15 ("close to the physical limit"), each judged on a paired ratio: the median
+# of per-sample (or per-round) ratios to a reference taken right beside it in the same run.
+TARGET_HANDOFF_RATIO = 1.2  # 16 MiB put (process A) + view (process B) <= 1.2x one memcpy
+TARGET_EXISTS_RATIO = 0.3  # unpinned exists of a present key <= 0.3x a bare REQ/REP round trip
+TARGET_EXISTS_PINNED_RATIO = 1.3  # exists(pin_s>0) of a present key <= 1.3x the bare round trip
+TARGET_OPS = 25_000  # aggregate unbatched ops/s from 4 client processes
 
 now_ns = time.perf_counter_ns
 
@@ -138,7 +142,7 @@ def _consumer(endpoint: str, conn) -> None:
 
 
 def _ops_worker(endpoint: str, wid: int, conn) -> None:
-    """One of the throughput clients: round-robin exists (round trip) / small put / small get."""
+    """One of the throughput clients: round-robin exists of a present key (unpinned) / small put / small get."""
     c = Client(endpoint, name=f"bench-ops-{wid}")
     small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
     ex_keys = [f"ops/ex/{j}" for j in range(OPS_KEYS)]  # put by the main process, never by us
@@ -414,13 +418,18 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
         if not c.exists("present/exists"):
             raise AssertionError("present/exists should be present")
 
+    def ex_pinned():
+        if not c.exists("present/exists", pin_s=1.0):
+            raise AssertionError("present/exists should be present")
+
     def ex_absent():
         absent_i[0] += 1
         if c.exists(f"absent/{absent_i[0]}"):
             raise AssertionError("absent key reported present")
 
-    methods = {"bare_zmq_rtt": zmq_rt, "exists_present": ex_present,
+    methods = {"bare_zmq_rtt": zmq_rt, "exists_present": ex_present, "exists_pinned": ex_pinned,
                "exists_absent": ex_absent, "ping": c.ping}
+    paired_names = ("exists_present", "exists_pinned", "exists_absent", "ping")
     all_cpus = os.sched_getaffinity(0)
     placements = [("scheduler", None, None, EXISTS_ROUNDS)]
     if len(all_cpus) >= 2:
@@ -428,7 +437,7 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
         placements += [("same_cpu", {a}, {a}, EXISTS_ROUNDS // 2),
                        ("cross_cpu", {a}, {b}, EXISTS_ROUNDS // 2)]
     out: dict = {}
-    n_present = 0
+    n_pinned = 0
     ops0 = c.stats()["ops"]
     try:
         for place, client_cpus, server_cpus, rounds in placements:
@@ -439,8 +448,9 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
             for fn in methods.values():
                 for _ in range(EXISTS_WARMUP):
                     fn()
-            n_present += EXISTS_WARMUP  # the warm-up lookups are round trips too
-            paired = []  # per round: exists p50 / bare p50 of the same round
+            n_pinned += EXISTS_WARMUP  # the pinned warm-up lookups are round trips too
+            # per round: each method's p50 / the bare round trip's p50 of the same round
+            paired: dict[str, list[float]] = {name: [] for name in paired_names}
             for _ in range(rounds):
                 for name, fn in methods.items():
                     s = samples[name]
@@ -448,13 +458,15 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
                         t0 = now_ns()
                         fn()
                         s.append(now_ns() - t0)
-                paired.append(pct(samples["exists_present"][-EXISTS_BLOCK:], 50)
-                              / pct(samples["bare_zmq_rtt"][-EXISTS_BLOCK:], 50))
-            n_present += rounds * EXISTS_BLOCK
+                bare_p50 = pct(samples["bare_zmq_rtt"][-EXISTS_BLOCK:], 50)
+                for name in paired_names:
+                    paired[name].append(pct(samples[name][-EXISTS_BLOCK:], 50) / bare_p50)
+            n_pinned += rounds * EXISTS_BLOCK
             r = {name: summary_us(s) for name, s in samples.items()}
             bare = r["bare_zmq_rtt"]["p50_us"]
-            r["ratio"] = {k: r[k]["p50_us"] / bare for k in ("exists_present", "exists_absent", "ping")}
-            r["ratio"]["exists_present_paired_median"] = float(np.median(paired))
+            r["ratio"] = {k: r[k]["p50_us"] / bare for k in paired_names}
+            for name in paired_names:
+                r["ratio"][f"{name}_paired_median"] = float(np.median(paired[name]))
             out[place] = r
     finally:
         pin_process(os.getpid(), all_cpus)
@@ -465,11 +477,14 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
     req.recv()
     req.close(0)
     ctx.term()
-    # Proof of what crossed the socket: present lookups must all be round trips, absent ones none.
+    # What crossed the socket: pinned lookups are all round trips; unpinned present ones are
+    # round trips unless the client answers them itself, absent ones are not (ring).
     out["daemon_exists_requests"] = ops1.get("exists", 0) - ops0.get("exists", 0)
-    out["expected_exists_requests"] = n_present
-    pinned = [out[p]["ratio"]["exists_present"] for p in ("same_cpu", "cross_cpu") if p in out]
-    out["verdict_ratio"] = max(pinned) if pinned else out["scheduler"]["ratio"]["exists_present"]
+    out["pinned_exists_requests"] = n_pinned
+    # Judged on the worse of the two CPU placements (the scheduler's own choice flips between runs)
+    placed = [p for p in ("same_cpu", "cross_cpu") if p in out] or ["scheduler"]
+    for name in ("exists_present", "exists_pinned"):
+        out[f"verdict_{name}"] = max(out[p]["ratio"][f"{name}_paired_median"] for p in placed)
     return out
 
 
@@ -544,7 +559,8 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
     p(f"{'placement:':42}" + "".join(f"{pl:>26}" for pl in places))
     p(f"{'':42}" + f"{'p50':>9}{'p99':>8}{'ratio':>9}" * len(places))
     for label, key in (("bare pyzmq REQ/REP ipc  [ref]", "bare_zmq_rtt"),
-                       ("exists, present key (round trip)", "exists_present"),
+                       ("exists, present key, unpinned", "exists_present"),
+                       ("exists(pin_s=1), present key", "exists_pinned"),
                        ("exists, absent key (event ring)", "exists_absent"),
                        ("ping (round trip)  [diag]", "ping")):
         line = f"{label:42}"
@@ -553,12 +569,13 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
             ratio = f"{e[pl]['ratio'][key]:.2f}x" if key in e[pl]["ratio"] else ""
             line += f"{r['p50_us']:>9.1f}{r['p99_us']:>8.1f}{ratio:>9}"
         p(line)
-    p(f"{'  median of per-round exists/bare ratios':42}" + "".join(
-        f"{'':>17}{e[pl]['ratio']['exists_present_paired_median']:>8.2f}x" for pl in places))
-    p(f"  Exists requests seen by the daemon: {e['daemon_exists_requests']} "
-      f"(present lookups made: {e['expected_exists_requests']}; absent ones sharing a presence "
-      f"bucket with a live key also go to the daemon)")
-    p("\n3. unbatched ops/s (round-robin exists-rt / put 4 KiB / get 4 KiB)")
+    for label, key in (("  median of per-round unpinned/bare", "exists_present"),
+                       ("  median of per-round pinned/bare", "exists_pinned")):
+        p(f"{label:42}" + "".join(f"{'':>17}{e[pl]['ratio'][key + '_paired_median']:>8.2f}x" for pl in places))
+    p(f"  Exists requests seen by the daemon: {e['daemon_exists_requests']} (pinned lookups made: "
+      f"{e['pinned_exists_requests']}; the rest are unpinned present-key lookups the client did not "
+      f"answer itself, and absent ones sharing a presence bucket with a live key)")
+    p("\n3. unbatched ops/s (round-robin exists (unpinned, present) / put 4 KiB / get 4 KiB)")
     for o in res["ops"]:
         mixs = ", ".join(f"{n} {v['ops_per_s']:.0f}/s @{v['mean_latency_us']:.0f}us"
                          for n, v in o["per_op"].items())
@@ -579,20 +596,34 @@ def report(res: dict) -> list[tuple[str, bool, str]]:
           f"{ig['xxh3_hot']['p50_us']:.1f} us ({ig['ratio']['xxh3_vs_memcpy']:.2f}x memcpy)")
     c16 = res["copy"]["16"]
     agg = res["ops"][-1]
-    targets = [
-        ("16 MiB put (A) + view (B) <= 1.2x memcpy", c16["ratio"]["handoff_e2e"] <= TARGET_HANDOFF_RATIO,
-         f"{c16['ratio']['handoff_e2e']:.2f}x end to end (sequential sum {c16['ratio']['handoff_seq_sum']:.2f}x)"),
-        ("  the same against memcpy into cold memory", c16["ratio"]["handoff_e2e_vs_cold"] <= TARGET_HANDOFF_RATIO,
-         f"{c16['ratio']['handoff_e2e_vs_cold']:.2f}x end to end"),
-        ("exists p50 <= 1.5x bare round trip", e["verdict_ratio"] <= TARGET_EXISTS_RATIO,
-         f"{e['verdict_ratio']:.2f}x (worse pinned placement; unpinned "
-         f"{e['scheduler']['ratio']['exists_present']:.2f}x)"),
-        (f"unbatched ops/s from {OPS_CLIENTS} clients >= 15k", agg["ops_per_s"] >= TARGET_OPS,
-         f"{agg['ops_per_s']:.0f} ops/s"),
+    handoff = c16["ratio"]["handoff_e2e_paired_median"]
+    load = res["env"].get("loadavg_end", res["env"]["loadavg_start"])
+    # (figure, reference, goal, measured, pass or None when measured elsewhere)
+    goals = [
+        ("put (process A) + view (process B) of 16 MiB, end to end", "one single-thread memcpy of 16 MiB",
+         f"<= {TARGET_HANDOFF_RATIO}x", f"{handoff:.2f}x (vs cold memcpy {c16['ratio']['handoff_e2e_vs_cold']:.2f}x)",
+         handoff <= TARGET_HANDOFF_RATIO),
+        ("exists of a present key, unpinned, p50", "bare pyzmq REQ/REP round trip over ipc",
+         f"<= {TARGET_EXISTS_RATIO}x", f"{e['verdict_exists_present']:.2f}x",
+         e["verdict_exists_present"] <= TARGET_EXISTS_RATIO),
+        ("exists(pin_s>0) of a present key, p50", "the same bare round trip",
+         f"<= {TARGET_EXISTS_PINNED_RATIO}x", f"{e['verdict_exists_pinned']:.2f}x",
+         e["verdict_exists_pinned"] <= TARGET_EXISTS_PINNED_RATIO),
+        (f"unbatched mixed ops/s, {OPS_CLIENTS} client processes", "-", f">= {TARGET_OPS // 1000}k",
+         f"{agg['ops_per_s']:.0f}", agg["ops_per_s"] >= TARGET_OPS),
+        ("exists(pin_s>0) p50 at 300k entries vs at 1k", "itself", "flat (<= 1.1x)",
+         "benchmarks/entry_memory.py", None),
+        ("daemon memory per entry, 300k tiny entries", "-", "<= 500 B", "benchmarks/entry_memory.py", None),
+        ("KV load / save of a 2048-token prompt", "memcpy of the same bytes", "<= 1.5x / <= 1.2x",
+         "benchmarks/bench_vllm.py", None),
     ]
-    p("\ntargets")
-    for name, ok, detail in targets:
-        p(f"  {'PASS' if ok else 'MISS'}  {name:44} {detail}")
+    p(f"\ngoals (issue 15): paired ratios, the median of per-sample (hand-off) or per-round (exists: "
+      f"the worse of the two CPU placements, same CPU / different CPUs) ratios; load average "
+      f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    p("| figure | reference | goal | measured | |\n|---|---|---|---|---|")
+    for name, ref, goal, measured, ok in goals:
+        p(f"| {name} | {ref} | {goal} | {measured} | {'-' if ok is None else 'PASS' if ok else 'MISS'} |")
+    targets = [(f"{name} {goal}", bool(ok), measured) for name, _, goal, measured, ok in goals if ok is not None]
     return targets
 
 
@@ -647,6 +678,7 @@ def main() -> int:
         res["exists"] = bench_exists(c, echo_endpoint, [daemon.proc.pid, procs[0].pid])
         res["ops"] = [run_ops(daemon, workers[:1], min(2.0, args.ops_seconds)),
                       run_ops(daemon, workers, args.ops_seconds)]
+        res["env"]["loadavg_end"] = os.getloadavg()
         for conn in workers + [consumer]:
             conn.send(("stop",))
         for pr in procs:
