@@ -1,9 +1,9 @@
 """The puller's fetch flow: make keys local by pulling them from the daemon that owns them.
 
 For a `Fetch` request (a client asks its local daemon), on the event loop:
-1. keys already READY here count as fetched; a key another fetch on this node is pulling now is
-   waited for, not pulled again (`inflight`: one future per (ns, key): concurrent fetches of the
-   same key pull once);
+1. keys already here (READY, or on this node's disk tier) count as fetched; a key another fetch
+   on this node is pulling now is waited for, not pulled again (`inflight`: one future per
+   (ns, key): concurrent fetches of the same key pull once);
 2. `lookup` at the named peer, or at every configured peer in parallel (first holder wins; the
    losers' leases are released, late replies included);
 3. per owner, `Store.alloc` a local extent per key under this node's fetch session (WRITING:
@@ -62,7 +62,7 @@ class Fetcher:
         waits: list[tuple[int, asyncio.Future]] = []
         loop = self.cluster.d.loop
         for i, key in enumerate(keys):
-            if (ns, key) in self.store.index:
+            if self.store.is_local(ns, key):
                 result[i] = True
             elif (ns, key) in self.inflight:
                 waits.append((i, self.inflight[(ns, key)]))

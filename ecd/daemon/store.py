@@ -428,6 +428,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
 
     # ---- exists / pins / delete ---------------------------------------------------------
 
+    def is_local(self, ns: str, key: str) -> bool:
+        """READY here, or on this node's disk tier (a read brings it back): no peer needed."""
+        return (ns, key) in self.index or (self.disk is not None and self.disk.holds(ns, key))
+
     def exists(self, session: Session, ns: str, keys: list[str], pin_s: float) -> list[bool]:
         self.check_batch(len(keys))
         if pin_s > 0 and len(session.pins) + len(keys) > self.limits.max_pins_per_client:

@@ -28,16 +28,16 @@ peer_ttl = "3s"
 
 @pytest.fixture
 def cluster(daemon_factory):
-    """make(n, size=..., extra=[per-node [cluster] lines], pool_extra=...) -> daemons, all peers
-    of each other; each has .peer_endpoint."""
+    """make(n, size=..., extra=[per-node [cluster] lines], other=config after it (one for all,
+    or one per node)) -> daemons, all peers of each other; each has .peer_endpoint."""
 
-    def make(n: int = 2, size: str = "256MiB", extra: list[str] | None = None, other: str = "",
+    def make(n: int = 2, size: str = "256MiB", extra: list[str] | None = None, other: str | list[str] = "",
              peers: bool = True):
         endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
         nodes = []
         for i in range(n):
             others = [e for j, e in enumerate(endpoints) if j != i] if peers else []
-            text = cluster_toml(endpoints[i], others, (extra or [""] * n)[i]) + other
+            text = cluster_toml(endpoints[i], others, (extra or [""] * n)[i]) + (other if isinstance(other, str) else other[i])
             d = daemon_factory(size=size, extra=text)
             d.peer_endpoint = endpoints[i]
             nodes.append(d)

@@ -100,3 +100,22 @@ def test_fetch_errors(cluster, daemon):
     with daemon.client() as c:  # no [cluster]
         with pytest.raises(InvalidRequest, match="no peer plane"):
             c.fetch("x")
+
+
+def test_a_key_on_the_pullers_own_disk_tier_is_local(cluster, tmp_path):
+    """After a restart its persisted entries are on disk only: a fetch counts them as local (a
+    read brings them back) and asks no peer for them."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    a, b = cluster(2, other=["", f'[pool.disk]\npath = "{disk}"\nsize = "256MiB"\n'])
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    with b.client() as cb:
+        cb.put("kept", t, persist=True)
+    b.stop()
+    b.start()
+    with a.client() as ca, b.client() as cb:
+        assert cb.stats()["entries_ready"] == 0  # on disk only
+        assert cb.fetch(["kept", "nowhere"], peer=a.peer_endpoint, timeout=10) == [True, False]
+        assert torch.equal(cb.get("kept"), t)  # promoted from the disk, not pulled
+        assert all(p["fetched_entries"] == 0 for p in cb.stats()["peers"]), cb.stats()["peers"]
+        assert ca.stats()["transfer_leases"] == 0
