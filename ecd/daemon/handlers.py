@@ -3,6 +3,7 @@ dispatched with `match` on the tagged msgspec union (the loop, control.py, has a
 the frame, found the session and refused what a session may not send)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -139,21 +140,8 @@ class Handlers:
         """Answer a committed put once its entries are durable on disk (disk_tier.persist)."""
         store = self.d.store
         entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
-        task = self.d.disk.persist(entries)
-        session.fetching += 1  # waits on the daemon: not a silent session
-
-        def done(task) -> None:
-            session.fetching -= 1
-            if rid == 0:
-                return
-            if task.cancelled():
-                self.reply_error(identity, rid, Code.SHUTTING_DOWN, "daemon is shutting down")
-            elif task.exception() is not None:
-                log.error("persist failed: %r", task.exception())
-                self.reply_error(identity, rid, Code.INTERNAL, f"persist failed: {task.exception()!r}")
-            else:
-                self.send(identity, reply([r if r is not None else p for r, p in zip(results, task.result())]))
-        task.add_done_callback(done)
+        self._answer_when_done(identity, session, rid, "persist", self.d.disk.persist(entries),
+                               lambda durable: reply([r if r is not None else p for r, p in zip(results, durable)]))
 
     def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
               timeout_s: float) -> None:
@@ -162,6 +150,13 @@ class Handlers:
         if cluster is None:
             raise RequestError(Code.INVALID, "this daemon has no peer plane ([cluster] listen is not set)")
         task = cluster.fetch(ns, keys, peer, timeout_s)  # RequestError now for a bad peer
+        self._answer_when_done(identity, session, rid, "fetch", task, lambda local: Flags(rid, local))
+
+    def _answer_when_done(self, identity: bytes, session: Session, rid: int, what: str,
+                          task: asyncio.Future, reply: Callable[[Any], Any]) -> None:
+        """Answer a request whose work goes on after the handler returns (a fetch, a persist):
+        with reply(result) once `task` is done, or a typed error. The session counts as busy
+        meanwhile (it waits on the daemon: not a silent client to reap)."""
         session.fetching += 1
 
         def done(task) -> None:
@@ -171,10 +166,10 @@ class Handlers:
             if task.cancelled():
                 self.reply_error(identity, rid, Code.SHUTTING_DOWN, "daemon is shutting down")
             elif task.exception() is not None:
-                log.error("fetch failed: %r", task.exception())
-                self.reply_error(identity, rid, Code.INTERNAL, f"fetch failed: {task.exception()!r}")
+                log.error("%s failed: %r", what, task.exception())
+                self.reply_error(identity, rid, Code.INTERNAL, f"{what} failed: {task.exception()!r}")
             else:
-                self.send(identity, Flags(rid, task.result()))
+                self.send(identity, reply(task.result()))
         task.add_done_callback(done)
 
     def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:

@@ -3,8 +3,13 @@ joined by the peer plane on 127.0.0.1 (never any other address)."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
+import torch
+
+BIG_KEYS = [f"blk-{i}" for i in range(8)]  # 8 x 64 MiB: a transfer long enough to kill mid-way
 
 
 def free_port() -> int:
@@ -44,3 +49,50 @@ def cluster(daemon_factory):
         return nodes
 
     return make
+
+
+def put_big(client) -> dict:
+    """BIG_KEYS, 64 MiB each, with checksums; returns what was put."""
+    data = {}
+    for i, key in enumerate(BIG_KEYS):
+        t = torch.full((16 << 20,), i, dtype=torch.float32)
+        client.put(key, t, checksum=True)
+        data[key] = t
+    return data
+
+
+def fetch_in_thread(d, peer: str, timeout: float):
+    """Fetch BIG_KEYS on daemon `d` from `peer` in a thread: (thread, out) where out gets
+    "result" or "error", and "elapsed"."""
+    out: dict = {}
+
+    def run():
+        started = time.monotonic()
+        with d.client(timeout=10) as c:
+            try:
+                out["result"] = c.fetch(BIG_KEYS, peer=peer, timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                out["error"] = exc
+        out["elapsed"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)  # a client of a killed daemon may linger
+    thread.start()
+    return thread, out
+
+
+def fetch_concurrently(d, key: str, peer: str, n: int = 6, timeout: float = 30) -> list:
+    """n clients of daemon `d` fetch `key` from `peer` at the same moment: their answers."""
+    results: list = []
+    barrier = threading.Barrier(n)
+
+    def fetch():
+        with d.client() as c:
+            barrier.wait()
+            results.append(c.fetch(key, peer=peer, timeout=timeout))
+
+    threads = [threading.Thread(target=fetch) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results

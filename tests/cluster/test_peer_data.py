@@ -91,8 +91,12 @@ def test_pooled_connection_gone_unnoticed_is_retried_once(pair):
     the transfer goes through on a fresh connection, and its token is used once."""
     owner, puller, segment, grant = pair
     assert _pull(puller, owner, grant(0)) == segment
-    with owner._lock:
-        waiting = list(owner._waiting)
+
+    def waiting_connections():  # the owner's thread parks the connection after its last send
+        with owner._lock:
+            return list(owner._waiting)
+    waiting = wait_for(waiting_connections, timeout=10)
+    assert waiting
     for sock in waiting:
         sock.shutdown(socket.SHUT_RD)  # the owner's thread leaves; the puller has not seen a FIN
     time.sleep(0.1)
@@ -196,9 +200,10 @@ def test_tls_fetch_between_daemons_is_bit_identical(tmp_path, daemon_factory):
         # c's certificate is not pinned by a: refused, and nothing is left behind on either side
         assert cc.fetch("y", peer=ea, timeout=5) is False
         assert cc.stats()["fetch_failures"].get("refused", 0) >= 1
-        assert "data connection refused" in a.log()
-        sa = ca.stats()
-        assert sa["read_leases"] == 0 and sa["transfer_leases"] == 0
+        # a's side of the refused handshake, and the release of c's lease, may come after c's answer
+        assert wait_for(lambda: "data connection refused" in a.log(), timeout=10)
+        assert wait_for(lambda: ca.stats()["read_leases"] == 0 and ca.stats()["transfer_leases"] == 0,
+                        timeout=10), ca.stats()
         assert cc.stats()["entries_writing"] == 0
 
 

@@ -3,51 +3,23 @@ token behind, on either side, and never stalls the puller's other clients."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
 import torch
+from peerutil import BIG_KEYS as KEYS
 from peerutil import cluster  # noqa: F401 - the fixture
+from peerutil import fetch_in_thread, put_big
 
 from conftest import wait_for
 from ecd.errors import KeyNotFound
 
-KEYS = [f"blk-{i}" for i in range(8)]
-
-
-def _put_big(client):
-    data = {}
-    for i, key in enumerate(KEYS):
-        t = torch.full((16 << 20,), i, dtype=torch.float32)  # 64 MiB each
-        client.put(key, t, checksum=True)
-        data[key] = t
-    return data
-
-
-def _fetch_in_thread(d, peer, timeout):
-    out: dict = {}
-
-    def run():
-        started = time.monotonic()
-        with d.client(timeout=10) as c:
-            try:
-                out["result"] = c.fetch(KEYS, peer=peer, timeout=timeout)
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                out["error"] = exc
-        out["elapsed"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)  # a client of a killed daemon may linger
-    thread.start()
-    return thread, out
-
-
 def test_owner_killed_mid_fetch(cluster):
     a, b = cluster(2, size="1GiB")
     with a.client() as ca:
-        _put_big(ca)
+        put_big(ca)
     with b.client() as watcher:
-        thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
         assert wait_for(lambda: watcher.stats()["entries_writing"] > 0, timeout=30, interval=0.005), \
             "the transfer never started"
         a.stop(signal.SIGKILL)
@@ -70,8 +42,8 @@ def test_owner_killed_mid_fetch(cluster):
 def test_puller_killed_mid_fetch_gives_the_owners_leases_back(cluster):
     a, b = cluster(2, size="1GiB")
     with a.client() as ca:
-        _put_big(ca)
-        thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        put_big(ca)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
         assert wait_for(lambda: ca.stats()["transfer_leases"] > 0, timeout=30, interval=0.005)
         b.stop(signal.SIGKILL)  # its client thread gets DaemonUnavailable later: not waited for
         # the data connection breaks (or the session goes silent: peer_ttl = 3 s)
@@ -90,7 +62,7 @@ def test_stopped_peer_does_not_stall_other_clients(cluster):
     a.proc.send_signal(signal.SIGSTOP)
     try:
         with b.client() as cb:
-            thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=5)
+            thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=5)
             worst = 0.0
             deadline = time.monotonic() + 4
             while time.monotonic() < deadline:

@@ -2,11 +2,11 @@
 absent keys, pull-once under concurrency."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 from peerutil import cluster  # noqa: F401 - the fixture
+from peerutil import fetch_concurrently
 
 from conftest import wait_for
 from ecd.errors import InvalidRequest
@@ -71,19 +71,7 @@ def test_concurrent_fetches_of_one_key_pull_once(cluster):
     a, b = cluster(2)
     with a.client() as ca:
         ca.put("hot", torch.randn(4 << 20))  # 16 MiB
-    results = []
-    barrier = threading.Barrier(6)
-
-    def fetch():
-        with b.client() as c:
-            barrier.wait()
-            results.append(c.fetch("hot", peer=a.peer_endpoint, timeout=30))
-
-    threads = [threading.Thread(target=fetch) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = fetch_concurrently(b, "hot", a.peer_endpoint)
     assert results == [True] * 6
     with a.client() as ca:
         served = {p["node"]: p for p in ca.stats()["peers"]}

@@ -17,13 +17,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from peerutil import BIG_KEYS as KEYS
 from peerutil import cluster  # noqa: F401 - the fixture
+from peerutil import fetch_concurrently, fetch_in_thread, put_big
 
 from conftest import wait_for, write_config
 from ecd.errors import KeyNotFound
@@ -31,7 +31,6 @@ from ecd.errors import KeyNotFound
 INNER = os.environ.get("ECD_NIXL_NETNS") == "1"
 NIXL = 'transport = "nixl"'
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = [f"blk-{i}" for i in range(8)]
 
 # Outside the namespace these are deselected (tests/conftest.py), not skipped: nothing to report.
 inner = pytest.mark.netns_inner
@@ -87,28 +86,6 @@ def only_lo():
         assert os.environ.get(var), f"{var} is not set"
 
 
-def _put_big(client):
-    for i, key in enumerate(KEYS):
-        client.put(key, torch.full((16 << 20,), i, dtype=torch.float32), checksum=True)  # 64 MiB each
-
-
-def _fetch_in_thread(d, peer, timeout):
-    out: dict = {}
-
-    def run():
-        started = time.monotonic()
-        with d.client(timeout=10) as c:
-            try:
-                out["result"] = c.fetch(KEYS, peer=peer, timeout=timeout)
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                out["error"] = exc
-        out["elapsed"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
 @inner
 def test_fetch_from_named_peer_is_bit_identical(only_lo, cluster):
     a, b = cluster(2, extra=[NIXL, NIXL])
@@ -158,19 +135,7 @@ def test_configured_peers_first_holder_wins_and_concurrent_fetches_pull_once(onl
         assert cc.fetch(["only-a", "only-b", "both", "nowhere"], timeout=20) == [True, True, True, False]
         assert torch.equal(cc.get("only-a"), torch.arange(100, dtype=torch.float64))
         assert torch.equal(cc.get("only-b"), torch.arange(50, dtype=torch.int32))
-        results = []
-        barrier = threading.Barrier(6)
-
-        def fetch():
-            with c.client() as client:
-                barrier.wait()
-                results.append(client.fetch("hot", peer=a.peer_endpoint, timeout=30))
-
-        threads = [threading.Thread(target=fetch) for _ in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = fetch_concurrently(c, "hot", a.peer_endpoint)
         assert results == [True] * 6
         assert torch.equal(cc.get("hot"), ca.get("hot"))
         for client in (ca, cb):  # the loser's lease on "both" was released, the winners' done
@@ -200,9 +165,9 @@ def test_owner_restart_reloads_its_agent(only_lo, cluster):
 def test_owner_killed_mid_fetch(only_lo, cluster):
     a, b = cluster(2, size="1GiB", extra=[NIXL, NIXL])
     with a.client() as ca:
-        _put_big(ca)
+        put_big(ca)
     with b.client() as watcher:
-        thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
         assert wait_for(lambda: watcher.stats()["entries_writing"] > 0, timeout=30, interval=0.005), \
             "the transfer never started"
         a.stop(signal.SIGKILL)
@@ -228,9 +193,9 @@ def test_owner_stopped_mid_read_times_out_cleanly(only_lo, cluster):
     extents are dropped; once the owner runs again, fetches work (its agent is loaded afresh)."""
     a, b = cluster(2, size="1GiB", extra=[NIXL, NIXL])
     with a.client() as ca:
-        _put_big(ca)
+        put_big(ca)
     with b.client() as watcher:
-        thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=4)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=4)
         assert wait_for(lambda: watcher.stats()["entries_writing"] > 0, timeout=30, interval=0.002), \
             "the transfer never started"
         a.proc.send_signal(signal.SIGSTOP)
@@ -259,8 +224,8 @@ def test_owner_stopped_mid_read_times_out_cleanly(only_lo, cluster):
 def test_puller_killed_mid_fetch_gives_the_owners_leases_back(only_lo, cluster):
     a, b = cluster(2, size="1GiB", extra=[NIXL, NIXL])
     with a.client() as ca:
-        _put_big(ca)
-        thread, out = _fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        put_big(ca)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
         assert wait_for(lambda: ca.stats()["transfer_leases"] > 0, timeout=30, interval=0.005)
         b.stop(signal.SIGKILL)
         # no peer_done ever comes: the session goes silent (peer_ttl = 3 s) and the leases go back
