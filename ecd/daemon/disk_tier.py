@@ -62,6 +62,9 @@ log = logging.getLogger("ecd.disk")
 INTERNAL_SESSION_ID = -(1 << 40)  # the disk tier's store session (the peer plane's count down from -1)
 # 1 ms .. 60 s: a write-through is one write and two fsyncs
 PERSIST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Read failures that mean the record itself is bad: never served, removed. Any other kind (the
+# file vanished: forgotten; EIO, EMFILE, EACCES...: kept) is not the record's fault.
+INTEGRITY_KINDS = ("corrupt", "header", "truncated")
 DROP_REASONS = ("too_small", "too_large", "disk_full", "backlog", "disabled", "failed")
 
 
@@ -162,6 +165,9 @@ class DiskTier:
             scanned = files.scan(self.path, names, pool)
         for name, header, size in scanned:
             if isinstance(header, files.DiskIOError):
+                if header.kind not in INTEGRITY_KINDS:  # unreadable now (permissions, EIO): left alone
+                    self._count_error(header, f"not re-indexing {name}")
+                    continue
                 self.counters["integrity_failures"] += 1
                 log.error("pool.disk: removing %s at start: %s", name, header)
                 files.remove(self.path, name)
@@ -173,6 +179,9 @@ class DiskTier:
                 older, record = sorted((other, record), key=lambda r: (r.header.epoch, r.header.sequence))
                 files.remove(self.path, older.name)
             newest[k] = record
+            # (epoch, sequence) orders a key's records: this run's must come after every one on
+            # disk even if the wall clock (the epoch's source) stepped back since
+            self.epoch = max(self.epoch, header.epoch + 1)
         # least recently written first: the LRU order a restart can know
         for record in sorted(newest.values(), key=lambda r: r.header.written_ns):
             if self.used + record.size > self.capacity and not record.persisted:
@@ -331,6 +340,9 @@ class DiskTier:
             error = exc
         except RuntimeError as exc:  # the executor shut down: the daemon is stopping
             error = files.DiskIOError("shutdown", str(exc))
+        except Exception as exc:  # a bug: the write failed, its waiters are answered all the same
+            log.exception("pool.disk: spill of %r failed", record.header.key)
+            error = files.DiskIOError("internal", f"{type(exc).__name__}: {exc}")
         finally:
             view.release()
             self.staging_alloc.free_extent(staged, staged_size)
@@ -395,14 +407,19 @@ class DiskTier:
             return missing
         if (header.ns, header.key) in store.index:
             return None
+        # counted as read from here: the allocation below may evict entries whose spills make
+        # room on disk, and this record must not be the room they make
+        record.reads += 1
         extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
                                                                 header.nbytes))
         if not isinstance(extent, Extent):
+            record.reads -= 1
+            if record.dropped and not record.reads:
+                self._remove_file(record)
             return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
         entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
-        record.reads += 1
         error: files.DiskIOError | None = None
         try:
             with memoryview(self.segments[entry.pool].buf) as seg:
@@ -434,13 +451,18 @@ class DiskTier:
         return failure
 
     def _read_failed(self, record: DiskRecord, error: files.DiskIOError) -> None:
+        """A record whose bytes or header fail their check, or whose file is gone, is dropped; one
+        that could not be read for another reason (EIO, EMFILE, EACCES...) is kept: this read
+        is a miss, a later one may succeed, and an acknowledged persist is never deleted for it."""
         header = record.header
-        if error.kind in ("corrupt", "header", "truncated"):
+        if error.kind in INTEGRITY_KINDS:
             # never served: counted, logged (once: the record goes now), removed
             self.counters["integrity_failures"] += 1
             log.error("pool.disk: %r in namespace %r failed its check and is removed: %s", header.key, header.ns, error)
         else:
             self._count_error(error, f"reading {header.key!r} failed")
+            if error.kind != "missing":
+                return
         if not record.dropped:
             self._forget(record, EventKind.EVICTED)
 
@@ -459,10 +481,22 @@ class DiskTier:
         replace or delete it; the writes run on worker threads."""
         assert self.loop is not None
         started = time.monotonic()
+        # every write starts now (they run side by side), and each is awaited to its end whatever
+        # another one raised: none may be left holding its lease
         steps = [self._begin_persist(e) if e is not None else None for e in entries]
+        running = [self.loop.create_task(step) if asyncio.iscoroutine(step) else step for step in steps]
 
         async def finish() -> list[Failure | None]:
-            results = [await step if asyncio.iscoroutine(step) else step for step in steps]
+            results: list[Failure | None] = []
+            for step in running:
+                if not isinstance(step, asyncio.Task):
+                    results.append(step)
+                    continue
+                try:
+                    results.append(await step)
+                except Exception as exc:  # a bug must cost this put its durability, nothing more
+                    log.exception("pool.disk: persist failed")
+                    results.append(Failure(Code.NOT_DURABLE, f"not persisted: {type(exc).__name__}: {exc}"))
             self.persist_latency.observe(time.monotonic() - started)
             return results
         return asyncio.ensure_future(finish(), loop=self.loop)
@@ -515,6 +549,9 @@ class DiskTier:
                     error = exc
                 except RuntimeError as exc:
                     error = files.DiskIOError("shutdown", str(exc))
+                except Exception as exc:  # a bug: not durable, and the lease still goes back below
+                    log.exception("pool.disk: persist of %r failed", entry.key)
+                    error = files.DiskIOError("internal", f"{type(exc).__name__}: {exc}")
                 finally:
                     src.release()
         finally:

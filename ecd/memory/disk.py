@@ -231,6 +231,7 @@ def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryvi
         fd = _open_write(temp, direct)
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot create {temp}: {exc.strerror}") from None
+    renamed = False
     try:
         try:
             _write_body(fd, header, src, direct, expect)
@@ -239,13 +240,15 @@ def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryvi
         finally:
             os.close(fd)
         os.rename(temp, final)
+        renamed = True
         if sync:
             os.fsync(dirfd)  # the rename itself must survive a power cut
-    except OSError as exc:
-        _unlink_quietly(temp)
-        raise DiskIOError(error_kind(exc), f"cannot write {temp}: {exc.strerror}") from None
-    except BaseException:
-        _unlink_quietly(temp)
+    except BaseException as exc:
+        # nothing of a failed write may stay: not the temporary file, nor (a directory fsync
+        # that failed after the rename) the record, which a restart would otherwise serve
+        _unlink_quietly(final if renamed else temp)
+        if isinstance(exc, OSError):
+            raise DiskIOError(error_kind(exc), f"cannot write {temp}: {exc.strerror}") from None
         raise
     return name
 

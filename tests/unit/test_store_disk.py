@@ -335,3 +335,97 @@ def test_unusable_paths_are_refused_with_the_key_and_path(tmp_path):
     cfg = load_config({"pool": {"disk": {"path": missing, "size": "16MiB"}}}).pool.disk
     with pytest.raises(ConfigError, match=r"pool\.disk\.path: .*nope"):
         DiskTier(cfg, 1).open()
+
+
+def test_a_read_that_fails_for_another_reason_keeps_the_record(tier_dir, monkeypatch):
+    """EIO, EMFILE, EACCES on a read are not the record's fault: that read misses, the record
+    (here an acknowledged persist) stays, and the next read serves it."""
+    import ecd.daemon.disk_tier as tier_mod
+    from ecd.memory import disk as files
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        entry = env.store.by_generation[env.put_bytes("p")]
+        (result,) = await env.disk.persist([entry])
+        assert result is None
+        for i in range(5):  # p is evicted: on disk only
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        assert ("ns", "p") not in env.store.index and env.disk.record("ns", "p") is not None
+        real = files.read_record
+
+        def failing(*args, **kwargs):
+            raise files.DiskIOError("io", "Too many open files")
+        monkeypatch.setattr(tier_mod.files, "read_record", failing)
+        reader = env.session()
+        (result,) = await env.get(reader, ["p"])
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        assert env.disk.errors["io"] == 1 and env.disk.counters["integrity_failures"] == 0
+        record = env.disk.record("ns", "p")
+        assert record is not None and os.path.exists(os.path.join(tier_dir, record.name))
+        monkeypatch.setattr(tier_mod.files, "read_record", real)
+        (loc,) = await env.get(reader, ["p"])
+        assert isinstance(loc, Location) and env.read(loc) == payload("p")
+        env.store.release(reader, loc.generation)
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_restart_never_orders_its_records_before_older_ones(tier_dir):
+    """The epoch comes from the wall clock; one that stepped back must not make a new record
+    lose to an older one of the same key at the next start."""
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        (result,) = await env.disk.persist([env.store.by_generation[env.put_bytes("p")]])
+        assert result is None
+        env.disk.close()
+        again = DiskEnv(tier_dir, asyncio.get_running_loop())  # epoch 7 again: the clock did not move on
+        assert again.disk.epoch > 7
+        again.disk.close()
+    run(main())
+
+
+def test_a_write_whose_directory_fsync_fails_leaves_no_record(tmp_path, monkeypatch):
+    from ecd.memory import disk as files
+    header = files.RecordHeader("ns", "k", "uint8", (16,), 16, 0, 1, 1, 0, True)
+    dirfd = os.open(tmp_path, os.O_RDONLY)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if fd == dirfd:
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    try:
+        with pytest.raises(files.DiskIOError) as info:
+            files.write_record(str(tmp_path), dirfd, header, memoryview(bytes(range(16))), False, True)
+        assert info.value.kind == "eio"
+    finally:
+        os.close(dirfd)
+    assert os.listdir(tmp_path) == []  # neither the record nor its temporary file
+
+
+def test_a_persist_batch_survives_one_write_raising_and_leaves_no_lease(tier_dir, monkeypatch):
+    import ecd.daemon.disk_tier as tier_mod
+    from ecd.memory import disk as files
+    real = files.write_record
+
+    def write_record(directory, dirfd, header, *args, **kwargs):
+        if header.key == "bad":
+            raise ValueError("a bug in the writer")
+        return real(directory, dirfd, header, *args, **kwargs)
+    monkeypatch.setattr(tier_mod.files, "write_record", write_record)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        entries = [env.store.by_generation[env.put_bytes(k)] for k in ("a", "bad", "c")]
+        results = await env.disk.persist(entries)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], Failure) and results[1].code == Code.NOT_DURABLE
+        assert all(e.readers == 0 for e in entries) and env.disk.writes == 0
+        assert env.disk.record("ns", "bad") is None and env.disk.errors["internal"] == 1
+        assert env.disk.record("ns", "a").persisted and env.disk.record("ns", "c").persisted
+        env.check()
+        env.disk.close()
+    run(main())
