@@ -95,7 +95,9 @@ class DiskTier:
         self.records: collections.OrderedDict[tuple[str, str], DiskRecord] = collections.OrderedDict()
         self.used = 0
         self.sequence = 0  # records this run wrote (file names)
-        self.promoting: dict[tuple[str, str], asyncio.Task] = {}
+        # promotions in flight, per key: the record each reads (a key's record may be replaced by
+        # a newer one, spilled again, while an older promotion still waits on the first)
+        self.promoting: dict[tuple[str, str], tuple[DiskRecord, asyncio.Task]] = {}
         self.writes = 0  # writes in flight
         self.executor: ThreadPoolExecutor | None = None
         self.staging: mmap.mmap | None = None
@@ -373,13 +375,14 @@ class DiskTier:
         False when there is no record."""
         assert self.loop is not None
         k = (ns, key)
-        if k in self.promoting:
-            return True
         record = self.records.get(k)
+        running = self.promoting.get(k)
+        if running is not None and (record is None or running[0] is record):
+            return True  # its end answers the waiters (a dropped record's: a miss)
         if record is None:
             return False
         self.records.move_to_end(k)
-        self.promoting[k] = self.loop.create_task(self._promote(record))
+        self.promoting[k] = (record, self.loop.create_task(self._promote(record)))
         return True
 
     async def _promote(self, record: DiskRecord) -> None:
@@ -391,11 +394,13 @@ class DiskTier:
             log.exception("promotion of %r failed", header.key)
             failure = Failure(Code.INTERNAL, f"reading {header.key!r} from the disk tier failed: {exc!r}")
         finally:
-            self.promoting.pop(k, None)
+            if self.promoting.get(k, (None,))[0] is record:
+                del self.promoting[k]
         assert self.store is not None
         if failure is not None:
             self.counters["promotion_failures"] += 1
-            self.store.promotion_failed(header.ns, header.key, failure)
+            if k not in self.promoting:  # else a newer record's promotion answers the waiters
+                self.store.promotion_failed(header.ns, header.key, failure)
 
     async def _promote_once(self, record: DiskRecord) -> Failure | None:
         store, loop, header = self.store, self.loop, record.header

@@ -429,3 +429,49 @@ def test_a_persist_batch_survives_one_write_raising_and_leaves_no_lease(tier_dir
         env.check()
         env.disk.close()
     run(main())
+
+
+def test_a_promotion_of_an_older_record_never_answers_for_a_newer_one(tier_dir, monkeypatch):
+    """A get waits on k0's first spill (R1, its write held back); k0 is replaced and spilled
+    again (R2). A get of the new k0 must read R2, not be told "missing" by R1's promotion."""
+    import threading
+
+    import ecd.daemon.disk_tier as tier_mod
+    from ecd.memory import disk as files
+    real, gate, held = files.write_record, threading.Event(), []
+
+    def write_record(directory, dirfd, header, *args, **kwargs):
+        if header.key == "k0" and not held:
+            held.append(header)
+            gate.wait(10)
+        return real(directory, dirfd, header, *args, **kwargs)
+    monkeypatch.setattr(tier_mod.files, "write_record", write_record)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 evicted: R1's write starts, and waits on the gate
+        reader = env.session()
+        first = asyncio.ensure_future(env.get(reader, ["k0"]))  # parks; promotes R1 (waits on it)
+        await asyncio.sleep(0.02)
+        new = payload("k0-new")
+        env.put_bytes("k0", new)  # R1 dropped; the parked get is answered with the new entry
+        (loc,) = await first
+        assert env.read(loc) == new
+        env.store.release(reader, loc.generation)
+        for i in range(5, 9):
+            env.put_bytes(f"k{i}")  # the new k0 evicted in turn: R2
+        for _ in range(400):
+            record = env.disk.record("ns", "k0")
+            if record is not None and record.ready:
+                break
+            await asyncio.sleep(0.005)
+        second = asyncio.ensure_future(env.get(env.session(), ["k0"]))
+        await asyncio.sleep(0.05)
+        gate.set()  # R1's write ends: its promotion finds R1 dropped
+        (loc,) = await second
+        assert isinstance(loc, Location), loc
+        assert env.read(loc) == new
+        await env.settle()
+        env.disk.close()
+    run(main())
