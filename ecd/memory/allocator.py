@@ -55,8 +55,7 @@ class ExtentAllocator:
         del self._free_end[offset + block_size]
         if block_size > size:
             self._add_free(offset + size, block_size - size)
-        slot = offset // ALIGNMENT
-        self._starts[slot >> 3] |= 1 << (slot & 7)
+        self._mark_start(offset, True)
         self.used += size
         return offset
 
@@ -64,14 +63,12 @@ class ExtentAllocator:
         """Give back the extent `alloc(nbytes)` returned at `offset`."""
         size = align_up(max(nbytes, 1))
         end = offset + size
-        slot, rem = divmod(offset, ALIGNMENT)
-        if rem or not 0 <= offset < self.capacity or not self._starts[slot >> 3] & (1 << (slot & 7)):
+        if not self._starts_extent(offset):
             raise ValueError(f"no allocated extent starts at offset {offset}")
         # where it ends, the next extent (allocated or free) or the segment must begin
-        if not (end == self.capacity or end in self._free_start
-                or (end < self.capacity and self._starts[end // ALIGNMENT >> 3] & (1 << (end // ALIGNMENT & 7)))):
+        if not (end == self.capacity or end in self._free_start or self._starts_extent(end)):
             raise ValueError(f"the extent at offset {offset} is not {size} bytes long")
-        self._starts[slot >> 3] &= ~(1 << (slot & 7))
+        self._mark_start(offset, False)
         self.used -= size
         left = self._free_end.get(offset)
         if left is not None:  # merge with the free extent that ends where this one starts
@@ -83,6 +80,18 @@ class ExtentAllocator:
             self._remove_free(end, right_size)
             size += right_size
         self._add_free(offset, size)
+
+    def _starts_extent(self, offset: int) -> bool:
+        """Whether an allocated extent starts at `offset` (False for any offset alloc never gave)."""
+        slot, rem = divmod(offset, ALIGNMENT)
+        return not rem and 0 <= offset < self.capacity and bool(self._starts[slot >> 3] & (1 << (slot & 7)))
+
+    def _mark_start(self, offset: int, allocated: bool) -> None:
+        slot = offset // ALIGNMENT
+        if allocated:
+            self._starts[slot >> 3] |= 1 << (slot & 7)
+        else:
+            self._starts[slot >> 3] &= ~(1 << (slot & 7))
 
     def _add_free(self, offset: int, size: int) -> None:
         self._by_size.add((size, offset))
