@@ -319,10 +319,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self._make_evictable(entry)
-        if disk is not None and disk.holds(entry.ns, entry.key):  # promoted: its record kept the key present
-            self.ring.append(EventKind.PUBLISHED, entry.keyhash, generation)
-        else:
-            self.ring.publish(entry.keyhash, generation)
+        self._announce(EventKind.PUBLISHED, entry)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self._wake_waiters(entry.ns, entry.key)
@@ -521,8 +518,16 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self._make_unevictable(entry)
+        self._announce(kind, entry)
+
+    def _announce(self, kind: EventKind, entry: Entry) -> None:
+        """The ring event of `entry` being published, evicted or deleted. While the disk tier
+        holds a record of the key (spilled, or promoted from it), the record keeps the key
+        present: only the event is written, the presence table stays as it is."""
         if self.disk is not None and self.disk.holds(entry.ns, entry.key):
-            self.ring.append(kind, entry.keyhash, entry.generation)  # spilled: its record keeps the key present
+            self.ring.append(kind, entry.keyhash, entry.generation)
+        elif kind is EventKind.PUBLISHED:
+            self.ring.publish(entry.keyhash, entry.generation)
         else:
             self.ring.unpublish(kind, entry.keyhash, entry.generation)
 
