@@ -12,7 +12,7 @@ from .. import __version__
 from ..errors import Code
 from ..integrity import checksum as checksum_of, describe
 from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
-                        Committed, DaemonStats, Delete, Evict, Evicted, Exists, Failure, Fetch, Flags, Held, Hello,
+                        Committed, DaemonStats, Delete, Evict, Evicted, Exists, Extent, Failure, Fetch, Flags, Held, Hello,
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
@@ -72,10 +72,7 @@ class Handlers:
                 tier = store.tier_of(generations[0]) if reserve and generations else None
                 committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
                 reservation = store.reserve(session, reserve, tier) if reserve else None
-                if persist:
-                    return self.persist(identity, session, rid, generations, committed,
-                                        lambda results: Committed(rid, results, reservation))
-                return Committed(rid, committed, reservation)
+                return self._committed(identity, session, rid, generations, committed, reservation, persist)
             case Publish(id=rid, ns=ns, generation=generation, item=item, reserve=reserve,
                          checksum=checksum, persist=persist):
                 if persist:
@@ -83,10 +80,7 @@ class Handlers:
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
                 result = store.publish(session, ns, generation, item, checksum)
                 reservation = store.reserve(session, reserve, tier) if reserve else None
-                if persist:
-                    return self.persist(identity, session, rid, [generation], [result],
-                                        lambda results: Committed(rid, results, reservation))
-                return Committed(rid, [result], reservation)
+                return self._committed(identity, session, rid, [generation], [result], reservation, persist)
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
@@ -134,6 +128,15 @@ class Handlers:
             self.d.store.abort(session, generation)
         raise RequestError(Code.INVALID, "persist=True but this daemon has no disk tier ([pool.disk] is not "
                                          "configured): nothing was stored")
+
+    def _committed(self, identity: bytes, session: Session, rid: int, generations: list[int],
+                   results: list[Failure | None], reservation: Extent | Failure | None,
+                   persist: bool) -> Committed | None:
+        """A Commit's or Publish's answer: now, or (persist) once the entries are durable."""
+        if not persist:
+            return Committed(rid, results, reservation)
+        self.persist(identity, session, rid, generations, results, lambda durable: Committed(rid, durable, reservation))
+        return None
 
     def persist(self, identity: bytes, session: Session, rid: int, generations: list[int],
                 results: list[Failure | None], reply: Callable[[list[Failure | None]], Any]) -> None:
