@@ -160,9 +160,27 @@ class NixlTransport(Transport):
 
     def learn_peer(self, address: tuple[str, int], metadata: bytes) -> None:
         """On the loop, from a peer's welcome: the metadata to load before reading from it.
-        Loading (a NIXL call) waits for the first pull, on a pull thread. No lock: the loop must
-        never wait for a pull thread inside NIXL (a single dict store is atomic)."""
+        Loading and connecting (NIXL calls) run on a pull thread, now rather than in the first
+        pull: UCX aborts the whole process (an assertion in its error path, seen in CI) when the
+        owner dies while it sets up a connection, so that window belongs at the welcome, not
+        under a fetch, whose owner dying mid-READ on an established endpoint is a clean error.
+        No lock here: the loop must never wait for a pull thread inside NIXL (a single dict
+        store is atomic)."""
         self._peers[address] = metadata
+        if self._stop.is_set():
+            return
+        try:
+            self.executor.submit(self._connect_ahead, address)
+        except RuntimeError:  # the executor shut down meanwhile: the daemon is stopping
+            pass
+
+    def _connect_ahead(self, address: tuple[str, int]) -> None:
+        try:
+            name = self._remote(address)
+        except TransferError as exc:  # the first pull tries again and reports it
+            log.warning("NIXL: cannot connect ahead to the owner at %s:%d: %s", address[0], address[1], exc)
+            return
+        log.info("NIXL: connected to agent %s of the owner at %s:%d", name, address[0], address[1])
 
     def _remote(self, address: tuple[str, int]) -> str:
         """The loaded remote agent for `address` (loading or reloading its metadata here)."""
@@ -183,10 +201,7 @@ class NixlTransport(Transport):
                                                   f"{type(exc).__name__}: {exc}") from None
             name = name.decode() if isinstance(name, bytes) else str(name)
             self._loaded[address] = (metadata, name)
-            # Connect now rather than inside the first transfer: seen here, an owner that died
-            # while UCX set up the connection lazily inside postXferReq made UCX abort the whole
-            # process (an assertion in its error path); on an established endpoint a dead owner
-            # is a clean nixlRemoteDisconnectError.
+            # Connect here rather than lazily inside the first transfer (see learn_peer).
             try:
                 self.agent.make_connection(name, backends=["UCX"])
             except Exception as exc:

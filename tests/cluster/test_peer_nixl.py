@@ -166,6 +166,9 @@ def test_owner_killed_mid_fetch(only_lo, cluster):
     a, b = cluster(2, size="1GiB", extra=[NIXL, NIXL])
     with a.client() as ca:
         put_big(ca)
+    # The puller connects to the owner's agent once welcomed; the owner dies mid-READ on that
+    # connection (UCX itself aborts a process whose peer dies while it connects: docs/operating.md).
+    assert wait_for(lambda: "NIXL: connected to agent" in b.log(), timeout=30), b.log()[-3000:]
     with b.client() as watcher:
         thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
         assert wait_for(lambda: watcher.stats()["entries_writing"] > 0, timeout=30, interval=0.005), \
