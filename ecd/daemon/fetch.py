@@ -99,6 +99,9 @@ class Fetcher:
                 link, offer = offers[key]
                 by_link.setdefault(link, []).append(offer)
         got: dict[str, bool] = {}
+        if len(by_link) == 1:  # one owner (the usual case): no gather
+            (link, chosen), = by_link.items()
+            return await self._transfer(link, ns, chosen, deadline)
         results = await asyncio.gather(*(self._transfer(link, ns, chosen, deadline)
                                          for link, chosen in by_link.items()))
         for part in results:
@@ -113,18 +116,12 @@ class Fetcher:
         ttl = max(1.0, deadline - time.monotonic() + 1.0)
         chosen: dict[str, tuple[PeerLink, Offer]] = {}
         timeout = min(float(cfg.request_timeout), max(0.0, deadline - time.monotonic()))
-        loop = self.cluster.d.loop
-        tasks = {loop.create_task(link.request(Lookup(0, ns, keys, ttl), timeout)): link for link in links}
-        pending = set(tasks)
 
-        def take(task: asyncio.Task) -> None:
-            link = tasks[task]
-            if task.cancelled() or task.exception() is not None:
-                exc = None if task.cancelled() else task.exception()
+        def take(link: PeerLink, reply: Any, exc: BaseException | None) -> None:
+            if exc is not None:
                 reason = exc.reason if isinstance(exc, PeerUnavailable) else "lookup_failed"
                 self.cluster.stats.count_failure(reason, link)
                 return
-            reply = task.result()
             if isinstance(reply, PeerError):
                 log.warning("peer %s refused a lookup: %s", link.endpoint, reply.message)
                 self.cluster.stats.count_failure("lookup_refused", link)
@@ -142,12 +139,32 @@ class Fetcher:
                     chosen[key] = (link, offer)
             self.release(link, unused)
 
+        if len(links) == 1:  # the usual case (a named peer): no task to race, just the request
+            try:
+                reply = await links[0].request(Lookup(0, ns, keys, ttl), timeout)
+            except Exception as exc:
+                take(links[0], None, exc)
+            else:
+                take(links[0], reply, None)
+            return chosen
+
+        def take_task(task: asyncio.Task) -> None:
+            if not task.cancelled():
+                exc = task.exception()
+                take(tasks[task], None if exc is not None else task.result(), exc)
+
+        loop = self.cluster.d.loop
+        tasks = {loop.create_task(link.request(Lookup(0, ns, keys, ttl), timeout)): link for link in links}
+        pending = set(tasks)
         while pending and len(chosen) < len(set(keys)):
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                take(task)
+                if task.cancelled():
+                    self.cluster.stats.count_failure("lookup_failed", tasks[task])
+                else:
+                    take_task(task)
         for task in pending:  # still out when every key found a holder: release what they lease
-            task.add_done_callback(lambda t: take(t) if not t.cancelled() else None)
+            task.add_done_callback(take_task)
         return chosen
 
     def release(self, link: PeerLink, tokens: list[bytes], done: bool = False) -> None:
