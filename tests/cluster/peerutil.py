@@ -61,14 +61,14 @@ def put_big(client) -> dict:
     return data
 
 
-def fetch_in_thread(d, peer: str, timeout: float):
+def fetch_in_thread(d, peer: str, timeout: float, client_timeout: float = 10):
     """Fetch BIG_KEYS on daemon `d` from `peer` in a thread: (thread, out) where out gets
     "result" or "error", and "elapsed"."""
     out: dict = {}
 
     def run():
         started = time.monotonic()
-        with d.client(timeout=10) as c:
+        with d.client(timeout=client_timeout) as c:
             try:
                 out["result"] = c.fetch(BIG_KEYS, peer=peer, timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - the test inspects it

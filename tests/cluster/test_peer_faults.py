@@ -12,7 +12,7 @@ from peerutil import cluster  # noqa: F401 - the fixture
 from peerutil import fetch_in_thread, put_big
 
 from conftest import wait_for
-from ecd.errors import KeyNotFound
+from ecd.errors import DaemonUnavailable, KeyNotFound
 
 def test_owner_killed_mid_fetch(cluster):
     a, b = cluster(2, size="1GiB")
@@ -43,9 +43,9 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(cluster):
     a, b = cluster(2, size="1GiB")
     with a.client() as ca:
         put_big(ca)
-        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=8, client_timeout=3)
         assert wait_for(lambda: ca.stats()["transfer_leases"] > 0, timeout=30, interval=0.005)
-        b.stop(signal.SIGKILL)  # its client thread gets DaemonUnavailable later: not waited for
+        b.stop(signal.SIGKILL)
         # the data connection breaks (or the session goes silent: peer_ttl = 3 s)
         assert wait_for(lambda: ca.stats()["transfer_leases"] == 0 and ca.stats()["read_leases"] == 0,
                         timeout=20), ca.stats()
@@ -53,6 +53,11 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(cluster):
         assert ca.delete(KEYS) == [True] * len(KEYS)
         s = ca.stats()
         assert s["used_bytes"] - s["reserved_bytes"] == 0 and s["entries_retired"] == 0, s
+    # The killed daemon's client gives up within its own timeout, never hangs; and no client
+    # thread may outlive the test (pyzmq torn down under it at exit aborts the process).
+    thread.join(60)
+    assert not thread.is_alive(), "the client of the killed puller hung"
+    assert isinstance(out.get("error"), DaemonUnavailable), out
 
 
 def test_stopped_peer_does_not_stall_other_clients(cluster):

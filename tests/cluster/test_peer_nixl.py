@@ -26,7 +26,7 @@ from peerutil import cluster  # noqa: F401 - the fixture
 from peerutil import fetch_concurrently, fetch_in_thread, put_big
 
 from conftest import wait_for, write_config
-from ecd.errors import KeyNotFound
+from ecd.errors import DaemonUnavailable, KeyNotFound
 
 INNER = os.environ.get("ECD_NIXL_NETNS") == "1"
 NIXL = 'transport = "nixl"'
@@ -228,7 +228,7 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(only_lo, cluster):
     a, b = cluster(2, size="1GiB", extra=[NIXL, NIXL])
     with a.client() as ca:
         put_big(ca)
-        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=20)
+        thread, out = fetch_in_thread(b, a.peer_endpoint, timeout=8, client_timeout=3)
         assert wait_for(lambda: ca.stats()["transfer_leases"] > 0, timeout=30, interval=0.005)
         b.stop(signal.SIGKILL)
         # no peer_done ever comes: the session goes silent (peer_ttl = 3 s) and the leases go back
@@ -237,6 +237,11 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(only_lo, cluster):
         assert ca.delete(KEYS) == [True] * len(KEYS)
         s = ca.stats()
         assert s["used_bytes"] - s["reserved_bytes"] == 0 and s["entries_retired"] == 0, s
+    # The killed daemon's client gives up within its own timeout, never hangs; and no client
+    # thread may outlive the test (pyzmq torn down under it at exit aborts the process).
+    thread.join(60)
+    assert not thread.is_alive(), "the client of the killed puller hung"
+    assert isinstance(out.get("error"), DaemonUnavailable), out
 
 
 @inner
