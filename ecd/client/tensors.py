@@ -4,9 +4,14 @@ torch CPU copies on small VMs pay a flat intra-op threading cost (~8 ms for 1 Mi
 threads here), and changing torch's thread count would change the engine's global settings, so
 copies go through numpy views of the same memory (a plain memcpy for contiguous data). dtypes
 numpy lacks (bfloat16, float8) are viewed as unsigned integers of the same width: bytes are bytes.
+
+A contiguous tensor goes into the pool through `_write_bytes`: the compiled ecd._copy where it was
+built (non-temporal stores from 4 MiB up, so a large put neither reads the pool's lines first nor
+evicts what the client and daemon use next), else numpy's copy (memcpy).
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -25,6 +30,12 @@ _SAME_WIDTH_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 # Copies that also checksum go in pieces this big: each piece is hashed while it is still in the
 # L2 cache, instead of reading the whole destination back from L3/DRAM after the copy.
 CHECKSUM_CHUNK = 256 << 10
+
+try:
+    from .. import _copy as _ccopy  # built from ecd/_copy.c (setup.py)
+except ImportError:  # installed without a C compiler: numpy's memcpy does the same, a bit slower
+    _ccopy = None
+    logging.getLogger(__name__).debug("ecd._copy is not built: copies into the pool use numpy")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -65,6 +76,14 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _write_bytes(buf, offset: int, src: np.ndarray) -> None:
+    """buf[offset:offset + src.size] = src, a flat contiguous uint8 array."""
+    if _ccopy is not None:
+        _ccopy.copy(buf, offset, src)
+    else:
+        np.copyto(np.frombuffer(buf, np.uint8, count=src.size, offset=offset), src)
+
+
 def _copy_hashing(dst: np.ndarray, src: np.ndarray) -> int:
     """dst[:] = src (flat uint8 arrays), hashing each piece of dst right after it is written."""
     h = xxhash.xxh3_64()
@@ -82,14 +101,14 @@ def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = F
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return EMPTY_CHECKSUM if with_checksum else 0
-    dst = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
     if tensor.is_contiguous():
         src = _numpy_view(tensor.reshape(-1)).view(np.uint8)
-        if with_checksum:
-            return _copy_hashing(dst, src)
-        np.copyto(dst, src)
+        if with_checksum:  # ordinary stores: each piece is hashed from the cache right after
+            return _copy_hashing(np.frombuffer(buf, np.uint8, count=nbytes, offset=offset), src)
+        _write_bytes(buf, offset, src)
     else:
         src = _numpy_view(tensor)
+        dst = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
         np.copyto(dst.view(src.dtype).reshape(src.shape), src)
         if with_checksum:
             return checksum(buf, offset, nbytes)

@@ -1,0 +1,110 @@
+"""The client's copy into pool memory: ecd._copy (streaming stores from STREAM_MIN up, every routine
+the CPU has) and the numpy fallback write exactly the source's bytes, at every size and alignment,
+and nothing outside the destination range."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from ecd.client import tensors
+
+try:
+    from ecd import _copy
+except ImportError:  # built by `pip install -e .` (setup.py) where a C compiler is present
+    _copy = None
+
+needs_ext = pytest.mark.skipif(_copy is None, reason="ecd._copy is not built (no C compiler at install time)")
+
+MIB = 1 << 20
+SIZES = [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 257, 4095, 4096, 4097,
+         MIB - 1, MIB, MIB + 1, 16 * MIB + 7]
+OFFSETS = [(0, 0), (1, 0), (0, 1), (7, 3), (15, 17), (31, 33), (64, 5)]  # (dst, src) misalignment
+GUARD = 256  # bytes either side of the destination range that must stay untouched
+FILL = 0xA5
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    """n bytes no shifted or truncated copy reproduces (a counter would repeat every 256)."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def check_copy(copy, size: int, dst_off: int, src_off: int) -> None:
+    """copy(buf, offset, src) must make buf[offset:offset + size] == src and leave the rest as it was."""
+    backing = pattern(size + src_off, size + src_off)
+    src = backing[src_off:]  # a view starting src_off bytes into an aligned allocation
+    assert src.size == size
+    buf = mmap.mmap(-1, GUARD + dst_off + size + GUARD)  # page-aligned: dst_off is the misalignment
+    buf[:] = bytes([FILL]) * len(buf)
+    copy(buf, GUARD + dst_off, src)
+    out = np.frombuffer(buf, np.uint8)
+    start, end = GUARD + dst_off, GUARD + dst_off + size
+    mismatch = np.flatnonzero(out[start:end] != src)
+    assert mismatch.size == 0, f"size {size}, offsets {dst_off}/{src_off}: first wrong byte at {mismatch[:1]}"
+    assert (out[:start] == FILL).all() and (out[end:] == FILL).all(), "wrote outside the destination"
+    del out
+    buf.close()
+
+
+@needs_ext
+@pytest.mark.parametrize("size", SIZES)
+def test_compiled_copy_is_exact_with_every_routine(size):
+    assert _copy.ISA in _copy.ISAS
+    for isa in _copy.ISAS:
+        for dst_off, src_off in OFFSETS if size < 4 * MIB else OFFSETS[:3]:
+            # stream_min=0: the streaming routine even for the smallest copies (head, body, tail)
+            check_copy(lambda b, o, s: _copy.copy(b, o, s, stream_min=0, isa=isa), size, dst_off, src_off)
+    check_copy(_copy.copy, size, 3, 5)  # the default: memcpy below STREAM_MIN, streaming above
+
+
+@needs_ext
+def test_compiled_copy_refuses_what_does_not_fit():
+    buf = bytearray(16)
+    with pytest.raises(ValueError):
+        _copy.copy(buf, 8, b"x" * 9)
+    with pytest.raises(ValueError):
+        _copy.copy(buf, -1, b"x")
+    with pytest.raises(ValueError):
+        _copy.copy(buf, 17, b"")
+    with pytest.raises(ValueError):
+        _copy.copy(buf, 0, b"x", isa="no-such-routine")
+    with pytest.raises((TypeError, BufferError)):
+        _copy.copy(b"read-only", 0, b"x")  # not a writable buffer
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        _copy.copy(buf, 0, np.arange(8, dtype=np.uint8)[::2])  # not contiguous
+    _copy.copy(buf, 16, b"")  # an empty copy at the end fits
+    assert buf == bytearray(16)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy-fallback"])
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 4095, MIB - 1, MIB + 1, 4 * MIB + 3, 16 * MIB + 7])
+def test_copy_into_writes_the_tensor_bytes(monkeypatch, compiled, size):
+    """copy_into (put's copy) gives the same bytes through ecd._copy and through numpy."""
+    if compiled and _copy is None:
+        pytest.skip("ecd._copy is not built")
+    if not compiled:
+        monkeypatch.setattr(tensors, "_ccopy", None)
+    assert (tensors._ccopy is not None) == compiled
+
+    def copy(buf, offset, src):
+        assert tensors.copy_into(buf, offset, torch.from_numpy(src)) == 0
+
+    for dst_off, src_off in [(0, 0), (1, 3), (13, 1)]:
+        check_copy(copy, size, dst_off, src_off)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy-fallback"])
+def test_copy_into_other_dtypes_and_layouts(monkeypatch, compiled):
+    if compiled and _copy is None:
+        pytest.skip("ecd._copy is not built")
+    if not compiled:
+        monkeypatch.setattr(tensors, "_ccopy", None)
+    t = torch.arange(3 * 1024 * 1024, dtype=torch.float32).reshape(1024, 3072)
+    for src in (t.to(torch.bfloat16), t, t.t(), t[:, ::2]):  # bfloat16, contiguous, transposed, strided
+        nbytes = src.numel() * src.element_size()
+        buf = bytearray(nbytes + 5)
+        assert tensors.copy_into(buf, 5, src) == 0
+        back = tensors.view_of(buf, 5, nbytes, tensors.dtype_name(src.dtype), list(src.shape))
+        assert torch.equal(back, src)
