@@ -325,16 +325,20 @@ def _pipelined_write(fd: int, src: memoryview, offset: int, hasher) -> None:
         pending.result()
 
 
-def _pipelined_read(fd: int, dst: memoryview, offset: int, hasher) -> bool:
-    """Read dst.nbytes bytes at `offset`, hashing each chunk (in order) as soon as it is in while
-    the later ones are still being read. Every chunk is asked for at once, so the device sees
-    several requests in flight, as a single large read (dd's) gives it; one chunk at a time left
-    promotions at ~0.6x dd. False: short. Returns (or raises) only once no read writes into dst."""
+def _start_reads(fd: int, dst: memoryview, offset: int) -> list:
+    """Ask for dst.nbytes bytes at `offset` in PIPE_CHUNK pieces, all at once (the device sees
+    several requests in flight, as a single large read, dd's, gives it; one chunk at a time left
+    promotions at ~0.6x dd): [(at, n, future of the bytes read)]."""
     pool = _helper_pool()
-    spans = [(at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK)]
-    reads = [pool.submit(_pread_all, fd, dst[at:at + n], offset + at) for at, n in spans]
+    return [(at, n, pool.submit(_pread_all, fd, dst[at:at + n], offset + at))
+            for at, n in ((at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK))]
+
+
+def _finish_reads(reads: list, dst: memoryview, hasher) -> bool:
+    """Wait for _start_reads' pieces, hashing each (in order) as soon as it is in while the later
+    ones are still being read. False: short. Returns (or raises) only once no read writes into dst."""
     whole, failure = True, None
-    for (at, n), read in zip(spans, reads):
+    for at, n, read in reads:
         try:
             got = read.result()
         except BaseException as exc:  # re-raised once every read has finished
@@ -358,11 +362,21 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot open {path}: {exc.strerror}") from None
+    reads: list = []
     try:
         size = os.fstat(fd).st_size
         header_len = want.header_len
         if size != header_len + padded(want.nbytes):
             raise DiskIOError("truncated", f"{path} is {size} bytes, its record needs {header_len + padded(want.nbytes)}")
+        nbytes = want.nbytes
+        in_place = not direct or address_of(dst) % HEADER_UNIT == 0  # (O_DIRECT: all but the last block)
+        whole = 0
+        if in_place:
+            # the data is asked for before the header is read and checked (its place is known from
+            # `want`): the header's read costs no extra trip to the device
+            whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
+            reads = _start_reads(fd, dst[:whole], header_len)
+        hasher = xxhash.xxh3_64()
         bounce = _bounce()
         with memoryview(bounce) as b:
             if _pread_all(fd, b[:header_len], 0) != header_len:
@@ -371,15 +385,10 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
             if (got.ns, got.key, got.dtype, got.shape, got.nbytes, got.checksum) != (
                     want.ns, want.key, want.dtype, tuple(want.shape), want.nbytes, want.checksum):
                 raise DiskIOError("header", f"{path}: header describes another entry")
-            nbytes = want.nbytes
-            hasher = xxhash.xxh3_64()
-            if not direct or address_of(dst) % HEADER_UNIT == 0:  # in place (O_DIRECT: all but the tail)
-                whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
-                if not _pipelined_read(fd, dst[:whole], header_len, hasher):
-                    raise DiskIOError("truncated", f"{path}: short read")
-                done = whole
-            else:
-                done = 0
+            running, reads = reads, []
+            if not _finish_reads(running, dst, hasher):
+                raise DiskIOError("truncated", f"{path}: short read")
+            done = whole
             while done < nbytes:
                 n = min(nbytes - done, BOUNCE_BYTES)
                 span = padded(n) if direct else n
@@ -391,6 +400,11 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot read {path}: {exc.strerror}") from None
     finally:
+        for _, _, read in reads:  # a failure before they were waited for: none may outlive fd
+            try:
+                read.result()
+            except BaseException:
+                pass
         os.close(fd)
     if finish(hasher.intdigest()) != want.checksum:
         raise DiskIOError("corrupt", f"{path}: bytes do not match the record's checksum")
