@@ -228,6 +228,12 @@ class DiskTier:
     def record(self, ns: str, key: str) -> DiskRecord | None:
         return self.records.get((ns, key))
 
+    def clean(self, entry: Entry) -> bool:
+        """Whether `entry`'s bytes are in a whole record already (promoted or persisted): evicting
+        it writes nothing."""
+        record = self.records.get((entry.ns, entry.key))
+        return record is not None and record.generation == entry.generation and record.ready
+
     def touch(self, ns: str, key: str) -> None:
         if (ns, key) in self.records:
             self.records.move_to_end((ns, key))
@@ -426,7 +432,7 @@ class DiskTier:
         # room on disk, and this record must not be the room they make
         record.reads += 1
         extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
-                                                                header.nbytes))
+                                                                header.nbytes), clean_first=True)
         if not isinstance(extent, Extent):
             record.reads -= 1
             if record.dropped and not record.reads:
