@@ -78,6 +78,7 @@ class DiskRecord:
     written: "asyncio.Future[bool] | None" = None  # while WRITING: True once ready
     reads: int = 0  # promotions reading its file now
     dropped: bool = False  # deleted, replaced or evicted: its file goes once no one uses it
+    guard: files.WriteGuard | None = None  # while WRITING: cancelled when dropped (no rename after)
 
     @property
     def persisted(self) -> bool:
@@ -256,6 +257,8 @@ class DiskTier:
             self.store.ring.unpublish(kind, key_hash(header.ns, header.key), 0)
         if record.ready and not record.reads:
             self._remove_file(record)
+        elif record.guard is not None and record.guard.cancel():
+            self._remove_file(record)  # renamed into place, its completion not seen yet: goes now
 
     def _remove_file(self, record: DiskRecord) -> None:
         """Unlink now, on the loop (metadata, not bulk I/O: tens of microseconds): a deleted or
@@ -326,7 +329,9 @@ class DiskTier:
         # extent now; the write itself runs on a worker thread.
         with memoryview(self.segments[entry.pool].buf) as seg, memoryview(self.staging) as stage:
             stage[staged:staged + entry.nbytes] = seg[entry.offset:entry.offset + entry.nbytes]
-        record = DiskRecord(self._header(entry, persisted=False), "", size, generation=entry.generation)
+        header = self._header(entry, persisted=False)
+        record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
+                            guard=files.WriteGuard())
         self._start_write(record, staged, staged_size, entry.checksum)
 
     def _start_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
@@ -341,7 +346,8 @@ class DiskTier:
         view = memoryview(self.staging)[staged:staged + header.nbytes]
         try:
             write: asyncio.Future | BaseException = self.loop.run_in_executor(
-                self.executor, files.write_record, self.path, self.dirfd, header, view, self.direct, False, expect)
+                self.executor, files.write_record, self.path, self.dirfd, header, view, self.direct, False, expect,
+                record.guard)
         except RuntimeError as exc:  # the executor shut down: the daemon is stopping
             write = exc
         self.loop.create_task(self._spill_write(record, write, view, staged, staged_size))
@@ -353,7 +359,7 @@ class DiskTier:
         try:
             if isinstance(write, BaseException):
                 raise write
-            record.name = await write
+            await write
         except files.DiskIOError as exc:
             error = exc
         except RuntimeError as exc:  # the executor shut down: the daemon is stopping
@@ -369,8 +375,10 @@ class DiskTier:
 
     def _write_done(self, record: DiskRecord, error: files.DiskIOError | None, what: str) -> None:
         written = record.written
-        record.written = None
-        if error is None:
+        record.written = record.guard = None
+        if error is not None and error.kind == "cancelled":
+            pass  # dropped while written (_forget): nothing was kept, nothing failed
+        elif error is None:
             record.ready = True
             self.counters["spills" if what == "spill" else "persisted"] += 1
             if record.dropped:  # deleted or replaced while it was written
@@ -544,7 +552,9 @@ class DiskTier:
         session.leases[entry.generation] += 1
         entry.readers += 1
         store._make_unevictable(entry)
-        record = DiskRecord(self._header(entry, persisted=True), "", size, generation=entry.generation)
+        header = self._header(entry, persisted=True)
+        record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
+                            guard=files.WriteGuard())
         self.records[k] = record
         self.used += size
         record.written = loop.create_future()
@@ -564,8 +574,8 @@ class DiskTier:
             with memoryview(self.segments[entry.pool].buf) as seg:
                 src = seg[entry.offset:entry.offset + entry.nbytes]
                 try:
-                    record.name = await loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd,
-                                                             record.header, src, self.direct, True, entry.checksum)
+                    await loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd, record.header,
+                                               src, self.direct, True, entry.checksum, record.guard)
                 except files.DiskIOError as exc:
                     error = exc
                 except RuntimeError as exc:

@@ -150,6 +150,11 @@ def record_name(keyhash: int, epoch: int, sequence: int) -> str:
     return f"{keyhash:016x}-{epoch:x}-{sequence:x}{SUFFIX}"
 
 
+def header_record_name(header: RecordHeader) -> str:
+    """The name a record of this header is written under."""
+    return record_name(_keyhash(header), header.epoch, header.sequence)
+
+
 # ---- aligned buffers ----------------------------------------------------------------------
 
 _local = threading.local()
@@ -217,14 +222,36 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+class WriteGuard:
+    """Orders a record's rename into place with its cancellation (the key deleted or replaced
+    while its write runs): the writer renames only under the lock and only if not cancelled, so
+    once `cancel()` returns, either no file of the record will ever appear (a crash cannot bring
+    it back at the next start) or it is in place now and the canceller removes it. The lock is
+    held across one rename(2) at most."""
+
+    __slots__ = ("lock", "cancelled", "renamed")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.renamed = False
+
+    def cancel(self) -> bool:
+        """Cancel the write; True when its file was renamed into place already (remove it)."""
+        with self.lock:
+            self.cancelled = True
+            return self.renamed
+
+
 def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryview, direct: bool,
-                 sync: bool, expect: int = 0) -> str:
+                 sync: bool, expect: int = 0, guard: WriteGuard | None = None) -> str:
     """Write `src` (header.nbytes bytes) as a record named after the header; returns its name.
     The bytes are hashed as they are written (header.checksum is set to it); `expect` (0: none):
     the checksum they must have, else DiskIOError("corrupt") and nothing is kept (bytes that went
     bad in memory are never written as good). `sync`: durable before returning (fsync of the file,
-    then of the directory after the rename). DiskIOError (the temporary file removed) on failure."""
-    name = record_name(_keyhash(header), header.epoch, header.sequence)
+    then of the directory after the rename). `guard` cancelled before the rename:
+    DiskIOError("cancelled"), nothing kept. DiskIOError (the temporary file removed) on failure."""
+    name = header_record_name(header)
     final = os.path.join(directory, name)
     temp = final + TEMP_SUFFIX
     try:
@@ -239,7 +266,14 @@ def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryvi
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(temp, final)
+        if guard is None:
+            os.rename(temp, final)
+        else:
+            with guard.lock:
+                if guard.cancelled:
+                    raise DiskIOError("cancelled", f"{header.key!r} was deleted or replaced while written")
+                os.rename(temp, final)
+                guard.renamed = True
         renamed = True
         if sync:
             os.fsync(dirfd)  # the rename itself must survive a power cut

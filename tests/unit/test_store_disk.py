@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -503,6 +504,42 @@ def test_a_promotion_makes_room_by_dropping_an_entry_already_on_disk(tier_dir):
         assert env.read(loc) == payload("k0")
         env.store.release(reader, loc.generation)
         await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_key_deleted_while_its_spill_is_written_never_reaches_the_directory(tier_dir, monkeypatch):
+    """A crash right after the write finished, before the loop saw it, must not leave a record
+    a restart would serve: the write sees the deletion before it renames its file into place."""
+    from ecd.memory import disk as files
+    body, release, finished = files._write_body, threading.Event(), threading.Event()
+
+    def held_body(*args):
+        assert release.wait(10)
+        body(*args)
+
+    def write_record(*args, **kwargs):
+        try:
+            return real_write(*args, **kwargs)
+        finally:
+            finished.set()
+    real_write = files.write_record
+    monkeypatch.setattr(files, "_write_body", held_body)
+    monkeypatch.setattr(files, "write_record", write_record)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0's spill is handed to a worker thread, held in its write
+        assert env.disk.record("ns", "k0") is not None
+        assert env.store.delete("ns", ["k0"]) == [True]
+        release.set()
+        assert finished.wait(10)  # the worker is done; the loop has not run its completion
+        assert not [n for n in os.listdir(tier_dir) if n.endswith(".ecd")]  # what a crash now leaves
+        await env.settle()
+        assert not os.listdir(tier_dir)
+        assert not env.disk.errors and not env.disk.dropped
         env.check()
         env.disk.close()
     run(main())
