@@ -113,6 +113,12 @@ class DiskTier:
         self.persist_latency = Histogram(PERSIST_BUCKETS)
         self.loaded = 0
         self.load_s = 0.0
+        # record files to remove (_remove_file): the batch waiting for a worker, the future it
+        # completes, the one a worker runs now; removals_queued counts them all (removal_mark)
+        self._unlinks: list[str] = []
+        self._unlinks_done: "asyncio.Future[None] | None" = None
+        self._unlinking: "asyncio.Future[None] | None" = None
+        self.removals_queued = 0
         self._loaded: list[DiskRecord] = []
 
     # ---- start-up and shutdown ------------------------------------------------------------
@@ -213,6 +219,9 @@ class DiskTier:
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # queued work finishes: it holds no lease to lose
             self.executor = None
+        if self._unlinks and self.dirfd >= 0:  # removals no worker took: done here, before exit
+            files.remove_durably(self.path, self.dirfd, self._unlinks)
+            self._unlinks = []
         if self.dirfd >= 0:
             os.close(self.dirfd)
             self.dirfd = -1
@@ -261,14 +270,54 @@ class DiskTier:
             self._remove_file(record)  # renamed into place, its completion not seen yet: goes now
 
     def _remove_file(self, record: DiskRecord) -> None:
-        """Unlink now, on the loop (metadata, not bulk I/O: tens of microseconds): a deleted or
-        replaced key's file must be gone before the reply, or a crash right after could bring
-        the old bytes back at the next start."""
+        """Unlink on a worker thread (an unlink of a large file frees its extents: not for the
+        loop), in batches each ending with one fsync of the directory. A request whose answer
+        promises the file is gone (Delete, Evict) waits for it: removals_since()."""
+        assert self.loop is not None
+        self.removals_queued += 1
+        self._unlinks.append(record.name)
+        if self._unlinks_done is None:
+            self._unlinks_done = self.loop.create_future()
+        if not self._unlinking:
+            self._next_removals()
+
+    def removal_mark(self) -> int:
+        return self.removals_queued
+
+    def removals_since(self, mark: int) -> "asyncio.Future[None] | None":
+        """A future done once every removal queued since `mark` (removal_mark()) is on disk, or
+        None when there was none."""
+        if mark == self.removals_queued:
+            return None
+        latest = self._unlinks_done or self._unlinking  # its batch waits for a worker, or runs
+        return None if latest is None else asyncio.shield(latest)
+
+    def _next_removals(self) -> None:
+        assert self.loop is not None
+        names, done = self._unlinks, self._unlinks_done
+        self._unlinks, self._unlinks_done = [], None
+        if not names or done is None:
+            self._unlinking = None
+            return
+        self._unlinking = done
         try:
-            files.remove(self.path, record.name)
-        except OSError as exc:
-            self._count_error(files.DiskIOError(files.error_kind(exc), f"cannot remove {record.name}: "
-                                                                        f"{exc.strerror}"), "removing a record")
+            work: asyncio.Future = self.loop.run_in_executor(self.executor, files.remove_durably, self.path,
+                                                             self.dirfd, names)
+        except RuntimeError:  # the executor shut down: close() removes what is left
+            self._unlinks[:0] = names
+            self._unlinking = None
+            done.set_result(None)
+            return
+
+        def finished(work: asyncio.Future) -> None:
+            errors = [] if work.cancelled() else ([files.DiskIOError("internal", repr(work.exception()))]
+                                                  if work.exception() is not None else work.result())
+            for error in errors:
+                self._count_error(error, "removing a record")
+            if not done.done():
+                done.set_result(None)
+            self._next_removals()
+        work.add_done_callback(finished)
 
     def _make_room(self, size: int) -> bool:
         """Drop least recently used spilled (not persisted) records until `size` more bytes fit."""

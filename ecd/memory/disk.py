@@ -468,6 +468,22 @@ def remove(directory: str, name: str) -> None:
         pass
 
 
+def remove_durably(directory: str, dirfd: int, names: list[str]) -> list[DiskIOError]:
+    """Unlink records, then fsync the directory once (the removals survive a power cut); the
+    failures, one per name (or for the fsync) that failed."""
+    errors = []
+    for name in names:
+        try:
+            remove(directory, name)
+        except OSError as exc:
+            errors.append(DiskIOError(error_kind(exc), f"cannot remove {name}: {exc.strerror}"))
+    try:
+        os.fsync(dirfd)
+    except OSError as exc:
+        errors.append(DiskIOError(error_kind(exc), f"cannot sync the removal of {len(names)} record(s): {exc.strerror}"))
+    return errors
+
+
 # ---- re-indexing at start ----------------------------------------------------------------
 
 def read_header(directory: str, name: str) -> tuple[RecordHeader, int]:

@@ -543,3 +543,41 @@ def test_a_key_deleted_while_its_spill_is_written_never_reaches_the_directory(ti
         env.check()
         env.disk.close()
     run(main())
+
+
+def test_a_delete_is_answered_once_its_record_is_removed_durably_off_the_loop(tier_dir, monkeypatch):
+    calls = []
+    unlink, fsync = os.unlink, os.fsync
+
+    def record_unlink(path, *args, **kwargs):
+        calls.append(("unlink", os.path.basename(path), threading.current_thread()))
+        return unlink(path, *args, **kwargs)
+
+    def record_fsync(fd):
+        calls.append(("fsync", fd, threading.current_thread()))
+        return fsync(fd)
+    monkeypatch.setattr(os, "unlink", record_unlink)
+    monkeypatch.setattr(os, "fsync", record_fsync)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        name = env.disk.record("ns", "k0").name
+        mark = env.disk.removal_mark()
+        calls.clear()
+        assert env.store.delete("ns", ["k0"]) == [True]
+        assert env.disk.removals_since(env.disk.removal_mark()) is None  # nothing since the last mark
+        removed = env.disk.removals_since(mark)
+        assert removed is not None and not removed.done()
+        await asyncio.wait_for(removed, 10)
+        assert not os.path.exists(os.path.join(tier_dir, name))
+        loop_thread = threading.current_thread()
+        (unlinked,) = [c for c in calls if c[0] == "unlink"]
+        assert unlinked[1] == name and unlinked[2] is not loop_thread
+        # the directory was synced after the unlink, on a worker thread too
+        assert ("fsync", env.disk.dirfd, unlinked[2]) in calls[calls.index(unlinked):]
+        env.check()
+        env.disk.close()
+    run(main())
