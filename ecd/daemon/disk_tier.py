@@ -84,6 +84,14 @@ class DiskRecord:
     def persisted(self) -> bool:
         return self.header.persisted
 
+    @property
+    def ns(self) -> str:
+        return self.header.ns
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
 
 class DiskTier:
     def __init__(self, config: DiskPoolSection, epoch: int) -> None:

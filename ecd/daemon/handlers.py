@@ -16,7 +16,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
-from .entries import RequestError, Session, State
+from .entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
     from .control import ServeCounters
@@ -220,12 +220,25 @@ class Handlers:
         page: list[KeyInfo] = []
         size = 0
         for e in entries[:limit]:
-            size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
+            info = self._key_info(e, now)
+            size += (KEY_INFO_OVERHEAD + len(info.ns.encode()) + len(info.key.encode()) + len(info.dtype)
+                     + 9 * len(info.shape))
             if page and size > LISTING_REPLY_BYTES:
                 break
-            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
-                                now - e.last_access, e.readers, e.pins))
+            page.append(info)
         return KeyList(rid, total, page, more=len(entries) > len(page))
+
+    def _key_info(self, e: Any, now: float) -> KeyInfo:
+        """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
+        disk = self.d.disk
+        if isinstance(e, Entry):
+            tier = "memory+disk" if disk is not None and disk.clean(e) else "memory"
+            return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
+                           now - e.last_access, e.readers, e.pins, tier)
+        header = e.header
+        age = max(0.0, time.time() - header.written_ns / 1e9)
+        return KeyInfo(header.ns, header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
+                       "disk")
 
     def put_inline(self, session: Session, request: PutInline) -> Failure | int:
         """The committed entry's generation, or why not."""
