@@ -308,16 +308,28 @@ def _write_body(fd: int, header: RecordHeader, src: memoryview, direct: bool, ex
     bounce = _bounce()
     with memoryview(bounce) as b:
         if address_of(src) % HEADER_UNIT == 0:  # in place, but for the last partial block
+            # the data goes in one write on a helper thread; this one hashes it meanwhile, then
+            # writes the last partial block and the header (it needs the hash) while the data
+            # is still on its way: no device round trip of its own after the data's
             hasher = xxhash.xxh3_64()
             whole = nbytes // HEADER_UNIT * HEADER_UNIT
-            _pipelined_write(fd, src[:whole], header_len, hasher)
-            if whole < nbytes:
-                tail = nbytes - whole
-                b[:tail] = src[whole:]
-                b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
-                hasher.update(b[:tail])
-                _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
-            _check_digest(header, finish(hasher.intdigest()), expect)
+            pending = _helper_pool().submit(_pwrite_all, fd, src[:whole], header_len) if whole else None
+            try:
+                hasher.update(src[:whole])
+                if whole < nbytes:
+                    tail = nbytes - whole
+                    b[:tail] = src[whole:]
+                    b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
+                    hasher.update(b[:tail])
+                    _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
+                _check_digest(header, finish(hasher.intdigest()), expect)
+                raw = b[HEADER_UNIT:HEADER_UNIT + header_len]
+                raw[:] = header.encode()
+                _pwrite_all(fd, raw, 0)
+            finally:
+                if pending is not None:
+                    pending.result()  # never returns (nor raises) while the helper still writes
+            return
         else:  # everything through the bounce buffer: hash first, in one pass
             _check_digest(header, finish(xxhash.xxh3_64_intdigest(src)), expect)
             done = 0
