@@ -15,6 +15,10 @@ from .entries import Entry
 from .registry import RegistryState
 
 
+# a promotion's preference for entries already on disk looks this far into the LRU order (~1 ms)
+CLEAN_FIRST_WALK = 4096
+
+
 class Placement(RegistryState):
     def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
         """The namespace's own LRU entries that must go for `size` more bytes to fit under its
@@ -123,7 +127,8 @@ class Placement(RegistryState):
         another namespace is skipped when evicting it would take that namespace's READY bytes
         below its guaranteed share (bytes being written or replaced-but-still-read do not count:
         they may be gone soon); `ns`'s own entries may always go. `only`: the entries that may go
-        (all evictable ones when None). O(entries walked)."""
+        (all evictable ones when None), looked for among the CLEAN_FIRST_WALK least recently used
+        only (a preference must not cost a walk of millions). O(entries walked)."""
         self._protected = 0
         allocators = self.allocators
         run_end: list[dict[int, int]] = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
@@ -168,8 +173,13 @@ class Placement(RegistryState):
         guarantees = self.guarantees
         planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
         walked: list[Entry] = []
-        for entry in self.evictable.values():
-            if not candidates[entry.pool] or entry.generation in skip or (only is not None and not only(entry)):
+        for walked_n, entry in enumerate(self.evictable.values()):
+            if only is not None:
+                if walked_n >= CLEAN_FIRST_WALK:
+                    return None
+                if not only(entry):
+                    continue
+            if not candidates[entry.pool] or entry.generation in skip:
                 continue
             if guarantees and entry.ns != ns:
                 share = guarantees.get(entry.ns)

@@ -581,3 +581,25 @@ def test_a_delete_is_answered_once_its_record_is_removed_durably_off_the_loop(ti
         env.check()
         env.disk.close()
     run(main())
+
+
+def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order(tier_dir, monkeypatch):
+    from ecd.daemon import placement
+    monkeypatch.setattr(placement, "CLEAN_FIRST_WALK", 2)  # k0 (on disk) is third least recently used
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        (loc,) = await env.get(reader, ["k1"])  # plain LRU: k2 goes (spilled), k0 stays
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        assert env.present("k0") and not env.present("k2") and env.disk.holds("ns", "k2")
+        env.check()
+        env.disk.close()
+    run(main())
