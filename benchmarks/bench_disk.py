@@ -8,8 +8,9 @@ Throughput, per sample (--samples, default 7), on a daemon whose host pool holds
   2 ms). Reference beside it: `dd if=/dev/zero of=DIR/dd.bin bs=16M count=batch oflag=direct`.
 - promote: with room in the pool, `view` each spilled entry in turn (a read of the record,
   checked, committed). Reference beside it: `dd if=DIR/dd.bin of=/dev/null bs=16M iflag=direct`.
-The two are taken in alternating order; each ecd figure is divided by the dd figure of its own
-sample and the median of those ratios is the result (goal >= 0.8: ecd moves the bytes at 80% of
+dd runs just before and just after each ecd figure (the mean of the two is its reference: the
+shared VM's disk drifts within seconds); each ecd figure is divided by its own reference and the
+median of those ratios is the result (goal >= 0.8: ecd moves the bytes at 80% of
 what the device gives one sequential O_DIRECT stream).
 
 Write-through: `put(persist=True)` of one 16 MiB and one 64 KiB entry (write, fsync, rename,
@@ -43,6 +44,18 @@ def dd(args: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run(["dd", *args, "status=none"], check=True)
     return time.perf_counter() - started
+
+
+def sandwich(ecd, ref, between=lambda: None) -> tuple[float, float]:
+    """(ecd's time, the reference's) with the reference run just before and just after ecd and
+    averaged: the device's speed drifts (a shared VM), and a reference taken on one side only
+    pairs ecd with a device faster or slower than the one it had. `between`: undoes what the
+    reference left (its file) before the second run."""
+    before = ref()
+    between()
+    ecd_s = ecd()
+    after = ref()
+    return ecd_s, (before + after) / 2
 
 
 def wait_spilled(client, spills: int, timeout: float = 120.0) -> dict:
@@ -85,9 +98,7 @@ def throughput(args, work: str, disk_dir: str) -> dict:
 
             def dd_write() -> float:
                 return dd(["if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={args.batch}", "oflag=direct"])
-            first, second = (ecd_spill, dd_write) if sample % 2 == 0 else (dd_write, ecd_spill)
-            t1, t2 = first(), second()
-            spill_s, dd_w_s = (t1, t2) if first is ecd_spill else (t2, t1)
+            spill_s, dd_w_s = sandwich(ecd_spill, dd_write, lambda: os.unlink(dd_file))
             c.delete([f"b{j}" for j in range(args.batch)])  # room: the a-keys come back without evicting
 
             def ecd_promote() -> float:
@@ -99,9 +110,7 @@ def throughput(args, work: str, disk_dir: str) -> dict:
 
             def dd_read() -> float:
                 return dd([f"if={dd_file}", "of=/dev/null", "bs=16M", "iflag=direct"])
-            first, second = (ecd_promote, dd_read) if sample % 2 == 0 else (dd_read, ecd_promote)
-            t1, t2 = first(), second()
-            promote_s, dd_r_s = (t1, t2) if first is ecd_promote else (t2, t1)
+            promote_s, dd_r_s = sandwich(ecd_promote, dd_read)
             for j in (0, args.batch - 1):  # the bytes that came back are the bytes put
                 assert torch.equal(c.get(f"a{j}"), tensors[j])
             c.delete([f"a{j}" for j in range(args.batch)])

@@ -238,7 +238,7 @@ def keys(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Timeou
          limit: Annotated[int, typer.Option("--limit", min=1, max=1_000_000, help="list at most this many")] = 100,
          as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
          curve_server_key: CurveServerOpt = None) -> None:
-    """List ready entries by namespace and key."""
+    """List ready entries by namespace and key, and keys on the disk tier (the tier column says where)."""
     ep = _endpoint(config, endpoint)
     with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         total, entries = client.keys(namespace=namespace, limit=limit)

@@ -168,13 +168,13 @@ def render_keys(total: int, entries: Sequence[dict], console: Console) -> None:
     table = Table(show_edge=False)
     table.add_column("namespace")
     table.add_column("key", overflow="fold", min_width=10)  # on a narrow terminal the key stays whole
-    for name in ("size", "dtype", "shape", "age", "idle", "readers", "pins"):
-        table.add_column(name, justify="left" if name in ("dtype", "shape") else "right")
+    for name in ("size", "dtype", "shape", "age", "idle", "readers", "pins", "tier"):
+        table.add_column(name, justify="left" if name in ("dtype", "shape", "tier") else "right")
     for e in entries:
         # Text: a key like "[/bold]" is a name, not rich markup (which would fail or restyle it).
         table.add_row(Text(shown(e["ns"])), Text(shown(e["key"])), human_size(e["nbytes"]), e["dtype"],
                       "[" + ", ".join(map(str, e["shape"])) + "]", human_duration(e["age_s"]),
-                      human_duration(e["idle_s"]), str(e["readers"]), str(e["pins"]))
+                      human_duration(e["idle_s"]), str(e["readers"]), str(e["pins"]), e.get("tier", "memory"))
     if entries:
         console.print(table)
     console.print(f"showing {len(entries)} of {total}")

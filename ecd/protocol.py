@@ -425,6 +425,9 @@ class KeyInfo(Struct, array_like=True):
     idle_s: float  # since it was last read or looked up
     readers: int
     pins: int
+    # "memory": in a pool only; "disk": a disk-tier record only (a read brings it back; generation
+    # 0, readers and pins 0, ages since it was written); "memory+disk": both, the same bytes
+    tier: str = "memory"
 
 
 class KeyList(_Msg, tag="key_list"):

@@ -362,7 +362,7 @@ class ControlClient:
     def keys(self, namespace: str | None = None, limit: int = 1000) -> tuple[int, list[dict]]:
         """(number of matching entries, the first `limit` by namespace and key) for operators.
         namespace None lists every namespace. Each entry: ns, key, generation, nbytes, dtype,
-        shape, age_s, idle_s, readers, pins. Asks page by page: the daemon bounds each reply."""
+        shape, age_s, idle_s, readers, pins, tier (memory, disk, memory+disk). Asks page by page: the daemon bounds each reply."""
         fields = KeyInfo.__struct_fields__
         entries: list[dict] = []
         after = None

@@ -1,6 +1,8 @@
 """The disk tier (`[pool.disk]`): spill on eviction, promote on read, write-through for persisted
 puts, and the warm restart that re-indexes it. The loop's side; the files and the blocking I/O
-are ecd/memory/disk.py, which runs only on this tier's worker threads.
+are ecd/memory/disk.py, which runs only on this tier's worker threads. By job: the record set and
+what every flow does to it (disk_records.py), spill and promote (disk_spill.py), write-through
+(disk_persist.py); start-up, re-index, shutdown and stats here.
 
 What it keeps: `records`, one DiskRecord per (namespace, key) whose bytes are on disk or on their
 way there, in LRU order (first: least recently used), and the bytes they take (`used`, within
@@ -34,85 +36,36 @@ keeps serving from memory.
 from __future__ import annotations
 
 import asyncio
-import collections
 import fcntl
 import logging
-import math
 import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import DiskPoolSection, format_size
-from ..errors import Code, ConfigError
+from ..config import format_size
+from ..errors import ConfigError
 from ..memory import disk as files
 from ..memory.allocator import ExtentAllocator
-from ..memory.ring import EventKind, key_hash
-from ..protocol import AllocItem, DiskStats, Extent, Failure
-from .cluster import Histogram
-from .entries import Entry
+from ..memory.ring import key_hash
+from ..protocol import DiskStats
+from .disk_persist import Persist
+from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord
+from .disk_spill import SpillPromote
 
 if TYPE_CHECKING:  # pragma: no cover
     from .store import Store
 
 log = logging.getLogger("ecd.disk")
 
-INTERNAL_SESSION_ID = -(1 << 40)  # the disk tier's store session (the peer plane's count down from -1)
-# 1 ms .. 60 s: a write-through is one write and two fsyncs
-PERSIST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Read failures that mean the record itself is bad: never served, removed. Any other kind (the
-# file vanished: forgotten; EIO, EMFILE, EACCES...: kept) is not the record's fault.
-INTEGRITY_KINDS = ("corrupt", "header", "truncated")
-DROP_REASONS = ("too_small", "too_large", "disk_full", "backlog", "disabled", "failed")
+__all__ = ["DROP_REASONS", "INTERNAL_SESSION_ID", "DiskRecord", "DiskTier"]
 
 
-@dataclass(slots=True, eq=False)
-class DiskRecord:
-    header: files.RecordHeader
-    name: str  # file name in the tier's directory
-    size: int  # bytes it takes on disk (counted in `used`)
-    generation: int = 0  # the host entry whose bytes it holds (0: none in this run yet)
-    ready: bool = False  # its file is whole (renamed into place); False while written
-    written: "asyncio.Future[bool] | None" = None  # while WRITING: True once ready
-    reads: int = 0  # promotions reading its file now
-    dropped: bool = False  # deleted, replaced or evicted: its file goes once no one uses it
-
-    @property
-    def persisted(self) -> bool:
-        return self.header.persisted
-
-
-class DiskTier:
-    def __init__(self, config: DiskPoolSection, epoch: int) -> None:
-        self.config = config
-        self.path = config.path
-        self.capacity = int(config.size)
-        self.epoch = epoch
-        self.direct = False
-        self.dirfd = -1
-        self.records: collections.OrderedDict[tuple[str, str], DiskRecord] = collections.OrderedDict()
-        self.used = 0
-        self.sequence = 0  # records this run wrote (file names)
-        # promotions in flight, per key: the record each reads (a key's record may be replaced by
-        # a newer one, spilled again, while an older promotion still waits on the first)
-        self.promoting: dict[tuple[str, str], tuple[DiskRecord, asyncio.Task]] = {}
-        self.writes = 0  # writes in flight
-        self.executor: ThreadPoolExecutor | None = None
-        self.staging: mmap.mmap | None = None
-        self.staging_alloc: ExtentAllocator | None = None
-        self.store: "Store | None" = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.segments: list[Any] = []
-        self.session: Any = None
-        self.counters: collections.Counter = collections.Counter()
-        self.errors: collections.Counter = collections.Counter()
-        self.dropped: collections.Counter = collections.Counter()
-        self.persist_latency = Histogram(PERSIST_BUCKETS)
-        self.loaded = 0
-        self.load_s = 0.0
-        self._loaded: list[DiskRecord] = []
+class DiskTier(SpillPromote, Persist):
+    """The tier: its state and record set (disk_records.DiskRecords), spill and promotion
+    (disk_spill), write-through (disk_persist); here its start (checks, re-index), attachment to
+    the store, shutdown and stats."""
 
     # ---- start-up and shutdown ------------------------------------------------------------
 
@@ -152,7 +105,8 @@ class DiskTier:
             raise
         self.executor = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="ecd-disk")
         size = int(self.config.spill_buffer)
-        self.staging = mmap.mmap(-1, size)
+        # faulted in now: a first spill touching fresh pages took ~10 ms per 16 MiB on the loop
+        self.staging = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.staging_alloc = ExtentAllocator(size)
 
     def _reindex(self) -> None:
@@ -211,6 +165,9 @@ class DiskTier:
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # queued work finishes: it holds no lease to lose
             self.executor = None
+        if self._unlinks and self.dirfd >= 0:  # removals no worker took: done here, before exit
+            files.remove_durably(self.path, self.dirfd, self._unlinks)
+            self._unlinks = []
         if self.dirfd >= 0:
             os.close(self.dirfd)
             self.dirfd = -1
@@ -218,354 +175,6 @@ class DiskTier:
     @property
     def internal_sessions(self) -> int:
         return 1 if self.session is not None else 0
-
-    # ---- what the store asks --------------------------------------------------------------
-
-    def holds(self, ns: str, key: str) -> bool:
-        return (ns, key) in self.records
-
-    def record(self, ns: str, key: str) -> DiskRecord | None:
-        return self.records.get((ns, key))
-
-    def touch(self, ns: str, key: str) -> None:
-        if (ns, key) in self.records:
-            self.records.move_to_end((ns, key))
-
-    def drop(self, ns: str, key: str, kind: EventKind = EventKind.DELETED) -> bool:
-        """Forget the key's record (delete, replacement, operator eviction); its file goes."""
-        record = self.records.get((ns, key))
-        if record is None:
-            return False
-        self._forget(record, kind)
-        return True
-
-    def _forget(self, record: DiskRecord, kind: EventKind) -> None:
-        header = record.header
-        del self.records[(header.ns, header.key)]
-        self.used -= record.size
-        record.dropped = True
-        assert self.store is not None
-        if (header.ns, header.key) not in self.store.index:  # the record held the key's presence
-            self.store.ring.unpublish(kind, key_hash(header.ns, header.key), 0)
-        if record.ready and not record.reads:
-            self._remove_file(record)
-
-    def _remove_file(self, record: DiskRecord) -> None:
-        """Unlink now, on the loop (metadata, not bulk I/O: tens of microseconds): a deleted or
-        replaced key's file must be gone before the reply, or a crash right after could bring
-        the old bytes back at the next start."""
-        try:
-            files.remove(self.path, record.name)
-        except OSError as exc:
-            self._count_error(files.DiskIOError(files.error_kind(exc), f"cannot remove {record.name}: "
-                                                                        f"{exc.strerror}"), "removing a record")
-
-    def _make_room(self, size: int) -> bool:
-        """Drop least recently used spilled (not persisted) records until `size` more bytes fit."""
-        if self.used + size <= self.capacity:
-            return True
-        victims, freeing = [], 0
-        for record in self.records.values():  # least recently used first
-            if record.ready and not record.reads and not record.persisted:
-                victims.append(record)
-                freeing += record.size
-                if self.used - freeing + size <= self.capacity:
-                    break
-        if self.used - freeing + size > self.capacity:
-            return False
-        for record in victims:
-            self._forget(record, EventKind.EVICTED)
-            self.counters["disk_evictions"] += 1
-        return True
-
-    def _header(self, entry: Entry, persisted: bool) -> files.RecordHeader:
-        self.sequence += 1
-        return files.RecordHeader(entry.ns, entry.key, entry.dtype, tuple(entry.shape), entry.nbytes, entry.checksum,
-                                  self.epoch, self.sequence, time.time_ns(), persisted)
-
-    # ---- spill ----------------------------------------------------------------------------
-
-    def spill(self, entry: Entry) -> None:
-        """Store._evict: `entry` leaves the host pool now. Keep its bytes on disk if they fit."""
-        assert self.store is not None and self.staging is not None and self.staging_alloc is not None
-        k = (entry.ns, entry.key)
-        record = self.records.get(k)
-        if record is not None and record.generation == entry.generation:
-            return  # its bytes are on disk already (promoted or persisted): nothing to write
-        if record is not None:  # cannot be (a put drops the old record), but never serve stale bytes
-            self._forget(record, EventKind.DELETED)
-        if not self.config.spill:
-            self.dropped["disabled"] += 1
-            return
-        if entry.pool not in self.store.host_pools:
-            return  # CUDA arena entries are not spilled
-        if entry.nbytes < self.config.min_spill_size:
-            self.dropped["too_small"] += 1
-            return
-        size = files.record_size(entry.ns, entry.key, entry.dtype, len(entry.shape), entry.nbytes)
-        if size > self.capacity:
-            self.dropped["too_large"] += 1
-            return
-        staged_size = max(files.padded(entry.nbytes), files.HEADER_UNIT)  # whole blocks: O_DIRECT-aligned
-        staged = self.staging_alloc.alloc(staged_size)
-        if staged is None:
-            self.dropped["backlog"] += 1  # the disk is slower than evictions: drop rather than block
-            return
-        if not self._make_room(size):
-            self.staging_alloc.free_extent(staged, staged_size)
-            self.dropped["disk_full"] += 1
-            return
-        # A memcpy on the loop (~1 ms per 16 MiB), so the put that evicted this entry gets its
-        # extent now; the write itself runs on a worker thread.
-        with memoryview(self.segments[entry.pool].buf) as seg, memoryview(self.staging) as stage:
-            stage[staged:staged + entry.nbytes] = seg[entry.offset:entry.offset + entry.nbytes]
-        record = DiskRecord(self._header(entry, persisted=False), "", size, generation=entry.generation)
-        self._start_write(record, staged, staged_size, entry.checksum)
-
-    def _start_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
-        assert self.loop is not None
-        header = record.header
-        self.records[(header.ns, header.key)] = record
-        self.used += record.size
-        record.written = self.loop.create_future()
-        self.writes += 1
-        self.loop.create_task(self._spill_write(record, staged, staged_size, expect))
-
-    async def _spill_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
-        assert self.loop is not None and self.staging is not None and self.staging_alloc is not None
-        view = memoryview(self.staging)[staged:staged + record.header.nbytes]
-        error: files.DiskIOError | None = None
-        try:
-            record.name = await self.loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd,
-                                                          record.header, view, self.direct, False, expect)
-        except files.DiskIOError as exc:
-            error = exc
-        except RuntimeError as exc:  # the executor shut down: the daemon is stopping
-            error = files.DiskIOError("shutdown", str(exc))
-        except Exception as exc:  # a bug: the write failed, its waiters are answered all the same
-            log.exception("pool.disk: spill of %r failed", record.header.key)
-            error = files.DiskIOError("internal", f"{type(exc).__name__}: {exc}")
-        finally:
-            view.release()
-            self.staging_alloc.free_extent(staged, staged_size)
-            self.writes -= 1
-        self._write_done(record, error, "spill")
-
-    def _write_done(self, record: DiskRecord, error: files.DiskIOError | None, what: str) -> None:
-        written = record.written
-        record.written = None
-        if error is None:
-            record.ready = True
-            self.counters["spills" if what == "spill" else "persisted"] += 1
-            if record.dropped:  # deleted or replaced while it was written
-                self._remove_file(record)
-        else:
-            self._count_error(error, f"{what} of {record.header.key!r} failed")
-            if what == "spill":
-                self.dropped["failed"] += 1
-            if not record.dropped:
-                self._forget(record, EventKind.EVICTED)
-        if written is not None and not written.done():
-            written.set_result(error is None)
-
-    # ---- promote --------------------------------------------------------------------------
-
-    def promote(self, ns: str, key: str) -> bool:
-        """Start reading the key's record back into the host pool (once, however many ask).
-        False when there is no record."""
-        assert self.loop is not None
-        k = (ns, key)
-        record = self.records.get(k)
-        running = self.promoting.get(k)
-        if running is not None and (record is None or running[0] is record):
-            return True  # its end answers the waiters (a dropped record's: a miss)
-        if record is None:
-            return False
-        self.records.move_to_end(k)
-        self.promoting[k] = (record, self.loop.create_task(self._promote(record)))
-        return True
-
-    async def _promote(self, record: DiskRecord) -> None:
-        header = record.header
-        k = (header.ns, header.key)
-        try:
-            failure = await self._promote_once(record)
-        except Exception as exc:  # a bug must cost this read, not leave the readers parked
-            log.exception("promotion of %r failed", header.key)
-            failure = Failure(Code.INTERNAL, f"reading {header.key!r} from the disk tier failed: {exc!r}")
-        finally:
-            if self.promoting.get(k, (None,))[0] is record:
-                del self.promoting[k]
-        assert self.store is not None
-        if failure is not None:
-            self.counters["promotion_failures"] += 1
-            if k not in self.promoting:  # else a newer record's promotion answers the waiters
-                self.store.promotion_failed(header.ns, header.key, failure)
-
-    async def _promote_once(self, record: DiskRecord) -> Failure | None:
-        store, loop, header = self.store, self.loop, record.header
-        assert store is not None and loop is not None
-        missing = Failure(Code.KEY_NOT_FOUND, f"no entry {header.key!r} in namespace {header.ns!r}")
-        if record.written is not None and not await asyncio.shield(record.written):
-            return missing  # its spill failed
-        if record.dropped:
-            return missing
-        if (header.ns, header.key) in store.index:
-            return None
-        # counted as read from here: the allocation below may evict entries whose spills make
-        # room on disk, and this record must not be the room they make
-        record.reads += 1
-        extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
-                                                                header.nbytes))
-        if not isinstance(extent, Extent):
-            record.reads -= 1
-            if record.dropped and not record.reads:
-                self._remove_file(record)
-            return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
-                                        f"{extent.message}")
-        entry = store.by_generation[extent.generation]
-        entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
-        error: files.DiskIOError | None = None
-        try:
-            with memoryview(self.segments[entry.pool].buf) as seg:
-                dst = seg[entry.offset:entry.offset + header.nbytes]
-                try:
-                    await loop.run_in_executor(self.executor, files.read_record, self.path, record.name, header,
-                                               dst, self.direct)
-                except files.DiskIOError as exc:
-                    error = exc
-                except RuntimeError as exc:  # executor shut down
-                    error = files.DiskIOError("shutdown", str(exc))
-                finally:
-                    dst.release()
-        finally:
-            record.reads -= 1
-        if error is not None or record.dropped or (header.ns, header.key) in store.index:
-            store.abort(self.session, extent.generation)
-            if record.dropped and not record.reads:
-                self._remove_file(record)
-            if error is None:
-                return None if (header.ns, header.key) in store.index else missing
-            self._read_failed(record, error)
-            return missing
-        record.generation = extent.generation
-        failure = store.commit(self.session, extent.generation, header.checksum)
-        if failure is None:
-            self.counters["promotions"] += 1
-            self.counters["promoted_bytes"] += header.nbytes
-        return failure
-
-    def _read_failed(self, record: DiskRecord, error: files.DiskIOError) -> None:
-        """A record whose bytes or header fail their check, or whose file is gone, is dropped; one
-        that could not be read for another reason (EIO, EMFILE, EACCES...) is kept: this read
-        is a miss, a later one may succeed, and an acknowledged persist is never deleted for it."""
-        header = record.header
-        if error.kind in INTEGRITY_KINDS:
-            # never served: counted, logged (once: the record goes now), removed
-            self.counters["integrity_failures"] += 1
-            log.error("pool.disk: %r in namespace %r failed its check and is removed: %s", header.key, header.ns, error)
-        else:
-            self._count_error(error, f"reading {header.key!r} failed")
-            if error.kind != "missing":
-                return
-        if not record.dropped:
-            self._forget(record, EventKind.EVICTED)
-
-    def _count_error(self, error: files.DiskIOError, what: str) -> None:
-        self.errors[error.kind] += 1
-        first = self.errors[error.kind] == 1
-        log.log(logging.WARNING if first else logging.DEBUG, "pool.disk: %s: %s%s", what, error,
-                " (further errors of this kind are logged at debug level)" if first else "")
-
-    # ---- persist --------------------------------------------------------------------------
-
-    def persist(self, entries: list[Entry | None]) -> "asyncio.Future[list[Failure | None]]":
-        """Write committed entries through to disk, durably: per entry None once it is (or was
-        already), else NOT_DURABLE saying why. `None` in `entries`: an item whose commit failed
-        (its failure stands). Each entry is leased here, synchronously, before anything else can
-        replace or delete it; the writes run on worker threads."""
-        assert self.loop is not None
-        started = time.monotonic()
-        # every write starts now (they run side by side), and each is awaited to its end whatever
-        # another one raised: none may be left holding its lease
-        steps = [self._begin_persist(e) if e is not None else None for e in entries]
-        running = [self.loop.create_task(step) if asyncio.iscoroutine(step) else step for step in steps]
-
-        async def finish() -> list[Failure | None]:
-            results: list[Failure | None] = []
-            for step in running:
-                if not isinstance(step, asyncio.Task):
-                    results.append(step)
-                    continue
-                try:
-                    results.append(await step)
-                except Exception as exc:  # a bug must cost this put its durability, nothing more
-                    log.exception("pool.disk: persist failed")
-                    results.append(Failure(Code.NOT_DURABLE, f"not persisted: {type(exc).__name__}: {exc}"))
-            self.persist_latency.observe(time.monotonic() - started)
-            return results
-        return asyncio.ensure_future(finish(), loop=self.loop)
-
-    def _begin_persist(self, entry: Entry) -> Any:
-        store, loop = self.store, self.loop
-        assert store is not None and loop is not None
-        k = (entry.ns, entry.key)
-        if entry.pool not in store.host_pools:
-            return Failure(Code.INVALID, f"{entry.key!r} is in a CUDA arena: persist is for host-pool entries")
-        record = self.records.get(k)
-        if record is not None and record.generation == entry.generation and record.persisted:
-            return self._await_written(record)
-        if record is not None:  # a spilled copy of the same bytes, not durable: written again
-            self._forget(record, EventKind.DELETED)
-        size = files.record_size(entry.ns, entry.key, entry.dtype, len(entry.shape), entry.nbytes)
-        if not self._make_room(size):
-            self.errors["full"] += 1
-            return Failure(Code.NOT_DURABLE, f"{entry.key!r} stored in memory but not persisted: the disk tier "
-                                             f"({self.path}) holds {self.used} of {self.capacity} bytes in "
-                                             f"records it may not drop, {size} more needed")
-        # Leased while a worker thread writes it from the pool: it cannot be evicted or recycled.
-        session = self.session
-        session.leases[entry.generation] += 1
-        entry.readers += 1
-        store._make_unevictable(entry)
-        record = DiskRecord(self._header(entry, persisted=True), "", size, generation=entry.generation)
-        self.records[k] = record
-        self.used += size
-        record.written = loop.create_future()
-        self.writes += 1
-        return self._persist_write(entry, record)
-
-    async def _await_written(self, record: DiskRecord) -> Failure | None:
-        if record.written is None or await asyncio.shield(record.written):
-            return None
-        return Failure(Code.NOT_DURABLE, f"{record.header.key!r} stored in memory but not persisted: its write failed")
-
-    async def _persist_write(self, entry: Entry, record: DiskRecord) -> Failure | None:
-        store, loop = self.store, self.loop
-        assert store is not None and loop is not None
-        error: files.DiskIOError | None = None
-        try:
-            with memoryview(self.segments[entry.pool].buf) as seg:
-                src = seg[entry.offset:entry.offset + entry.nbytes]
-                try:
-                    record.name = await loop.run_in_executor(self.executor, files.write_record, self.path, self.dirfd,
-                                                             record.header, src, self.direct, True, entry.checksum)
-                except files.DiskIOError as exc:
-                    error = exc
-                except RuntimeError as exc:
-                    error = files.DiskIOError("shutdown", str(exc))
-                except Exception as exc:  # a bug: not durable, and the lease still goes back below
-                    log.exception("pool.disk: persist of %r failed", entry.key)
-                    error = files.DiskIOError("internal", f"{type(exc).__name__}: {exc}")
-                finally:
-                    src.release()
-        finally:
-            self.writes -= 1
-            store.release(self.session, entry.generation)
-        self._write_done(record, error, "persist")
-        if error is not None:
-            return Failure(Code.NOT_DURABLE, f"{entry.key!r} stored in memory but not persisted: {error}")
-        return None
 
     # ---- introspection --------------------------------------------------------------------
 
@@ -575,3 +184,4 @@ class DiskTier:
                          sum(1 for r in self.records.values() if r.persisted), self.counters["spills"],
                          self.counters["promotions"], self.writes, staged, self.counters["integrity_failures"],
                          dict(self.errors), dict(self.dropped), self.loaded, self.load_s)
+

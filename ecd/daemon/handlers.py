@@ -16,7 +16,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
-from .entries import RequestError, Session, State
+from .entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
     from .control import ServeCounters
@@ -26,6 +26,15 @@ log = logging.getLogger("ecd.daemon")
 
 LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
 KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
+# requests that may drop disk records (delete, evict, a put replacing a key): see dispatch
+REMOVES_RECORDS = (Delete, Evict, Commit, Publish, PutInline)
+
+
+async def _first_of_both(first: asyncio.Future, second: asyncio.Future) -> Any:
+    """`first`'s result once both are done."""
+    result = await first
+    await second
+    return result
 
 
 class Handlers:
@@ -38,8 +47,26 @@ class Handlers:
         self.reply_error = reply_error  # queue a typed error, return the metrics outcome
         self.count_error = count_error
         self.count_drop = count_drop
+        self._removal_mark = -1  # while a REMOVES_RECORDS request is dispatched: the disk tier's mark
 
     def dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
+        """The request's answer, or None when it is answered later. A request that removed disk
+        records is answered once they are gone for good: a key deleted or replaced must not come
+        back at the next start (the unlinks run on the disk tier's worker threads)."""
+        if self.d.disk is None or not isinstance(request, REMOVES_RECORDS):
+            return self._dispatch(identity, session, request)
+        self._removal_mark = self.d.disk.removal_mark()
+        try:
+            reply = self._dispatch(identity, session, request)
+            removed = self._removed() if reply is not None and request.id else None
+        finally:
+            self._removal_mark = -1
+        if removed is None:
+            return reply
+        self._answer_when_done(identity, session, request.id, "removal", removed, lambda _: reply)
+        return None
+
+    def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         store = self.d.store
         match request:
             case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
@@ -119,6 +146,12 @@ class Handlers:
                 return None
         raise RequestError(Code.PROTOCOL, f"unexpected request {type(request).__name__}")
 
+    def _removed(self) -> "asyncio.Future[None] | None":
+        """Done once the disk records this request removed (a delete, an eviction, a put that
+        replaced a key) are gone from the directory durably; None when it removed none."""
+        disk = self.d.disk
+        return disk.removals_since(self._removal_mark) if disk is not None and self._removal_mark >= 0 else None
+
     def check_persist(self, session: Session, generations: list[int]) -> None:
         """A put asking for persist on a daemon without a disk tier is refused whole (its writes
         aborted), never stored quietly in memory alone."""
@@ -143,7 +176,11 @@ class Handlers:
         """Answer a committed put once its entries are durable on disk (disk_tier.persist)."""
         store = self.d.store
         entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
-        self._answer_when_done(identity, session, rid, "persist", self.d.disk.persist(entries),
+        durable: asyncio.Future = self.d.disk.persist(entries)
+        removed = self._removed()
+        if removed is not None:  # a replaced key's old record too (see dispatch)
+            durable = asyncio.ensure_future(_first_of_both(durable, removed))
+        self._answer_when_done(identity, session, rid, "persist", durable,
                                lambda durable: reply([r if r is not None else p for r, p in zip(results, durable)]))
 
     def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
@@ -183,12 +220,25 @@ class Handlers:
         page: list[KeyInfo] = []
         size = 0
         for e in entries[:limit]:
-            size += KEY_INFO_OVERHEAD + len(e.ns.encode()) + len(e.key.encode()) + len(e.dtype) + 9 * len(e.shape)
+            info = self._key_info(e, now)
+            size += (KEY_INFO_OVERHEAD + len(info.ns.encode()) + len(info.key.encode()) + len(info.dtype)
+                     + 9 * len(info.shape))
             if page and size > LISTING_REPLY_BYTES:
                 break
-            page.append(KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
-                                now - e.last_access, e.readers, e.pins))
+            page.append(info)
         return KeyList(rid, total, page, more=len(entries) > len(page))
+
+    def _key_info(self, e: Any, now: float) -> KeyInfo:
+        """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
+        disk = self.d.disk
+        if isinstance(e, Entry):
+            tier = "memory+disk" if disk is not None and disk.clean(e) else "memory"
+            return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
+                           now - e.last_access, e.readers, e.pins, tier)
+        header = e.header
+        age = max(0.0, time.time() - header.written_ns / 1e9)
+        return KeyInfo(header.ns, header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
+                       "disk")
 
     def put_inline(self, session: Session, request: PutInline) -> Failure | int:
         """The committed entry's generation, or why not."""

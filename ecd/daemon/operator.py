@@ -4,6 +4,7 @@ Mixed into Store."""
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 from ..memory.ring import EventKind
 from .entries import Entry
@@ -13,10 +14,12 @@ EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at m
 
 
 class OperatorRequests(RegistryState):
-    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Entry]]:
-        """(how many READY entries match, the first `limit` of them by namespace and key, after
-        `after` when given)."""
-        matching = [e for e in self.index.values() if not ns or e.ns == ns]
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
+        """(how many keys match, the first `limit` of them by namespace and key, after `after`
+        when given): READY entries, and disk-tier records (disk_tier.DiskRecord) of keys with none."""
+        matching: list[Any] = [e for e in self.index.values() if not ns or e.ns == ns]
+        if self.disk is not None:
+            matching += [r for k, r in self.disk.records.items() if (not ns or k[0] == ns) and k not in self.index]
         if after is not None:
             later = [e for e in matching if (e.ns, e.key) > after]
             return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))

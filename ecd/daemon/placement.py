@@ -5,12 +5,18 @@ shares (never evicted below them for another namespace). Mixed into Store: it wo
 Store's allocators, index and LRU order (store.py says what they hold)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from ..errors import Code
 from ..memory.allocator import ALIGNMENT, align_up
 from ..memory.ring import EventKind
 from ..protocol import Failure
 from .entries import Entry
 from .registry import RegistryState
+
+
+# a promotion's preference for entries already on disk looks this far into the LRU order (~1 ms)
+CLEAN_FIRST_WALK = 4096
 
 
 class Placement(RegistryState):
@@ -60,11 +66,15 @@ class Placement(RegistryState):
 
 
     def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
-               evict: bool = True, pools: tuple[int, ...] | None = None) -> tuple[int, int] | None:
+               evict: bool = True, pools: tuple[int, ...] | None = None,
+               clean_first: bool = False) -> tuple[int, int] | None:
         """(pool, offset) of a new extent in one of `pools` (default the host pool), evicting
         `required` (the namespace's own entries its quota demands, in any tier) and, when no hole
         is big enough, what else in `pools` may be evicted for room; None (and nothing evicted)
-        when that cannot make a big enough contiguous hole."""
+        when that cannot make a big enough contiguous hole. `clean_first` (a promotion from the
+        disk tier): entries whose bytes are on disk already (disk_tier.DiskTier.clean: dropped
+        without a write) are evicted in preference to any other, when they alone can make the
+        room: a promotion then never shares the disk with a spill of its own making."""
         pools = self.host_pools if pools is None else pools
         allocators = self.allocators
         size = align_up(max(nbytes, 1))
@@ -78,7 +88,11 @@ class Placement(RegistryState):
                     return pool, offset
         if not evict:
             return None
-        victims = self._plan_room(size, ns, required, pools)
+        victims = None
+        if clean_first and self.disk is not None:
+            victims = self._plan_room(size, ns, required, pools, self.disk.clean)
+        if victims is None:
+            victims = self._plan_room(size, ns, required, pools)
         if victims is None:
             return None
         self._evict_all(required, victims)
@@ -104,14 +118,17 @@ class Placement(RegistryState):
         self.counters[counter] += 1
 
 
-    def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...]) -> list[Entry] | None:
+    def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...],
+                   only: Callable[[Entry], bool] | None = None) -> list[Entry] | None:
         """The entries to evict for a contiguous hole of `size` bytes, found without evicting:
         walk the LRU order (after `required`), freeing each victim on paper and merging it with
         its free or already-freed neighbours, until one run is big enough. Only the victims in
         that run are returned, so entries elsewhere are not thrown away for nothing. An entry of
         another namespace is skipped when evicting it would take that namespace's READY bytes
         below its guaranteed share (bytes being written or replaced-but-still-read do not count:
-        they may be gone soon); `ns`'s own entries may always go. O(entries walked)."""
+        they may be gone soon); `ns`'s own entries may always go. `only`: the entries that may go
+        (all evictable ones when None), looked for among the CLEAN_FIRST_WALK least recently used
+        only (a preference must not cost a walk of millions). O(entries walked)."""
         self._protected = 0
         allocators = self.allocators
         run_end: list[dict[int, int]] = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
@@ -156,7 +173,12 @@ class Placement(RegistryState):
         guarantees = self.guarantees
         planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
         walked: list[Entry] = []
-        for entry in self.evictable.values():
+        for walked_n, entry in enumerate(self.evictable.values()):
+            if only is not None:
+                if walked_n >= CLEAN_FIRST_WALK:
+                    return None
+                if not only(entry):
+                    continue
             if not candidates[entry.pool] or entry.generation in skip:
                 continue
             if guarantees and entry.ns != ns:

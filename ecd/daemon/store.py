@@ -221,8 +221,9 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
     # ---- put ----------------------------------------------------------------------------
 
     def alloc(self, session: Session, ns: str, item: AllocItem,
-              pools: tuple[int, ...] | None = None) -> Extent | Failure:
-        """Place a new WRITING entry in `pools` (a tier(): default the host pool)."""
+              pools: tuple[int, ...] | None = None, clean_first: bool = False) -> Extent | Failure:
+        """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`:
+        see Placement._place."""
         pools = self.host_pools if pools is None else pools
         failure = self._check_item(ns, item, pools)
         if failure is not None:
@@ -231,7 +232,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         victims = self._quota_victims(ns, align_up(max(item.nbytes, 1)))
         if isinstance(victims, Failure):
             return victims
-        placed = self._place(item.nbytes, ns, victims, pools=pools)
+        placed = self._place(item.nbytes, ns, victims, pools=pools, clean_first=clean_first)
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes, pools))

@@ -150,6 +150,11 @@ def record_name(keyhash: int, epoch: int, sequence: int) -> str:
     return f"{keyhash:016x}-{epoch:x}-{sequence:x}{SUFFIX}"
 
 
+def header_record_name(header: RecordHeader) -> str:
+    """The name a record of this header is written under."""
+    return record_name(_keyhash(header), header.epoch, header.sequence)
+
+
 # ---- aligned buffers ----------------------------------------------------------------------
 
 _local = threading.local()
@@ -217,14 +222,36 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+class WriteGuard:
+    """Orders a record's rename into place with its cancellation (the key deleted or replaced
+    while its write runs): the writer renames only under the lock and only if not cancelled, so
+    once `cancel()` returns, either no file of the record will ever appear (a crash cannot bring
+    it back at the next start) or it is in place now and the canceller removes it. The lock is
+    held across one rename(2) at most."""
+
+    __slots__ = ("lock", "cancelled", "renamed")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.renamed = False
+
+    def cancel(self) -> bool:
+        """Cancel the write; True when its file was renamed into place already (remove it)."""
+        with self.lock:
+            self.cancelled = True
+            return self.renamed
+
+
 def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryview, direct: bool,
-                 sync: bool, expect: int = 0) -> str:
+                 sync: bool, expect: int = 0, guard: WriteGuard | None = None) -> str:
     """Write `src` (header.nbytes bytes) as a record named after the header; returns its name.
     The bytes are hashed as they are written (header.checksum is set to it); `expect` (0: none):
     the checksum they must have, else DiskIOError("corrupt") and nothing is kept (bytes that went
     bad in memory are never written as good). `sync`: durable before returning (fsync of the file,
-    then of the directory after the rename). DiskIOError (the temporary file removed) on failure."""
-    name = record_name(_keyhash(header), header.epoch, header.sequence)
+    then of the directory after the rename). `guard` cancelled before the rename:
+    DiskIOError("cancelled"), nothing kept. DiskIOError (the temporary file removed) on failure."""
+    name = header_record_name(header)
     final = os.path.join(directory, name)
     temp = final + TEMP_SUFFIX
     try:
@@ -239,7 +266,14 @@ def write_record(directory: str, dirfd: int, header: RecordHeader, src: memoryvi
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(temp, final)
+        if guard is None:
+            os.rename(temp, final)
+        else:
+            with guard.lock:
+                if guard.cancelled:
+                    raise DiskIOError("cancelled", f"{header.key!r} was deleted or replaced while written")
+                os.rename(temp, final)
+                guard.renamed = True
         renamed = True
         if sync:
             os.fsync(dirfd)  # the rename itself must survive a power cut
@@ -274,16 +308,28 @@ def _write_body(fd: int, header: RecordHeader, src: memoryview, direct: bool, ex
     bounce = _bounce()
     with memoryview(bounce) as b:
         if address_of(src) % HEADER_UNIT == 0:  # in place, but for the last partial block
+            # the data goes in one write on a helper thread; this one hashes it meanwhile, then
+            # writes the last partial block and the header (it needs the hash) while the data
+            # is still on its way: no device round trip of its own after the data's
             hasher = xxhash.xxh3_64()
             whole = nbytes // HEADER_UNIT * HEADER_UNIT
-            _pipelined_write(fd, src[:whole], header_len, hasher)
-            if whole < nbytes:
-                tail = nbytes - whole
-                b[:tail] = src[whole:]
-                b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
-                hasher.update(b[:tail])
-                _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
-            _check_digest(header, finish(hasher.intdigest()), expect)
+            pending = _helper_pool().submit(_pwrite_all, fd, src[:whole], header_len) if whole else None
+            try:
+                hasher.update(src[:whole])
+                if whole < nbytes:
+                    tail = nbytes - whole
+                    b[:tail] = src[whole:]
+                    b[tail:HEADER_UNIT] = bytes(HEADER_UNIT - tail)
+                    hasher.update(b[:tail])
+                    _pwrite_all(fd, b[:HEADER_UNIT], header_len + whole)
+                _check_digest(header, finish(hasher.intdigest()), expect)
+                raw = b[HEADER_UNIT:HEADER_UNIT + header_len]
+                raw[:] = header.encode()
+                _pwrite_all(fd, raw, 0)
+            finally:
+                if pending is not None:
+                    pending.result()  # never returns (nor raises) while the helper still writes
+            return
         else:  # everything through the bounce buffer: hash first, in one pass
             _check_digest(header, finish(xxhash.xxh3_64_intdigest(src)), expect)
             done = 0
@@ -325,16 +371,20 @@ def _pipelined_write(fd: int, src: memoryview, offset: int, hasher) -> None:
         pending.result()
 
 
-def _pipelined_read(fd: int, dst: memoryview, offset: int, hasher) -> bool:
-    """Read dst.nbytes bytes at `offset`, hashing each chunk (in order) as soon as it is in while
-    the later ones are still being read. Every chunk is asked for at once, so the device sees
-    several requests in flight, as a single large read (dd's) gives it; one chunk at a time left
-    promotions at ~0.6x dd. False: short. Returns (or raises) only once no read writes into dst."""
+def _start_reads(fd: int, dst: memoryview, offset: int) -> list:
+    """Ask for dst.nbytes bytes at `offset` in PIPE_CHUNK pieces, all at once (the device sees
+    several requests in flight, as a single large read, dd's, gives it; one chunk at a time left
+    promotions at ~0.6x dd): [(at, n, future of the bytes read)]."""
     pool = _helper_pool()
-    spans = [(at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK)]
-    reads = [pool.submit(_pread_all, fd, dst[at:at + n], offset + at) for at, n in spans]
+    return [(at, n, pool.submit(_pread_all, fd, dst[at:at + n], offset + at))
+            for at, n in ((at, min(PIPE_CHUNK, dst.nbytes - at)) for at in range(0, dst.nbytes, PIPE_CHUNK))]
+
+
+def _finish_reads(reads: list, dst: memoryview, hasher) -> bool:
+    """Wait for _start_reads' pieces, hashing each (in order) as soon as it is in while the later
+    ones are still being read. False: short. Returns (or raises) only once no read writes into dst."""
     whole, failure = True, None
-    for (at, n), read in zip(spans, reads):
+    for at, n, read in reads:
         try:
             got = read.result()
         except BaseException as exc:  # re-raised once every read has finished
@@ -358,11 +408,21 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot open {path}: {exc.strerror}") from None
+    reads: list = []
     try:
         size = os.fstat(fd).st_size
         header_len = want.header_len
         if size != header_len + padded(want.nbytes):
             raise DiskIOError("truncated", f"{path} is {size} bytes, its record needs {header_len + padded(want.nbytes)}")
+        nbytes = want.nbytes
+        in_place = not direct or address_of(dst) % HEADER_UNIT == 0  # (O_DIRECT: all but the last block)
+        whole = 0
+        if in_place:
+            # the data is asked for before the header is read and checked (its place is known from
+            # `want`): the header's read costs no extra trip to the device
+            whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
+            reads = _start_reads(fd, dst[:whole], header_len)
+        hasher = xxhash.xxh3_64()
         bounce = _bounce()
         with memoryview(bounce) as b:
             if _pread_all(fd, b[:header_len], 0) != header_len:
@@ -371,15 +431,10 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
             if (got.ns, got.key, got.dtype, got.shape, got.nbytes, got.checksum) != (
                     want.ns, want.key, want.dtype, tuple(want.shape), want.nbytes, want.checksum):
                 raise DiskIOError("header", f"{path}: header describes another entry")
-            nbytes = want.nbytes
-            hasher = xxhash.xxh3_64()
-            if not direct or address_of(dst) % HEADER_UNIT == 0:  # in place (O_DIRECT: all but the tail)
-                whole = nbytes if not direct else nbytes // HEADER_UNIT * HEADER_UNIT
-                if not _pipelined_read(fd, dst[:whole], header_len, hasher):
-                    raise DiskIOError("truncated", f"{path}: short read")
-                done = whole
-            else:
-                done = 0
+            running, reads = reads, []
+            if not _finish_reads(running, dst, hasher):
+                raise DiskIOError("truncated", f"{path}: short read")
+            done = whole
             while done < nbytes:
                 n = min(nbytes - done, BOUNCE_BYTES)
                 span = padded(n) if direct else n
@@ -391,6 +446,11 @@ def read_record(directory: str, name: str, want: RecordHeader, dst: memoryview, 
     except OSError as exc:
         raise DiskIOError(error_kind(exc), f"cannot read {path}: {exc.strerror}") from None
     finally:
+        for _, _, read in reads:  # a failure before they were waited for: none may outlive fd
+            try:
+                read.result()
+            except BaseException:
+                pass
         os.close(fd)
     if finish(hasher.intdigest()) != want.checksum:
         raise DiskIOError("corrupt", f"{path}: bytes do not match the record's checksum")
@@ -418,6 +478,22 @@ def remove(directory: str, name: str) -> None:
         os.unlink(os.path.join(directory, name))
     except FileNotFoundError:
         pass
+
+
+def remove_durably(directory: str, dirfd: int, names: list[str]) -> list[DiskIOError]:
+    """Unlink records, then fsync the directory once (the removals survive a power cut); the
+    failures, one per name (or for the fsync) that failed."""
+    errors = []
+    for name in names:
+        try:
+            remove(directory, name)
+        except OSError as exc:
+            errors.append(DiskIOError(error_kind(exc), f"cannot remove {name}: {exc.strerror}"))
+    try:
+        os.fsync(dirfd)
+    except OSError as exc:
+        errors.append(DiskIOError(error_kind(exc), f"cannot sync the removal of {len(names)} record(s): {exc.strerror}"))
+    return errors
 
 
 # ---- re-indexing at start ----------------------------------------------------------------

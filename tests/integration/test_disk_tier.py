@@ -306,3 +306,26 @@ def test_a_delete_or_replacement_is_not_undone_by_a_crash(disk_daemon, disk_dir)
         with pytest.raises(KeyNotFound):  # never the old bytes of a replaced key
             c.get("replaced")
     assert records(disk_dir) == []
+
+
+def test_keys_lists_disk_records_marked_as_such(disk_daemon, disk_dir):
+    with disk_daemon.client() as c:
+        c.put("persisted", tensor(0, 1 * MIB), persist=True)  # in memory and on disk
+        for i in range(20):
+            c.put(f"k{i}", tensor(i))  # 80 MiB through a 64 MiB pool: the first ones spill
+        wait_for(lambda: c.stats()["disk"]["writes_in_flight"] == 0 and c.stats()["disk"]["spills"] > 0)
+        total, rows = c.keys(limit=1000)
+        by_key = {r["key"]: r for r in rows}
+        assert total == 21 and len(rows) == 21
+        spilled = [k for k, r in by_key.items() if r["tier"] == "disk"]
+        assert spilled and all(c.exists(k) for k in spilled)
+        assert all(by_key[k]["generation"] == 0 and by_key[k]["nbytes"] == (4 if k != "persisted" else 1) * MIB
+                   for k in spilled)
+        assert by_key["k19"]["tier"] == "memory"
+        assert by_key["persisted"]["tier"] in ("memory+disk", "disk")  # evicted or not, its record stays
+    run = [sys.executable, "-m", "ecd", "keys", "--config", str(disk_daemon.config)]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "showing 21 of 21" in result.stdout and "tier" in result.stdout
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 2}
+    assert all(rows[k].rstrip().endswith("disk") for k in spilled), result.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -105,7 +106,10 @@ def test_evicted_entries_spill_and_come_back_bit_identical(tier_dir):
             env.check()
         await env.settle()
         env.check()
-        assert env.disk.counters["promotions"] == 10  # reading k0-k5 back pushed k6-k9 out to disk
+        # k0 came back by spilling k6; each of k1-k5 then took the room of the one read before it
+        # (its bytes on disk already: dropped, not written); k6 came back, k7-k9 never left
+        assert env.disk.counters["promotions"] == 7
+        assert env.disk.counters["spills"] == 7
         env.disk.close()
     run(main())
 
@@ -473,5 +477,129 @@ def test_a_promotion_of_an_older_record_never_answers_for_a_newer_one(tier_dir, 
         assert isinstance(loc, Location), loc
         assert env.read(loc) == new
         await env.settle()
+        env.disk.close()
+    run(main())
+
+
+def test_a_promotion_makes_room_by_dropping_an_entry_already_on_disk(tier_dir):
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])  # back in memory (k1 spilled for it): its record stays
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        assert env.disk.clean(env.store.index[("ns", "k0")])
+        spills = env.disk.counters["spills"]
+        # k2 is the least recently used, but k0's bytes are on disk already: dropping it writes nothing
+        (loc,) = await env.get(reader, ["k1"])
+        assert env.read(loc) == payload("k1")
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        assert env.disk.counters["spills"] == spills
+        assert env.present("k2") and not env.present("k0") and env.disk.holds("ns", "k0")
+        (loc,) = await env.get(reader, ["k0"])  # and it comes back from the record it kept
+        assert env.read(loc) == payload("k0")
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_key_deleted_while_its_spill_is_written_never_reaches_the_directory(tier_dir, monkeypatch):
+    """A crash right after the write finished, before the loop saw it, must not leave a record
+    a restart would serve: the write sees the deletion before it renames its file into place."""
+    from ecd.memory import disk as files
+    body, release, finished = files._write_body, threading.Event(), threading.Event()
+
+    def held_body(*args):
+        assert release.wait(10)
+        body(*args)
+
+    def write_record(*args, **kwargs):
+        try:
+            return real_write(*args, **kwargs)
+        finally:
+            finished.set()
+    real_write = files.write_record
+    monkeypatch.setattr(files, "_write_body", held_body)
+    monkeypatch.setattr(files, "write_record", write_record)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0's spill is handed to a worker thread, held in its write
+        assert env.disk.record("ns", "k0") is not None
+        assert env.store.delete("ns", ["k0"]) == [True]
+        release.set()
+        assert finished.wait(10)  # the worker is done; the loop has not run its completion
+        assert not [n for n in os.listdir(tier_dir) if n.endswith(".ecd")]  # what a crash now leaves
+        await env.settle()
+        assert not os.listdir(tier_dir)
+        assert not env.disk.errors and not env.disk.dropped
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_delete_is_answered_once_its_record_is_removed_durably_off_the_loop(tier_dir, monkeypatch):
+    calls = []
+    unlink, fsync = os.unlink, os.fsync
+
+    def record_unlink(path, *args, **kwargs):
+        calls.append(("unlink", os.path.basename(path), threading.current_thread()))
+        return unlink(path, *args, **kwargs)
+
+    def record_fsync(fd):
+        calls.append(("fsync", fd, threading.current_thread()))
+        return fsync(fd)
+    monkeypatch.setattr(os, "unlink", record_unlink)
+    monkeypatch.setattr(os, "fsync", record_fsync)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")  # k0 spills
+        await env.settle()
+        name = env.disk.record("ns", "k0").name
+        mark = env.disk.removal_mark()
+        calls.clear()
+        assert env.store.delete("ns", ["k0"]) == [True]
+        assert env.disk.removals_since(env.disk.removal_mark()) is None  # nothing since the last mark
+        removed = env.disk.removals_since(mark)
+        assert removed is not None and not removed.done()
+        await asyncio.wait_for(removed, 10)
+        assert not os.path.exists(os.path.join(tier_dir, name))
+        loop_thread = threading.current_thread()
+        (unlinked,) = [c for c in calls if c[0] == "unlink"]
+        assert unlinked[1] == name and unlinked[2] is not loop_thread
+        # the directory was synced after the unlink, on a worker thread too
+        assert ("fsync", env.disk.dirfd, unlinked[2]) in calls[calls.index(unlinked):]
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order(tier_dir, monkeypatch):
+    from ecd.daemon import placement
+    monkeypatch.setattr(placement, "CLEAN_FIRST_WALK", 2)  # k0 (on disk) is third least recently used
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        for i in range(5):
+            env.put_bytes(f"k{i}")
+        await env.settle()
+        reader = env.session()
+        (loc,) = await env.get(reader, ["k0"])
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        (loc,) = await env.get(reader, ["k1"])  # plain LRU: k2 goes (spilled), k0 stays
+        env.store.release(reader, loc.generation)
+        await env.settle()
+        assert env.present("k0") and not env.present("k2") and env.disk.holds("ns", "k2")
+        env.check()
         env.disk.close()
     run(main())
