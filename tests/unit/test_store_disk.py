@@ -50,6 +50,11 @@ class DiskEnv(Env):
         assert self.store.commit(self.writer, extent.generation, checksum(data)) is None
         return extent.generation
 
+    def put_five(self) -> None:
+        """k0..k4: the pool holds four, so k0 is evicted (spilled)."""
+        for i in range(5):
+            self.put_bytes(f"k{i}")
+
     async def settle(self) -> None:
         for _ in range(2000):
             if not self.disk.writes and not self.disk.promoting:
@@ -117,8 +122,7 @@ def test_evicted_entries_spill_and_come_back_bit_identical(tier_dir):
 def test_concurrent_readers_promote_once(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0 spills
+        env.put_five()  # k0 spills
         await env.settle()
         assert not env.present("k0") and env.disk.holds("ns", "k0")
         readers = [env.session() for _ in range(4)]
@@ -165,8 +169,7 @@ def test_replacing_or_deleting_a_spilled_key_drops_its_record(tier_dir):
 def test_a_flipped_byte_is_never_served(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")
+        env.put_five()
         await env.settle()
         record = env.disk.record("ns", "k0")
         path = os.path.join(tier_dir, record.name)
@@ -190,8 +193,7 @@ def test_a_flipped_byte_is_never_served(tier_dir):
 def test_a_deleted_file_is_a_clean_miss(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")
+        env.put_five()
         await env.settle()
         os.unlink(os.path.join(tier_dir, env.disk.record("ns", "k0").name))
         reader = env.session()
@@ -244,8 +246,7 @@ def test_spill_budget_drops_least_recently_used_spills(tier_dir):
 def test_a_peer_lookup_is_answered_at_once_and_starts_the_promotion(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0 spills
+        env.put_five()  # k0 spills
         await env.settle()
         peer = env.session()
 
@@ -265,8 +266,7 @@ def test_a_peer_lookup_is_answered_at_once_and_starts_the_promotion(tier_dir):
 def test_a_read_of_a_spill_still_being_written_waits_for_it(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0's spill starts; nothing has run on the loop yet
+        env.put_five()  # k0's spill starts; nothing has run on the loop yet
         record = env.disk.record("ns", "k0")
         assert not record.ready and env.store.exists(env.session(), "ns", ["k0"], 0) == [True]
         reader = env.session()
@@ -282,8 +282,7 @@ def test_a_read_of_a_spill_still_being_written_waits_for_it(tier_dir):
 def test_a_promotion_into_a_pool_held_full_says_so(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")
+        env.put_five()
         await env.settle()
         holder = env.session()
         held = env.store.acquire(holder, "ns", [f"k{i}" for i in range(1, 5)], 0, None)
@@ -306,8 +305,7 @@ def test_a_promotion_into_a_pool_held_full_says_so(tier_dir):
 def test_evictions_not_worth_spilling_are_dropped_and_counted(tier_dir, disk, reason):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop(), **disk)
-        for i in range(5):
-            env.put_bytes(f"k{i}")
+        env.put_five()
         await env.settle()
         assert not env.disk.records and env.disk.dropped[reason] == 1
         assert env.store.exists(env.session(), "ns", ["k0"], 0) == [False]
@@ -352,8 +350,7 @@ def test_a_read_that_fails_for_another_reason_keeps_the_record(tier_dir, monkeyp
         entry = env.store.by_generation[env.put_bytes("p")]
         (result,) = await env.disk.persist([entry])
         assert result is None
-        for i in range(5):  # p is evicted: on disk only
-            env.put_bytes(f"k{i}")
+        env.put_five()  # p is evicted: on disk only
         await env.settle()
         assert ("ns", "p") not in env.store.index and env.disk.record("ns", "p") is not None
         real = files.read_record
@@ -453,8 +450,7 @@ def test_a_promotion_of_an_older_record_never_answers_for_a_newer_one(tier_dir, 
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0 evicted: R1's write starts, and waits on the gate
+        env.put_five()  # k0 evicted: R1's write starts, and waits on the gate
         reader = env.session()
         first = asyncio.ensure_future(env.get(reader, ["k0"]))  # parks; promotes R1 (waits on it)
         await asyncio.sleep(0.02)
@@ -484,8 +480,7 @@ def test_a_promotion_of_an_older_record_never_answers_for_a_newer_one(tier_dir, 
 def test_a_promotion_makes_room_by_dropping_an_entry_already_on_disk(tier_dir):
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0 spills
+        env.put_five()  # k0 spills
         await env.settle()
         reader = env.session()
         (loc,) = await env.get(reader, ["k0"])  # back in memory (k1 spilled for it): its record stays
@@ -530,8 +525,7 @@ def test_a_key_deleted_while_its_spill_is_written_never_reaches_the_directory(ti
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0's spill is handed to a worker thread, held in its write
+        env.put_five()  # k0's spill is handed to a worker thread, held in its write
         assert env.disk.record("ns", "k0") is not None
         assert env.store.delete("ns", ["k0"]) == [True]
         release.set()
@@ -561,8 +555,7 @@ def test_a_delete_is_answered_once_its_record_is_removed_durably_off_the_loop(ti
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")  # k0 spills
+        env.put_five()  # k0 spills
         await env.settle()
         name = env.disk.record("ns", "k0").name
         mark = env.disk.removal_mark()
@@ -589,8 +582,7 @@ def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        for i in range(5):
-            env.put_bytes(f"k{i}")
+        env.put_five()
         await env.settle()
         reader = env.session()
         (loc,) = await env.get(reader, ["k0"])
