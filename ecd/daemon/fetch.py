@@ -98,10 +98,10 @@ class Fetcher:
             if key in offers:
                 link, offer = offers[key]
                 by_link.setdefault(link, []).append(offer)
-        got: dict[str, bool] = {}
         if len(by_link) == 1:  # one owner (the usual case): no gather
             (link, chosen), = by_link.items()
             return await self._transfer(link, ns, chosen, deadline)
+        got: dict[str, bool] = {}
         results = await asyncio.gather(*(self._transfer(link, ns, chosen, deadline)
                                          for link, chosen in by_link.items()))
         for part in results:
