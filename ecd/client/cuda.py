@@ -156,9 +156,8 @@ def _driver():
 
 def _host_bytes(buf, offset: int, nbytes: int) -> torch.Tensor:
     """A CPU uint8 tensor over buf[offset:offset + nbytes] (no copy)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers: torch cannot enforce it
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    # read-only buffers: torch warns that it cannot enforce it (filtered once, in tensors.py)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ threads here), and changing torch's thread count would change the engine's globa
 copies go through numpy views of the same memory (a plain memcpy for contiguous data). dtypes
 numpy lacks (bfloat16, float8) are viewed as unsigned integers of the same width: bytes are bytes.
 
-A contiguous tensor goes into the pool through `_write_bytes`: the compiled ecd._copy where it was
+A contiguous tensor goes into the pool through `write_bytes`: the compiled ecd._copy where it was
 built (non-temporal stores from 4 MiB up, so a large put neither reads the pool's lines first nor
 evicts what the client and daemon use next), else numpy's copy (memcpy).
 """
@@ -30,6 +30,14 @@ _SAME_WIDTH_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 # Copies that also checksum go in pieces this big: each piece is hashed while it is still in the
 # L2 cache, instead of reading the whole destination back from L3/DRAM after the copy.
 CHECKSUM_CHUNK = 256 << 10
+
+# torch warns (once per process) that it cannot enforce a read-only buffer: a read-only mapping
+# of the pool is the point. Filtered once, for ecd's client modules only, instead of a
+# warnings.catch_warnings() around each view, which replaces and restores the process-wide
+# filter list (documented as not thread-safe) and cost ~15-30 us of a view on a cold cache (the
+# hand-off's consumer, right after a 16 MiB copy).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=r"ecd\.client\.")
 
 try:
     from .. import _copy as _ccopy  # built from ecd/_copy.c (setup.py)
@@ -76,7 +84,7 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _write_bytes(buf, offset: int, src: np.ndarray) -> None:
+def write_bytes(buf, offset: int, src: np.ndarray) -> None:
     """buf[offset:offset + src.size] = src, a flat contiguous uint8 array."""
     if _ccopy is not None:
         _ccopy.copy(buf, offset, src)
@@ -105,7 +113,7 @@ def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = F
         src = _numpy_view(tensor.reshape(-1)).view(np.uint8)
         if with_checksum:  # ordinary stores: each piece is hashed from the cache right after
             return _copy_hashing(np.frombuffer(buf, np.uint8, count=nbytes, offset=offset), src)
-        _write_bytes(buf, offset, src)
+        write_bytes(buf, offset, src)
     else:
         src = _numpy_view(tensor)
         dst = np.frombuffer(buf, np.uint8, count=nbytes, offset=offset)
@@ -142,11 +150,7 @@ def view_of(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torc
     if nbytes == 0:
         return torch.empty(shape, dtype=tdtype)
     itemsize = DTYPE_ITEMSIZE[dtype]
-    with warnings.catch_warnings():
-        # A read-only mapping is the point: torch warns that it cannot enforce it itself.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=tdtype, count=nbytes // itemsize, offset=offset)
-    return flat.view(shape)
+    return torch.frombuffer(buf, dtype=tdtype, count=nbytes // itemsize, offset=offset).view(shape)
 
 
 def parse_device(device) -> torch.device | None:

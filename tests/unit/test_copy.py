@@ -108,3 +108,28 @@ def test_copy_into_other_dtypes_and_layouts(monkeypatch, compiled):
         assert tensors.copy_into(buf, 5, src) == 0
         back = tensors.view_of(buf, 5, nbytes, tensors.dtype_name(src.dtype), list(src.shape))
         assert torch.equal(back, src)
+
+
+
+
+def test_views_of_read_only_pool_memory_warn_nothing_and_leave_the_filters_alone(tmp_path):
+    """torch warns (once per process) that it cannot enforce a read-only buffer. Views of the
+    read-only pool mapping must neither surface that to an engine running with -W error nor
+    change the process's warning filters (the filter is installed once, at import, for ecd's
+    client modules only). A fresh interpreter: the warning is raised once per process."""
+    import subprocess
+    import sys
+    script = tmp_path / "view.py"
+    script.write_text(
+        "import mmap, warnings\n"
+        "from ecd.client import cuda, tensors\n"
+        "filters = list(warnings.filters)\n"
+        "ro = mmap.mmap(-1, 1 << 16, prot=mmap.PROT_READ)\n"
+        "for _ in range(3):\n"
+        "    assert tensors.view_of(ro, 4096, 4096, 'float32', [32, 32]).shape == (32, 32)\n"
+        "    assert cuda._host_bytes(ro, 0, 16).numel() == 16\n"
+        "assert warnings.filters == filters, 'a view changed the warning filters'\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
