@@ -641,6 +641,45 @@ def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_
     run(main())
 
 
+def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_dir, monkeypatch):
+    """The same through Handlers.dispatch: the Delete's reply goes out once the file is gone."""
+    from ecd.daemon.handlers import Handlers
+    from ecd.protocol import Delete, Flags
+    reading, release = _hold_reads(monkeypatch)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        env.put_five()
+        await env.settle()
+        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
+        replies = []
+
+        def send(identity, reply):
+            replies.append((reply, os.path.exists(path)))
+
+        def reply_error(*args):
+            raise AssertionError(f"error reply {args}")
+        handlers = Handlers(SimpleNamespace(disk=env.disk, store=env.store), None, send, reply_error,
+                            lambda _: None, lambda _: None)
+        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
+        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        assert handlers.dispatch(b"client", env.session(), Delete(1, "ns", ["k0"])) is None  # answered later
+        await asyncio.sleep(0.1)
+        assert not replies and os.path.exists(path)
+        release.set()
+        for _ in range(1000):
+            if replies:
+                break
+            await asyncio.sleep(0.005)
+        assert replies == [(Flags(1, [True]), False)]  # the file was gone when the reply went out
+        (result,) = await get
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
 def test_a_shutdown_removes_a_record_deleted_while_read_and_answers_its_waiter(tier_dir, monkeypatch):
     """close() waits for the read on the worker thread; the promotion's end, which would remove
     the file, may never run after it: close() removes it and completes the delete's wait."""
