@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,8 @@ class DiskRecord:
     reads: int = 0  # promotions reading its file now
     dropped: bool = False  # deleted, replaced or evicted: its file goes once no one uses it
     guard: files.WriteGuard | None = None  # while WRITING: cancelled when dropped (no rename after)
+    # dropped while promotions read it: done once its file is gone durably (_remove_after_reads)
+    removal: "asyncio.Future[None] | None" = None
 
     @property
     def persisted(self) -> bool:
@@ -91,11 +94,14 @@ class DiskRecords:
         self.loaded = 0
         self.load_s = 0.0
         # record files to remove (_remove_file): the batch waiting for a worker, the future it
-        # completes, the one a worker runs now; removals_queued counts them all (removal_mark)
+        # completes, the one a worker runs now; removals_queued counts them all (removal_mark),
+        # and the removals that wait for a promotion's read to end (_remove_after_reads), each
+        # with its number in that count
         self._unlinks: list[str] = []
         self._unlinks_done: "asyncio.Future[None] | None" = None
         self._unlinking: "asyncio.Future[None] | None" = None
         self.removals_queued = 0
+        self._removals_after_reads: dict[DiskRecord, int] = {}
         self._loaded: list[DiskRecord] = []
 
     # ---- what the store asks --------------------------------------------------------------
@@ -132,20 +138,45 @@ class DiskRecords:
         assert self.store is not None
         if (header.ns, header.key) not in self.store.index:  # the record held the key's presence
             self.store.ring.unpublish(kind, key_hash(header.ns, header.key), 0)
-        if record.ready and not record.reads:
+        if record.ready and record.reads:
+            self._remove_after_reads(record)
+        elif record.ready:
             self._remove_file(record)
         elif record.guard is not None and record.guard.cancel():
             self._remove_file(record)  # renamed into place, its completion not seen yet: goes now
+        # else still written: cancelled before its rename, so its file never gets its name (a
+        # crash leaves a temporary file at most, which the next start removes)
+
+    def _remove_after_reads(self, record: DiskRecord) -> None:
+        """A record dropped while promotions read it keeps its file until the last read ends
+        (_end_read then calls _remove_file). Counted as queued now all the same, so the request
+        that dropped it is answered only once that file is gone too (removals_since): a crash
+        before then must not leave a file that a restart would serve again."""
+        assert self.loop is not None
+        self.removals_queued += 1
+        record.removal = self.loop.create_future()
+        self._removals_after_reads[record] = self.removals_queued
+
+    def _end_read(self, record: DiskRecord) -> None:
+        """A promotion's read of `record` ended: the file of a record dropped meanwhile goes now."""
+        record.reads -= 1
+        if record.dropped and not record.reads:
+            self._remove_file(record)
 
     def _remove_file(self, record: DiskRecord) -> None:
         """Unlink on a worker thread (an unlink of a large file frees its extents: not for the
         loop), in batches each ending with one fsync of the directory. A request whose answer
-        promises the file is gone (Delete, Evict) waits for it: removals_since()."""
+        promises the file is gone (Delete, Evict, a replacing put) waits for it: removals_since().
+        A removal that waited for reads (_remove_after_reads) was counted then, and its future
+        completes with the batch it joins here."""
         assert self.loop is not None
-        self.removals_queued += 1
+        if self._removals_after_reads.pop(record, None) is None:
+            self.removals_queued += 1
         self._unlinks.append(record.name)
         if self._unlinks_done is None:
             self._unlinks_done = self.loop.create_future()
+        if record.removal is not None:
+            self._unlinks_done.add_done_callback(functools.partial(mark_done, record.removal))
         if not self._unlinking:
             self._next_removals()
 
@@ -154,11 +185,24 @@ class DiskRecords:
 
     def removals_since(self, mark: int) -> "asyncio.Future[None] | None":
         """A future done once every removal queued since `mark` (removal_mark()) is on disk, or
-        None when there was none."""
+        None when there was none: the latest unlink batch (batches run one after the other, so
+        it ends after every earlier one) and the removals still waiting for a read to end."""
         if mark == self.removals_queued:
             return None
+        waits = [record.removal for record, number in self._removals_after_reads.items()
+                 if number > mark and record.removal is not None]
         latest = self._unlinks_done or self._unlinking  # its batch waits for a worker, or runs
-        return None if latest is None else asyncio.shield(latest)
+        if latest is not None:
+            waits.append(latest)
+        if not waits:
+            return None
+        if len(waits) == 1:
+            return asyncio.shield(waits[0])
+
+        async def all_done() -> None:
+            for wait in waits:  # shielded: a waiter that gives up cancels none of them
+                await asyncio.shield(wait)
+        return asyncio.ensure_future(all_done(), loop=self.loop)
 
     def _next_removals(self) -> None:
         assert self.loop is not None
@@ -235,3 +279,9 @@ class DiskRecords:
         log.log(logging.WARNING if first else logging.DEBUG, "pool.disk: %s: %s%s", what, error,
                 " (further errors of this kind are logged at debug level)" if first else "")
 
+
+def mark_done(future: "asyncio.Future[None]", _: object = None) -> None:
+    """Complete a removal's future (also as a done callback of the batch it joined): once only,
+    and not on a loop already closed (close() may run after the loop ended)."""
+    if not future.done() and not future.get_loop().is_closed():
+        future.set_result(None)

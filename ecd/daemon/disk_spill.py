@@ -147,9 +147,7 @@ class SpillPromote(DiskRecords):
         extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
                                                                 header.nbytes), clean_first=True)
         if not isinstance(extent, Extent):
-            record.reads -= 1
-            if record.dropped and not record.reads:
-                self._remove_file(record)
+            self._end_read(record)
             return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
@@ -168,11 +166,9 @@ class SpillPromote(DiskRecords):
                 finally:
                     dst.release()
         finally:
-            record.reads -= 1
+            self._end_read(record)
         if error is not None or record.dropped or (header.ns, header.key) in store.index:
             store.abort(self.session, extent.generation)
-            if record.dropped and not record.reads:
-                self._remove_file(record)
             if error is None:
                 return None if (header.ns, header.key) in store.index else missing
             self._read_failed(record, error)

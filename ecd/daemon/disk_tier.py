@@ -51,7 +51,7 @@ from ..memory.allocator import ExtentAllocator
 from ..memory.ring import key_hash
 from ..protocol import DiskStats
 from .disk_persist import Persist
-from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord
+from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord, mark_done
 from .disk_spill import SpillPromote
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,9 +165,19 @@ class DiskTier(SpillPromote, Persist):
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # queued work finishes: it holds no lease to lose
             self.executor = None
-        if self._unlinks and self.dirfd >= 0:  # removals no worker took: done here, before exit
-            files.remove_durably(self.path, self.dirfd, self._unlinks)
-            self._unlinks = []
+        # removals no worker took, and those that waited for reads (the workers are done, so
+        # are the reads; the promotions' ends, which would queue them, may never run): done
+        # here, before exit, and whoever waits for them answered
+        waiting = list(self._removals_after_reads)
+        leftover = self._unlinks + [record.name for record in waiting]
+        if leftover and self.dirfd >= 0:
+            files.remove_durably(self.path, self.dirfd, leftover)
+        self._unlinks = []
+        self._removals_after_reads.clear()
+        for removal in [self._unlinks_done] + [record.removal for record in waiting]:
+            if removal is not None:
+                mark_done(removal)
+        self._unlinks_done = None
         if self.dirfd >= 0:
             os.close(self.dirfd)
             self.dirfd = -1

@@ -595,3 +595,111 @@ def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order
         env.check()
         env.disk.close()
     run(main())
+
+
+def _hold_reads(monkeypatch):
+    """Make promotions' reads wait for `release`: (reading, release) events."""
+    import ecd.daemon.disk_tier as tier_mod
+    real, reading, release = tier_mod.files.read_record, threading.Event(), threading.Event()
+
+    def held_read(*args, **kwargs):
+        reading.set()
+        assert release.wait(10)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tier_mod.files, "read_record", held_read)
+    return reading, release
+
+
+def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_dir, monkeypatch):
+    """The file of a record deleted while a promotion reads it goes only when the read ends; the
+    delete must be answered only after that (a crash before must not bring the key back at the
+    next start), through the same mark the handlers take (Handlers.dispatch)."""
+    reading, release = _hold_reads(monkeypatch)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        env.put_five()  # k0 spills
+        await env.settle()
+        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
+        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))  # its promotion's read is held
+        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        mark = env.disk.removal_mark()
+        assert env.store.delete("ns", ["k0"]) == [True]
+        removed = env.disk.removals_since(mark)
+        assert removed is not None
+        await asyncio.sleep(0.1)
+        assert not removed.done() and os.path.exists(path)  # the read holds the file: not answered yet
+        release.set()
+        await asyncio.wait_for(removed, 10)
+        assert not os.path.exists(path)
+        (result,) = await get
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        await env.settle()
+        assert env.disk.removals_since(env.disk.removal_mark()) is None and not env.disk._removals_after_reads
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_dir, monkeypatch):
+    """The same through Handlers.dispatch: the Delete's reply goes out once the file is gone."""
+    from ecd.daemon.handlers import Handlers
+    from ecd.protocol import Delete, Flags
+    reading, release = _hold_reads(monkeypatch)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        env.put_five()
+        await env.settle()
+        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
+        replies = []
+
+        def send(identity, reply):
+            replies.append((reply, os.path.exists(path)))
+
+        def reply_error(*args):
+            raise AssertionError(f"error reply {args}")
+        handlers = Handlers(SimpleNamespace(disk=env.disk, store=env.store), None, send, reply_error,
+                            lambda _: None, lambda _: None)
+        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
+        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        assert handlers.dispatch(b"client", env.session(), Delete(1, "ns", ["k0"])) is None  # answered later
+        await asyncio.sleep(0.1)
+        assert not replies and os.path.exists(path)
+        release.set()
+        for _ in range(1000):
+            if replies:
+                break
+            await asyncio.sleep(0.005)
+        assert replies == [(Flags(1, [True]), False)]  # the file was gone when the reply went out
+        (result,) = await get
+        assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
+        await env.settle()
+        env.check()
+        env.disk.close()
+    run(main())
+
+
+def test_a_shutdown_removes_a_record_deleted_while_read_and_answers_its_waiter(tier_dir, monkeypatch):
+    """close() waits for the read on the worker thread; the promotion's end, which would remove
+    the file, may never run after it: close() removes it and completes the delete's wait."""
+    reading, release = _hold_reads(monkeypatch)
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        env.put_five()
+        await env.settle()
+        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
+        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
+        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+        mark = env.disk.removal_mark()
+        assert env.store.delete("ns", ["k0"]) == [True]
+        removed = env.disk.removals_since(mark)
+        assert removed is not None and not removed.done()
+        release.set()
+        env.disk.close()  # the loop does not run meanwhile: the promotion has not seen its read end
+        assert not os.path.exists(path)
+        await asyncio.wait_for(removed, 10)
+        (result,) = await asyncio.wait_for(get, 10)
+        assert isinstance(result, Failure)
+    run(main())
