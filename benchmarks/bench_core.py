@@ -236,6 +236,38 @@ def _ops_worker(endpoint: str, wid: int, conn) -> None:
 
 # ---- 1. bulk hand-off ----------------------------------------------------------------------
 
+def handoff_floor(src_np: np.ndarray, shm_buf, echo_endpoint: str, warm: int, reps: int, ref_sample,
+                  memcpy: list[int]) -> tuple[list[int], list[float]]:
+    """The floor of any hand-off through a daemon on a control socket: the same copy into shared
+    memory (the routine put uses) plus one bare REQ/REP round trip (the put's message to the
+    daemon and the daemon's to the parked consumer are its two hops), each after the same
+    reference memcpy as a hand-off sample. What the hand-off pays above it is ecd's own work.
+    A loop of its own: interleaved with the hand-offs it would change them (the consumer would
+    sit parked longer before each, and waking an idle vCPU of this VM costs more)."""
+    import zmq
+    ctx = zmq.Context(io_threads=1)
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(echo_endpoint)
+    src_bytes = src_np.view(np.uint8).reshape(-1)
+    floor, paired = [], []
+    try:
+        for i in range(warm + reps):
+            ref_sample()
+            t0 = now_ns()
+            write_bytes(shm_buf, 0, src_bytes)
+            req.send(b"x" * 64)
+            req.recv()
+            t1 = now_ns()
+            if i >= warm:
+                floor.append(t1 - t0)
+                paired.append((t1 - t0) / memcpy[-1])
+    finally:
+        req.close(0)
+        ctx.term()
+    return floor, paired
+
+
 def bench_copies(c: Client, consumer, mib: int, shm_buf, echo_endpoint: str) -> dict:
     nbytes = mib * MIB
     ref_src, ref_dst = prefaulted(nbytes), prefaulted(nbytes)
@@ -309,17 +341,6 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf, echo_endpoint: str) -> 
     keys = [(f"xp/{mib}/{i}", float(i)) for i in range(warm + reps)]
     consumer.send(("wait", keys))
     e2e, put_parked, notify, paired = [], [], [], []
-    # The floor of any hand-off through a daemon on a control socket, taken beside each sample:
-    # the same copy into shared memory (the routine put uses) plus one bare REQ/REP round trip
-    # (the put's message to the daemon and the daemon's to the parked consumer are its two
-    # hops), after the same reference memcpy. What the hand-off pays above it is ecd's own work.
-    import zmq
-    zctx = zmq.Context(io_threads=1)
-    req = zctx.socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.connect(echo_endpoint)
-    src_bytes = src_np.view(np.uint8).reshape(-1)
-    floor, floor_paired = [], []
     for i, (key, marker) in enumerate(keys):
         src_np[0] = src_np[-1] = marker
         deadline = time.monotonic() + 10
@@ -339,17 +360,7 @@ def bench_copies(c: Client, consumer, mib: int, shm_buf, echo_endpoint: str) -> 
             e2e.append(t1 - t0)
             put_parked.append(tp - t0)
             notify.append(t1 - tp)  # may be < 0: the daemon answers parked B before acking A
-        ref_sample()
-        t0 = now_ns()
-        write_bytes(shm_buf, 0, src_bytes)
-        req.send(b"x" * 64)
-        req.recv()
-        t1 = now_ns()
-        if i >= warm:
-            floor.append(t1 - t0)
-            floor_paired.append((t1 - t0) / memcpy[-1])
-    req.close(0)
-    zctx.term()
+    floor, floor_paired = handoff_floor(src_np, shm_buf, echo_endpoint, warm, reps, ref_sample, memcpy)
 
     # (c) cross-check, sequential: put latency in A, then view latency in B on the published key;
     # the sum of the p50s is the hand-off cost when nobody waits.
