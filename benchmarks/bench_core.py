@@ -100,18 +100,20 @@ def wait_until(t_ns: int) -> None:
 
 # ---- child processes (multiprocessing 'spawn': they import this file as __mp_main__) ----------
 
-def _echo_server(endpoint: str, conn) -> None:
-    """The bare-round-trip reference: a blocking REP socket that echoes every message."""
+def _echo_server(endpoint: str, socket_type: str, conn) -> None:
+    """A bare echo of every message: REP, the round-trip reference of exists and of the hand-off
+    floor; ROUTER, the ops/s floor (what ecd's daemon is, minus all its work), served by the
+    same worker processes as the ecd window beside it."""
     import zmq
     ctx = zmq.Context(io_threads=1)
-    sock = ctx.socket(zmq.REP)
+    sock = ctx.socket(getattr(zmq, socket_type))
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
     conn.send("ready")
     while True:
-        msg = sock.recv()
-        sock.send(msg)
-        if msg == b"stop":
+        frames = sock.recv_multipart()
+        sock.send_multipart(frames)
+        if frames[-1] == b"stop":
             break
     sock.close(0)
     ctx.term()
@@ -142,26 +144,8 @@ def _consumer(endpoint: str, conn) -> None:
     c.close()
 
 
-def _router_echo_server(endpoint: str, conn) -> None:
-    """The ops/s floor: a ROUTER that echoes every message (what ecd's daemon is, minus all its
-    work), served by the same worker processes as the ecd window beside it."""
-    import zmq
-    ctx = zmq.Context(io_threads=1)
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    conn.send("ready")
-    while True:
-        frames = sock.recv_multipart()
-        sock.send_multipart(frames)
-        if frames[-1] == b"stop":
-            break
-    sock.close(0)
-    ctx.term()
-
-
 def _bare_round_trips(endpoint: str, start_at: int, duration_s: float) -> dict:
-    """A closed loop of bare DEALER round trips to _router_echo_server: the throughput floor."""
+    """A closed loop of bare DEALER round trips to a ROUTER _echo_server: the throughput floor."""
     import zmq
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.DEALER)
@@ -763,9 +747,9 @@ def main() -> int:
             return parent
 
         echo_endpoint = f"ipc://{daemon.runtime_dir}/echo.sock"
-        start(_echo_server, echo_endpoint)
+        start(_echo_server, echo_endpoint, "REP")
         router_endpoint = f"ipc://{daemon.runtime_dir}/router-echo.sock"
-        start(_router_echo_server, router_endpoint)
+        start(_echo_server, router_endpoint, "ROUTER")
         router_proc = procs[-1]
         consumer = start(_consumer, daemon.endpoint)
         small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))

@@ -610,6 +610,23 @@ def _hold_reads(monkeypatch):
     return reading, release
 
 
+async def _k0_promotion_held(env: DiskEnv, reading: threading.Event):
+    """Spill k0 and start reading it back, its read held (_hold_reads): (its file, the get)."""
+    env.put_five()  # k0 spills
+    await env.settle()
+    path = os.path.join(env.disk.path, env.disk.record("ns", "k0").name)
+    get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
+    assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
+    return path, get
+
+
+def _delete_k0(env: DiskEnv):
+    """Delete k0 as a Delete request would: the future its answer waits for (removals_since)."""
+    mark = env.disk.removal_mark()
+    assert env.store.delete("ns", ["k0"]) == [True]
+    return env.disk.removals_since(mark)
+
+
 def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_dir, monkeypatch):
     """The file of a record deleted while a promotion reads it goes only when the read ends; the
     delete must be answered only after that (a crash before must not bring the key back at the
@@ -618,14 +635,8 @@ def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        env.put_five()  # k0 spills
-        await env.settle()
-        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
-        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))  # its promotion's read is held
-        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
-        mark = env.disk.removal_mark()
-        assert env.store.delete("ns", ["k0"]) == [True]
-        removed = env.disk.removals_since(mark)
+        path, get = await _k0_promotion_held(env, reading)
+        removed = _delete_k0(env)
         assert removed is not None
         await asyncio.sleep(0.1)
         assert not removed.done() and os.path.exists(path)  # the read holds the file: not answered yet
@@ -649,9 +660,7 @@ def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_di
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        env.put_five()
-        await env.settle()
-        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
+        path, get = await _k0_promotion_held(env, reading)
         replies = []
 
         def send(identity, reply):
@@ -661,8 +670,6 @@ def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_di
             raise AssertionError(f"error reply {args}")
         handlers = Handlers(SimpleNamespace(disk=env.disk, store=env.store), None, send, reply_error,
                             lambda _: None, lambda _: None)
-        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
-        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
         assert handlers.dispatch(b"client", env.session(), Delete(1, "ns", ["k0"])) is None  # answered later
         await asyncio.sleep(0.1)
         assert not replies and os.path.exists(path)
@@ -687,14 +694,8 @@ def test_a_shutdown_removes_a_record_deleted_while_read_and_answers_its_waiter(t
 
     async def main():
         env = DiskEnv(tier_dir, asyncio.get_running_loop())
-        env.put_five()
-        await env.settle()
-        path = os.path.join(tier_dir, env.disk.record("ns", "k0").name)
-        get = asyncio.ensure_future(env.get(env.session(), ["k0"]))
-        assert await asyncio.get_running_loop().run_in_executor(None, reading.wait, 10)
-        mark = env.disk.removal_mark()
-        assert env.store.delete("ns", ["k0"]) == [True]
-        removed = env.disk.removals_since(mark)
+        path, get = await _k0_promotion_held(env, reading)
+        removed = _delete_k0(env)
         assert removed is not None and not removed.done()
         release.set()
         env.disk.close()  # the loop does not run meanwhile: the promotion has not seen its read end
