@@ -144,8 +144,12 @@ class SpillPromote(DiskRecords):
         # counted as read from here: the allocation below may evict entries whose spills make
         # room on disk, and this record must not be the room they make
         record.reads += 1
-        extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
-                                                                header.nbytes), clean_first=True)
+        try:
+            extent = store.alloc(self.session, header.ns, AllocItem(header.key, header.dtype, list(header.shape),
+                                                                    header.nbytes), clean_first=True)
+        except BaseException:  # a bug: the read count must not stay up (a delete would wait for it)
+            self._end_read(record)
+            raise
         if not isinstance(extent, Extent):
             self._end_read(record)
             return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
@@ -165,6 +169,9 @@ class SpillPromote(DiskRecords):
                     error = files.DiskIOError("shutdown", str(exc))
                 finally:
                     dst.release()
+        except BaseException:  # a bug: the extent, never to expire (when = inf), goes back now
+            store.abort(self.session, extent.generation)
+            raise
         finally:
             self._end_read(record)
         if error is not None or record.dropped or (header.ns, header.key) in store.index:

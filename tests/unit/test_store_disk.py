@@ -704,3 +704,36 @@ def test_a_shutdown_removes_a_record_deleted_while_read_and_answers_its_waiter(t
         (result,) = await asyncio.wait_for(get, 10)
         assert isinstance(result, Failure)
     run(main())
+
+
+@pytest.mark.parametrize("where", ["alloc", "read"])
+def test_a_bug_inside_a_promotion_leaves_no_read_count_and_no_extent(tier_dir, monkeypatch, where):
+    """An unexpected exception (a bug, not a DiskIOError) while promoting costs that read only:
+    the record's read count drops (a delete would otherwise wait for it until shutdown) and an
+    extent already taken is given back (it is never expired while a read fills it)."""
+    import ecd.daemon.disk_tier as tier_mod
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    async def main():
+        env = DiskEnv(tier_dir, asyncio.get_running_loop())
+        env.put_five()  # k0 spills
+        await env.settle()
+        if where == "alloc":
+            monkeypatch.setattr(env.store, "alloc", broken)
+        else:
+            monkeypatch.setattr(tier_mod.files, "read_record", broken)
+        (result,) = await env.get(env.session(), ["k0"])
+        assert isinstance(result, Failure) and result.code == Code.INTERNAL, result
+        record = env.disk.record("ns", "k0")
+        assert record is not None and record.reads == 0
+        assert not env.disk.session.writes  # an extent the promotion took went back (not left WRITING)
+        path = os.path.join(tier_dir, record.name)
+        removed = _delete_k0(env)
+        assert removed is not None
+        await asyncio.wait_for(removed, 10)  # answered: nothing holds the file any more
+        assert not os.path.exists(path)
+        env.check()
+        env.disk.close()
+    run(main())
