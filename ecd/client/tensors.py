@@ -31,11 +31,21 @@ _SAME_WIDTH_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 # L2 cache, instead of reading the whole destination back from L3/DRAM after the copy.
 CHECKSUM_CHUNK = 256 << 10
 
-# torch warns (once per process) that it cannot enforce a read-only buffer: a read-only mapping
-# of the pool is the point. Filtered once, for ecd's client modules only, instead of a
-# warnings.catch_warnings() around each view, which replaces and restores the process-wide
-# filter list (documented as not thread-safe) and cost ~15-30 us of a view on a cold cache (the
-# hand-off's consumer, right after a 16 MiB copy).
+
+def _spend_read_only_warning() -> None:
+    """torch warns, once per process, that it cannot enforce a read-only buffer: a read-only
+    mapping of the pool is the point. That one warning is spent here, at import, silenced, so no
+    view raises it whatever filters the engine or its test runner (-W error) installs later.
+    Not a warnings.catch_warnings() around each view: that replaces and restores the
+    process-wide filter list (documented as not thread-safe) and cost 15-30 us of a view on a
+    cold cache (the hand-off's consumer, right after a 16 MiB copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)  # bytes: a read-only buffer
+
+
+_spend_read_only_warning()
+# and should a later torch warn on every call, not from ecd's own views
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=r"ecd\.client\.")
 
