@@ -156,7 +156,7 @@ def _driver():
 
 def _host_bytes(buf, offset: int, nbytes: int) -> torch.Tensor:
     """A CPU uint8 tensor over buf[offset:offset + nbytes] (no copy)."""
-    # read-only buffers: torch warns that it cannot enforce it (filtered once, in tensors.py)
+    # read-only buffers: torch's warning that it cannot enforce it is spent at import (tensors.py)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 

@@ -49,8 +49,6 @@ class DiskRecord:
     reads: int = 0  # promotions reading its file now
     dropped: bool = False  # deleted, replaced or evicted: its file goes once no one uses it
     guard: files.WriteGuard | None = None  # while WRITING: cancelled when dropped (no rename after)
-    # dropped while promotions read it: done once its file is gone durably (_remove_after_reads)
-    removal: "asyncio.Future[None] | None" = None
 
     @property
     def persisted(self) -> bool:
@@ -95,13 +93,13 @@ class DiskRecords:
         self.load_s = 0.0
         # record files to remove (_remove_file): the batch waiting for a worker, the future it
         # completes, the one a worker runs now; removals_queued counts them all (removal_mark),
-        # and the removals that wait for a promotion's read to end (_remove_after_reads), each
-        # with its number in that count
+        # and the removals that wait for a promotion's read to end (_remove_after_reads): each
+        # record's number in that count and the future done once its file is gone durably
         self._unlinks: list[str] = []
         self._unlinks_done: "asyncio.Future[None] | None" = None
         self._unlinking: "asyncio.Future[None] | None" = None
         self.removals_queued = 0
-        self._removals_after_reads: dict[DiskRecord, int] = {}
+        self._removals_after_reads: dict[DiskRecord, tuple[int, "asyncio.Future[None]"]] = {}
         self._loaded: list[DiskRecord] = []
 
     # ---- what the store asks --------------------------------------------------------------
@@ -154,8 +152,7 @@ class DiskRecords:
         before then must not leave a file that a restart would serve again."""
         assert self.loop is not None
         self.removals_queued += 1
-        record.removal = self.loop.create_future()
-        self._removals_after_reads[record] = self.removals_queued
+        self._removals_after_reads[record] = (self.removals_queued, self.loop.create_future())
 
     def _end_read(self, record: DiskRecord) -> None:
         """A promotion's read of `record` ended: the file of a record dropped meanwhile goes now."""
@@ -170,13 +167,14 @@ class DiskRecords:
         A removal that waited for reads (_remove_after_reads) was counted then, and its future
         completes with the batch it joins here."""
         assert self.loop is not None
-        if self._removals_after_reads.pop(record, None) is None:
+        deferred = self._removals_after_reads.pop(record, None)
+        if deferred is None:
             self.removals_queued += 1
         self._unlinks.append(record.name)
         if self._unlinks_done is None:
             self._unlinks_done = self.loop.create_future()
-        if record.removal is not None:
-            self._unlinks_done.add_done_callback(functools.partial(mark_done, record.removal))
+        if deferred is not None:
+            self._unlinks_done.add_done_callback(functools.partial(mark_done, deferred[1]))
         if not self._unlinking:
             self._next_removals()
 
@@ -189,8 +187,7 @@ class DiskRecords:
         it ends after every earlier one) and the removals still waiting for a read to end."""
         if mark == self.removals_queued:
             return None
-        waits = [record.removal for record, number in self._removals_after_reads.items()
-                 if number > mark and record.removal is not None]
+        waits = [removal for number, removal in self._removals_after_reads.values() if number > mark]
         latest = self._unlinks_done or self._unlinking  # its batch waits for a worker, or runs
         if latest is not None:
             waits.append(latest)

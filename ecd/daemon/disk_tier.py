@@ -168,15 +168,15 @@ class DiskTier(SpillPromote, Persist):
         # removals no worker took, and those that waited for reads (the workers are done, so
         # are the reads; the promotions' ends, which would queue them, may never run): done
         # here, before exit, and whoever waits for them answered
-        waiting = list(self._removals_after_reads)
+        waiting = self._removals_after_reads
         leftover = self._unlinks + [record.name for record in waiting]
         if leftover and self.dirfd >= 0:
             files.remove_durably(self.path, self.dirfd, leftover)
-        self._unlinks = []
-        self._removals_after_reads.clear()
-        for removal in [self._unlinks_done] + [record.removal for record in waiting]:
+        for removal in [self._unlinks_done] + [removal for _, removal in waiting.values()]:
             if removal is not None:
                 mark_done(removal)
+        self._unlinks = []
+        self._removals_after_reads = {}
         self._unlinks_done = None
         if self.dirfd >= 0:
             os.close(self.dirfd)
