@@ -98,17 +98,26 @@ def wait_until(t_ns: int) -> None:
         time.sleep(min(left / 1e9, 0.01) if left > 2_000_000 else 0)
 
 
+def bare_socket(socket_type: str, endpoint: str, *, bind: bool = False):
+    """(context, socket) of pyzmq alone, one I/O thread like ecd's client: the references."""
+    import zmq
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(getattr(zmq, socket_type))
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return ctx, sock
+
+
 # ---- child processes (multiprocessing 'spawn': they import this file as __mp_main__) ----------
 
 def _echo_server(endpoint: str, socket_type: str, conn) -> None:
     """A bare echo of every message: REP, the round-trip reference of exists and of the hand-off
     floor; ROUTER, the ops/s floor (what ecd's daemon is, minus all its work), served by the
     same worker processes as the ecd window beside it."""
-    import zmq
-    ctx = zmq.Context(io_threads=1)
-    sock = ctx.socket(getattr(zmq, socket_type))
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
+    ctx, sock = bare_socket(socket_type, endpoint, bind=True)
     conn.send("ready")
     while True:
         frames = sock.recv_multipart()
@@ -144,29 +153,24 @@ def _consumer(endpoint: str, conn) -> None:
     c.close()
 
 
-def _bare_round_trips(endpoint: str, start_at: int, duration_s: float) -> dict:
-    """A closed loop of bare DEALER round trips to a ROUTER _echo_server: the throughput floor."""
-    import zmq
-    ctx = zmq.Context(io_threads=1)
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+def _bare_round_trips(endpoint: str, start_at: int, duration_s: float) -> tuple[int, int]:
+    """A closed loop of bare DEALER round trips to a ROUTER _echo_server, the throughput floor:
+    (round trips, ns the window took)."""
+    ctx, sock = bare_socket("DEALER", endpoint)
     payload = b"x" * 64
     for _ in range(200):  # connected and warm before the window
         sock.send(payload)
         sock.recv()
     wait_until(start_at)
-    cpu0 = time.process_time()
     deadline, n, t = start_at + int(duration_s * 1e9), 0, now_ns()
     while t < deadline:
         sock.send(payload)
         sock.recv()
         n += 1
         t = now_ns()
-    res = {"counts": [n], "lat_ns": [t - start_at], "elapsed_ns": t - start_at, "cpu_s": time.process_time() - cpu0}
     sock.close(0)
     ctx.term()
-    return res
+    return n, t - start_at
 
 
 def _ops_worker(endpoint: str, wid: int, conn) -> None:
@@ -228,11 +232,7 @@ def handoff_floor(src_np: np.ndarray, shm_buf, echo_endpoint: str, warm: int, re
     reference memcpy as a hand-off sample. What the hand-off pays above it is ecd's own work.
     A loop of its own: interleaved with the hand-offs it would change them (the consumer would
     sit parked longer before each, and waking an idle vCPU of this VM costs more)."""
-    import zmq
-    ctx = zmq.Context(io_threads=1)
-    req = ctx.socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.connect(echo_endpoint)
+    ctx, req = bare_socket("REQ", echo_endpoint)
     src_bytes = src_np.view(np.uint8).reshape(-1)
     floor, paired = [], []
     try:
@@ -468,11 +468,7 @@ def bench_exists(c: Client, echo_endpoint: str, servers: list[int]) -> dict:
     all their threads) to one CPU, then client and servers to different CPUs; the bare reference
     and ecd always run under the same placement. The target is judged on the worse pinned ratio.
     """
-    import zmq
-    ctx = zmq.Context(io_threads=1)
-    req = ctx.socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.connect(echo_endpoint)
+    ctx, req = bare_socket("REQ", echo_endpoint)
     payload = b"x" * 32
     absent_i = [0]
 
@@ -589,7 +585,7 @@ def run_bare(workers, echo_endpoint: str, duration_s: float) -> float:
     for conn in workers:
         conn.send(("bare", echo_endpoint, start_at, duration_s))
     results = [recv(conn, duration_s + 60) for conn in workers]
-    return sum(r["counts"][0] for r in results) / (max(r["elapsed_ns"] for r in results) / 1e9)
+    return sum(n for n, _ in results) / (max(ns for _, ns in results) / 1e9)
 
 
 def run_ops_paired(daemon: BenchDaemon, workers, echo_endpoint: str, duration_s: float) -> dict:
