@@ -140,6 +140,9 @@ def render_disk(disk: dict | None, console: Console) -> None:
     problems += [f"{k}={v}" for k, v in sorted(disk["errors"].items())]
     problems += [f"not spilled ({k})={v}" for k, v in sorted(disk["dropped"].items())]
     grid.add_row("disk problems", ", ".join(problems) or "none")
+    if disk.get("degraded"):  # the filesystem refuses writes: records served, writes fail until it takes one
+        grid.add_row("disk DEGRADED", f"{disk['degraded']} (for {disk.get('degraded_s', 0.0):.0f}s; "
+                                      "records served; writes that do not fit fail; probed every second until one succeeds)")
     console.print(grid)
 
 

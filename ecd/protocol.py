@@ -149,6 +149,8 @@ class DiskStats(Struct):
     dropped: dict[str, int] = {}  # evicted entries not spilled, by reason
     loaded: int = 0  # records re-indexed at start
     load_s: float = 0.0  # how long that took
+    degraded: str = ""  # why the filesystem refuses writes (full, read-only: disk_health.py); "" while it takes them
+    degraded_s: float = 0.0  # for how long
 
 
 class DaemonStats(Struct):

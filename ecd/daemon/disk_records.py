@@ -20,6 +20,7 @@ from ..memory import disk as files
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import EventKind, key_hash
 from .cluster import Histogram
+from .disk_health import DiskHealth
 from .entries import Entry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,6 +71,7 @@ class DiskRecords:
         self.capacity = int(config.size)
         self.epoch = epoch
         self.direct = False
+        self._direct_known = True  # False: started degraded, O_DIRECT not probed yet (buffered meanwhile)
         self.dirfd = -1
         self.records: collections.OrderedDict[tuple[str, str], DiskRecord] = collections.OrderedDict()
         self.used = 0
@@ -91,6 +93,7 @@ class DiskRecords:
         self.persist_latency = Histogram(PERSIST_BUCKETS)
         self.loaded = 0
         self.load_s = 0.0
+        self.health = DiskHealth(self.path)  # degraded while the filesystem refuses writes
         # record files to remove (_remove_file): the batch waiting for a worker, the future it
         # completes, the one a worker runs now; removals_queued counts them all (removal_mark),
         # and the removals that wait for a promotion's read to end (_remove_after_reads): each
@@ -101,6 +104,9 @@ class DiskRecords:
         self.removals_queued = 0
         self._removals_after_reads: dict[DiskRecord, tuple[int, "asyncio.Future[None]"]] = {}
         self._loaded: list[DiskRecord] = []
+        # record files the re-index or a removal could not remove (a read-only filesystem):
+        # removed once the tier takes writes again (DiskTier._recovered)
+        self._unremoved: list[str] = []
 
     # ---- what the store asks --------------------------------------------------------------
 
@@ -219,10 +225,12 @@ class DiskRecords:
             return
 
         def finished(work: asyncio.Future) -> None:
-            errors = [] if work.cancelled() else ([files.DiskIOError("internal", repr(work.exception()))]
+            errors = [] if work.cancelled() else ([("", files.DiskIOError("internal", repr(work.exception())))]
                                                   if work.exception() is not None else work.result())
-            for error in errors:
+            for name, error in errors:
                 self._count_error(error, "removing a record")
+                if name and error.kind == "readonly":  # a restart would index it again: retried on recovery
+                    self._unremoved.append(name)
             if not done.done():
                 done.set_result(None)
             self._next_removals()
@@ -275,6 +283,7 @@ class DiskRecords:
         first = self.errors[error.kind] == 1
         log.log(logging.WARNING if first else logging.DEBUG, "pool.disk: %s: %s%s", what, error,
                 " (further errors of this kind are logged at debug level)" if first else "")
+        self.health.failed(error)  # full or read-only: the tier is degraded until a probe write succeeds
 
 
 def mark_done(future: "asyncio.Future[None]", _: object = None) -> None:

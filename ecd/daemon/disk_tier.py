@@ -50,6 +50,7 @@ from ..memory import disk as files
 from ..memory.allocator import ExtentAllocator
 from ..memory.ring import key_hash
 from ..protocol import DiskStats
+from .disk_health import DEGRADING_KINDS
 from .disk_persist import Persist
 from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord, mark_done
 from .disk_spill import SpillPromote
@@ -71,19 +72,28 @@ class DiskTier(SpillPromote, Persist):
 
     def open(self) -> None:
         """Check the directory, take it, and re-index what a previous run left. ConfigError
-        (one line naming pool.disk and the path) when it cannot be used; nothing is created."""
+        (one line naming pool.disk and the path) when it cannot be used; nothing is created. A
+        filesystem that is full or read-only now is no config error: the tier starts degraded
+        (disk_health.py) and serves what it re-indexed."""
         path = self.path
         if not os.path.isdir(path):
             raise ConfigError(f"pool.disk.path: {path} is not a directory (create it on a local filesystem)")
+        refused = ""
         try:
             direct = files.probe_direct_io(path)
         except OSError as exc:
-            raise ConfigError(f"pool.disk.path: {path} is not writable ({exc.strerror})") from None
-        if self.config.direct_io is True and not direct:
+            if files.error_kind(exc) not in DEGRADING_KINDS:  # permissions and the like: a restart won't help
+                raise ConfigError(f"pool.disk.path: {path} is not writable ({exc.strerror})") from None
+            # another program filled it, or it was remounted read-only: what a restart after a
+            # crash may meet, and must not be refused for (exit 2 stops systemd's restarts)
+            refused = f"{files.error_kind(exc)}: cannot write in {path}: {exc.strerror}"
+            direct = False  # unknown until a write succeeds: buffered I/O reads on any filesystem
+        self._direct_known = not refused
+        if self.config.direct_io is True and not direct and not refused:
             raise ConfigError(f"pool.disk.direct_io: the filesystem of {path} does not support O_DIRECT "
                               "(tmpfs?): use a local disk, or direct_io = \"auto\" or false")
         self.direct = direct and self.config.direct_io is not False
-        if not direct and self.config.direct_io == "auto":
+        if not direct and self.config.direct_io == "auto" and not refused:
             log.warning("pool.disk: the filesystem of %s does not support O_DIRECT: using buffered I/O", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -93,13 +103,10 @@ class DiskTier(SpillPromote, Persist):
             raise ConfigError(f"pool.disk.path: {path} is in use by another ecd daemon") from None
         self.dirfd = fd
         try:
+            if refused:
+                self.health.degrade(refused)
             self._reindex()
-            vfs = os.statvfs(path)
-            room = vfs.f_bavail * vfs.f_frsize + self.used
-            if room < self.capacity:
-                raise ConfigError(f"pool.disk.size: {path} has room for {format_size(room)} ({room} bytes, "
-                                  f"its records included), pool.disk.size is {format_size(self.capacity)}: "
-                                  "shrink it or free space")
+            self._check_room()
         except BaseException:
             self.close()
             raise
@@ -109,13 +116,28 @@ class DiskTier(SpillPromote, Persist):
         self.staging = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.staging_alloc = ExtentAllocator(size)
 
+    def _check_room(self) -> None:
+        """A budget larger than the filesystem is a config error; one larger than the room other
+        programs' files leave it now is only a warning (writes fail with ENOSPC once it is full):
+        those files are not this daemon's config, and must not stop it from starting."""
+        vfs = os.statvfs(self.path)
+        whole = (vfs.f_blocks - (vfs.f_bfree - vfs.f_bavail)) * vfs.f_frsize  # root's reserve is not ours
+        if whole < self.capacity:
+            raise ConfigError(f"pool.disk.size: {self.path} has room for {format_size(whole)} ({whole} bytes) "
+                              f"when empty, pool.disk.size is {format_size(self.capacity)}: shrink it")
+        room = vfs.f_bavail * vfs.f_frsize + self.used
+        if room < self.capacity:
+            log.warning("pool.disk.size: %s has room for %s now (its records included), pool.disk.size is %s: "
+                        "other files fill the filesystem; spills and write-throughs fail with ENOSPC once it is full",
+                        self.path, format_size(room), format_size(self.capacity))
+
     def _reindex(self) -> None:
         started = time.monotonic()
         names, temps = files.list_directory(self.path)
-        for name in temps:  # a crash mid-write: the record it was writing never existed
-            files.remove(self.path, name)
-        if temps:
-            log.info("pool.disk: removed %d unfinished write(s) of a previous run", len(temps))
+        # a crash mid-write: the record it was writing never existed
+        removed = sum(self._remove_at_start(name, "an unfinished write") for name in temps)
+        if removed:
+            log.info("pool.disk: removed %d unfinished write(s) of a previous run", removed)
         newest: dict[tuple[str, str], DiskRecord] = {}
         with ThreadPoolExecutor(8, thread_name_prefix="ecd-disk-scan") as pool:
             scanned = files.scan(self.path, names, pool)
@@ -126,14 +148,14 @@ class DiskTier(SpillPromote, Persist):
                     continue
                 self.counters["integrity_failures"] += 1
                 log.error("pool.disk: removing %s at start: %s", name, header)
-                files.remove(self.path, name)
+                self._remove_at_start(name, "a bad record")
                 continue
             record = DiskRecord(header, name, size, ready=True)
             k = (header.ns, header.key)
             other = newest.get(k)
             if other is not None:  # two records of one key: a crash between a write and a removal
                 older, record = sorted((other, record), key=lambda r: (r.header.epoch, r.header.sequence))
-                files.remove(self.path, older.name)
+                self._remove_at_start(older.name, "an older record of a key")
             newest[k] = record
             # (epoch, sequence) orders a key's records: this run's must come after every one on
             # disk even if the wall clock (the epoch's source) stepped back since
@@ -141,7 +163,7 @@ class DiskTier(SpillPromote, Persist):
         # least recently written first: the LRU order a restart can know
         for record in sorted(newest.values(), key=lambda r: r.header.written_ns):
             if self.used + record.size > self.capacity and not record.persisted:
-                files.remove(self.path, record.name)  # the budget shrank: oldest spills go first
+                self._remove_at_start(record.name, "a spill over the budget")  # oldest spills go first
                 continue
             self.records[(record.header.ns, record.header.key)] = record
             self.used += record.size
@@ -151,6 +173,20 @@ class DiskTier(SpillPromote, Persist):
             log.info("pool.disk: re-indexed %d record(s), %s, in %.3fs", self.loaded, format_size(self.used),
                      self.load_s)
 
+    def _remove_at_start(self, name: str, what: str) -> bool:
+        """Remove a file the re-index does not keep. A failure (a read-only filesystem) is counted
+        and never a reason not to start: the file, not indexed, is removed once the tier takes
+        writes again (_recovered; an older record of a key left behind would otherwise come back
+        at a later start once the newer one is deleted)."""
+        try:
+            files.remove(self.path, name)
+            return True
+        except OSError as exc:
+            self._count_error(files.DiskIOError(files.error_kind(exc), f"{name}: {exc.strerror}"),
+                              f"cannot remove {what} at start")
+            self._unremoved.append(name)
+            return False
+
     def attach(self, store: "Store", loop: asyncio.AbstractEventLoop, segments: list[Any]) -> None:
         """Serve: the store consults this tier from now on; re-indexed keys become present."""
         self.store, self.loop, self.segments = store, loop, segments
@@ -159,9 +195,33 @@ class DiskTier(SpillPromote, Persist):
         store.disk = self
         for (ns, key) in self.records:
             store.ring.publish(key_hash(ns, key), 0)
+        self.health.attach(loop, lambda: self.executor, self._recovered)
+
+    def _recovered(self, direct: bool) -> None:
+        """A probe write succeeded after the tier was degraded: the files the start or a removal
+        could not remove go now; a tier that started degraded did not know whether the filesystem takes
+        O_DIRECT (it used buffered I/O, which reads anywhere): now it does."""
+        if self._unremoved:
+            self._unlinks.extend(self._unremoved)
+            self._unremoved = []
+            if self._unlinks_done is None:
+                assert self.loop is not None
+                self._unlinks_done = self.loop.create_future()
+            if not self._unlinking:
+                self._next_removals()
+        if self._direct_known:
+            return
+        self._direct_known = True
+        if self.config.direct_io is True and not direct:
+            log.error("pool.disk.direct_io: the filesystem of %s does not support O_DIRECT: the disk tier goes "
+                      "on with buffered I/O (use a local disk, or direct_io = \"auto\" or false)", self.path)
+        elif not direct and self.config.direct_io == "auto":
+            log.warning("pool.disk: the filesystem of %s does not support O_DIRECT: using buffered I/O", self.path)
+        self.direct = direct and self.config.direct_io is not False
 
     def close(self) -> None:
         """Wait for the worker threads (they read and write the pools: before those are unmapped)."""
+        self.health.close()
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # queued work finishes: it holds no lease to lose
             self.executor = None
@@ -193,5 +253,6 @@ class DiskTier(SpillPromote, Persist):
         return DiskStats(self.path, self.direct, self.capacity, self.used, len(self.records),
                          sum(1 for r in self.records.values() if r.persisted), self.counters["spills"],
                          self.counters["promotions"], self.writes, staged, self.counters["integrity_failures"],
-                         dict(self.errors), dict(self.dropped), self.loaded, self.load_s)
+                         dict(self.errors), dict(self.dropped), self.loaded, self.load_s, self.health.reason,
+                         self.health.seconds())
 

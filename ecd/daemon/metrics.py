@@ -243,6 +243,9 @@ def disk_metrics(disk) -> Iterator:
     yield GaugeMetricFamily("ecd_disk_used_bytes", "Bytes of records on disk (headers and padding included)",
                             value=disk.used)
     yield GaugeMetricFamily("ecd_disk_entries", "Records on disk (spilled and persisted)", value=len(disk.records))
+    yield GaugeMetricFamily("ecd_disk_degraded", "1 while the disk tier's filesystem refuses writes (full or "
+                            "read-only: records still served, writes fail, probed every second), else 0",
+                            value=1 if disk.health.degraded else 0)
     yield GaugeMetricFamily("ecd_disk_writes_in_flight", "Spills and write-throughs being written", value=disk.writes)
     yield GaugeMetricFamily("ecd_disk_spill_buffer_bytes", "Evicted bytes waiting in RAM for their spill",
                             value=disk.staging_alloc.used if disk.staging_alloc is not None else 0)

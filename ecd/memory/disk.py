@@ -25,6 +25,7 @@ buffer (an anonymous mmap: page-aligned).
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import struct
@@ -174,29 +175,38 @@ def address_of(view: memoryview) -> int:
 # ---- the directory ------------------------------------------------------------------------
 
 def probe_direct_io(path: str) -> bool:
-    """Whether files in `path` take O_DIRECT (open and one aligned write); OSError other than
-    EINVAL (unwritable, full) propagates. Leaves nothing behind."""
+    """Whether files in `path` take O_DIRECT, having checked that they take a write at all: one
+    aligned block written (O_DIRECT where the open and the write take it, else buffered), fsync'd
+    (a delayed-allocation filesystem may report ENOSPC only then) and removed. OSError other than
+    O_DIRECT's EINVAL (full, read-only, permission) propagates. Leaves nothing behind."""
     probe = os.path.join(path, f".ecd-direct-probe-{os.getpid()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    direct = True
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        fd = os.open(probe, flags | os.O_DIRECT, 0o600)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    try:
-        block = mmap.mmap(-1, HEADER_UNIT)
-        try:
-            os.pwrite(fd, block, 0)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
+        if exc.errno != errno.EINVAL:
             raise
+        direct = False  # the write below still checks the filesystem takes one
+        fd = os.open(probe, flags, 0o600)
+    try:
+        block = mmap.mmap(-1, HEADER_UNIT)  # page-aligned
+        try:
+            try:
+                os.pwrite(fd, block, 0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not direct:
+                    raise
+                direct = False
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                os.pwrite(fd, block, 0)
+            os.fsync(fd)
         finally:
             block.close()
-        return True
+        return direct
     finally:
         os.close(fd)
-        os.unlink(probe)
+        _unlink_quietly(probe)
 
 
 def _open_write(path: str, direct: bool) -> int:
@@ -480,19 +490,19 @@ def remove(directory: str, name: str) -> None:
         pass
 
 
-def remove_durably(directory: str, dirfd: int, names: list[str]) -> list[DiskIOError]:
+def remove_durably(directory: str, dirfd: int, names: list[str]) -> list[tuple[str, DiskIOError]]:
     """Unlink records, then fsync the directory once (the removals survive a power cut); the
-    failures, one per name (or for the fsync) that failed."""
+    failures: (name, error) per name that failed, ("", error) for the fsync."""
     errors = []
     for name in names:
         try:
             remove(directory, name)
         except OSError as exc:
-            errors.append(DiskIOError(error_kind(exc), f"cannot remove {name}: {exc.strerror}"))
+            errors.append((name, DiskIOError(error_kind(exc), f"cannot remove {name}: {exc.strerror}")))
     try:
         os.fsync(dirfd)
     except OSError as exc:
-        errors.append(DiskIOError(error_kind(exc), f"cannot sync the removal of {len(names)} record(s): {exc.strerror}"))
+        errors.append(("", DiskIOError(error_kind(exc), f"cannot sync {len(names)} removal(s): {exc.strerror}")))
     return errors
 
 
