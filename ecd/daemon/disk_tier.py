@@ -2,7 +2,8 @@
 puts, and the warm restart that re-indexes it. The loop's side; the files and the blocking I/O
 are ecd/memory/disk.py, which runs only on this tier's worker threads. By job: the record set and
 what every flow does to it (disk_records.py), spill and promote (disk_spill.py), write-through
-(disk_persist.py); start-up, re-index, shutdown and stats here.
+(disk_persist.py), whether the filesystem takes writes (disk_health.py); start-up, re-index,
+shutdown and stats here.
 
 What it keeps: `records`, one DiskRecord per (namespace, key) whose bytes are on disk or on their
 way there, in LRU order (first: least recently used), and the bytes they take (`used`, within
@@ -31,7 +32,10 @@ Flows (each a task on the loop; disk I/O only in the executor, completions back 
   wins. Bytes are checked on promotion (a restart reads headers only: seconds for 10k records).
 Faults (ENOSPC, EIO, EROFS, files deleted or truncated behind the daemon's back) fail the one
 operation, are counted by kind and logged (the first of a kind as a warning), and the daemon
-keeps serving from memory.
+keeps serving from memory. A full or read-only filesystem also marks the tier degraded until a
+probe write succeeds (disk_health.py); met at start, it is no reason not to start (a restart
+after a crash must not stay down because another program filled the disk: exit 2 is never
+retried by systemd): the records are re-indexed and served.
 """
 from __future__ import annotations
 
