@@ -153,6 +153,8 @@ class TcpTransport(Transport):
         self._threads: set[threading.Thread] = set()
         self._gate: DataGate | None = None
         self.refusals: dict[str, int] = {}  # connections the owner turned away, by reason (tests, stats)
+        self._unreported: dict[str, int] = {}  # of those, not yet passed to on_sent
+        self._report_posted = False
         self._segments: Callable[[int], Any] | None = None
         self._on_sent: OnSent | None = None
         self.connections_opened = 0  # data connections this puller opened (tests, stats)
@@ -192,16 +194,39 @@ class TcpTransport(Transport):
             thread = threading.Thread(target=self._serve_conn, args=(conn, first), name="ecd-data-send",
                                       daemon=True)
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the gate closes the connection
+            with self._lock:
+                self._threads.discard(thread)
+                self._active.discard(conn)
+            return False
         return True
 
     def _refused(self, reason: str) -> None:
         """From the gate: a connection turned away before any token was taken. Counted here and,
-        through on_sent with no grants, in the daemon's transfer failures as serve_<reason>."""
+        through on_sent with no grants, in the daemon's transfer failures as serve_<reason>. One
+        wake-up of the loop at a time carries all counted since: a flood of connections must not
+        become a flood of callbacks on the loop that serves every client."""
         with self._lock:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
-        if self._on_sent is not None and self._loop is not None:
-            self._report([], 0, reason)
+            self._unreported[reason] = self._unreported.get(reason, 0) + 1
+            if self._report_posted or self._on_sent is None or self._loop is None:
+                return
+            self._report_posted = True
+        try:
+            self._loop.call_soon_threadsafe(self._report_refusals)
+        except RuntimeError:  # the loop is closed: the daemon is gone
+            pass
+
+    def _report_refusals(self) -> None:
+        """On the loop: what the gate turned away since the last report."""
+        with self._lock:
+            counts, self._unreported, self._report_posted = self._unreported, {}, False
+        assert self._on_sent is not None
+        for reason, n in counts.items():
+            for _ in range(n):
+                self._on_sent([], 0, reason)
 
     def _serve_conn(self, conn: socket.socket, first: bytes) -> None:
         """One data connection, all its transfers, until the puller closes it or it idles out.

@@ -65,6 +65,8 @@ class _Pending:
 
 
 class DataGate:
+    """The gate's thread and the connections it holds (see the module's docstring)."""
+
     def __init__(self, listener: socket.socket, grants: GrantTable, tls: TlsConfig | None, timeout: float,
                  max_pending: int, admit: Callable[[socket.socket, bytes], bool],
                  count: Callable[[str], None], stop: threading.Event) -> None:
@@ -109,12 +111,16 @@ class DataGate:
                 for key, _ in self._selector.select(wait):
                     if key.fileobj is self.listener:
                         self._accept()
-                    elif key.fileobj is not self._wake_r:
-                        self._advance(key.data)
+                    elif key.data in self._pending:  # (not one shed earlier in this batch)
+                        try:
+                            self._advance(key.data)
+                        except Exception:  # noqa: BLE001 - a bug costs this connection, not the port
+                            log.exception("data connection dropped: the gate failed on it")
+                            self._drop(key.data, None)
                 now = time.monotonic()
                 while self._pending and next(iter(self._pending)).deadline <= now:
                     self._drop(next(iter(self._pending)), "handshake_timeout")
-        except Exception:  # noqa: BLE001 - a bug here must not leave the port accepting into the void
+        except Exception:  # noqa: BLE001 - logged; the listener is closed below, so pullers fail fast
             log.exception("the data port's gate failed; no new data connections are served")
         finally:
             for pending in list(self._pending):
@@ -139,17 +145,18 @@ class DataGate:
                 return  # ECONNABORTED and the like: the next wake tries again
             if len(self._pending) >= self.max_pending:
                 self._drop(next(iter(self._pending)), "shed")
+            sock = conn
             try:
                 tune(conn)
                 conn.setblocking(False)
-                sock = conn
                 if self.tls is not None:
                     sock = self.tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 pending = _Pending(sock, time.monotonic() + self.timeout, handshaken=self.tls is None)
                 self._selector.register(sock, selectors.EVENT_READ, pending)
             except (OSError, ValueError) as exc:
                 log.debug("data connection dropped on accept: %s", exc)
-                conn.close()
+                sock.close()
+                conn.close()  # detached by wrap_socket (a no-op then), else the same socket
                 continue
             self._pending[pending] = None
 

@@ -122,11 +122,15 @@ def test_hogged_data_port_still_serves_honest_fetches(cluster, how):
 
 
 class DirectLoop:
+    """Stands in for the event loop: callbacks run at once, on the transport's thread."""
+
     def __init__(self) -> None:
         self.reports: list[tuple[int, int, str | None]] = []
 
     def call_soon_threadsafe(self, fn, *args) -> None:
-        grants, sent, failure = args
+        fn(*args)
+
+    def on_sent(self, grants, sent, failure) -> None:
         self.reports.append((len(grants), sent, failure))
 
 
@@ -148,7 +152,7 @@ def test_gate_admits_only_live_tokens_in_process(tmp_path, tls):
     segment = bytearray(os.urandom(1 << 20))
     loop = DirectLoop()
     owner = TcpTransport("127.0.0.1", 0, max_inflight=1, io_timeout=3.0, loop=loop, tls=owner_tls)
-    port = owner.serve(lambda pool: segment, lambda *a: None)[1]
+    port = owner.serve(lambda pool: segment, loop.on_sent)[1]
     hogs: list[socket.socket] = []
     try:
         for i in range(HOGS):
@@ -188,9 +192,10 @@ def test_gate_admits_only_live_tokens_in_process(tmp_path, tls):
 
 def test_handshaking_connections_are_bounded(tmp_path):
     """Past max_handshaking the oldest unauthenticated connection is closed for the new one."""
-    owner = TcpTransport("127.0.0.1", 0, max_inflight=1, io_timeout=3.0, loop=DirectLoop())
+    loop = DirectLoop()
+    owner = TcpTransport("127.0.0.1", 0, max_inflight=1, io_timeout=3.0, loop=loop)
     owner.max_handshaking = 8
-    port = owner.serve(lambda pool: bytearray(10), lambda *a: None)[1]
+    port = owner.serve(lambda pool: bytearray(10), loop.on_sent)[1]
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
     try:
         assert wait_for(lambda: owner.refusals.get("shed", 0) == 12, timeout=5), owner.refusals
@@ -200,3 +205,4 @@ def test_handshaking_connections_are_bounded(tmp_path):
         for s in socks:
             s.close()
         owner.close()
+    assert loop.reports.count((0, 0, "shed")) == 12  # each one counted through on_sent, as serve_shed
