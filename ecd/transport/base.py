@@ -68,6 +68,12 @@ class GrantTable:
         with self._lock:
             return self._grants.pop(token, None)
 
+    def __contains__(self, token: object) -> bool:
+        """Whether a token is live now, without taking it (tcp's gate: does a connection that has
+        not yet been served hold one?)."""
+        with self._lock:
+            return token in self._grants
+
     def __len__(self) -> int:
         return len(self._grants)
 
@@ -82,7 +88,9 @@ class PullItem:
     remote: int = 0  # nixl: the entry's address in the owner's registered pool (its offer's addr)
 
 
-OnSent = Callable[[list[Grant], int, "str | None"], None]  # (grants, bytes sent, failure reason or None)
+# (grants, bytes sent, failure reason or None). An empty list with a reason: a data connection
+# the transport turned away before any token was taken (tcp's gate), to be counted only.
+OnSent = Callable[[list[Grant], int, "str | None"], None]
 
 
 class Transport(abc.ABC):

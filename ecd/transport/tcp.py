@@ -20,8 +20,21 @@ sees a dead peer in 0.04 s, pyzmq reached half of that and hung 30 s on a SIGKIL
 peers: every blocking call has a timeout (no progress for `io_timeout`, and the transfer's
 deadline), TCP keepalive is on, and a peer that dies shows as EOF or a reset.
 
-Threads: an accept thread, one thread per data connection served, which lives as long as the
-connection and so serves all its transfers (at most `max_conns` at once; past it an idle
+Who gets served (the data port is open to anyone who can reach it; tokens are the only key): a
+new connection is held by the gate (tcp_gate.py: one thread, a selector, no thread per
+connection) until, within HANDSHAKE_TIMEOUT_S (1 s, or the I/O timeout if shorter) of its
+accept, it has finished the TLS handshake (with `cluster.tls`) and sent its first request's head
+and first token. Only a connection whose first token is live takes a served slot; one that
+stalls, sends garbage or a dead token is closed (a dead token answered status 1 first), and at
+most `max_handshaking` wait at once (the oldest goes for a new one). So connections that never
+present a token cannot take the slots honest transfers need (issue 23: one byte per connection
+used to hold a slot for the whole I/O timeout). The honest puller is unchanged: it sends its
+request in one piece right after connecting, so the gate costs it no round trip. What is turned
+away is counted (`refusals`, and the daemon's ecd_transfer_failures{reason="serve_<reason>"}:
+serve_handshake_timeout, serve_refused, serve_protocol, serve_shed, serve_busy).
+
+Threads: the gate (accepts too), one thread per data connection served, which lives as long as
+the connection and so serves all its transfers (at most `max_conns` at once; past it an idle
 connection is closed to make room, else the new one is: pullers retry through the control
 plane), and an executor of `max_inflight` threads for pulls. close() shuts every socket down and
 joins them, so no thread touches a pool mapping after it returns.
@@ -41,27 +54,17 @@ from typing import Any, Callable
 from ..listeners import bind_tcp_listener
 from ..peer_protocol import TOKEN_BYTES
 from .base import Grant, GrantTable, OnSent, PullItem, Transport, TransferError
+from .tcp_gate import ITEM_HEAD, MAGIC, MAX_TOKENS, REQUEST_HEAD, STATUS_BAD_TOKEN, STATUS_OK, DataGate, tune
 from .tls import TlsConfig, raw_shutdown
 
 log = logging.getLogger("ecd.transport")
 
-MAGIC = b"ECD2"
-REQUEST_HEAD = struct.Struct("!4sI")  # magic, token count
-ITEM_HEAD = struct.Struct("!BQ")  # status, nbytes
-STATUS_OK, STATUS_BAD_TOKEN = 0, 1
+__all__ = ["ITEM_HEAD", "MAGIC", "REQUEST_HEAD", "STATUS_BAD_TOKEN", "STATUS_OK", "TcpTransport"]
+
 CHUNK = 8 << 20  # sendall in pieces, so the timeout bounds a stall, not a whole large entry
-MAX_TOKENS = 16384  # limits.max_batch's default: a request head the owner reads is bounded
+HANDSHAKE_TIMEOUT_S = 1.0  # a new connection's TLS handshake and first request head, from accept
 IDLE_TIMEOUT_S = 60.0  # the owner closes a data connection idle this long
 POOL_IDLE_S = 30.0  # the puller reuses a pooled connection idle at most this long (< the owner's)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # request and heads go out at once
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    # keepalive probes after 5 s idle, every 2 s, 3 tries: a vanished host is seen in ~11 s
-    for opt, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, opt):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -132,7 +135,9 @@ class TcpTransport(Transport):
         self.grants = GrantTable()
         self.executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="ecd-pull")
         self.io_timeout = io_timeout
-        self.max_conns = max_inflight * 4
+        self.max_conns = max_inflight * 4  # served connections (threads), idle ones included
+        self.max_handshaking = max(64, self.max_conns * 8)  # connections the gate holds, unauthenticated
+        self.handshake_timeout = min(HANDSHAKE_TIMEOUT_S, io_timeout)
         self.max_pooled = max_inflight  # idle connections kept per peer
         self.idle_timeout = IDLE_TIMEOUT_S
         self.pool_idle = POOL_IDLE_S
@@ -146,7 +151,10 @@ class TcpTransport(Transport):
         self._waiting: set[socket.socket] = set()  # served connections between requests
         self._pool: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}  # idle, by owner
         self._threads: set[threading.Thread] = set()
-        self._accept_thread: threading.Thread | None = None
+        self._gate: DataGate | None = None
+        self.refusals: dict[str, int] = {}  # connections the owner turned away, by reason (tests, stats)
+        self._unreported: dict[str, int] = {}  # of those, not yet passed to on_sent
+        self._report_posted = False
         self._segments: Callable[[int], Any] | None = None
         self._on_sent: OnSent | None = None
         self.connections_opened = 0  # data connections this puller opened (tests, stats)
@@ -156,7 +164,6 @@ class TcpTransport(Transport):
     def bind(self) -> tuple[str, int]:
         """Bind now (start-up errors are reported before READY); serve() starts accepting."""
         listener = bind_tcp_listener(*self._bind, 128)
-        listener.settimeout(0.25)  # the accept thread notices close() this often
         self._listener = listener
         return listener.getsockname()[:2]
 
@@ -165,46 +172,70 @@ class TcpTransport(Transport):
             self.bind()
         assert self._listener is not None
         self._segments, self._on_sent = segments, on_sent
-        self._accept_thread = threading.Thread(target=self._accept, name="ecd-data-accept", daemon=True)
-        self._accept_thread.start()
-        return self._listener.getsockname()[:2]
+        self._gate = DataGate(self._listener, self.grants, self.tls, self.handshake_timeout, self.max_handshaking,
+                              self._admit, self._refused, self._stop)
+        address = self._listener.getsockname()[:2]
+        self._gate.start()
+        return address
 
-    def _accept(self) -> None:
-        listener = self._listener
-        while not self._stop.is_set() and listener is not None:
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    continue
-                if len(self._threads) >= self.max_conns:
-                    if not self._waiting:
-                        conn.close()  # over the cap, every connection busy: the puller sees EOF at once
-                        continue
-                    raw_shutdown(self._waiting.pop())  # make room: an idle one goes (its thread exits)
-                self._active.add(conn)
-                thread = threading.Thread(target=self._serve_conn, args=(conn,), name="ecd-data-send", daemon=True)
-                self._threads.add(thread)
-            thread.start()
-
-    def _serve_conn(self, conn: socket.socket) -> None:
-        """One data connection, all its transfers, until the puller closes it or it idles out."""
+    def _admit(self, conn: socket.socket, first: bytes) -> bool:
+        """From the gate: a new connection whose first request's first token is live. It gets a
+        served slot (a thread), making room by closing an idle served connection at the cap;
+        False when every served connection is mid-transfer (the gate closes it: the puller sees
+        EOF at once and retries through the control plane)."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            if len(self._threads) >= self.max_conns:
+                if not self._waiting:
+                    return False
+                raw_shutdown(self._waiting.pop())  # an idle one goes (its thread exits)
+            self._active.add(conn)
+            thread = threading.Thread(target=self._serve_conn, args=(conn, first), name="ecd-data-send",
+                                      daemon=True)
+            self._threads.add(thread)
         try:
-            _tune(conn)
-            if self.tls is not None:
-                raw = conn
-                raw.settimeout(self.io_timeout)
-                conn = self.tls.server.wrap_socket(raw, server_side=True)
-                with self._lock:
-                    self._active.discard(raw)
-                    self._active.add(conn)
-                self.tls.check_peer(conn)  # type: ignore[arg-type]
-            head = bytearray(REQUEST_HEAD.size)
+            thread.start()
+        except RuntimeError:  # no thread to be had: the gate closes the connection
+            with self._lock:
+                self._threads.discard(thread)
+                self._active.discard(conn)
+            return False
+        return True
+
+    def _refused(self, reason: str) -> None:
+        """From the gate: a connection turned away before any token was taken. Counted here and,
+        through on_sent with no grants, in the daemon's transfer failures as serve_<reason>. One
+        wake-up of the loop at a time carries all counted since: a flood of connections must not
+        become a flood of callbacks on the loop that serves every client."""
+        with self._lock:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            self._unreported[reason] = self._unreported.get(reason, 0) + 1
+            if self._report_posted or self._on_sent is None or self._loop is None:
+                return
+            self._report_posted = True
+        try:
+            self._loop.call_soon_threadsafe(self._report_refusals)
+        except RuntimeError:  # the loop is closed: the daemon is gone
+            pass
+
+    def _report_refusals(self) -> None:
+        """On the loop: what the gate turned away since the last report."""
+        with self._lock:
+            counts, self._unreported, self._report_posted = self._unreported, {}, False
+        assert self._on_sent is not None
+        for reason, n in counts.items():
+            for _ in range(n):
+                self._on_sent([], 0, reason)
+
+    def _serve_conn(self, conn: socket.socket, first: bytes) -> None:
+        """One data connection, all its transfers, until the puller closes it or it idles out.
+        `first`: its first request's head and first token, which the gate read."""
+        try:
+            _set_io_timeout(conn, self.io_timeout)
+            head = bytearray(first[:REQUEST_HEAD.size])
+            if not self._serve_request(conn, head, first[REQUEST_HEAD.size:]):
+                return
             while not self._stop.is_set():
                 with self._lock:
                     self._waiting.add(conn)
@@ -221,8 +252,8 @@ class TcpTransport(Transport):
                 _set_io_timeout(conn, self.io_timeout)
                 if not self._serve_request(conn, head):
                     return
-        except (ssl.SSLError, OSError) as exc:  # the handshake failed: a peer we do not pin, or not TLS
-            log.warning("data connection refused: %s", exc)
+        except OSError as exc:
+            log.debug("data connection failed: %s", exc)
         finally:
             with self._lock:
                 self._active.discard(conn)
@@ -230,18 +261,21 @@ class TcpTransport(Transport):
                 self._threads.discard(threading.current_thread())
             conn.close()
 
-    def _serve_request(self, conn: socket.socket, head: bytearray) -> bool:
-        """One transfer (head[0] already read); True when the connection may serve another."""
+    def _serve_request(self, conn: socket.socket, head: bytearray, first_token: bytes = b"") -> bool:
+        """One transfer; True when the connection may serve another. `head`: its first byte read
+        (on a reused connection), or the whole head with `first_token` (from the gate)."""
         taken: list[Grant] = []
         sent, failure = 0, None
         try:
             deadline = time.monotonic() + self.io_timeout
-            _recv_exact(conn, memoryview(head)[1:], deadline, self.io_timeout)
+            if not first_token:
+                _recv_exact(conn, memoryview(head)[1:], deadline, self.io_timeout)
             magic, count = REQUEST_HEAD.unpack(head)
             if magic != MAGIC or not 0 < count <= MAX_TOKENS:
                 raise TransferError("protocol", "not an ecd data request")
             tokens = bytearray(count * TOKEN_BYTES)
-            _recv_exact(conn, memoryview(tokens), deadline, self.io_timeout)
+            tokens[:len(first_token)] = first_token
+            _recv_exact(conn, memoryview(tokens)[len(first_token):], deadline, self.io_timeout)
             grants = [self.grants.take(bytes(tokens[i:i + TOKEN_BYTES]))
                       for i in range(0, len(tokens), TOKEN_BYTES)]
             taken = [g for g in grants if g is not None]
@@ -337,7 +371,7 @@ class TcpTransport(Transport):
         except OSError as exc:
             raise TransferError("connection", f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         try:
-            _tune(sock)
+            tune(sock)
             if self.tls is not None:
                 sock.settimeout(wait)
                 try:
@@ -395,6 +429,8 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         self._stop.set()
+        if self._gate is not None:
+            self._gate.close()  # no new connection is admitted after this
         if self._listener is not None:
             self._listener.close()
         with self._lock:
@@ -407,6 +443,4 @@ class TcpTransport(Transport):
             self._drop(sock)
         for thread in threads:
             thread.join(5.0)
-        if self._accept_thread is not None:
-            self._accept_thread.join(5.0)
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -30,6 +30,8 @@ class DirectLoop:
         self.reports: list[tuple[int, int, str | None]] = []
 
     def call_soon_threadsafe(self, fn, *args) -> None:
+        if not args:  # the data port's gate reporting connections it turned away: not a transfer
+            return
         grants, sent, failure = args
         self.reports.append((len(grants), sent, failure))
 
