@@ -185,8 +185,9 @@ class Cluster:
             if self.server is not None:
                 self.server.reap()
 
-    def fetch(self, ns: str, keys: list[str], peer: str, timeout_s: float) -> "asyncio.Task[list[bool]]":
-        """Start a client's Fetch; RequestError now for a bad request or an unknown peer."""
+    def fetch(self, ns: str, keys: list[str], peer: str, timeout_s: float) -> "asyncio.Task[list[str]]":
+        """Start a client's Fetch: its task's result is per key "" (local now) or why not (a
+        FAILURE_REASONS label or "not_found"). RequestError now for a bad request or an unknown peer."""
         assert self.fetcher is not None
         check_fetch(self.d.store, ns, keys)
         links = self.links.resolve(peer)
