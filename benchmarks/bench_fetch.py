@@ -114,7 +114,9 @@ def main() -> int:
     pool = f"{max(sizes) * 2 // (1 << 20) + 64}MiB"
 
     def cluster(listen: str, peer: str) -> str:
+        # insecure: a benchmark pair on loopback, without CURVE (any local user could fetch from it)
         return (f'\n[cluster]\nlisten = "{listen}"\ndata_listen = "tcp://127.0.0.1:0"\npeers = ["{peer}"]\n'
+                'insecure = true\n'
                 f'\n[pool.host]\nsize = "{pool}"\n')
     os.makedirs(f"{work}/a")
     os.makedirs(f"{work}/b")

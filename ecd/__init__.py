@@ -17,6 +17,9 @@ def __getattr__(name: str):
     if name == "ControlClient":
         from .client.control import ControlClient
         return ControlClient
+    if name == "FetchOutcome":
+        from .client.control import FetchOutcome
+        return FetchOutcome
     raise AttributeError(f"module 'ecd' has no attribute {name!r}")
 
 
@@ -24,4 +27,4 @@ __all__ = ["Client", "AuthenticationFailed", "EcdError", "KeyNotFound", "PoolFul
            "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
            "__version__", "IntegrityError"]
 __all__ += ["QuotaExceeded", "PersistFailed"]
-__all__ += ["ControlClient"]
+__all__ += ["ControlClient", "FetchOutcome"]

@@ -295,6 +295,9 @@ class MetricsSection(_Section):
 _TCP_ENDPOINT = re.compile(r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>\d{1,5})")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
 def split_tcp_endpoint(endpoint: str) -> tuple[str, int] | None:
     """(host, port) of "tcp://HOST:PORT" (IPv6 in brackets), or None when it is not one."""
     match = _TCP_ENDPOINT.fullmatch(endpoint)
@@ -327,7 +330,11 @@ class ClusterSection(_Section):
     curve_secret_key: str = ""
     curve_allowed_keys: str = ""
     peer_keys: dict[str, str] = msgspec.field(default_factory=dict)
-    insecure: bool = False  # allow a non-loopback listen without CURVE
+    # Run the peer plane WITHOUT authentication: any process that can reach `listen` (on loopback,
+    # every local user, whatever its uid or group) can look up and read every entry: the one-time
+    # data tokens go to whoever asks. Without CURVE the daemon refuses to start unless this is
+    # true, on loopback too.
+    insecure: bool = False
     # TLS 1.3 on the data streams (mutual: pinned self-signed certificates, see
     # ecd/transport/tls.py). This node's certificate and key (`ecd keygen --tls`), and the
     # directory of the peers' certificates (*.crt) it admits and trusts. With CURVE set, each
@@ -355,7 +362,7 @@ class ClusterSection(_Section):
                    f"must be tcp://HOST:PORT, got {self.data_listen!r}")
         if self.advertise:
             where = split_tcp_endpoint(self.advertise)
-            _check(where is not None and where[1] > 0 and where[0] not in ("0.0.0.0", "::", "*"), "advertise",
+            _check(where is not None and where[1] > 0 and where[0] not in WILDCARD_HOSTS, "advertise",
                    f"must be tcp://HOST:PORT that other nodes can dial (no wildcard, no port 0), "
                    f"got {self.advertise!r}")
         for peer in self.peers:
@@ -397,6 +404,14 @@ class ClusterSection(_Section):
             host = f"[{host}]" if ":" in host else host
             self.data_listen = f"tcp://{host}:{port + 1 if port else 0}"
             _check(port < 65535, "data_listen", "listen's port is 65535: give data_listen explicitly")
+        if self.listen and self.transport == "tcp":
+            # Peers dial the data port at the host they reach `listen` by, and refuse a welcome
+            # that names another (a peer must not steer their daemon to connect elsewhere).
+            data_host = split_tcp_endpoint(self.data_listen)[0]  # type: ignore[index]
+            listen_host = split_tcp_endpoint(self.listen)[0]  # type: ignore[index]
+            _check(data_host in (listen_host, *WILDCARD_HOSTS), "data_listen",
+                   f"must be on listen's host ({listen_host}) or a wildcard: peers dial the data port at "
+                   f"the host they reach listen by, got {self.data_listen!r}")
 
     @property
     def enabled(self) -> bool:
@@ -483,15 +498,22 @@ def check_control_policy(config: Config) -> None:
 
 
 def check_cluster_policy(config: Config) -> None:
-    """Start-time rule for the peer plane, as for control: a `cluster.listen` reachable from the
-    network needs CURVE (peers authenticate each other both ways), or `insecure = true`."""
+    """Start-time rule for the peer plane: `cluster.listen` needs CURVE (peers authenticate each
+    other both ways, so only allowed peers get the one-time data tokens), or an explicit
+    `insecure = true`.
+    Loopback is no exception: every local user can reach it, whatever its uid or group."""
     cluster = config.cluster
-    if cluster.enabled and not endpoint_is_loopback(cluster.listen) and not cluster.curve and not cluster.insecure:
-        raise ConfigError(f"cluster.listen: {cluster.listen} is not a loopback address: set "
+    if cluster.enabled and not cluster.curve and not cluster.insecure:
+        raise ConfigError(f"cluster.listen: {cluster.listen} has no authentication: set "
                           "cluster.curve_secret_key and cluster.curve_allowed_keys (CURVE), or "
-                          "cluster.insecure = true to serve peers without authentication")
+                          f"cluster.insecure = true, under which {INSECURE_CLUSTER_OPENS}")
     if cluster.peers and not cluster.enabled:
         raise ConfigError("cluster.peers: set cluster.listen too (peers answer on it)")
+
+
+# What `[cluster] insecure = true` opens, said in the refusal and in the daemon's start-up warning.
+INSECURE_CLUSTER_OPENS = ("any process that can reach the peer port (on loopback: every local user) "
+                          "can look up and read every entry")
 
 
 _PATH_IN_MESSAGE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)

@@ -332,7 +332,8 @@ class Fetch(_Msg, tag="fetch"):
     """Make these keys local: pull the absent ones from a peer daemon ([cluster]). `peer`: a
     peer's endpoint (tcp://HOST:PORT) or node name; "" asks the configured peers, first holder
     wins. Answered with `flags`: per key, whether it is local now (already local counts). The
-    daemon answers within timeout_s (0: cluster.fetch_timeout)."""
+    daemon answers within timeout_s (0: cluster.fetch_timeout), with `reasons`: why each key that
+    is not local is not."""
 
     id: int
     ns: str
@@ -405,10 +406,15 @@ class Committed(_Msg, tag="committed"):
 
 
 class Flags(_Msg, tag="flags"):
-    """Per-key booleans: Exists (present), Delete (was present), Unpin (was pinned)."""
+    """Per-key booleans: Exists (present), Delete (was present), Unpin (was pinned), Fetch (local
+    now)."""
 
     id: int
     values: list[bool]
+    # Fetch only: per key "" where the value is true, else why not: "not_found" (no peer asked
+    # holds it), or the label ecd_transfer_failures_total counts it under ("timeout",
+    # "connection", "refused", "checksum", "pool_full", ...). Empty from a daemon older than it.
+    reasons: list[str] = []
 
 
 class StatsReply(_Msg, tag="stats_reply"):

@@ -19,6 +19,7 @@ Welcome: a small daemon thread then pings when the client has been idle that lon
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -48,6 +49,41 @@ _NOT_REQUESTABLE = (Hello, Bye, Report)
 # it plus the client's own timeout.
 FETCH_DEFAULT_TIMEOUT_S = 30.0
 _Self = typing.TypeVar("_Self", bound="ControlClient")  # `with Client(...) as c`: c is a Client
+
+
+# What each reason a fetch gives means (FetchOutcome.message); the labels are the daemon's
+# (ecd/daemon/fetch.py), the same ecd_transfer_failures_total counts.
+FETCH_REASONS = {
+    "not_found": "no peer asked holds it",
+    "timeout": "the peer did not answer, or the transfer did not finish, within the fetch's timeout",
+    "connection": "the data connection to the owner failed (owner stopped or died mid-transfer?)",
+    "refused": "the peer refused this node (CURVE key, TLS certificate, transport or a spent token)",
+    "data_host": "the peer announced its data port at another host than the one dialled: refused",
+    "protocol": "the peer answered something malformed",
+    "checksum": "the bytes did not match the owner's checksum: dropped",
+    "pool_full": "no room for it in the local pool",
+    "invalid": "the local daemon refused to allocate it",
+    "lookup_refused": "the peer refused the lookup",
+    "lookup_failed": "the lookup failed inside the local daemon (see its log)",
+    "commit_refused": "the local daemon refused to commit the bytes it received",
+    "shutdown": "the local daemon is shutting down",
+    "unknown": "not local (the daemon is older than per-key reasons)",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """One key of fetch_detailed(): true when it is local now; false with the reason why not."""
+    key: str
+    local: bool
+    reason: str  # "" when local, else a FETCH_REASONS label
+
+    def __bool__(self) -> bool:
+        return self.local
+
+    @property
+    def message(self) -> str:
+        return FETCH_REASONS.get(self.reason, self.reason) if self.reason else "local"
 
 
 def _key_list(keys: str | Sequence[str]) -> tuple[list[str], bool]:
@@ -339,7 +375,16 @@ class ControlClient:
         configured peers, first holder wins. `timeout` bounds the whole fetch (the daemon caps it
         at its cluster.fetch_timeout); a key not fetched by then is False. DaemonUnavailable when the
         local daemon does not answer within timeout plus this client's own timeout;
-        InvalidRequest for a daemon without a peer plane or a peer it does not know."""
+        InvalidRequest for a daemon without a peer plane or a peer it does not know.
+        fetch_detailed() says, per key, why it is not local."""
+        outcomes = self.fetch_detailed(keys, peer, timeout)
+        return outcomes.local if isinstance(outcomes, FetchOutcome) else [o.local for o in outcomes]
+
+    def fetch_detailed(self, keys: str | Sequence[str], peer: str | None = None,
+                       timeout: float = FETCH_DEFAULT_TIMEOUT_S) -> "FetchOutcome | list[FetchOutcome]":
+        """fetch(), answered per key with a FetchOutcome: true when the key is local now, else
+        false with the reason (`reason`: "not_found", "timeout", "connection", "refused",
+        "checksum", "pool_full", ...; `message` explains it). Same arguments and errors."""
         keys, single = _key_list(keys)
         _check_encodable("key", keys)
         if peer is not None and not isinstance(peer, str):
@@ -350,9 +395,11 @@ class ControlClient:
             raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
         reply: Flags = self._call(Fetch(next(self._ids), self.namespace, keys, peer or "", float(timeout)),
                                   float(timeout))
-        values = list(reply.values)
-        self._fetched(self.namespace, [k for k, v in zip(keys, values) if v])
-        return values[0] if single else values
+        reasons = reply.reasons if len(reply.reasons) == len(keys) else [""] * len(keys)  # an older daemon
+        outcomes = [FetchOutcome(key, bool(local), "" if local else (why or "unknown"))
+                    for key, local, why in zip(keys, reply.values, reasons)]
+        self._fetched(self.namespace, [o.key for o in outcomes if o.local])
+        return outcomes[0] if single else outcomes
 
     def _fetched(self, ns: str, keys: list[str]) -> None:
         """These keys are local now: a control client caches nothing about them."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from ..config import ClusterSection, split_tcp_endpoint
+from ..config import INSECURE_CLUSTER_OPENS, ClusterSection, split_tcp_endpoint
 from ..errors import ConfigError
 from ..protocol import PeerState
 from ..transport import Transport, make_transport
@@ -39,7 +39,7 @@ log = logging.getLogger("ecd.peers")
 # 1 ms .. 60 s: a fetch is a few round trips plus the bytes (16 MiB ~ 5-10 ms on loopback)
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAILURE_REASONS = ("timeout", "connection", "refused", "protocol", "checksum", "pool_full", "invalid",
-                   "lookup_refused", "lookup_failed", "commit_refused", "shutdown")
+                   "lookup_refused", "lookup_failed", "commit_refused", "shutdown", "data_host")
 MAX_LABELS = 256  # peer labels kept in counters: node names are the peers' claims
 
 
@@ -103,7 +103,8 @@ class Cluster:
         peer_keys = loaded[1] if loaded else {}
         self._ids = itertools.count(1)
         self.transport: Transport = self._make_transport()
-        self.data_address: tuple[str, int] = ("", 0)
+        self.data_address: tuple[str, int] = ("", 0)  # what peers are told (peer_welcome)
+        self.data_bound: tuple[str, int] = ("", 0)  # where the data listener is bound
         self.listen = self.config.listen
         self.advertised = self.config.advertise or self.listen
         self._router: Any = None
@@ -154,8 +155,11 @@ class Cluster:
         except OSError as exc:
             raise ConfigError(f"cluster.data_listen: cannot bind {self.config.data_listen}: "
                               f"{exc.strerror or exc}") from None
-        # Announce a wildcard bind as "": peers then use the host they dialled for control.
-        self.data_address = ("" if host in ("0.0.0.0", "::") else host, port)
+        self.data_bound = (host, port)
+        # Announce "": peers dial the data port at the host they dialled for control, and refuse
+        # any other host (peer_links.py). The config keeps data_listen on listen's host or a
+        # wildcard, so that host reaches the data listener.
+        self.data_address = ("", port)
         if self.transport.name == "nixl":
             # UCX listens by itself (its address is in the agent metadata): what peers get only
             # names this daemon, as the key of its metadata; the control port is unique on its host.
@@ -170,7 +174,10 @@ class Cluster:
         self.links.configure(list(self.config.peers), self.links.peer_keys)
         self._tasks = [loop.create_task(self.server.run()), loop.create_task(self._reap())]
         log.info("peer plane on %s (data: %s:%d, transport %s), %d configured peer(s)", self.listen,
-                 self.data_address[0] or "*", self.data_address[1], self.transport.name, len(self.config.peers))
+                 self.data_bound[0] or "*", self.data_bound[1], self.transport.name, len(self.config.peers))
+        if self.curve is None:  # check_cluster_policy admitted it only with insecure = true
+            log.warning("cluster.insecure = true: the peer plane on %s has no authentication: %s",
+                        self.listen, INSECURE_CLUSTER_OPENS)
 
     async def _reap(self) -> None:
         while True:
@@ -178,8 +185,9 @@ class Cluster:
             if self.server is not None:
                 self.server.reap()
 
-    def fetch(self, ns: str, keys: list[str], peer: str, timeout_s: float) -> "asyncio.Task[list[bool]]":
-        """Start a client's Fetch; RequestError now for a bad request or an unknown peer."""
+    def fetch(self, ns: str, keys: list[str], peer: str, timeout_s: float) -> "asyncio.Task[list[str]]":
+        """Start a client's Fetch: its task's result is per key "" (local now) or why not (a
+        FAILURE_REASONS label or "not_found"). RequestError now for a bad request or an unknown peer."""
         assert self.fetcher is not None
         check_fetch(self.d.store, ns, keys)
         links = self.links.resolve(peer)

@@ -11,7 +11,9 @@ For a `Fetch` request (a client asks its local daemon), on the event loop:
    thread, and the same thread checks each against the owner's xxh3-64 checksum;
 4. back on the loop, each key is committed (READY, a PUBLISHED ring event, parked gets woken)
    only when its bytes arrived whole and matched; anything else is aborted (nothing visible) and
-   counted by reason, and tokens the transfer did not use are released at the owner. Over nixl
+   counted by reason, and tokens the transfer did not use are released at the owner.
+The answer is, per key, "" (local now) or why not: a FAILURE_REASONS label (cluster.py), the
+same the failure counters use, or "not_found" (every peer asked answered, none holds it). Over nixl
    the owner never sees its bytes leave (one-sided READs): after a READ the puller sends
    `peer_done` for its tokens, and the owner gives those leases back.
 A transfer is never abandoned while its thread may still write: the loop waits for the thread,
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ecd.peers")
 
+LOCAL = ""  # a fetch's answer for a key that is local now
+
 
 class Fetcher:
     def __init__(self, cluster: "Cluster") -> None:
@@ -55,21 +59,22 @@ class Fetcher:
         # a local extent being filled must never reach the store's write TTL
         return time.monotonic() + min(timeout, 0.9 * float(self.cluster.d.config.leases.write_ttl))
 
-    async def fetch(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> list[bool]:
+    async def fetch(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> list[str]:
+        """Per key "" (local now) or the reason it is not."""
         started = time.monotonic()
-        result = [False] * len(keys)
+        result = ["timeout"] * len(keys)
         mine: list[str] = []
         waits: list[tuple[int, asyncio.Future]] = []
         loop = self.cluster.d.loop
         for i, key in enumerate(keys):
             if self.store.is_local(ns, key):
-                result[i] = True
+                result[i] = LOCAL
             elif (ns, key) in self.inflight:
                 waits.append((i, self.inflight[(ns, key)]))
             else:
                 self.inflight[(ns, key)] = loop.create_future()
                 mine.append(key)
-        got: dict[str, bool] = {}
+        got: dict[str, str] = {}
         try:
             if mine:
                 got = await self._pull(ns, mine, links, deadline)
@@ -77,7 +82,7 @@ class Fetcher:
             for key in mine:
                 future = self.inflight.pop((ns, key))
                 if not future.done():
-                    future.set_result(got.get(key, False))
+                    future.set_result(got.get(key, "shutdown"))
         for i, key in enumerate(keys):
             if key in got:
                 result[i] = got[key]
@@ -86,22 +91,25 @@ class Fetcher:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     result[i] = await asyncio.shield(future)
             except TimeoutError:
-                result[i] = (ns, keys[i]) in self.store.index
+                result[i] = LOCAL if (ns, keys[i]) in self.store.index else "timeout"
         if mine:
             self.cluster.stats.fetch_latency.observe(time.monotonic() - started)
         return result
 
-    async def _pull(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> dict[str, bool]:
-        offers = await self._lookup(ns, keys, links, deadline)
+    async def _pull(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> dict[str, str]:
+        offers, lookup_failure = await self._lookup(ns, keys, links, deadline)
         by_link: dict[PeerLink, list[Offer]] = {}
+        got: dict[str, str] = {}
         for key in keys:
             if key in offers:
                 link, offer = offers[key]
                 by_link.setdefault(link, []).append(offer)
+            else:  # a peer that failed to answer may hold it: say so rather than "not_found"
+                got[key] = lookup_failure or "not_found"
         if len(by_link) == 1:  # one owner (the usual case): no gather
             (link, chosen), = by_link.items()
-            return await self._transfer(link, ns, chosen, deadline)
-        got: dict[str, bool] = {}
+            got.update(await self._transfer(link, ns, chosen, deadline))
+            return got
         results = await asyncio.gather(*(self._transfer(link, ns, chosen, deadline)
                                          for link, chosen in by_link.items()))
         for part in results:
@@ -109,25 +117,30 @@ class Fetcher:
         return got
 
     async def _lookup(self, ns: str, keys: list[str], links: list[PeerLink],
-                      deadline: float) -> dict[str, tuple[PeerLink, Offer]]:
+                      deadline: float) -> tuple[dict[str, tuple[PeerLink, Offer]], str | None]:
         """Ask every link at once; per key the first that holds it wins. Offers that lose, in
-        replies that come after we stopped waiting too, are released at their owner."""
+        replies that come after we stopped waiting too, are released at their owner. Returns the
+        offers chosen and why a link that did not answer with offers failed (None: all answered)."""
         cfg = self.cluster.config
         ttl = max(1.0, deadline - time.monotonic() + 1.0)
         chosen: dict[str, tuple[PeerLink, Offer]] = {}
+        failed: list[str] = []
         timeout = min(float(cfg.request_timeout), max(0.0, deadline - time.monotonic()))
+
+        def fail(reason: str, link: PeerLink) -> None:
+            self.cluster.stats.count_failure(reason, link)
+            failed.append(reason)
 
         def take(link: PeerLink, reply: Any, exc: BaseException | None) -> None:
             if exc is not None:
-                reason = exc.reason if isinstance(exc, PeerUnavailable) else "lookup_failed"
-                self.cluster.stats.count_failure(reason, link)
+                fail(exc.reason if isinstance(exc, PeerUnavailable) else "lookup_failed", link)
                 return
             if isinstance(reply, PeerError):
                 log.warning("peer %s refused a lookup: %s", link.endpoint, reply.message)
-                self.cluster.stats.count_failure("lookup_refused", link)
+                fail("lookup_refused", link)
                 return
             if not isinstance(reply, Leased) or len(reply.offers) != len(keys):
-                self.cluster.stats.count_failure("protocol", link)
+                fail("protocol", link)
                 return
             unused = []
             for key, offer in zip(keys, reply.offers):
@@ -146,7 +159,7 @@ class Fetcher:
                 take(links[0], None, exc)
             else:
                 take(links[0], reply, None)
-            return chosen
+            return chosen, (failed[0] if failed else None)
 
         def take_task(task: asyncio.Task) -> None:
             if not task.cancelled():
@@ -160,12 +173,12 @@ class Fetcher:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task.cancelled():
-                    self.cluster.stats.count_failure("lookup_failed", tasks[task])
+                    fail("lookup_failed", tasks[task])
                 else:
                     take_task(task)
         for task in pending:  # still out when every key found a holder: release what they lease
             task.add_done_callback(take_task)
-        return chosen
+        return chosen, (failed[0] if failed else None)
 
     def release(self, link: PeerLink, tokens: list[bytes], done: bool = False) -> None:
         """Give leases back at the owner, without waiting (its TTL covers a lost message);
@@ -181,13 +194,13 @@ class Fetcher:
                 pass
         self.cluster.d.loop.create_task(send())
 
-    async def _transfer(self, link: PeerLink, ns: str, offers: list[Offer], deadline: float) -> dict[str, bool]:
-        got: dict[str, bool] = {}
+    async def _transfer(self, link: PeerLink, ns: str, offers: list[Offer], deadline: float) -> dict[str, str]:
+        got: dict[str, str] = {}
         placed: list[tuple[Offer, Extent]] = []
         unused: list[bytes] = []
         for offer in offers:
             if (ns, offer.key) in self.store.index:  # published here meanwhile
-                got[offer.key] = True
+                got[offer.key] = LOCAL
                 unused.append(offer.token)
                 continue
             extent = self.store.alloc(self.session, ns, AllocItem(offer.key, offer.dtype, offer.shape, offer.nbytes))
@@ -195,8 +208,9 @@ class Fetcher:
                 placed.append((offer, extent))
             else:
                 log.warning("fetch of %r from %s: no local room: %s", offer.key, link.label, extent.message)
-                self.cluster.stats.count_failure("pool_full" if extent.code == Code.POOL_FULL else "invalid", link)
-                got[offer.key] = False
+                reason = "pool_full" if extent.code == Code.POOL_FULL else "invalid"
+                self.cluster.stats.count_failure(reason, link)
+                got[offer.key] = reason
                 unused.append(offer.token)
         self.release(link, unused)
         if not placed:
@@ -218,7 +232,7 @@ class Fetcher:
             self.cluster.stats.count_failure(exc.reason, link)
             for offer, extent in placed:
                 self.store.abort(self.session, extent.generation)
-                got[offer.key] = False
+                got[offer.key] = exc.reason
             self.release(link, [o.token for o, _ in placed])
             return got
         if not transport.owner_sees_send:  # nixl: the READs are over, the owner's leases can go
@@ -229,13 +243,13 @@ class Fetcher:
                           offer.key, link.label)
                 self.cluster.stats.count_failure("checksum", link)
                 self.store.abort(self.session, extent.generation)
-                got[offer.key] = False
+                got[offer.key] = "checksum"
             elif (ns, offer.key) in self.store.index:
                 self.store.abort(self.session, extent.generation)  # a local put won meanwhile: keep it
-                got[offer.key] = True
+                got[offer.key] = LOCAL
             else:
                 failure = self.store.commit(self.session, extent.generation, offer.checksum)
-                got[offer.key] = failure is None
+                got[offer.key] = LOCAL if failure is None else "commit_refused"
                 if failure is not None:
                     log.warning("fetch of %r: commit refused: %s", offer.key, failure.message)
                     self.cluster.stats.count_failure("commit_refused", link)
@@ -246,7 +260,7 @@ class Fetcher:
     def close(self) -> None:
         for future in self.inflight.values():
             if not future.done():
-                future.set_result(False)
+                future.set_result("shutdown")
 
 
 def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],

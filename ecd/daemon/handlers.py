@@ -190,7 +190,8 @@ class Handlers:
         if cluster is None:
             raise RequestError(Code.INVALID, "this daemon has no peer plane ([cluster] listen is not set)")
         task = cluster.fetch(ns, keys, peer, timeout_s)  # RequestError now for a bad peer
-        self._answer_when_done(identity, session, rid, "fetch", task, lambda local: Flags(rid, local))
+        self._answer_when_done(identity, session, rid, "fetch", task,
+                               lambda reasons: Flags(rid, [not why for why in reasons], reasons))
 
     def _answer_when_done(self, identity: bytes, session: Session, rid: int, what: str,
                           task: asyncio.Future, reply: Callable[[Any], Any]) -> None:

@@ -60,6 +60,7 @@ class PeerLink:
         self.state = "connecting"
         self.refused: str | None = None  # why the security handshake failed, if it did
         self.data_address: tuple[str, int] | None = None
+        self.misdirected: str | None = None  # the data host it announced, when not its own
         self.last_used = time.monotonic()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
@@ -178,6 +179,18 @@ class PeerLink:
                 self.state = "down"
                 raise PeerUnavailable("refused", f"peer {self.endpoint} uses transport {reply.transport!r}, "
                                                  f"this node {self.cluster.transport.name!r}")
+            if reply.data_host and reply.data_host.strip("[]").lower() != self.host.lower():
+                # Only the host this node dialled for control: a peer must not steer this daemon
+                # into connecting elsewhere (another host, a port on this node's loopback).
+                self.state = "refused"
+                if self.misdirected != reply.data_host:  # a ping greets it again: log once
+                    log.warning("peer %s announced its data port at host %r, not the host it was dialled "
+                                "at (%s): refused, nothing is fetched from it", self.endpoint,
+                                reply.data_host, self.host)
+                self.misdirected = reply.data_host
+                raise PeerUnavailable("data_host", f"peer {self.endpoint} announced data host "
+                                                   f"{reply.data_host!r}, not {self.host!r}: refused")
+            self.misdirected = None
             if self.node and self.node != reply.node:
                 log.info("peer %s is now node %r (was %r)", self.endpoint, reply.node, self.node)
             self.node = reply.node
@@ -209,6 +222,8 @@ class PeerLink:
                 log.warning("peer %s did not answer within the timeout: marked down", self.endpoint)
             self.state = "down"
             raise PeerUnavailable("timeout", f"no answer from peer {self.endpoint} in time") from None
+        if self.misdirected is not None:  # answered, but refused until it greets us properly
+            return reply
         if self.state != "up":
             log.info("peer %s (node %r) is up", self.endpoint, self.node)
         self.state = "up"

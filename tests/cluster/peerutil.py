@@ -18,8 +18,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_toml(listen: str, peers: list[str], extra: str = "") -> str:
+def cluster_toml(listen: str, peers: list[str], extra: str = "", insecure: bool | None = None) -> str:
+    """A [cluster] section. Without CURVE in `extra` it says `insecure = true` (the daemon refuses
+    a peer plane with neither, loopback included: tests/cluster/test_peer_loopback.py);
+    `insecure` forces the line on or off."""
     quoted = ", ".join(f'"{p}"' for p in peers)
+    if insecure is None:
+        insecure = "curve_secret_key" not in extra
     return f"""
 [cluster]
 listen = "{listen}"
@@ -27,6 +32,7 @@ data_listen = "tcp://127.0.0.1:0"
 peers = [{quoted}]
 request_timeout = "2s"
 peer_ttl = "3s"
+{"insecure = true" if insecure else ""}
 {extra}
 """
 

@@ -117,7 +117,8 @@ def test_bytes_that_do_not_match_the_owners_checksum_are_never_committed(cluster
         pool = f"/dev/shm/{ca._welcome.pools[loc.pool].name}"
         subprocess.run([sys.executable, "-c", VANDAL, pool, str(loc.offset + 4096)], check=True, timeout=60)
 
-        assert cb.fetch(["flipped", "intact"], peer=a.peer_endpoint, timeout=20) == [False, True]
+        outcomes = cb.fetch_detailed(["flipped", "intact"], peer=a.peer_endpoint, timeout=20)
+        assert [(bool(o), o.reason) for o in outcomes] == [(False, "checksum"), (True, "")], outcomes
         assert cb.exists("flipped") is False
         with pytest.raises(KeyNotFound):
             cb.get("flipped", timeout=0)

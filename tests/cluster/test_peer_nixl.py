@@ -261,7 +261,7 @@ def test_nixl_that_does_not_import_is_a_one_line_start_error(tmp_path):
         (shadow / name / "__init__.py").write_text("raise ImportError('not here (test)')\n")
     runtime = tempfile.mkdtemp(prefix="ecd-", dir="/tmp")  # a unix socket path must be short
     path = write_config(runtime, f"nixlcfg{os.getpid()}", "16MiB",
-                        '[cluster]\nlisten = "tcp://127.0.0.1:0"\ntransport = "nixl"\n')
+                        '[cluster]\nlisten = "tcp://127.0.0.1:0"\ntransport = "nixl"\ninsecure = true\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "ecd", "serve", "--config", str(path)], capture_output=True,
                           text=True, timeout=60, env=env)

@@ -107,9 +107,12 @@ def test_derived_data_port():
 
 
 @pytest.mark.parametrize("cluster_text, needle", [
-    ('listen = "tcp://0.0.0.0:7480"', "cluster.listen: tcp://0.0.0.0:7480 is not a loopback address"),
+    ('listen = "tcp://0.0.0.0:7480"', "cluster.listen: tcp://0.0.0.0:7480 has no authentication"),
+    ('listen = "tcp://127.0.0.1:7480"', "cluster.listen: tcp://127.0.0.1:7480 has no authentication"),
     ('listen = "tcp://127.0.0.1:7480"\npeers = ["bogus"]', "cluster.peers: each must be tcp://HOST:PORT"),
-    ('listen = "tcp://127.0.0.1:7480"\ntransport = "nixl"\ntls = true', 'cluster.tls: applies to transport "tcp" only'),
+    ('listen = "tcp://127.0.0.1:7480"\ndata_listen = "tcp://127.0.0.2:7481"\ninsecure = true',
+     "cluster.data_listen: must be on listen's host (127.0.0.1) or a wildcard"),
+    ('listen = "tcp://127.0.0.1:7480"\ntransport = "nixl"\ntls = true\ninsecure = true', 'cluster.tls: applies to transport "tcp" only'),
     ('peers = ["tcp://127.0.0.1:7481"]', "cluster.peers: set cluster.listen too"),
 ])
 def test_config_errors_are_one_line_exit_2(tmp_path, cluster_text, needle):
