@@ -116,9 +116,8 @@ class PeerServer:
     def send(self, identity: bytes, payload: bytes) -> None:
         """Queue one reply, never blocking; a peer with too much unread is cut off instead."""
         session = self.sessions.get(identity)
-        conn = session.conn if session is not None else None
-        if conn is not None:
-            queued, budget = conn.queued_bytes(), int(self.cluster.config.peer_queue_bytes)
+        if session is not None:
+            queued, budget = session.conn.queued_bytes(), int(self.cluster.config.peer_queue_bytes)
             if queued + len(payload) > budget:
                 self.cut_off(session, f"{queued} bytes of replies unread, cluster.peer_queue_bytes={budget}")
                 return
@@ -126,7 +125,11 @@ class PeerServer:
             # The asyncio socket's own send (NOBLOCK: done at once): it re-checks the socket's
             # edge-triggered events for the pending recv, which a bare send would swallow.
             self.sock.send(identity, SNDMORE_NOBLOCK).result()
-            # Zero-copy and tracked, whatever its size: its tracker says when libzmq is done with it
+            if session is None:  # an error to a peer without a session: small, bounded by count
+                self.sock.send(payload, NOBLOCK).result()
+                return
+            # Zero-copy and tracked, whatever its size: its tracker says when libzmq is done with
+            # it, and so with every reply queued before it (a connection drains in order)
             frame = zmq.Frame(payload, track=True, copy=False)
             tracker = self.sock.send(frame, NOBLOCK, copy=False, track=True).result()
         except zmq.Again:  # ROUTER_MANDATORY: its pipe holds PEER_SNDHWM unread replies
@@ -138,9 +141,8 @@ class PeerServer:
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; it will time out
             self.cluster.stats.count_failure("reply_dropped")
             return
-        if conn is not None:
-            conn.sent_bytes += len(payload)
-            conn.checkpoints.append((tracker, conn.sent_bytes))
+        session.conn.sent_bytes += len(payload)
+        session.conn.checkpoints.append((tracker, session.conn.sent_bytes))
 
     def cut_off(self, session: PeerSession, detail: str) -> None:
         """Close a peer's connection (shutdown(2): libzmq frees what it queued for it) and end its

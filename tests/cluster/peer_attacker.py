@@ -1,13 +1,15 @@
 """A hostile peer, run as its own process by test_peer_flood.py: it speaks the peer protocol on a
 raw DEALER (no PeerLink, none of the puller's manners).
 
-    peer_attacker.py lookups ENDPOINT NS MESSAGES DISTINCT REPEAT READ
+    peer_attacker.py lookups ENDPOINT NS MESSAGES DISTINCT REPEAT READ [TTL_S]
 
 says peer_hello, then sends MESSAGES lookups, each naming the keys flood_key(0..DISTINCT-1),
 the list repeated REPEAT times. READ 0: it never reads a reply (they back up into the owner);
+and sends a peer_ping after each, so its session stays alive (a puller's pings would);
 READ 1: it reads each and prints one line per reply ("leased N", "error CODE MESSAGE", "none").
 It prints "hello" once welcomed and "sent N" once its sends are done (a send the owner does not
-take within SEND_TIMEOUT_MS ends them), then waits to be killed, holding its socket.
+take within SEND_TIMEOUT_MS ends them), then waits to be killed, holding its socket and pinging
+every second (its session, and any leases it holds, stay until their TTL_S, default 60).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 
 import zmq
 
-from ecd.peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, PeerError, PeerHello, PeerWelcome,
+from ecd.peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, PeerError, PeerHello, PeerPing, PeerWelcome,
                                encoder, peer_reply_decoder)
 
 SEND_TIMEOUT_MS = 20_000
@@ -28,7 +30,7 @@ def flood_key(i: int) -> str:
     return f"flood-{i:06d}-".ljust(KEY_BYTES, "x")
 
 
-def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, read: bool):
+def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, read: bool, ttl_s: float):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -43,7 +45,7 @@ def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, r
     assert isinstance(welcome, PeerWelcome), welcome
     print("hello", flush=True)
     keys = [flood_key(i) for i in range(distinct)] * repeat
-    payload = encoder.encode(Lookup(2, ns, keys, 60.0))  # one message, sent again and again
+    payload = encoder.encode(Lookup(2, ns, keys, ttl_s))  # one message, sent again and again
     sent = 0
     for _ in range(messages):
         try:
@@ -51,6 +53,11 @@ def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, r
         except zmq.Again:  # the owner stopped taking our messages (or cut us off)
             break
         sent += 1
+        if not read:  # keep the session alive (as a puller's pings do) without reading a thing
+            try:
+                sock.send(encoder.encode(PeerPing(3)))
+            except zmq.Again:
+                break
         if read:
             if not sock.poll(30_000):
                 print("none", flush=True)
@@ -66,14 +73,25 @@ def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, r
     return ctx, sock
 
 
+def hold(sock: zmq.Socket, read: bool) -> None:
+    while True:
+        time.sleep(1.0)
+        try:
+            sock.send(encoder.encode(PeerPing(4)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        while read and sock.poll(0):
+            sock.recv()
+
+
 def main() -> None:
     what, endpoint, *rest = sys.argv[1:]
     if what != "lookups":
         raise SystemExit(f"unknown attack {what}")
-    ns, messages, distinct, repeat, read = rest
-    held = lookups(endpoint, ns, int(messages), int(distinct), int(repeat), read == "1")
-    while held:
-        time.sleep(60)
+    ns, messages, distinct, repeat, read, *ttl = rest
+    _ctx, sock = lookups(endpoint, ns, int(messages), int(distinct), int(repeat), read == "1",
+                         float(ttl[0]) if ttl else 60.0)
+    hold(sock, read == "1")
 
 
 if __name__ == "__main__":

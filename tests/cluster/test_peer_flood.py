@@ -32,9 +32,10 @@ def rss_bytes(pid: int) -> int:
     return proc_memory_kib(pid)["VmRSS"] * 1024
 
 
-def attack(endpoint: str, messages: int, distinct: int, repeat: int, read: bool) -> subprocess.Popen:
+def attack(endpoint: str, messages: int, distinct: int, repeat: int, read: bool,
+           ttl_s: float = 60.0) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ATTACKER), "lookups", endpoint, NS, str(messages),
-                             str(distinct), str(repeat), "1" if read else "0"],
+                             str(distinct), str(repeat), "1" if read else "0", str(ttl_s)],
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -136,7 +137,7 @@ def test_a_flood_of_one_key_repeated_is_refused_and_the_owner_keeps_serving(clus
     try:
         assert read_line(attacker) == "hello"
         honest.start()
-        before, peak = watch_rss(owner, attacker, 20)
+        before, peak = watch_rss(owner, attacker, 12)
         print(f"owner RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{(peak - before) / MiB:.0f} MiB)")
         honest.finish()
         assert peak - before < RSS_BOUND, f"the owner grew {(peak - before) / MiB:.0f} MiB under the flood"
@@ -196,3 +197,19 @@ def test_lookup_bounds_are_refused_with_a_reason(cluster, distinct, repeat, expe
         stop(attacker)
     with owner.client() as c:
         assert c.ping() > 0
+
+
+def test_a_lookups_leases_go_back_at_its_ttl(cluster):  # noqa: F811
+    """One timer for a whole lookup's leases (not one per key): still, each goes back at the
+    lookup's TTL while the peer's session lives on."""
+    owner, = cluster(1, peers=False)
+    put_flood_keys(owner, 4096)
+    attacker = attack(owner.peer_endpoint, 1, 4096, 1, read=True, ttl_s=1.0)
+    try:
+        assert read_line(attacker) == "hello"
+        assert read_line(attacker) == "leased 4096"
+        leases = lambda: metric(scrape_metrics(owner.metrics_port), "ecd_transfer_leases")  # noqa: E731
+        assert wait_for(lambda: leases() == 0, timeout=10), leases()
+        assert "node 'attacker' ended" not in owner.log()  # the TTL did it, not the session's end
+    finally:
+        stop(attacker)
