@@ -352,6 +352,12 @@ class ClusterSection(_Section):
     peer_ttl: Duration = Duration(10.0)
     max_inflight: int = 4  # transfers at once, each way (threads)
     max_peers: int = 64  # peers known at once (configured and named by fetches)
+    # What one peer session may hold at the owner. Bytes of replies its connection has not read
+    # (and of requests read ahead for it: ZMQ_RCVHWM = this / limits.max_message_bytes, at least
+    # 2): past it the connection is closed and the session's leases go back. Pending transfer
+    # leases: a lookup that could pass it is refused (Code.LIMIT); 4 lookups of limits.max_batch.
+    peer_queue_bytes: ByteSize = ByteSize(64 << 20)
+    max_leases_per_peer: int = 65536
 
     def __post_init__(self) -> None:
         if self.listen:
@@ -390,6 +396,10 @@ class ClusterSection(_Section):
             _check(0 < value <= 3600, key, f"must be between 0 and 1 hour, got {float(value)}")
         _check(1 <= self.max_inflight <= 256, "max_inflight", f"must be between 1 and 256, got {self.max_inflight}")
         _check(1 <= self.max_peers <= 4096, "max_peers", f"must be between 1 and 4096, got {self.max_peers}")
+        _check(self.peer_queue_bytes >= 1 << 20, "peer_queue_bytes",
+               f"must be at least 1MiB, got {int(self.peer_queue_bytes)}")
+        _check(1 <= self.max_leases_per_peer <= 1 << 24, "max_leases_per_peer",
+               f"must be between 1 and {1 << 24}, got {self.max_leases_per_peer}")
         if self.tls:
             if self.curve:
                 stem = self.curve_secret_key.removesuffix(".key_secret")

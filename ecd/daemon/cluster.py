@@ -28,7 +28,7 @@ from ..protocol import PeerState
 from ..transport import Transport, make_transport
 from .fetch import Fetcher, check_fetch
 from .peer_links import PeerLink, PeerLinks
-from .peers import REAP_INTERVAL_S, PeerServer
+from .peers import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
 from .security import CurveAuth, cluster_curve, cluster_tls
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +39,11 @@ log = logging.getLogger("ecd.peers")
 # 1 ms .. 60 s: a fetch is a few round trips plus the bytes (16 MiB ~ 5-10 ms on loopback)
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAILURE_REASONS = ("timeout", "connection", "refused", "protocol", "checksum", "pool_full", "invalid",
-                   "lookup_refused", "lookup_failed", "commit_refused", "shutdown", "data_host")
+                   "lookup_refused", "lookup_failed", "commit_refused", "shutdown", "data_host",
+                   # the owner's side: a peer cut off for its unread replies, lookups refused, and
+                   # data connections turned away before any token was taken (transport/tcp_gate.py)
+                   "serve_backlog", "serve_lease_limit", "serve_lookup_invalid", "serve_handshake_timeout",
+                   "serve_refused", "serve_protocol", "serve_shed", "serve_busy")
 MAX_LABELS = 256  # peer labels kept in counters: node names are the peers' claims
 
 
@@ -139,7 +143,14 @@ class Cluster:
             self.curve.start(zmq.Context.shadow(self.ctx.underlying))  # ZAP for this context
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, int(self.d.config.limits.max_message_bytes))
+        max_message = int(self.d.config.limits.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        # What one peer can make this daemon hold (see peers.py): replies by count here and by
+        # bytes in PeerServer.send (ROUTER_MANDATORY: a full pipe is EAGAIN, not a silent drop);
+        # requests libzmq reads ahead by count times their largest size, within peer_queue_bytes.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, max(2, min(1000, int(self.config.peer_queue_bytes) // max_message)))
         if self.curve is not None:
             self.curve.apply(sock)
         try:

@@ -301,8 +301,10 @@ def peer_metrics(cluster) -> Iterator:
     yield up
     yield GaugeMetricFamily("ecd_transfer_leases", "Entries held leased for peers' fetches",
                             value=cluster.transfer_leases())
-    failures = CounterMetricFamily("ecd_transfer_failures", "Fetches (and, serve_*, sends to peers) that "
-                                   "failed, by reason", labels=["reason"])
+    failures = CounterMetricFamily("ecd_transfer_failures", "Fetches that failed, by reason; serve_*: the "
+                                   "owner's side (sends to peers that failed, serve_backlog: peers cut off for "
+                                   "unread replies, serve_lease_limit and serve_lookup_invalid: lookups "
+                                   "refused)", labels=["reason"])
     from .cluster import FAILURE_REASONS
     for reason in sorted(set(FAILURE_REASONS) | set(stats.failures)):
         failures.add_metric([reason], stats.failures.get(reason, 0))

@@ -14,6 +14,18 @@ gets the bytes once. A lease ends, whichever comes first:
 - when the peer session ends: a new hello from the same routing id, or `cluster.peer_ttl` of
   silence (a SIGKILLed puller stops pinging). Leases whose bytes are being sent at that moment
   stay until the send ends: the transport thread is reading that extent.
+
+What one peer can make the owner hold or do is bounded (a peer is a neighbour, not a friend):
+- unread replies: every reply is a tracked zero-copy frame, so the bytes queued to a peer's
+  connection are known; past `cluster.peer_queue_bytes` (or PEER_SNDHWM replies) the connection
+  is shut down (libzmq frees what it queued) and the session ends, its leases going back;
+- requests read ahead: ZMQ_RCVHWM (set by Cluster.prepare) holds what libzmq takes from one peer
+  before the owner handles it to about the same bytes;
+- leases: a lookup that could take a session past `cluster.max_leases_per_peer` pending leases
+  is refused whole (Code.LIMIT, with the numbers), and one naming a key twice is refused
+  (Code.INVALID: the puller never does, and a key is leased once per lookup);
+- the loop: a lookup leases LOOKUP_CHUNK keys per turn of the event loop, the server yields after
+  every message, and a lookup's leases share one TTL timer (LeaseBatch), not one per key.
 """
 from __future__ import annotations
 
@@ -32,6 +44,7 @@ from ..peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerA
                              peer_request_decoder)
 from ..protocol import Location
 from ..transport import Grant, Transport
+from .connections import Connection, Connections, _inode
 from .entries import RequestError, Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +53,20 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ecd.peers")
 
 REAP_INTERVAL_S = 0.5
+LOOKUP_CHUNK = 1024  # keys a lookup leases per turn of the event loop (~1-2 ms of work)
+# Replies queued to one peer by count, besides bytes: far above what a puller has in flight (its
+# requests are answered as they come), far below what would matter in memory.
+PEER_SNDHWM = 1000
+WARN_INTERVAL_S = 10.0  # refused lookups are logged at most this often
+SRCFD, NOBLOCK, SNDMORE_NOBLOCK = int(zmq.SRCFD), int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
+
+
+@dataclass(eq=False)
+class LeaseBatch:
+    """The leases one lookup granted: one TTL timer for them all (a TimerHandle per key cost
+    ~200 bytes and a heap entry each)."""
+    tokens: list[bytes]
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -48,9 +75,14 @@ class PeerSession:
     node: str
     store_session: Session
     last_seen: float
-    grants: dict[bytes, tuple[Grant, asyncio.TimerHandle]] = field(default_factory=dict)  # pending
+    conn: Connection  # the connection its hello came on: the bytes of replies queued to it
+    grants: dict[bytes, Grant] = field(default_factory=dict)  # pending, by token
     sending: set[Grant] = field(default_factory=set)  # taken by a data connection
+    batches: set[LeaseBatch] = field(default_factory=set)  # whose TTL has not passed
     ended: bool = False
+
+    def leases(self) -> int:
+        return len(self.grants) + len(self.sending)
 
 
 class PeerServer:
@@ -60,6 +92,7 @@ class PeerServer:
         self.transport = transport
         self.sessions: dict[bytes, PeerSession] = {}
         self._decoder = peer_request_decoder()
+        self._last_warning = -WARN_INTERVAL_S
 
     @property
     def store(self):
@@ -67,28 +100,67 @@ class PeerServer:
 
     async def run(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
             try:
-                reply = self.handle(frames)
+                reply = await self.handle(identity, frames[0].get(SRCFD), [f.buffer for f in frames[1:]])
             except Exception:  # one bad message must never stop the peer plane
                 log.exception("unhandled error on a peer request")
-                continue
+                reply = None
             if reply is not None:
-                try:
-                    self.sock.send_multipart([frames[0], encoder.encode(reply)], zmq.NOBLOCK)
-                except zmq.ZMQError:  # the peer is gone or not reading: it will time out
-                    self.cluster.stats.count_failure("reply_dropped")
+                self.send(identity, encoder.encode(reply))
+            # A message ready at once makes recv's await return without yielding: a peer that
+            # keeps the socket busy must not keep the loop from clients, timers and /metrics.
+            await asyncio.sleep(0)
 
-    def handle(self, frames: list[bytes]) -> Any:
-        identity = frames[0]
-        if len(frames) != 2:
-            return PeerError(0, int(Code.PROTOCOL), f"expected one frame, got {len(frames) - 1}")
+    def send(self, identity: bytes, payload: bytes) -> None:
+        """Queue one reply, never blocking; a peer with too much unread is cut off instead."""
+        session = self.sessions.get(identity)
+        if session is not None:
+            queued, budget = session.conn.queued_bytes(), int(self.cluster.config.peer_queue_bytes)
+            if queued + len(payload) > budget:
+                self.cut_off(session, f"{queued} bytes of replies unread, cluster.peer_queue_bytes={budget}")
+                return
         try:
-            request = self._decoder.decode(frames[1])
+            # The asyncio socket's own send (NOBLOCK: done at once): it re-checks the socket's
+            # edge-triggered events for the pending recv, which a bare send would swallow.
+            self.sock.send(identity, SNDMORE_NOBLOCK).result()
+            if session is None:  # an error to a peer without a session: small, bounded by count
+                self.sock.send(payload, NOBLOCK).result()
+                return
+            # Zero-copy and tracked, whatever its size: its tracker says when libzmq is done with
+            # it, and so with every reply queued before it (a connection drains in order)
+            frame = zmq.Frame(payload, track=True, copy=False)
+            tracker = self.sock.send(frame, NOBLOCK, copy=False, track=True).result()
+        except zmq.Again:  # ROUTER_MANDATORY: its pipe holds PEER_SNDHWM unread replies
+            if session is not None:
+                self.cut_off(session, f"{PEER_SNDHWM} replies unread")
+            else:
+                self.cluster.stats.count_failure("reply_dropped")
+            return
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; it will time out
+            self.cluster.stats.count_failure("reply_dropped")
+            return
+        session.conn.sent_bytes += len(payload)
+        session.conn.checkpoints.append((tracker, session.conn.sent_bytes))
+
+    def cut_off(self, session: PeerSession, detail: str) -> None:
+        """Close a peer's connection (shutdown(2): libzmq frees what it queued for it) and end its
+        session: a peer that does not read its replies costs the owner a bounded amount."""
+        log.warning("closing the peer connection of node %r: %s", session.node, detail)
+        self.cluster.stats.count_failure("serve_backlog")
+        Connections._shut_down(session.conn.fd, session.conn.inode)
+        self.end(session, "unread replies")
+
+    async def handle(self, identity: bytes, fd: int, frames: list[Any]) -> Any:
+        if len(frames) != 1:
+            return PeerError(0, int(Code.PROTOCOL), f"expected one frame, got {len(frames)}")
+        try:
+            request = self._decoder.decode(frames[0])
         except Exception as exc:  # msgspec errors, and whatever hostile bytes raise
             return PeerError(0, int(Code.PROTOCOL), f"malformed peer request: {exc}")
         if isinstance(request, PeerHello):
-            return self.hello(identity, request)
+            return self.hello(identity, fd, request)
         session = self.sessions.get(identity)
         if session is None:
             return PeerError(request.id, int(Code.NOT_REGISTERED), "unknown peer: say peer_hello first")
@@ -98,67 +170,126 @@ class PeerServer:
                 case PeerPing(id=rid):
                     return PeerPong(rid, self.cluster.d.epoch)
                 case Lookup():
-                    return self.lookup(session, request)
+                    return await self.lookup(session, request)
                 case PeerRelease(id=rid, tokens=tokens):
                     for token in tokens[:self.store.limits.max_batch]:
                         self.revoke(session, token)
                     return PeerAcked(rid)
                 case PeerDone(id=rid, tokens=tokens):
                     for token in tokens[:self.store.limits.max_batch]:
-                        held = session.grants.get(token)
-                        if held is not None:
-                            self.cluster.stats.served(session.node, held[0].nbytes)
+                        grant = session.grants.get(token)
+                        if grant is not None:
+                            self.cluster.stats.served(session.node, grant.nbytes)
                             self.revoke(session, token)
                     return PeerAcked(rid)
         except RequestError as exc:
             return PeerError(request.id, int(exc.code), str(exc))
         return PeerError(request.id, int(Code.PROTOCOL), f"unexpected {type(request).__name__}")
 
-    def hello(self, identity: bytes, hello: PeerHello) -> Any:
+    def hello(self, identity: bytes, fd: int, hello: PeerHello) -> Any:
         if hello.version != PEER_PROTOCOL_VERSION:
             return PeerError(hello.id, int(Code.VERSION), f"peer protocol version {hello.version} not "
                                                           f"supported; this daemon speaks {PEER_PROTOCOL_VERSION}")
         old = self.sessions.get(identity)
+        conn = Connection(fd, _inode(fd))
         if old is not None:
             self.end(old, "rehello")
+            if old.conn.fd == fd and old.conn.inode == conn.inode:
+                conn = old.conn  # same connection: what is queued to it still counts
         if len(self.sessions) >= self.cluster.config.max_peers:
             return PeerError(hello.id, int(Code.LIMIT), f"too many peer sessions: cluster.max_peers="
                                                         f"{self.cluster.config.max_peers}")
         store_session = self.store.open_session(self.cluster.internal_session_id(), 0)
-        self.sessions[identity] = PeerSession(identity, hello.node[:64], store_session, time.monotonic())
+        self.sessions[identity] = PeerSession(identity, hello.node[:64], store_session, time.monotonic(), conn)
         log.info("peer %s (node %r) said hello", identity.hex()[:8], hello.node)
         host, port = self.cluster.data_address
         return PeerWelcome(hello.id, PEER_PROTOCOL_VERSION, self.cluster.d.node, self.cluster.d.epoch,
                            self.transport.name, host, port, self.transport.metadata())
 
-    def lookup(self, session: PeerSession, request: Lookup) -> Leased:
-        ttl = min(request.ttl_s, float(self.cluster.config.transfer_ttl))
+    async def lookup(self, session: PeerSession, request: Lookup) -> Leased | None:
+        """Lease the keys the owner holds, LOOKUP_CHUNK at a time; None when the session ended
+        meanwhile (its leases went back with it, and there is no one to answer)."""
+        keys, cfg = request.keys, self.cluster.config
+        self.store.check_batch(len(keys))
+        distinct = len(set(keys))
+        if distinct != len(keys):
+            raise self._refuse(session, "serve_lookup_invalid", Code.INVALID,
+                               f"lookup names a key more than once ({len(keys)} keys, {distinct} distinct): "
+                               "a key is leased once per lookup")
+        held, bound = session.leases(), cfg.max_leases_per_peer
+        if held + len(keys) > bound:
+            raise self._refuse(session, "serve_lease_limit", Code.LIMIT,
+                               f"this peer holds {held} transfer leases; {len(keys)} more keys could pass "
+                               f"cluster.max_leases_per_peer={bound} (use or release them first)")
+        ttl = min(request.ttl_s, float(cfg.transfer_ttl))
+        batch = LeaseBatch([])
+        offers: list[Offer | None] = []
+        try:
+            for start in range(0, len(keys), LOOKUP_CHUNK):
+                if start:
+                    await asyncio.sleep(0)  # the rest on the loop's next turn
+                    if session.ended:  # end() gave back what this lookup had leased so far
+                        return None
+                offers += self._lease_chunk(session, request.ns, keys[start:start + LOOKUP_CHUNK], batch)
+        except RequestError:  # e.g. a bad key further on: nothing of this lookup stays leased
+            self._revoke_all(session, batch.tokens)
+            raise
+        if batch.tokens:
+            batch.timer = self.cluster.d.loop.call_later(ttl, self._expire, session, batch)
+            session.batches.add(batch)
+        return Leased(request.id, offers, ttl)
+
+    def _refuse(self, session: PeerSession, reason: str, code: Code, message: str) -> RequestError:
+        """Count a refused lookup and say why in the log, at most every WARN_INTERVAL_S: a flood
+        of them must not flood the log too."""
+        self.cluster.stats.count_failure(reason)
+        now = time.monotonic()
+        if now - self._last_warning >= WARN_INTERVAL_S:
+            self._last_warning = now
+            log.warning("refused a lookup of peer node %r: %s", session.node, message)
+        return RequestError(code, message)
+
+    def _lease_chunk(self, session: PeerSession, ns: str, keys: list[str], batch: LeaseBatch) -> list[Offer | None]:
         # not parked for keys on the disk tier: they start coming back for the peer's next lookup
-        results = self.store.acquire(session.store_session, request.ns, request.keys, 0.0, _never, park_for_disk=False)
+        results = self.store.acquire(session.store_session, ns, keys, 0.0, _never, park_for_disk=False)
         assert results is not None  # wait 0: answered now
-        loop = self.cluster.d.loop
         segments = self.cluster.d.pool.segments
         offers: list[Offer | None] = []
-        for key, result in zip(request.keys, results):
+        for key, result in zip(keys, results):
             if not isinstance(result, Location):
                 offers.append(None)
                 continue
             token = secrets.token_bytes(32)
             grant = Grant(token, result.pool, result.offset, result.nbytes, session, result.generation)
             self.transport.grants.add(grant)
-            session.grants[token] = (grant, loop.call_later(ttl, self.revoke, session, token))
+            session.grants[token] = grant
+            batch.tokens.append(token)
             addr = (self.transport.address_of(segments[result.pool].buf, result.offset)
                     if result.pool < len(segments) else 0)  # host pool entries only (nixl reads DRAM)
             offers.append(Offer(key, result.nbytes, result.dtype, list(result.shape), result.checksum, token, addr))
-        return Leased(request.id, offers, ttl)
+        return offers
+
+    def _expire(self, session: PeerSession, batch: LeaseBatch) -> None:
+        """A lookup's TTL passed: its leases still pending go back, a chunk per turn of the loop."""
+        session.batches.discard(batch)
+        if batch.tokens and not session.ended:
+            self.cluster.d.loop.create_task(self._revoke_in_chunks(session, batch.tokens))
+
+    async def _revoke_in_chunks(self, session: PeerSession, tokens: list[bytes]) -> None:
+        for start in range(0, len(tokens), LOOKUP_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            self._revoke_all(session, tokens[start:start + LOOKUP_CHUNK])
+
+    def _revoke_all(self, session: PeerSession, tokens: list[bytes]) -> None:
+        for token in tokens:
+            self.revoke(session, token)
 
     def revoke(self, session: PeerSession, token: bytes) -> None:
         """Withdraw a token not yet taken (TTL, release, session end) and give its lease back."""
-        held = session.grants.pop(token, None)
-        if held is None:
+        grant = session.grants.pop(token, None)
+        if grant is None:
             return
-        grant, timer = held
-        timer.cancel()
         if self.transport.grants.revoke(token) is None:
             session.sending.add(grant)  # a data connection took it first: on_sent gives it back
             return
@@ -168,9 +299,7 @@ class PeerServer:
         """On the loop, from the transport: these grants' bytes are sent, or their send failed."""
         for grant in grants:
             session: PeerSession = grant.owner
-            held = session.grants.pop(grant.token, None)
-            if held is not None:
-                held[1].cancel()
+            session.grants.pop(grant.token, None)
             session.sending.discard(grant)
             grant.state = "done"
             if not session.store_session.closed:
@@ -188,8 +317,11 @@ class PeerServer:
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
         session.ended = True
-        for token in list(session.grants):
-            self.revoke(session, token)
+        for batch in session.batches:
+            if batch.timer is not None:
+                batch.timer.cancel()
+        session.batches.clear()
+        self._revoke_all(session, list(session.grants))
         if not session.sending:
             self.store.close_session(session.store_session)
         log.info("peer session of node %r ended (%s)", session.node, reason)
@@ -200,7 +332,7 @@ class PeerServer:
             self.end(session, "peer_ttl: silent")
 
     def transfer_leases(self) -> int:
-        return sum(len(s.grants) + len(s.sending) for s in self.sessions.values())
+        return sum(s.leases() for s in self.sessions.values())
 
     def close(self) -> None:
         for session in list(self.sessions.values()):

@@ -92,6 +92,8 @@ def test_sighup_rereads_peers(cluster):
       "peers": ["tcp://10.0.0.2:7480"]}, "cluster.peer_keys"),
     ({"listen": "tcp://127.0.0.1:7480", "fetch_timeout": 0}, "cluster.fetch_timeout"),
     ({"listen": "tcp://127.0.0.1:7480", "max_inflight": 0}, "cluster.max_inflight"),
+    ({"listen": "tcp://127.0.0.1:7480", "max_leases_per_peer": 0}, "cluster.max_leases_per_peer"),
+    ({"listen": "tcp://127.0.0.1:7480", "peer_queue_bytes": "64KiB"}, "cluster.peer_queue_bytes"),
     ({"listen": "tcp://127.0.0.1:7480", "colour": "red"}, "cluster.colour"),
 ])
 def test_bad_cluster_values_name_the_key(table, key):
