@@ -125,11 +125,20 @@ def peer_pidfd(fd: int, pid: int) -> int:
         return -1
 
 
-def _inode(fd: int) -> int:
+def socket_inode(fd: int) -> int:
+    """The inode of the socket behind fd (-1 if closed): tells a reused fd number apart."""
     try:
         return os.fstat(fd).st_ino
     except OSError:
         return -1
+
+
+def shut_down_socket(fd: int, inode: int) -> None:
+    """shutdown(2) a libzmq connection by its fd: libzmq sees it closed and frees what it queued."""
+    if inode < 0 or socket_inode(fd) != inode:
+        return  # already closed, or the number belongs to another socket now
+    with contextlib.suppress(OSError), _borrowed(fd) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(eq=False)
@@ -226,7 +235,7 @@ class Connections:
             if victim is None:  # every connection has a session: refuse the new one
                 self._warn(f"control connections at limits.max_connections={self.max_connections}, every "
                            f"one with a session: refusing new connections")
-                self._shut_down(fd, _inode(fd))
+                shut_down_socket(fd, socket_inode(fd))
                 self.closed["over_capacity"] += 1
                 return
             self._warn(f"control connections at limits.max_connections={self.max_connections}: closing "
@@ -236,7 +245,7 @@ class Connections:
 
     def _track(self, fd: int) -> Connection:
         """A connection first seen on this fd: no session yet, so the newest to shed."""
-        conn = self.by_fd[fd] = Connection(fd, _inode(fd))
+        conn = self.by_fd[fd] = Connection(fd, socket_inode(fd))
         self._idle[fd] = None
         return conn
 
@@ -263,7 +272,7 @@ class Connections:
         self._next_sweep = now + SWEEP_INTERVAL_S
         self.handle_events()
         for fd, conn in list(self.by_fd.items()):
-            if not conn.closing and _inode(fd) != conn.inode:
+            if not conn.closing and socket_inode(fd) != conn.inode:
                 self._forget(conn, "disconnected")
 
     # ---- messages -----------------------------------------------------------------------
@@ -339,15 +348,8 @@ class Connections:
             who = f"pid {creds.pid}" if creds is not None and creds.pid > 0 else f"fd {conn.fd}"
             log.warning("closing the connection of %s (%s): %s", who, reason, detail)
         self.closed[reason] += 1
-        self._shut_down(conn.fd, conn.inode)
+        shut_down_socket(conn.fd, conn.inode)
         self._forget(conn, reason)
-
-    @staticmethod
-    def _shut_down(fd: int, inode: int) -> None:
-        if inode < 0 or _inode(fd) != inode:
-            return  # already closed, or the number belongs to another socket now
-        with contextlib.suppress(OSError), _borrowed(fd) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

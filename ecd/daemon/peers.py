@@ -44,7 +44,7 @@ from ..peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerA
                              peer_request_decoder)
 from ..protocol import Location
 from ..transport import Grant, Transport
-from .connections import Connection, Connections, _inode
+from .connections import Connection, shut_down_socket, socket_inode
 from .entries import RequestError, Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -149,7 +149,7 @@ class PeerServer:
         session: a peer that does not read its replies costs the owner a bounded amount."""
         log.warning("closing the peer connection of node %r: %s", session.node, detail)
         self.cluster.stats.count_failure("serve_backlog")
-        Connections._shut_down(session.conn.fd, session.conn.inode)
+        shut_down_socket(session.conn.fd, session.conn.inode)
         self.end(session, "unread replies")
 
     async def handle(self, identity: bytes, fd: int, frames: list[Any]) -> Any:
@@ -191,7 +191,7 @@ class PeerServer:
             return PeerError(hello.id, int(Code.VERSION), f"peer protocol version {hello.version} not "
                                                           f"supported; this daemon speaks {PEER_PROTOCOL_VERSION}")
         old = self.sessions.get(identity)
-        conn = Connection(fd, _inode(fd))
+        conn = Connection(fd, socket_inode(fd))
         if old is not None:
             self.end(old, "rehello")
             if old.conn.fd == fd and old.conn.inode == conn.inode:
