@@ -15,7 +15,8 @@ import typer
 from . import __version__
 from .cli_output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
                          stderr_console, stdout_console)
-from .config import ControlSection, dumps_toml, load_config_file, parse_size
+from .config import ControlSection, dumps_toml, load_config_file
+from .config_types import parse_size
 from .errors import AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from ..config import INSECURE_CLUSTER_OPENS, ClusterSection, split_tcp_endpoint
+from ..cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
+from ..config_types import split_tcp_endpoint
 from ..errors import ConfigError
 from ..protocol import PeerState
 from ..transport import Transport, make_transport

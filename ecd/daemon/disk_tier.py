@@ -48,7 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ..config import format_size
+from ..config_types import format_size
 from ..errors import ConfigError
 from ..memory import disk as files
 from ..memory.allocator import ExtentAllocator

@@ -13,7 +13,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
-from ..config import format_size
+from ..config_types import format_size
 
 SHM_DIR = "/dev/shm"
 FILE_MODE = 0o660

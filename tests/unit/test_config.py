@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ecd.config import (ByteSize, Config, Duration, dumps_toml, load_config, load_config_file,
-                        parse_duration, parse_size)
+from ecd.config import Config, dumps_toml, load_config, load_config_file
+from ecd.config_types import ByteSize, Duration, parse_duration, parse_size
 from ecd.errors import ConfigError, EcdError
 
 REPO = Path(__file__).resolve().parents[2]
