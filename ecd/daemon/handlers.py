@@ -28,6 +28,9 @@ LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
 KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
 # requests that may drop disk records (delete, evict, a put replacing a key): see dispatch
 REMOVES_RECORDS = (Delete, Evict, Commit, Publish, PutInline)
+# requests that write pool bytes or publish them: each first checks that no pool file was
+# truncated (pool_integrity.py); gets check in Store.acquire
+WRITES_POOL = (Alloc, Commit, Publish, PutInline)
 
 
 async def _first_of_both(first: asyncio.Future, second: asyncio.Future) -> Any:
@@ -68,6 +71,8 @@ class Handlers:
 
     def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         store = self.d.store
+        if isinstance(request, WRITES_POOL):
+            store.check_pools()
         match request:
             case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
                 return Flags(rid, store.exists(session, ns, keys, pin_s))
@@ -257,10 +262,25 @@ class Handlers:
         if isinstance(placed, Failure):
             return placed
         # Small enough that copying in the daemon costs less than the round trip it saves.
-        segment = self.d.pool.segments[placed.pool].buf
-        segment[placed.offset:placed.offset + len(request.data)] = request.data
-        failure = self.d.store.commit(session, placed.generation, request.checksum)
+        failure = self._copy_inline(session, placed, request)
+        if failure is None:
+            failure = self.d.store.commit(session, placed.generation, request.checksum)
         return placed.generation if failure is None else failure
+
+    def _copy_inline(self, session: Session, placed: Extent, request: PutInline) -> Failure | None:
+        """Copy an inline put into its extent. A copy cut short (another process truncated the
+        pool file under it: ShmFile.write_at does not fault) restores the file and copies again
+        once; a second cut refuses the put."""
+        store, segment = self.d.store, self.d.pool.segments[placed.pool]
+        for _ in range(2):
+            if segment.write_at(placed.offset, request.data) == len(request.data):
+                return None
+            store.check_pool(placed.pool)  # restored; this write is marked cut, but is written again
+            store.cut_writes.pop(placed.generation, None)
+        store.abort(session, placed.generation)
+        store.counters["truncated_writes_refused"] += 1
+        return Failure(Code.CORRUPT, f"inline put of {request.key!r} not stored: host pool segment {placed.pool} "
+                                     f"({segment.name}) was truncated by another process during the copy, twice")
 
     def hello(self, identity: bytes, conn: Connection, hello: Hello) -> str:
         if hello.version != PROTOCOL_VERSION:
