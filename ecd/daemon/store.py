@@ -100,7 +100,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
         self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
         self.disk: Any = None  # the disk tier (disk_tier.DiskTier) with [pool.disk]; it sets itself here
-        self.cut_writes: dict[int, str] = {}  # writes a pool truncation took (pool_integrity.py)
+        self.cut_writes: dict[int, Failure] = {}  # writes a pool truncation took (pool_integrity.py)
         self._unallocated: dict[int, int] = {}
         self.set_namespaces(namespaces or {})
 
