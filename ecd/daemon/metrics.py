@@ -143,7 +143,7 @@ class DaemonCollector:
             evictions.add_metric([reason], c[key])
         yield evictions
         yield CounterMetricFamily("ecd_pool_truncations", "Times a host pool file was found truncated by another "
-                                  "process (restored; the entries it cut are ecd_evictions_total{reason=\"truncated\"})",
+                                  "process (restored; the entries it cut: ecd_evictions_total{reason=\"truncated\"})",
                                   value=c["pool_truncations"])
         yield CounterMetricFamily("ecd_pool_truncated_writes_refused", "Puts refused because a pool truncation took "
                                   "their bytes while they were written", value=c["truncated_writes_refused"])

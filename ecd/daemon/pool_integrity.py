@@ -75,7 +75,8 @@ class PoolIntegrity(RegistryState):
                 self._drop_cut(entry)
                 dropped += 1
             elif entry.state is State.WRITING:
-                self.cut_writes[entry.generation] = Failure(Code.CORRUPT, f"{entry.key!r} not stored: {cut}; put it again")
+                refused = Failure(Code.CORRUPT, f"{entry.key!r} not stored: {cut}; put it again")
+                self.cut_writes[entry.generation] = refused
                 written += 1
         # Kept until its Publish (a watched client may be copying into it now: freeing it would let
         # another entry's bytes be overwritten); STALE sends that client's put the Alloc way, anew.

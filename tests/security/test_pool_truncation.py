@@ -35,6 +35,7 @@ HELPER = str(Path(__file__).with_name("pool_client.py"))
 BIG = 1 << 20  # float32 elements: a 4 MiB put, copied by the client into its extent
 SMALL = 1024  # 4 KiB: rides inline, the daemon copies it
 REPLY_S = 30.0
+ATTACK_S = 2.0
 
 
 class HonestClient:
@@ -180,3 +181,64 @@ def test_a_persisted_entry_cut_in_memory_comes_back_from_disk(tmp_path):
             admin.close()
         client.close()
         d.cleanup()
+
+
+def test_inline_puts_while_an_attacker_truncates_in_a_loop(node):
+    """The daemon's copy racing the attacker's truncations: a short copy, never SIGBUS. Each put
+    is stored or refused with a reason; afterwards each stored key is served intact or missing
+    (a later cut took it), never with other bytes."""
+    d, honest = node
+    client = honest()
+    path = _pool_path(d)
+    assert client.ask(f"put warm 1 {SMALL}") == "ok"
+    attacker = subprocess.Popen([sys.executable, "-c", f"""
+import os, time
+end = time.monotonic() + {ATTACK_S}
+while time.monotonic() < end:
+    for size in (0, 4096, 1 << 20):
+        os.truncate({path!r}, size)
+"""])
+    stored, refused = [], []
+    try:
+        i = 0
+        while attacker.poll() is None:
+            answer = client.ask(f"put k{i} {100 + i} {SMALL}")
+            assert answer == "ok" or ("truncated" in answer and answer.startswith("error")), answer
+            if answer == "ok":
+                stored.append(i)
+            else:
+                refused.append(answer)
+            i += 1
+    finally:
+        attacker.wait()
+    assert d.alive(), f"the daemon died under the truncation loop:\n{d.log()[-3000:]}"
+    assert stored, "puts went on being stored under the attack"
+    assert wait_for(lambda: os.stat(path).st_size == 32 << 20, timeout=10.0)
+    served = 0
+    for i in stored:
+        answer = client.ask(f"get k{i} {100 + i} {SMALL}")
+        assert answer in ("ok", "missing"), f"k{i}: {answer}"
+        served += answer == "ok"
+    assert client.ask(f"put after 3 {BIG}") == "ok"
+    assert client.ask(f"get after 3 {BIG}") == "ok"
+    print(f"{len(stored)} puts stored, {len(refused)} refused, {served} served intact afterwards, "
+          f"{metric(d, 'ecd_pool_truncations_total'):.0f} truncations seen")
+
+
+def test_a_client_sees_a_truncated_pool_file_before_it_copies(tmp_path):
+    """The client side (ecd/client/mapping.py): one fstat before each copy in or out of the pool,
+    so a truncated file is an IntegrityError in the honest engine instead of SIGBUS."""
+    import mmap
+
+    from ecd.client.mapping import _reaching
+    from ecd.errors import IntegrityError
+
+    with open(tmp_path / "pool", "w+b") as f:
+        f.truncate(1 << 20)
+        buf = mmap.mmap(f.fileno(), 1 << 20)
+        assert _reaching(buf, 0, 1 << 20) is buf
+        os.truncate(tmp_path / "pool", 8192)
+        assert _reaching(buf, 0, 8192) is buf  # below the cut: still readable
+        with pytest.raises(IntegrityError, match="truncated to 8192 bytes"):
+            _reaching(buf, 0, 8193)
+        buf.close()
