@@ -28,9 +28,6 @@ LISTING_REPLY_BYTES = 1 << 20  # a Keys page is cut at about this many bytes
 KEY_INFO_OVERHEAD = 64  # msgpack bytes of one KeyInfo beside its strings and shape (an upper bound)
 # requests that may drop disk records (delete, evict, a put replacing a key): see dispatch
 REMOVES_RECORDS = (Delete, Evict, Commit, Publish, PutInline)
-# requests that write pool bytes or publish them: each first checks that no pool file was
-# truncated (pool_integrity.py); gets check in Store.acquire
-WRITES_POOL = (Alloc, Commit, Publish, PutInline)
 
 
 async def _first_of_both(first: asyncio.Future, second: asyncio.Future) -> Any:
@@ -71,8 +68,6 @@ class Handlers:
 
     def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         store = self.d.store
-        if isinstance(request, WRITES_POOL):
-            store.check_pools()
         match request:
             case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
                 return Flags(rid, store.exists(session, ns, keys, pin_s))
@@ -91,7 +86,9 @@ class Handlers:
             case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
                 pools = store.tier(arena)
-                return Allocated(rid, [store.alloc(session, ns, item, pools) for item in items])
+                extents = [store.alloc(session, ns, item, pools) for item in items]
+                store.check_fresh(extents)  # a truncated pool file is whole again before the client copies
+                return Allocated(rid, extents)
             case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums, persist=persist):
                 store.check_batch(len(generations))
                 if persist:
@@ -100,6 +97,7 @@ class Handlers:
                     raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
                                                      f"{len(generations)} generations")
                 checksums = checksums or [0] * len(generations)
+                store.check_generations(generations)  # what a pool truncation took is refused
                 # the reservation goes in the tier of the first committed item (host if none)
                 tier = store.tier_of(generations[0]) if reserve and generations else None
                 committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
@@ -110,6 +108,7 @@ class Handlers:
                 if persist:
                     self.check_persist(session, [generation])
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
+                store.check_generations([generation])
                 result = store.publish(session, ns, generation, item, checksum)
                 reservation = store.reserve(session, reserve, tier) if reserve else None
                 return self._committed(identity, session, rid, [generation], [result], reservation, persist)

@@ -5,9 +5,10 @@ The pool files are 0660: any member of node.group can ftruncate /dev/shm/ecd.<no
 past the new end faults (SIGBUS) in whoever touches it next through the mapping, the daemon
 included, and what the file held there is gone for good: a restored size reads as zeros. So:
 
-- `check_pools` (before every request that writes or leases pool bytes, and on a timer: a shrink
-  is found even when no request comes) compares each segment's size (one fstat each) with what
-  the daemon created. The daemon's own copies do not fault meanwhile (ShmFile.write_at /
+- `check_pools` compares a segment's size (one fstat) with what the daemon created: for the
+  segments a request touches (an Alloc's extents, a Commit's or Publish's writes, a get's
+  entries; an inline put's copy just comes up short), and for all of them on a timer (a shrink
+  is found even when no request comes). The daemon's own copies do not fault meanwhile (ShmFile.write_at /
   read_into: through the kernel, a short count instead of a signal).
 - A shrunk segment is restored (ftruncate back, its pages allocated again) and every entry whose
   extent reaches past the smallest size seen is dropped: a READY one leaves the index with an
@@ -23,11 +24,11 @@ write of zeros, which a group member may do to the pool anyway (`verify` catches
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..errors import Code
 from ..memory.ring import EventKind
-from ..protocol import Failure
+from ..protocol import Extent, Failure
 from .entries import State
 from .registry import RegistryState
 
@@ -39,10 +40,29 @@ class PoolIntegrity(RegistryState):
     cut_writes: dict[int, Failure]  # generation -> its commit's answer (Store.__init__ makes it)
     _unallocated: dict[int, int]  # segment -> offset from which a restore still owes pages
 
-    def check_pools(self) -> None:
-        """Every host segment (a few fstats). Cheap enough before each request that touches the pool."""
-        for index in range(len(self.segments)):
+    def check_pools(self, pools: Iterable[int] | None = None) -> None:
+        """The host segments `pools` (every one when None: the timer's check), one fstat each: a
+        request checks only those it touches (a big pool has hundreds of segments)."""
+        for index in range(len(self.segments)) if pools is None else set(pools):
             self.check_pool(index)
+
+    def check_generations(self, generations: Iterable[int]) -> None:
+        """Before a Commit or Publish: the segments of the writes (or reservation) it names."""
+        pools = set()
+        for generation in generations:
+            held = self.by_generation.get(generation) or self.reservations.get(generation)
+            if held is not None:
+                pools.add(held.pool)
+        self.check_pools(pools)
+
+    def check_fresh(self, placed: Iterable[Any]) -> None:
+        """After an Alloc, before its answer: the segments of its extents. A cut found now came
+        before any byte of them was written, and the file is whole again: they stay usable."""
+        fresh = [extent for extent in placed if isinstance(extent, Extent)]
+        self.check_pools(extent.pool for extent in fresh)
+        if self.cut_writes:
+            for extent in fresh:
+                self.cut_writes.pop(extent.generation, None)
 
     def check_pool(self, index: int) -> bool:
         """False when segment `index` was found truncated (now restored, its cut entries dropped)."""

@@ -367,7 +367,8 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         if len(session.leases) + len(keys) > self.limits.max_leases_per_client:
             raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
                                            f"limits.max_leases_per_client={self.limits.max_leases_per_client}")
-        self.check_pools()  # entries a pool truncation cut are dropped before they could be leased
+        # entries a pool truncation cut are dropped before they could be leased
+        self.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
         missing = {key for key in keys if (ns, key) not in self.index}
         # keys on disk come back into the host pool first (disk_tier.promote): the request parks
         # until they are READY, however short its wait (a promotion failure answers it at once)
