@@ -190,7 +190,8 @@ class Client(ControlClient):
             if t.is_cuda or mapping.is_arena(extent.pool):
                 digest, = self._cuda_plane(mapping).copy_in([extent], [t], checksum)
             else:
-                digest = copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum)
+                digest = copy_into(mapping.rw_for(extent.pool, extent.offset, nbytes), extent.offset, t,
+                                   with_checksum=checksum)
         except BaseException:
             self._reservation_busy = False
             self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
@@ -260,7 +261,8 @@ class Client(ControlClient):
                 on_device.append(i)
                 digests.append(0)
                 continue
-            digests.append(copy_into(mapping.rw[extent.pool], extent.offset, t, with_checksum=checksum))
+            digests.append(copy_into(mapping.rw_for(extent.pool, extent.offset, t.numel() * t.element_size()),
+                                     extent.offset, t, with_checksum=checksum))
         if on_device:
             done = self._cuda_plane(mapping).copy_in([extents[i] for i in on_device], [tensors[i] for i in on_device],
                                                       checksum)
@@ -436,13 +438,14 @@ class Client(ControlClient):
                         checks.append((len(out) - 1, key, loc))
                     continue
                 if verify and loc.checksum:
-                    tensor, actual = copy_out_checked(mapping.rw[loc.pool], loc.offset, loc.nbytes,
-                                                      loc.dtype, loc.shape)
+                    src = mapping.rw_for(loc.pool, loc.offset, loc.nbytes)
+                    tensor, actual = copy_out_checked(src, loc.offset, loc.nbytes, loc.dtype, loc.shape)
                     if actual != loc.checksum:
                         raise self._corrupt(key, loc, actual)
                     out.append(tensor)
                 else:
-                    out.append(copy_out(mapping.rw[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape))
+                    src = mapping.rw_for(loc.pool, loc.offset, loc.nbytes)
+                    out.append(copy_out(src, loc.offset, loc.nbytes, loc.dtype, loc.shape))
             if batch is not None:
                 batch.wait()
                 from .cuda import tensor_checksum
@@ -501,10 +504,11 @@ class Client(ControlClient):
                             raise self._corrupt(key, loc, actual)
                 else:
                     if verify and loc.checksum:
-                        actual = checksum_of(mapping.ro[loc.pool], loc.offset, loc.nbytes)
+                        actual = checksum_of(mapping.ro_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes)
                         if actual != loc.checksum:
                             raise self._corrupt(key, loc, actual)
-                    tensor = view_of(mapping.ro[loc.pool], loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                    src = mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+                    tensor = view_of(src, loc.offset, loc.nbytes, loc.dtype, loc.shape)
                 views.append(tensor)
             yield views
         finally:

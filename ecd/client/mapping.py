@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
-from ..errors import EcdError, InvalidRequest, ProtocolError
+from ..errors import Code, EcdError, InvalidRequest, ProtocolError, error_from_code
 from ..memory.host import ShmError, ShmFile, shm_path
 from ..memory.ring import ASK, RingReader
 from ..protocol import Extent, Location, Welcome
@@ -109,9 +110,29 @@ class EpochMapping:
         if size is None or not (0 <= loc.offset and loc.offset + loc.nbytes <= size):
             raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
 
+    def rw_for(self, pool: int, offset: int, nbytes: int) -> Any:
+        """The read-write mapping of host pool segment `pool`, once its file is seen to reach past
+        offset + nbytes (one fstat, ~1 us): a member of the group may have truncated it, and the
+        first access past its end would kill this process (SIGBUS). IntegrityError instead (the
+        daemon restores the file, and drops what the cut took, at its next check)."""
+        return _reaching(self.rw[pool], pool, offset + nbytes)
+
+    def ro_for(self, pool: int, offset: int, nbytes: int) -> Any:
+        """rw_for for the read-only mapping."""
+        return _reaching(self.ro[pool], pool, offset + nbytes)
+
     def is_arena(self, pool: int) -> bool:
         return pool >= len(self.sizes)
 
     def fits(self, extent: Extent, arena: int) -> bool:
         """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
         return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
+
+
+def _reaching(buf: Any, pool: int, end: int) -> Any:
+    size = buf.size()  # mmap.size(): an fstat of the file, not the mapping's length
+    if size < end:
+        raise error_from_code(Code.CORRUPT, f"host pool segment {pool} was truncated to {size} bytes by another "
+                                            f"process: bytes up to {end} are gone (the daemon restores the file "
+                                            f"and drops the entries the cut took)")
+    return buf

@@ -49,10 +49,17 @@ class SpillPromote(DiskRecords):
             self.staging_alloc.free_extent(staged, staged_size)
             self.dropped["disk_full"] += 1
             return
-        # A memcpy on the loop (~1 ms per 16 MiB), so the put that evicted this entry gets its
-        # extent now; the write itself runs on a worker thread.
-        with memoryview(self.segments[entry.pool].buf) as seg, memoryview(self.staging) as stage:
-            stage[staged:staged + entry.nbytes] = seg[entry.offset:entry.offset + entry.nbytes]
+        # A copy on the loop (~1 ms per 16 MiB), so the put that evicted this entry gets its
+        # extent now; the write itself runs on a worker thread. pread from the pool file, not the
+        # mapping: a file another process truncated gives a short count, not SIGBUS.
+        with memoryview(self.staging) as stage:
+            copied = self.segments[entry.pool].read_into(entry.offset, stage[staged:staged + entry.nbytes])
+        if copied < entry.nbytes:  # its bytes are gone: never written as the key's value
+            self.staging_alloc.free_extent(staged, staged_size)
+            self.dropped["failed"] += 1
+            log.error("pool.disk: %r not spilled: host pool segment %d was truncated by another process",
+                      entry.key, entry.pool)
+            return
         header = self._header(entry, persisted=False)
         record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
                             guard=files.WriteGuard())
@@ -156,6 +163,7 @@ class SpillPromote(DiskRecords):
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
         entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
+        store.check_pool(entry.pool)  # a truncated pool file is restored before a worker writes into it
         error: files.DiskIOError | None = None
         try:
             with memoryview(self.segments[entry.pool].buf) as seg:
@@ -180,6 +188,11 @@ class SpillPromote(DiskRecords):
                 return None if (header.ns, header.key) in store.index else missing
             self._read_failed(record, error)
             return missing
+        store.check_pool(entry.pool)
+        if store.cut_writes.pop(extent.generation, None) is not None:
+            store.abort(self.session, extent.generation)  # the record stays: the next read tries again
+            return Failure(Code.CORRUPT, f"{header.key!r} was read back from disk into host pool segment "
+                                         f"{entry.pool}, which another process truncated meanwhile: read it again")
         record.generation = extent.generation
         failure = store.commit(self.session, extent.generation, header.checksum)
         if failure is None:

@@ -86,7 +86,9 @@ class Handlers:
             case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
                 pools = store.tier(arena)
-                return Allocated(rid, [store.alloc(session, ns, item, pools) for item in items])
+                extents = [store.alloc(session, ns, item, pools) for item in items]
+                store.check_fresh(extents)  # a truncated pool file is whole again before the client copies
+                return Allocated(rid, extents)
             case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums, persist=persist):
                 store.check_batch(len(generations))
                 if persist:
@@ -95,6 +97,7 @@ class Handlers:
                     raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
                                                      f"{len(generations)} generations")
                 checksums = checksums or [0] * len(generations)
+                store.check_generations(generations)  # what a pool truncation took is refused
                 # the reservation goes in the tier of the first committed item (host if none)
                 tier = store.tier_of(generations[0]) if reserve and generations else None
                 committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
@@ -105,6 +108,7 @@ class Handlers:
                 if persist:
                     self.check_persist(session, [generation])
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
+                store.check_generations([generation])
                 result = store.publish(session, ns, generation, item, checksum)
                 reservation = store.reserve(session, reserve, tier) if reserve else None
                 return self._committed(identity, session, rid, [generation], [result], reservation, persist)
@@ -258,10 +262,25 @@ class Handlers:
         if isinstance(placed, Failure):
             return placed
         # Small enough that copying in the daemon costs less than the round trip it saves.
-        segment = self.d.pool.segments[placed.pool].buf
-        segment[placed.offset:placed.offset + len(request.data)] = request.data
-        failure = self.d.store.commit(session, placed.generation, request.checksum)
+        failure = self._copy_inline(session, placed, request)
+        if failure is None:
+            failure = self.d.store.commit(session, placed.generation, request.checksum)
         return placed.generation if failure is None else failure
+
+    def _copy_inline(self, session: Session, placed: Extent, request: PutInline) -> Failure | None:
+        """Copy an inline put into its extent. A copy cut short (another process truncated the
+        pool file under it: ShmFile.write_at does not fault) restores the file and copies again
+        once; a second cut refuses the put."""
+        store, segment = self.d.store, self.d.pool.segments[placed.pool]
+        for _ in range(2):
+            if segment.write_at(placed.offset, request.data) == len(request.data):
+                return None
+            store.check_pool(placed.pool)  # restored; this write is marked cut, but is written again
+            store.cut_writes.pop(placed.generation, None)
+        store.abort(session, placed.generation)
+        store.counters["truncated_writes_refused"] += 1
+        return Failure(Code.CORRUPT, f"inline put of {request.key!r} not stored: host pool segment {placed.pool} "
+                                     f"({segment.name}) was truncated by another process during the copy, twice")
 
     def hello(self, identity: bytes, conn: Connection, hello: Hello) -> str:
         if hello.version != PROTOCOL_VERSION:

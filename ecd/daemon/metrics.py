@@ -138,9 +138,15 @@ class DaemonCollector:
 
         evictions = CounterMetricFamily("ecd_evictions", "Entries removed, by reason", labels=["reason"])
         for reason, key in (("capacity", "evictions"), ("quota", "evicted_quota"),
-                            ("deleted", "evicted_deleted"), ("replaced", "evicted_replaced")):
+                            ("deleted", "evicted_deleted"), ("replaced", "evicted_replaced"),
+                            ("truncated", "evicted_truncated")):
             evictions.add_metric([reason], c[key])
         yield evictions
+        yield CounterMetricFamily("ecd_pool_truncations", "Times a host pool file was found truncated by another "
+                                  "process (restored; the entries it cut: ecd_evictions_total{reason=\"truncated\"})",
+                                  value=c["pool_truncations"])
+        yield CounterMetricFamily("ecd_pool_truncated_writes_refused", "Puts refused because a pool truncation took "
+                                  "their bytes while they were written", value=c["truncated_writes_refused"])
 
         # Configured namespaces only: clients choose namespace names, so unconfigured ones would
         # make the label set unbounded.

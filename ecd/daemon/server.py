@@ -22,6 +22,7 @@ import zmq
 
 from ..config import Config
 from ..errors import Code, ConfigError
+from ..memory import kernel_copy
 from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import ArenaInfo, DaemonStats
@@ -41,6 +42,7 @@ HEARTBEAT_INTERVAL_S = 0.1  # ring heartbeat; clients distrust a ring silent for
 EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
+POOL_CHECK_INTERVAL_S = 0.25  # how often the pool files' sizes are checked (pool_integrity.py)
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
 
 
@@ -213,6 +215,9 @@ class Daemon:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
         self.store_limits = self.build_store_limits()
+        if not kernel_copy.available():
+            log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
+                        "after a size check, and a pool file truncated in between would crash the daemon")
 
     def _open_cuda(self) -> None:
         """Load the CUDA driver and map `[pool.cuda] devices` to this process's ordinals."""
@@ -337,6 +342,7 @@ class Daemon:
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
                            self.store_limits, namespaces=self.config.namespaces,
                            arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
+        self.store.segments = self.pool.segments  # for pool_integrity's checks of the files
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, self.control.schedule_drain)
         if self.cluster is not None:
@@ -356,7 +362,9 @@ class Daemon:
         tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
                  self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
                  self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status)),
-                 self.loop.create_task(self._every(SESSION_SWEEP_S, self._sweep_sessions))]
+                 self.loop.create_task(self._every(SESSION_SWEEP_S, self._sweep_sessions)),
+                 # a pool file truncated while no request comes: its cut entries go within this
+                 self.loop.create_task(self._every(POOL_CHECK_INTERVAL_S, self.store.check_pools))]
         if self.notifier.watchdog_interval:
             # From the loop itself: a wedged loop stops the pings and systemd restarts the daemon.
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,

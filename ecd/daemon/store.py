@@ -41,6 +41,7 @@ from .deadlines import Deadlines
 from .key_index import KeyIndex
 from .operator import OperatorRequests
 from .placement import Placement
+from .pool_integrity import PoolIntegrity
 from .reservations import Reservations
 from .waiting import Waiting
 
@@ -52,11 +53,11 @@ PROMOTE_WAIT_S = 30.0  # the longest a get waits for its keys to come back from 
 STAMP_RESOLUTION_S = 0.001
 
 
-class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
+class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolIntegrity):
     """The registry. Its jobs beside the entry state machine live in mixins of their own modules:
     placement and eviction (placement.py), reservations for a client's next put
     (reservations.py), parked gets (waiting.py), pins and write deadlines (deadlines.py),
-    operator requests (operator.py)."""
+    operator requests (operator.py), a pool file truncated under it (pool_integrity.py)."""
 
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
@@ -99,6 +100,8 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
         self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
         self.disk: Any = None  # the disk tier (disk_tier.DiskTier) with [pool.disk]; it sets itself here
+        self.cut_writes: dict[int, Failure] = {}  # writes a pool truncation took (pool_integrity.py)
+        self._unallocated: dict[int, int] = {}
         self.set_namespaces(namespaces or {})
 
     # ---- namespaces ---------------------------------------------------------------------
@@ -293,6 +296,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         if entry.owner is not session:
             return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
         del session.writes[generation]
+        refused = self.refuse_cut_write(generation)
+        if refused is not None:
+            self._free(entry)  # its bytes are zeros now: never published
+            return refused
         if not checksum and entry.ns in self.verify_namespaces:
             self._free(entry)  # refused, not left WRITING until its TTL
             self.counters["unchecksummed_refused"] += 1
@@ -360,6 +367,8 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests):
         if len(session.leases) + len(keys) > self.limits.max_leases_per_client:
             raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
                                            f"limits.max_leases_per_client={self.limits.max_leases_per_client}")
+        # entries a pool truncation cut are dropped before they could be leased
+        self.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
         missing = {key for key in keys if (ns, key) not in self.index}
         # keys on disk come back into the host pool first (disk_tier.promote): the request parks
         # until they are READY, however short its wait (a promotion failure answers it at once)

@@ -4,6 +4,11 @@ Names derive from the node name: `ecd.<node>.<n>` for pool segments, `ecd.<node>
 event ring, `ecd.<node>.lock` for the one-daemon-per-node lock. Files are created 0660 (owner
 and group only) and fully allocated up front with posix_fallocate, so a /dev/shm that is too
 small fails at start with a clear message instead of SIGBUS-ing a client mid-copy later.
+
+A pool file is 0660, so any member of the group can also ftruncate it; the daemon keeps each
+file it created open to notice that (`current_size`, one fstat), to give it back its size and
+memory (`restore`), and to copy in and out of it without faulting on a page that is gone
+(`write_at`, `read_into`): pool_integrity.py says what the daemon does about the lost bytes.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..config_types import format_size
+from . import kernel_copy
 
 SHM_DIR = "/dev/shm"
 FILE_MODE = 0o660
@@ -42,11 +48,14 @@ class ShmError(Exception):
 
 @dataclass
 class ShmFile:
-    """One mapped /dev/shm file. `buf` is the mmap object (a writable buffer)."""
+    """One mapped /dev/shm file. `buf` is the mmap object (a writable buffer). `fd`: the file,
+    kept open by the daemon that created it (-1 in clients)."""
 
     name: str
     size: int
     buf: mmap.mmap = field(repr=False)
+    fd: int = -1
+    _base: int = field(default=0, repr=False)  # buf's address, for kernel_copy
 
     @classmethod
     def create(cls, name: str, size: int, group: int = -1, mode: int = FILE_MODE) -> "ShmFile":
@@ -76,8 +85,7 @@ class ShmFile:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        os.close(fd)
-        return cls(name, size, buf)
+        return cls(name, size, buf, fd)
 
     @classmethod
     def attach(cls, name: str, size: int, *, writable: bool = True, populate: bool = False) -> "ShmFile":
@@ -100,7 +108,51 @@ class ShmFile:
         return cls(name, size, buf)
 
     def unlink(self) -> None:
+        """The daemon's end of a file it created: the name goes, and its descriptor."""
         _unlink_quietly(shm_path(self.name))
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # ---- a shrink by another process (daemon side: needs `fd`) -----------------------------
+
+    def current_size(self) -> int:
+        """The file's size now (one fstat, ~1 us): below `size` when someone truncated it, and
+        any access of the mapping past it faults."""
+        return os.fstat(self.fd).st_size
+
+    def restore(self, start: int) -> str | None:
+        """Give a truncated file its size back and allocate its pages from `start` (the lowest
+        size seen): not a sparse hole that a store into a full /dev/shm would fault on later.
+        The bytes that were cut off read as zeros. None, or why the pages could not be allocated
+        (the size is back all the same; `restore` again later)."""
+        if os.fstat(self.fd).st_size != self.size:
+            os.ftruncate(self.fd, self.size)
+        try:
+            os.posix_fallocate(self.fd, start, self.size - start)
+        except OSError as exc:
+            return f"{SHM_DIR} could not allocate {format_size(self.size - start)} of {self.name} ({exc.strerror})"
+        return None
+
+    def write_at(self, offset: int, data: bytes) -> int:
+        """Copy `data` into the mapping at `offset`; the bytes copied, fewer when the file no
+        longer reaches that far. Never faults where kernel_copy is available."""
+        if kernel_copy.available():
+            if not self._base:
+                self._base = kernel_copy.address_of(self.buf)
+            return kernel_copy.write(self._base, offset, data)
+        return kernel_copy.copy_checked(self.buf, offset, data, self.current_size)
+
+    def read_into(self, offset: int, dst: memoryview) -> int:
+        """pread(2) the file's bytes at `offset` into `dst` (the same pages the mapping shows):
+        the bytes read, fewer when the file was truncated. Never faults."""
+        done = 0
+        while done < dst.nbytes:
+            got = os.preadv(self.fd, [dst[done:]], offset + done)
+            if got <= 0:
+                break
+            done += got
+        return done
 
 
 def _unlink_quietly(path: str) -> None:

@@ -17,6 +17,7 @@ from ecd.config import load_config
 from ecd.daemon.disk_tier import DiskTier
 from ecd.errors import Code
 from ecd.integrity import checksum
+from ecd.memory.host import ShmFile
 from ecd.memory.ring import NOT_HERE, key_hash
 from ecd.protocol import Extent, Failure, Location
 from test_store import Env, item
@@ -31,11 +32,18 @@ def payload(key: str, n: int = ENTRY) -> bytes:
     return (seed.to_bytes(8, "little") * (n // 8 + 1))[:n]
 
 
+def pool_segment(size: int) -> ShmFile:
+    """A pool segment as the daemon has it (the mapping and its file's fd: spills pread it), on a memfd."""
+    fd = os.memfd_create("ecd-test-pool", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return ShmFile("ecd-test-pool", size, mmap.mmap(fd, size), fd)
+
+
 class DiskEnv(Env):
     def __init__(self, path: str, loop, size: str = "16MiB", **disk) -> None:
         super().__init__(pool_sizes=(POOL,))
         self.store.scheduler = loop  # parked requests and promotions need real timers and tasks
-        self.segments = [SimpleNamespace(buf=mmap.mmap(-1, POOL))]
+        self.segments = [pool_segment(POOL)]
         cfg = load_config({"pool": {"disk": {"path": path, "size": size, "min_spill_size": 0, **disk}}}).pool.disk
         self.disk = DiskTier(cfg, epoch=7)
         self.disk.open()
