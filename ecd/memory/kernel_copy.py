@@ -19,6 +19,7 @@ import errno
 import os
 from typing import Callable
 
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
