@@ -222,7 +222,8 @@ class Fetcher:
         transport = self.cluster.transport
         loop = self.cluster.d.loop
         future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
-                                      [o.checksum for o, _ in placed], deadline)
+                                      [o.checksum for o, _ in placed], [segments[e.pool] for _, e in placed],
+                                      deadline)
         try:
             # shield: even if this task is cancelled, the extents stay until the thread is done
             verdicts = await asyncio.shield(future)
@@ -264,11 +265,15 @@ class Fetcher:
 
 
 def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],
-                     deadline: float) -> list[bool]:
-    """On a transport thread: pull, then check each entry against its owner's checksum."""
+                     files: list[Any], deadline: float) -> list[bool]:
+    """On a transport thread: pull, then check each entry against its owner's checksum. The hash
+    reads the mapping: a pool file a group member truncated meanwhile would fault it (SIGBUS), so
+    its size is looked at first (one fstat); the commit's own check then drops what the cut took
+    (pool_integrity.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
     transport.pull(host, port, items, deadline)
-    return [not want or checksum_of(item.buf, item.offset, item.nbytes) == want
-            for item, want in zip(items, checksums)]
+    return [not want or (file.current_size() >= item.offset + item.nbytes
+                         and checksum_of(item.buf, item.offset, item.nbytes) == want)
+            for item, want, file in zip(items, checksums, files)]
 
 
 def check_fetch(store: Any, ns: str, keys: list[str]) -> None:
