@@ -128,19 +128,25 @@ def serve_failures(owner, reason: str) -> float:
     return metric(scrape_metrics(owner.metrics_port), "ecd_transfer_failures_total", reason=reason)
 
 
+def weather(owner, puller, attacker: subprocess.Popen) -> None:
+    """Honest rounds (Honest) against the owner while the attacker floods it: every round is
+    served, and the owner's RSS stays within RSS_BOUND of where it started."""
+    honest = Honest(owner, puller)
+    assert read_line(attacker) == "hello"
+    honest.start()
+    before, peak = watch_rss(owner, attacker, 12)
+    print(f"owner RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{(peak - before) / MiB:.0f} MiB)")
+    honest.finish()
+    assert peak - before < RSS_BOUND, f"the owner grew {(peak - before) / MiB:.0f} MiB under the flood"
+
+
 def test_a_flood_of_one_key_repeated_is_refused_and_the_owner_keeps_serving(cluster):  # noqa: F811
     """The issue's flood: 70 lookups, each one 1000-byte key 16,384 times, never read."""
     owner, puller = cluster(2)
     put_flood_keys(owner, 1)
     attacker = attack(owner.peer_endpoint, 70, 1, 16384, read=False)
-    honest = Honest(owner, puller)
     try:
-        assert read_line(attacker) == "hello"
-        honest.start()
-        before, peak = watch_rss(owner, attacker, 12)
-        print(f"owner RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{(peak - before) / MiB:.0f} MiB)")
-        honest.finish()
-        assert peak - before < RSS_BOUND, f"the owner grew {(peak - before) / MiB:.0f} MiB under the flood"
+        weather(owner, puller, attacker)
         # each lookup was refused with a reason: a key named twice is leased never, not 16,384 times
         assert serve_failures(owner, "serve_lookup_invalid") >= 1
         assert "names a key more than once" in owner.log()
@@ -157,14 +163,8 @@ def test_a_peer_that_never_reads_its_leases_is_cut_off(cluster):  # noqa: F811
     owner, puller = cluster(2, extra=['peer_queue_bytes = "16MiB"', ""])
     put_flood_keys(owner, 4096)
     attacker = attack(owner.peer_endpoint, 40, 4096, 1, read=False)
-    honest = Honest(owner, puller)
     try:
-        assert read_line(attacker) == "hello"
-        honest.start()
-        before, peak = watch_rss(owner, attacker, 12)
-        print(f"owner RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{(peak - before) / MiB:.0f} MiB)")
-        honest.finish()
-        assert peak - before < RSS_BOUND, f"the owner grew {(peak - before) / MiB:.0f} MiB under the flood"
+        weather(owner, puller, attacker)
         assert wait_for(lambda: serve_failures(owner, "serve_backlog") >= 1, timeout=10), owner.log()[-3000:]
         assert "unread replies" in owner.log() and "cluster.peer_queue_bytes" in owner.log()
         # the cut-off session's leases went back (not after their 60 s TTL)

@@ -6,10 +6,12 @@ with PersistFailed meanwhile, and recovers by itself once a write succeeds again
 size-limited tmpfs mounts (root only: skipped elsewhere, as test_disk_tier.py's)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import subprocess
+from typing import Iterator
 
 import pytest
 import torch
@@ -51,79 +53,79 @@ def assert_persisted_served(c) -> None:
     assert torch.equal(c.get("small"), tensor(9, 1000))
 
 
-def test_a_restart_onto_a_full_filesystem_serves_its_records_and_recovers():
+@contextlib.contextmanager
+def crashed_with_records() -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon with a disk tier on a 40 MiB tmpfs that persisted four entries and was SIGKILLed:
+    (the daemon, to start again; the tier's path). Cleaned up after."""
     with tmpfs("40m") as path:
         d = DaemonProcess("64MiB", extra=disk_config(path, "32MiB"))
         try:
             d.start()
             with d.client() as c:
                 persisted(c)
-            d.stop(signal.SIGKILL)  # a crash...
-            filler = fill(path)  # ...while another program fills the filesystem
-            d.start()  # main: "daemon exited with 2: pool.disk.path: ... not writable (No space left on device)"
-            with d.client() as c:
-                disk = c.stats()["disk"]
-                assert disk["loaded"] == 4 and disk["persisted_entries"] == 4, disk
-                assert disk["degraded"].startswith("enospc"), disk
-                assert_persisted_served(c)  # a warm restart on a full disk: bytes intact
-                assert metric(scrape_metrics(d.metrics_port), "ecd_disk_degraded") == 1
-                with pytest.raises(PersistFailed, match="not persisted"):
-                    c.put("while-full", tensor(20), persist=True)
-                assert torch.equal(c.get("while-full"), tensor(20))  # stored in memory all the same
-                c.put("plain", tensor(21))
-                assert torch.equal(c.get("plain"), tensor(21))
-                assert c.stats()["disk"]["degraded"]  # the failed write-through changed nothing
-                assert "disk tier degraded" in d.log()
-
-                os.unlink(filler)  # room again: the probe notices within seconds
-                disk = wait_for(lambda: (s := c.stats()["disk"])["degraded"] == "" and s, timeout=10)
-                assert disk and disk["degraded"] == "", c.stats()["disk"]
-                assert metric(scrape_metrics(d.metrics_port), "ecd_disk_degraded") == 0
-                assert "disk tier recovered" in d.log()
-                c.put("after", tensor(22), persist=True)  # durable again
-            d.stop(signal.SIGKILL)
-            d.start()
-            with d.client() as c:
-                assert_persisted_served(c)
-                assert torch.equal(c.get("after"), tensor(22))
-                assert c.stats()["disk"]["degraded"] == ""
+            d.stop(signal.SIGKILL)  # a crash
+            yield d, path
         finally:
             d.cleanup()
+
+
+def test_a_restart_onto_a_full_filesystem_serves_its_records_and_recovers():
+    with crashed_with_records() as (d, path):
+        filler = fill(path)  # another program fills the filesystem meanwhile
+        d.start()  # main: "daemon exited with 2: pool.disk.path: ... not writable (No space left on device)"
+        with d.client() as c:
+            disk = c.stats()["disk"]
+            assert disk["loaded"] == 4 and disk["persisted_entries"] == 4, disk
+            assert disk["degraded"].startswith("enospc"), disk
+            assert_persisted_served(c)  # a warm restart on a full disk: bytes intact
+            assert metric(scrape_metrics(d.metrics_port), "ecd_disk_degraded") == 1
+            with pytest.raises(PersistFailed, match="not persisted"):
+                c.put("while-full", tensor(20), persist=True)
+            assert torch.equal(c.get("while-full"), tensor(20))  # stored in memory all the same
+            c.put("plain", tensor(21))
+            assert torch.equal(c.get("plain"), tensor(21))
+            assert c.stats()["disk"]["degraded"]  # the failed write-through changed nothing
+            assert "disk tier degraded" in d.log()
+
+            os.unlink(filler)  # room again: the probe notices within seconds
+            disk = wait_for(lambda: (s := c.stats()["disk"])["degraded"] == "" and s, timeout=10)
+            assert disk and disk["degraded"] == "", c.stats()["disk"]
+            assert metric(scrape_metrics(d.metrics_port), "ecd_disk_degraded") == 0
+            assert "disk tier recovered" in d.log()
+            c.put("after", tensor(22), persist=True)  # durable again
+        d.stop(signal.SIGKILL)
+        d.start()
+        with d.client() as c:
+            assert_persisted_served(c)
+            assert torch.equal(c.get("after"), tensor(22))
+            assert c.stats()["disk"]["degraded"] == ""
 
 
 def test_a_restart_onto_a_read_only_filesystem_serves_its_records_and_recovers():
-    with tmpfs("40m") as path:
-        d = DaemonProcess("64MiB", extra=disk_config(path, "32MiB"))
-        try:
-            d.start()
-            with d.client() as c:
-                persisted(c)
-            d.stop(signal.SIGKILL)
-            # what a filesystem remounted read-only after an error looks like; a stale temporary
-            # file of a torn write, which the start cannot remove now: not fatal, removed on recovery
-            open(os.path.join(path, "0-1-1.ecd.tmp"), "wb").close()
-            subprocess.run(["mount", "-o", "remount,ro", path], check=True)
-            d.start()
-            with d.client() as c:
-                disk = c.stats()["disk"]
-                assert disk["loaded"] == 4 and disk["degraded"].startswith("readonly"), disk
-                assert_persisted_served(c)
-                with pytest.raises(PersistFailed, match="not persisted"):
-                    c.put("while-ro", tensor(20), persist=True)
-                assert c.delete("small")  # its file cannot go now: it goes on recovery
-                assert len(records(path)) == 4
-                subprocess.run(["mount", "-o", "remount,rw", path], check=True)
-                disk = wait_for(lambda: (s := c.stats()["disk"])["degraded"] == "" and s, timeout=10)
-                assert disk and disk["degraded"] == "", c.stats()["disk"]
-                assert wait_for(lambda: len(os.listdir(path)) == 3), os.listdir(path)  # no .tmp, no "small"
-                c.put("after", tensor(22), persist=True)
-            d.stop(signal.SIGTERM)
-            d.start()
-            with d.client() as c:
-                for i in range(3):
-                    assert torch.equal(c.get(f"p{i}"), tensor(i)), f"p{i}"
-                assert torch.equal(c.get("after"), tensor(22))
-                with pytest.raises(KeyNotFound):
-                    c.get("small")  # deleted while read-only: never back
-        finally:
-            d.cleanup()
+    with crashed_with_records() as (d, path):
+        # what a filesystem remounted read-only after an error looks like; a stale temporary
+        # file of a torn write, which the start cannot remove now: not fatal, removed on recovery
+        open(os.path.join(path, "0-1-1.ecd.tmp"), "wb").close()
+        subprocess.run(["mount", "-o", "remount,ro", path], check=True)
+        d.start()
+        with d.client() as c:
+            disk = c.stats()["disk"]
+            assert disk["loaded"] == 4 and disk["degraded"].startswith("readonly"), disk
+            assert_persisted_served(c)
+            with pytest.raises(PersistFailed, match="not persisted"):
+                c.put("while-ro", tensor(20), persist=True)
+            assert c.delete("small")  # its file cannot go now: it goes on recovery
+            assert len(records(path)) == 4
+            subprocess.run(["mount", "-o", "remount,rw", path], check=True)
+            disk = wait_for(lambda: (s := c.stats()["disk"])["degraded"] == "" and s, timeout=10)
+            assert disk and disk["degraded"] == "", c.stats()["disk"]
+            assert wait_for(lambda: len(os.listdir(path)) == 3), os.listdir(path)  # no .tmp, no "small"
+            c.put("after", tensor(22), persist=True)
+        d.stop(signal.SIGTERM)
+        d.start()
+        with d.client() as c:
+            for i in range(3):
+                assert torch.equal(c.get(f"p{i}"), tensor(i)), f"p{i}"
+            assert torch.equal(c.get("after"), tensor(22))
+            with pytest.raises(KeyNotFound):
+                c.get("small")  # deleted while read-only: never back
