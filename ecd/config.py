@@ -69,8 +69,15 @@ class HostPoolSection(Section):
     # Largest single shm file; the pool is split into ceil(size / segment_size) segments and one
     # entry never spans two, so this is also the largest tensor that fits.
     segment_size: ByteSize = ByteSize(1 << 30)
+    # "memfd": sealed memfds handed to local clients over the fd socket beside the control socket
+    # (no name in /dev/shm; nobody can truncate them; clients in other IPC namespaces reach them).
+    # "named": files /dev/shm/ecd.<node>.<n> that clients open by name (any member of node.group
+    # can ftruncate one: pool_integrity.py limits the damage; see docs/SECURITY.md).
+    backing: str = "memfd"
 
     def __post_init__(self) -> None:
+        check_field(self.backing in ("memfd", "named"), "backing",
+               f'must be "memfd" or "named", got {self.backing!r}')
         check_field(self.size > 0, "size", f"must be > 0, got {int(self.size)}")
         check_field(self.size <= 1 << 44, "size", f"must be <= 16TiB, got {int(self.size)}")
         check_field(self.segment_size >= 1 << 20, "segment_size",

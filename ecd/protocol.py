@@ -52,7 +52,7 @@ class _Msg(Struct, array_like=True, tag=True, omit_defaults=False):
 
 class PoolInfo(Struct, array_like=True):
     index: int
-    name: str  # /dev/shm/<name>
+    name: str  # /dev/shm/<name> (a memfd's label when Welcome.fd_socket is set)
     size: int
 
 
@@ -373,6 +373,11 @@ class Welcome(_Msg, tag="welcome"):
     cluster_listen: str = ""
     # `[pool.disk]` is configured: puts may ask for persist (the daemon refuses them otherwise).
     disk: bool = False
+    # `[pool.host] backing = "memfd"`: the pools and the ring are not files in /dev/shm (their
+    # names above only label them) but descriptors the daemon hands out on its fd socket
+    # (ecd/fd_passing.py): this socket's basename, in the directory of the control socket's path
+    # as the client knows it; an absolute path for a tcp control endpoint. "": named files.
+    fd_socket: str = ""
 
 
 class Pong(_Msg, tag="pong"):

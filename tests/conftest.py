@@ -28,9 +28,16 @@ def shm_files(node: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ecd.{node}."))
 
 
+# `[pool.host] backing` of every test daemon that does not choose one: ECD_TEST_POOL_BACKING=named
+# runs a suite against the /dev/shm files, unset (or "memfd") against the default.
+DEFAULT_BACKING = os.environ.get("ECD_TEST_POOL_BACKING", "")
+
+
 def write_config(runtime_dir: str, node: str, size: str = "64MiB", extra: str = "",
-                 metrics: str = "127.0.0.1:0") -> Path:
-    """A node.toml for a test daemon; metrics on a free port so tests never fight over 9464."""
+                 metrics: str = "127.0.0.1:0", backing: str = "") -> Path:
+    """A node.toml for a test daemon; metrics on a free port so tests never fight over 9464.
+    `backing`: `[pool.host] backing` ("" leaves the default, or ECD_TEST_POOL_BACKING's)."""
+    backing = backing or DEFAULT_BACKING
     path = Path(runtime_dir) / "node.toml"
     path.write_text(f"""
 [node]
@@ -41,6 +48,7 @@ log_level = "debug"
 endpoint = "ipc://{runtime_dir}/ecd.sock"
 [pool.host]
 size = "{size}"
+{f'backing = "{backing}"' if backing else ""}
 [metrics]
 listen = "{metrics}"
 {extra}
@@ -51,13 +59,14 @@ listen = "{metrics}"
 class DaemonProcess:
     """One `ecd serve` subprocess; restartable on the same node, config and endpoint."""
 
-    def __init__(self, size: str = "64MiB", extra: str = "") -> None:
+    def __init__(self, size: str = "64MiB", extra: str = "", backing: str = "") -> None:
         # Short paths: a unix socket path must fit in 107 bytes.
         self.runtime_dir = tempfile.mkdtemp(prefix="ecd-", dir="/tmp")
         self.node = f"t{os.getpid()}x{next(_counter)}"
         self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
         self.socket_path = f"{self.runtime_dir}/ecd.sock"
-        self.config = write_config(self.runtime_dir, self.node, size, extra)
+        self.backing = backing or DEFAULT_BACKING or "memfd"
+        self.config = write_config(self.runtime_dir, self.node, size, extra, backing=backing)
         self.log_path = Path(self.runtime_dir) / "daemon.log"
         self.proc: subprocess.Popen | None = None
         self.metrics_port: int | None = None
@@ -132,8 +141,8 @@ def pytest_collection_modifyitems(config, items):
 def daemon_factory():
     made: list[DaemonProcess] = []
 
-    def make(size: str = "64MiB", extra: str = "", start: bool = True) -> DaemonProcess:
-        d = DaemonProcess(size, extra)
+    def make(size: str = "64MiB", extra: str = "", start: bool = True, backing: str = "") -> DaemonProcess:
+        d = DaemonProcess(size, extra, backing)
         made.append(d)
         if start:
             d.start()

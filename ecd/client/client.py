@@ -67,7 +67,7 @@ class Client(ControlClient):
     def _new_epoch(self, welcome: Welcome) -> None:
         """A new daemon (or the first): map its pools and ring; drop what belonged to the old one."""
         try:
-            mapping = EpochMapping(welcome, self.populate)  # a new daemon: new pools, new ring
+            mapping = EpochMapping(welcome, self.populate, self.endpoint, self.timeout)  # new pools, ring
         except EcdError:
             # Leave no session behind that this client cannot use; keep nothing of it either.
             with contextlib.suppress(zmq.ZMQError):

@@ -1,24 +1,34 @@
 """One daemon epoch's shared memory as this process maps it (the data plane's side of a Client).
 
 `EpochMapping`: the host pools mapped read-write and read-only and the event ring, or nothing but a
-`NoRing` for a client on another host. Only `ecd.Client` (tensors) maps them: the control-plane
+`NoRing` for a client on another host. A daemon with `[pool.host] backing = "memfd"` hands them
+over as descriptors on its fd socket (ecd/fd_passing.py): sealed, so no one can truncate them and
+the size checks below are skipped; one with "named" files leaves them for the client to open in
+/dev/shm. Only `ecd.Client` (tensors) maps them: the control-plane
 `ControlClient` (ecd.client.control) never imports this module, so it loads neither numpy (the
 ring reader's) nor torch.
 """
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import time
 from typing import Any
 
-from ..errors import Code, EcdError, InvalidRequest, ProtocolError, error_from_code
+from .. import fd_passing
+from ..errors import Code, DaemonUnavailable, EcdError, InvalidRequest, ProtocolError, error_from_code
 from ..memory.host import ShmError, ShmFile, shm_path
+from ..memory.memfd import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SHRINK, map_fd
 from ..memory.ring import ASK, RingReader
 from ..protocol import Extent, Location, Welcome
 
 # How long a client that finds the ring's header overwritten waits for the daemon to rewrite it
 # (it does every 0.1 s heartbeat) before it gives up on the ring.
 RING_REPAIR_WAIT_S = 0.5
+_SIZE_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
+
+log = logging.getLogger("ecd.client")
 
 
 class NoRing:
@@ -67,7 +77,9 @@ def open_ring(ring_file: ShmFile, welcome: Welcome) -> RingReader | None:
 class EpochMapping:
     """One daemon epoch's shared memory as this process sees it."""
 
-    def __init__(self, welcome: Welcome, populate: bool) -> None:
+    def __init__(self, welcome: Welcome, populate: bool, endpoint: str = "", timeout: float = 5.0) -> None:
+        """`endpoint`: the control endpoint this client connected to (the fd socket is beside
+        it); `timeout`: for fetching the descriptors."""
         self.epoch = welcome.epoch
         self.node = welcome.node
         self.sizes = [p.size for p in welcome.pools]
@@ -75,6 +87,10 @@ class EpochMapping:
         self.arenas = list(welcome.arenas)
         self.arena_sizes = {a.index: a.size for a in welcome.arenas}
         self.local = True
+        self.sealed = bool(welcome.fd_socket)  # memfds: their size cannot change
+        if self.sealed:
+            self._map_passed(welcome, populate, endpoint, timeout)
+            return
         try:
             # The ring first: missing, or another daemon's (its epoch differs), means the daemon
             # is on another host and its pools are out of reach.
@@ -86,11 +102,9 @@ class EpochMapping:
                 ring_file = None
             ring = None if ring_file is None else open_ring(ring_file, welcome)
             if ring is None:
-                self.local = False
-                self.rw = self.ro = []
-                self.ring: RingReader | NoRing = NoRing()
+                self._not_local()
                 return
-            self.ring = ring
+            self.ring: RingReader | NoRing = ring
             self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
                        for p in welcome.pools]
             self.ro = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
@@ -98,11 +112,66 @@ class EpochMapping:
         except (ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory: {exc}") from None
 
+    def _not_local(self) -> None:
+        self.local = False
+        self.rw = self.ro = []
+        self.ring = NoRing()
+
+    def _map_passed(self, welcome: Welcome, populate: bool, endpoint: str, timeout: float) -> None:
+        """The pools and ring as descriptors from the daemon's fd socket, found in the directory
+        of this client's own control socket path (a pod may mount it elsewhere than the daemon's).
+        Over tcp the daemon may be on another host: no socket there, or another daemon's, means
+        the pools are out of reach (as the named mode's missing files do)."""
+        ipc = endpoint.startswith("ipc://")
+        path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]) if ipc else "/", welcome.fd_socket)
+        if not ipc and not os.path.exists(path):
+            self._not_local()
+            return
+        try:
+            header, items = fd_passing.receive(path, timeout)
+        except fd_passing.FdFetchError as exc:
+            if not ipc:
+                log.info("pools not mapped (the daemon may be on another host): %s", exc)
+                self._not_local()
+                return
+            raise DaemonUnavailable(f"cannot map the daemon's shared memory: {exc}") from None
+        try:
+            if header.epoch != welcome.epoch:
+                if not ipc:
+                    self._not_local()  # a daemon on this host, not the one this client talks to
+                    return
+                raise DaemonUnavailable(f"the fd socket {path} belongs to daemon run {header.epoch}, the Welcome "
+                                        f"to run {welcome.epoch}: the daemon restarted meanwhile; connect again")
+            fds = {(item.kind, item.index): (item.size, fd) for item, fd in items}
+            want = [("ring", 0, welcome.ring.size)] + [("pool", p.index, p.size) for p in welcome.pools]
+            for kind, index, size in want:
+                got = fds.get((kind, index))
+                if got is None or got[0] != size:
+                    raise ProtocolError(f"the fd socket {path} sent {kind} {index} as {got and got[0]} bytes, "
+                                        f"Welcome says {size}")
+                if fcntl.fcntl(got[1], F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
+                    raise ProtocolError(f"the daemon's {kind} {index} is not sealed against truncation")
+            ring_buf = map_fd(fds["ring", 0][1], welcome.ring.size, writable=False)
+            ring = open_ring(ShmFile(welcome.ring.name, welcome.ring.size, ring_buf), welcome)
+            if ring is None:
+                raise ProtocolError(f"the ring from the fd socket {path} is not daemon run {welcome.epoch}'s")
+            self.ring = ring
+            # Views get a read-only mapping of the same descriptor: a stray in-place write faults.
+            self.rw = [map_fd(fds["pool", p.index][1], p.size, writable=True, populate=populate)
+                       for p in welcome.pools]
+            self.ro = [map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
+                       for p in welcome.pools]
+        except (OSError, ShmError, ValueError) as exc:
+            raise EcdError(f"cannot map the daemon's shared memory from {path}: {exc}") from None
+        finally:
+            for _, fd in items:
+                os.close(fd)  # the mappings keep what they need
+
     def require_local(self, what: str, inline_max: int) -> None:
         if not self.local:
             raise InvalidRequest(
                 f"pools are not mapped: this client is not on the daemon's node ({self.node}); {what} "
-                f"moves bytes through /dev/shm. From here: exists, delete, keys, stats, evict, ping "
+                f"moves bytes through the daemon's host pool. From here: exists, delete, keys, stats, evict, ping "
                 f"and puts of up to {inline_max} bytes")
 
     def check(self, loc: Location) -> None:
@@ -114,12 +183,13 @@ class EpochMapping:
         """The read-write mapping of host pool segment `pool`, once its file is seen to reach past
         offset + nbytes (one fstat, ~1 us): a member of the group may have truncated it, and the
         first access past its end would kill this process (SIGBUS). IntegrityError instead (the
-        daemon restores the file, and drops what the cut took, at its next check)."""
-        return _reaching(self.rw[pool], pool, offset + nbytes)
+        daemon restores the file, and drops what the cut took, at its next check). A sealed
+        memfd cannot be truncated: no check."""
+        return self.rw[pool] if self.sealed else _reaching(self.rw[pool], pool, offset + nbytes)
 
     def ro_for(self, pool: int, offset: int, nbytes: int) -> Any:
         """rw_for for the read-only mapping."""
-        return _reaching(self.ro[pool], pool, offset + nbytes)
+        return self.ro[pool] if self.sealed else _reaching(self.ro[pool], pool, offset + nbytes)
 
     def is_arena(self, pool: int) -> bool:
         return pool >= len(self.sizes)

@@ -297,7 +297,8 @@ class Handlers:
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
             sorted(self.d.store.verify_namespaces), self.d.arena_infos(),
-            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk is not None))
+            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk is not None,
+            self.d.fd_socket_name))
         return "ok"
 
 

@@ -347,6 +347,13 @@ def connection_metrics(d: "DaemonView"):
     for limit in ("max_clients", "max_clients_per_pid"):
         refused.add_metric([limit], d.sessions.refused.get(limit, 0))
     yield refused
+    if d.fd_server is not None:  # backing = "memfd"
+        handouts = CounterMetricFamily("ecd_pool_fd_handouts", "Connections to the fd socket, by outcome: sent "
+                                       "(the pool's descriptors), refused (by admission), failed (the send "
+                                       "failed: see docs/SECURITY.md)", labels=["outcome"])
+        for outcome, count in d.fd_server.counts.items():
+            handouts.add_metric([outcome], count)
+        yield handouts
 
 
 class MetricsServer:

@@ -24,10 +24,12 @@ from ..config import Config
 from ..errors import Code, ConfigError
 from ..memory import kernel_copy
 from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
+from ..memory.memfd import RING_SEALS, MemfdFile, MemfdPool
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import ArenaInfo, DaemonStats
 from .connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
 from .control import ControlLoop, ServeCounters
+from .fd_server import FdServer
 from .handlers import daemon_stats
 from .metrics import MetricsServer, bind_listener, make_registry
 from .security import CurveAuth, check_security
@@ -77,7 +79,9 @@ class Daemon:
         self._signals_seen = 0
         self.endpoint = config.control.endpoint
         self._lock = NodeLock(self.node)
-        self.pool: HostPool | None = None
+        self.pool: HostPool | MemfdPool | None = None
+        self.fd_server: FdServer | None = None  # backing = "memfd": hands the pool to clients
+        self.fd_socket_name = ""  # Welcome.fd_socket
         self.ring_file: ShmFile | None = None
         self.ring: RingWriter | None = None
         self.store: Store | None = None
@@ -125,6 +129,7 @@ class Daemon:
             self._create_memory()
             self._create_arenas()
             self._bind()
+            self._bind_fd_socket()
             self._bind_metrics()
             self._bind_cluster()
         except BaseException:
@@ -206,11 +211,15 @@ class Daemon:
     def _create_memory(self) -> None:
         host = self.config.pool.host
         ring_cfg = self.config.ring
+        ring_size = ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets)
         try:
-            self.pool = HostPool(self.node, int(host.size), int(host.segment_size), self.gid)
-            # 0640: clients map the ring read-only, so no engine in the group can write into it
-            self.ring_file = ShmFile.create(ring_name(self.node), ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets),
-                                            self.gid, mode=RING_FILE_MODE)
+            if host.backing == "memfd":  # sealed: no one can truncate them (memory/memfd.py)
+                self.pool = MemfdPool(self.node, int(host.size), int(host.segment_size))
+                self.ring_file = MemfdFile.create_sealed(ring_name(self.node), ring_size, seals=RING_SEALS)
+            else:
+                self.pool = HostPool(self.node, int(host.size), int(host.segment_size), self.gid)
+                # 0640: clients map the ring read-only, so no engine in the group can write into it
+                self.ring_file = ShmFile.create(ring_name(self.node), ring_size, self.gid, mode=RING_FILE_MODE)
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
@@ -307,6 +316,20 @@ class Daemon:
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
 
+    def _bind_fd_socket(self) -> None:
+        """backing = "memfd": the fd socket beside the control socket (fd_server.py); Welcome
+        names it by its basename (by its path for a tcp control endpoint)."""
+        if not isinstance(self.ring_file, MemfdFile):
+            return
+        ipc = self._ipc_path()
+        path = (ipc + ".fds" if ipc is not None
+                else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds"))
+        try:
+            self.fd_server = FdServer(path, self.gid, self.epoch, self.ring_file, self.pool.segments)
+        except OSError as exc:
+            raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
+        self.fd_socket_name = os.path.basename(path) if ipc is not None else path
+
     def _bind_metrics(self) -> None:
         address = self.config.metrics.address
         if address is None:
@@ -347,6 +370,8 @@ class Daemon:
                                  lambda: self.config.limits, self.control.schedule_drain)
         if self.cluster is not None:
             self.cluster.start()
+        if self.fd_server is not None:
+            self.fd_server.start(self.loop)
         if self.disk is not None:
             self.disk.attach(self.store, self.loop, self.pool.segments)
         if self.metrics_listener is not None:
@@ -370,8 +395,9 @@ class Daemon:
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
                                                            self.notifier.watchdog)))
         self.state = "serving"
-        log.info("serving node %s on %s: host pool %d bytes in %d segment(s), %d CUDA arena(s), epoch %d",
+        log.info("serving node %s on %s: host pool %d bytes in %d %s segment(s), %d CUDA arena(s), epoch %d",
                  self.node, self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments),
+                 self.config.pool.host.backing,
                  len(self.arenas) if self.arenas is not None else 0, self.epoch)
         self.notifier.ready(self.status_line())
         self.control.drain()  # messages that arrived before the reader was registered
@@ -479,6 +505,9 @@ class Daemon:
         if self.disk is not None:
             self.disk.close()  # its threads stop touching the pools before those are unmapped
             self.disk = None
+        if self.fd_server is not None:
+            self.fd_server.close()
+            self.fd_server = None
         if self.ring is not None:
             self.ring.close()
         if self.ring_file is not None:

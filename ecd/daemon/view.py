@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..config import Config
     from ..memory.host import HostPool, ShmFile
+    from ..memory.memfd import MemfdPool
     from ..memory.ring import RingWriter
     from ..protocol import ArenaInfo
     from .connections import Connections
@@ -31,7 +32,9 @@ class DaemonView(Protocol):
     config_path: str | None
     loop: asyncio.AbstractEventLoop | None
     sock: "zmq.Socket | None"
-    pool: "HostPool | None"
+    pool: "HostPool | MemfdPool | None"
+    fd_server: Any  # fd_server.FdServer with backing = "memfd", else None
+    fd_socket_name: str  # Welcome.fd_socket
     ring: "RingWriter | None"
     ring_file: "ShmFile | None"
     arenas: Any

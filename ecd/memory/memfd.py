@@ -1,0 +1,156 @@
+"""The host pool and the event ring as sealed memfds (`[pool.host] backing = "memfd"`, the default).
+
+A memfd has no name in any filesystem: a client reaches it only through a descriptor the daemon
+passes it (ecd/daemon/fd_server.py, SCM_RIGHTS), so a client in a container with its own IPC
+namespace and its own /dev/shm maps the same pages as one on the host. Each segment is sealed
+against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW), then against further seals
+(F_SEAL_SEAL): ftruncate by anyone, the daemon included, fails with EPERM, so the SIGBUS that a
+truncated /dev/shm file deals (pool_integrity.py) cannot happen. The ring is also sealed against
+future writes (F_SEAL_FUTURE_WRITE, Linux 5.1) once the daemon has mapped it: the read-only
+descriptor clients get cannot be re-opened writable through /proc/self/fd (a memfd's inode is
+mode 0777), nor mapped PROT_WRITE, nor written.
+
+What a client holding a pool descriptor can still do is what a pool mapping allows anyway: write
+bytes (zeros included; fallocate(PUNCH_HOLE) is a write of zeros here), never make a page vanish:
+the memfd lives on the kernel's internal tmpfs, which has no size limit, so a page that was
+punched out is allocated again on the next touch, and memory short of that is the OOM killer's,
+not a SIGBUS.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+
+from ..config_types import format_size
+from .host import ShmError, ShmFile
+
+# Linux's values (include/uapi/linux/fcntl.h); Python 3.11's fcntl lacks F_SEAL_FUTURE_WRITE.
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SEAL = 0x0001
+F_SEAL_SHRINK = 0x0002
+F_SEAL_GROW = 0x0004
+F_SEAL_FUTURE_WRITE = 0x0010
+MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3: not executable, said explicitly (else the kernel logs a warning)
+
+POOL_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+RING_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL
+
+
+def _memfd(name: str) -> int:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        return os.memfd_create(name, flags | MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 6.3
+            raise
+    return os.memfd_create(name, flags)
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemfdFile(ShmFile):
+    """A ShmFile whose file is a sealed memfd: the same interface for the daemon's copies
+    (write_at, read_into, current_size), no name to unlink, and a size nobody can change."""
+
+    sealed = True  # pool_integrity and clients: a truncation cannot happen
+
+    @classmethod
+    def create_sealed(cls, name: str, size: int, *, seals: int = POOL_SEALS) -> "MemfdFile":
+        """A memfd of `size` bytes, every page allocated now (posix_fallocate: memory short
+        fails here, with a reason, not later in a client's copy), mapped read-write, sealed."""
+        try:
+            fd = _memfd(name)
+        except OSError as exc:
+            raise ShmError(f"cannot create memfd {name}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmError(f"memory cannot hold {name}: {format_size(size)} ({size} bytes) requested, "
+                                   f"{exc.strerror}") from None
+                raise ShmError(f"cannot allocate memfd {name}: {exc.strerror}") from None
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # After the writable mapping: F_SEAL_FUTURE_WRITE refuses new ones, not this one.
+            fcntl.fcntl(fd, F_ADD_SEALS, seals)
+        except OSError as exc:
+            os.close(fd)
+            raise ShmError(f"cannot set up memfd {name}: {exc.strerror}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, size, buf, fd)
+
+    def read_only_fd(self) -> int:
+        """A new descriptor of this memfd opened O_RDONLY (the caller closes it): what the
+        clients get for the ring, so none of them can map it writable."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def seals(self) -> int:
+        return fcntl.fcntl(self.fd, F_GET_SEALS)
+
+    def unlink(self) -> None:
+        """No name to remove: the pages go when the last descriptor and mapping do."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def current_size(self) -> int:
+        return self.size  # sealed: no fstat needed, no one can change it (pool_integrity's checks pass)
+
+    def restore(self, start: int) -> str | None:
+        return None  # sealed: the size never changed
+
+
+def map_fd(fd: int, size: int, *, writable: bool, populate: bool = False) -> mmap.mmap:
+    """A client's mapping of a descriptor the daemon passed (the caller still closes `fd`),
+    after checking that it is as big as the daemon said."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise ShmError(f"a descriptor the daemon passed is {actual} bytes, it announced {size}")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    # MAP_POPULATE: see ShmFile.attach
+    return mmap.mmap(fd, size, mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0), prot)
+
+
+class MemfdPool:
+    """The daemon's host pool as sealed memfds: `size` bytes in segments of at most `segment_size`
+    (HostPool's interface: `segments`, `close`)."""
+
+    def __init__(self, node: str, size: int, segment_size: int) -> None:
+        self.segments: list[ShmFile] = []
+        # The whole pool up front: memory is taken segment by segment, and a pool that cannot fit
+        # would take the node's memory with it before failing (and invite the OOM killer).
+        free = available_memory()
+        if free is not None and size > free:
+            raise ShmError(f"the node has {format_size(free)} ({free} bytes) of memory available, the host pool "
+                           f"needs {format_size(size)} ({size} bytes): shrink pool.host.size")
+        remaining, index = size, 0
+        try:
+            while remaining > 0:
+                seg_size = min(remaining, segment_size)
+                self.segments.append(MemfdFile.create_sealed(f"ecd.{node}.{index}", seg_size))
+                remaining -= seg_size
+                index += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.unlink()
+        self.segments.clear()
