@@ -56,6 +56,36 @@ listen = "{metrics}"
     return path
 
 
+# For a vandal process (a `python -c` script, run with cwd=REPO) that writes into a pool segment
+# behind the daemon's back: `open_pool(pool_target(client, pool))` is a read-write descriptor of it.
+OPEN_POOL = """
+def open_pool(target):
+    import os
+    if not target.startswith("fds:"):
+        return os.open(target, os.O_RDWR)
+    from ecd.fd_passing import receive
+    path, index = target[len("fds:"):].rsplit(":", 1)
+    _, items = receive(path, 10.0)
+    wanted = -1
+    for item, fd in items:
+        if item.kind == "pool" and item.index == int(index):
+            wanted = fd
+        else:
+            os.close(fd)
+    return wanted
+"""
+
+
+def pool_target(client, pool: int) -> str:
+    """What a vandal opens for host pool segment `pool` of `client`'s daemon: its /dev/shm file
+    (backing = "named"), or "fds:<the fd socket>:<pool>" (backing = "memfd")."""
+    welcome = client._welcome
+    if not welcome.fd_socket:
+        return f"/dev/shm/{welcome.pools[pool].name}"
+    socket_dir = os.path.dirname(client.endpoint[len("ipc://"):])
+    return f"fds:{os.path.join(socket_dir, welcome.fd_socket)}:{pool}"
+
+
 class DaemonProcess:
     """One `ecd serve` subprocess; restartable on the same node, config and endpoint."""
 

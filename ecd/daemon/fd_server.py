@@ -32,6 +32,7 @@ from typing import Sequence
 import msgspec
 
 from ..fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
+from ..memory.host import ShmFile
 from ..memory.memfd import MemfdFile
 
 log = logging.getLogger("ecd.daemon")
@@ -51,7 +52,7 @@ def admit(uid: int, gid: int, pid: int) -> str | None:
 class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
-    def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[MemfdFile]) -> None:
+    def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile]) -> None:
         self.path = path
         self.counts = {"sent": 0, "refused": 0, "failed": 0}
         self._loop: asyncio.AbstractEventLoop | None = None

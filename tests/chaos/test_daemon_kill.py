@@ -1,5 +1,6 @@
 """The daemon SIGKILLed under load and restarted: clients raise DaemonUnavailable within their
-timeout (never hang), reconnect and work; the dead run's shared memory is removed at start."""
+timeout (never hang), reconnect and work; the dead run's shared memory is removed at start (named
+files), or went with the run (memfds: nothing of the pool is left under any name)."""
 from __future__ import annotations
 
 import json
@@ -40,7 +41,8 @@ def test_daemon_restart_client_reconnects(daemon):
     assert_healthy(daemon)
 
 
-def test_stale_segments_of_a_killed_daemon_are_removed_on_start(daemon):
+def test_stale_segments_of_a_killed_daemon_are_removed_on_start(daemon_factory):
+    daemon = daemon_factory(backing="named")  # memfds leave no file: the next test
     with daemon.client() as c:
         c.put("k#100000", payload("k#100000"))
     daemon.stop(signal.SIGKILL)
@@ -56,6 +58,20 @@ def test_stale_segments_of_a_killed_daemon_are_removed_on_start(daemon):
     assert_healthy(daemon)
 
 
+def test_a_killed_memfd_daemon_leaves_no_pool_behind_and_restarts(daemon):
+    with daemon.client() as c:
+        c.put("k#100000", payload("k#100000"))
+    daemon.stop(signal.SIGKILL)
+    assert shm_files(daemon.node) == [f"ecd.{daemon.node}.lock"]  # the pool died with the process
+    assert os.path.exists(daemon.socket_path + ".fds")  # the fd socket's file is left: replaced at start
+    daemon.start()
+    with daemon.client() as c:
+        assert c._map.sealed and c.exists("k#100000") is False
+        c.put("k#100000", payload("k#100000"))
+        assert c.get("k#100000").equal(payload("k#100000"))
+    assert_healthy(daemon)
+
+
 def _records(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -66,7 +82,9 @@ def _inodes(node: str) -> dict[str, int]:
             if not name.endswith(".lock")}
 
 
-def test_daemon_killed_under_steady_load_then_restarted(daemon):
+@pytest.mark.parametrize("backing", ["memfd", "named"])
+def test_daemon_killed_under_steady_load_then_restarted(daemon_factory, backing):
+    daemon = daemon_factory(backing=backing)
     n = 4
     workdir = tempfile.mkdtemp(prefix="ecd-load-", dir="/tmp")
     stop = f"{workdir}/stop"
@@ -80,7 +98,10 @@ def test_daemon_killed_under_steady_load_then_restarted(daemon):
         assert wait_for(lambda: all_workers(lambda r: r["op"] == "get" and r["outcome"] == "ok"),
                         timeout=60.0, interval=0.1), "workers did not get going"
         before = _inodes(daemon.node)
-        assert f"ecd.{daemon.node}.0" in before and f"ecd.{daemon.node}.ring" in before
+        if backing == "named":
+            assert f"ecd.{daemon.node}.0" in before and f"ecd.{daemon.node}.ring" in before
+        else:
+            assert before == {}  # memfds: no names; the workers got descriptors
 
         daemon.stop(signal.SIGKILL)
         killed = time.monotonic()
@@ -94,7 +115,7 @@ def test_daemon_killed_under_steady_load_then_restarted(daemon):
         after = _inodes(daemon.node)
         assert set(after) == set(before)
         assert all(after[name] != before[name] for name in before), "a segment of the dead run survived"
-        assert "stale" in daemon.log()
+        assert ("stale" in daemon.log()) == (backing == "named")
         # Every worker works again, puts and gets alike.
         for op in ("put", "get"):
             assert wait_for(lambda: all_workers(lambda r: r["op"] == op and r["outcome"] == "ok"

@@ -11,7 +11,7 @@ from peerutil import BIG_KEYS as KEYS
 from peerutil import cluster  # noqa: F401 - the fixture
 from peerutil import fetch_in_thread, put_big
 
-from conftest import wait_for
+from conftest import OPEN_POOL, REPO, pool_target, wait_for
 from ecd.errors import DaemonUnavailable, KeyNotFound
 
 def test_owner_killed_mid_fetch(cluster):
@@ -88,9 +88,9 @@ def test_stopped_peer_does_not_stall_other_clients(cluster):
         assert wait_for(lambda: cb.fetch("k", peer=a.peer_endpoint, timeout=5), timeout=20)
 
 
-VANDAL = """
+VANDAL = OPEN_POOL + """
 import os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
+fd = open_pool(sys.argv[1])
 at = int(sys.argv[2])
 os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 4, at)), at)
 os.close(fd)
@@ -114,8 +114,8 @@ def test_bytes_that_do_not_match_the_owners_checksum_are_never_committed(cluster
         (loc,) = ca.request(Acquire(0, ca.namespace, ["flipped"], 0.0)).results
         assert isinstance(loc, Location) and loc.checksum
         ca.request(Release(0, [loc.generation]))
-        pool = f"/dev/shm/{ca._welcome.pools[loc.pool].name}"
-        subprocess.run([sys.executable, "-c", VANDAL, pool, str(loc.offset + 4096)], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", VANDAL, pool_target(ca, loc.pool), str(loc.offset + 4096)],
+                       check=True, timeout=60, cwd=REPO)
 
         outcomes = cb.fetch_detailed(["flipped", "intact"], peer=a.peer_endpoint, timeout=20)
         assert [(bool(o), o.reason) for o in outcomes] == [(False, "checksum"), (True, "")], outcomes

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, metric_by_label, scrape_metrics, wait_for
+from conftest import OPEN_POOL, REPO, metric_by_label, pool_target, scrape_metrics, wait_for
 from ecd import Client
 from ecd.errors import IntegrityError, InvalidRequest
 from ecd.integrity import checksum
@@ -37,11 +37,12 @@ print("ok", flush=True)
 KEYS = {"small": (1, 100), "big-1": (2, 300_000), "big-2": (3, 300_000), "m-1": (4, 300_000),
         "m-2": (5, 1000)}
 
-# The vandal: a third process that writes into the pool's /dev/shm file at an entry's offset.
-VANDAL = """
+# The vandal: a third process that writes into the pool at an entry's offset (through its /dev/shm
+# file or a descriptor from the fd socket).
+VANDAL = OPEN_POOL + """
 import os, sys
 path, offset = sys.argv[1], int(sys.argv[2])
-fd = os.open(path, os.O_RDWR)
+fd = open_pool(path)
 old = os.pread(fd, 4, offset)
 os.pwrite(fd, bytes(b ^ 0xFF for b in old), offset)
 os.close(fd)
@@ -68,8 +69,8 @@ def location(c: Client, key: str) -> Location:
 
 def corrupt(c: Client, key: str) -> Location:
     loc = location(c, key)
-    path = f"/dev/shm/{c._welcome.pools[loc.pool].name}"
-    subprocess.run([sys.executable, "-c", VANDAL, path, str(loc.offset)], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", VANDAL, pool_target(c, loc.pool), str(loc.offset)], check=True,
+                   timeout=60, cwd=REPO)
     return loc
 
 

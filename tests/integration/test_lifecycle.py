@@ -18,9 +18,16 @@ def serve(config) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
-def test_creates_owner_group_only_files_and_unlinks_everything_on_sigterm(daemon):
+@pytest.mark.parametrize("backing", ["memfd", "named"])
+def test_creates_owner_group_only_files_and_unlinks_everything_on_sigterm(daemon_factory, backing):
+    daemon = daemon_factory(backing=backing)
     names = shm_files(daemon.node)
-    assert f"ecd.{daemon.node}.0" in names and f"ecd.{daemon.node}.ring" in names
+    if backing == "named":
+        assert f"ecd.{daemon.node}.0" in names and f"ecd.{daemon.node}.ring" in names
+    else:  # no pool or ring file: the fd socket beside the control socket hands them out
+        assert names == [f"ecd.{daemon.node}.lock"]
+        fds_mode = os.stat(daemon.socket_path + ".fds").st_mode
+        assert stat.S_ISSOCK(fds_mode) and stat.S_IMODE(fds_mode) == 0o660
     for name in names:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
         assert mode & 0o007 == 0, f"{name} is world-accessible: {oct(mode)}"
@@ -32,6 +39,7 @@ def test_creates_owner_group_only_files_and_unlinks_everything_on_sigterm(daemon
     assert daemon.stop(signal.SIGTERM) == 0
     assert shm_files(daemon.node) == []
     assert not os.path.exists(daemon.socket_path)
+    assert not os.path.exists(daemon.socket_path + ".fds")
 
 
 def test_sigint_also_cleans_up(daemon):

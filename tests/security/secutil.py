@@ -29,6 +29,7 @@ endpoint = "{endpoint}"
 {control}
 [pool.host]
 size = "64MiB"
+backing = "{d.backing}"
 [leases]
 {leases}
 [metrics]

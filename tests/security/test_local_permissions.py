@@ -1,5 +1,5 @@
-"""node.group: the runtime dir, the ipc socket and every /dev/shm file belong to it, and nothing
-the daemon creates is open to other users."""
+"""node.group: the runtime dir, the ipc socket, the fd socket beside it (backing = "memfd") or every
+/dev/shm file (backing = "named") belong to it, and nothing the daemon creates is open to other users."""
 from __future__ import annotations
 
 import grp
@@ -24,8 +24,9 @@ def _other_group() -> grp.struct_group | None:
     return None
 
 
+@pytest.mark.parametrize("backing", ["memfd", "named"])
 @pytest.mark.parametrize("which", ["primary", "other"])
-def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, which):
+def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, which, backing):
     if which == "primary":
         group_setting, gid = "", os.getegid()
     else:
@@ -36,7 +37,7 @@ def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, w
         if other is None:
             pytest.skip("no group other than the primary one exists on this host")
         group_setting, gid = other.gr_name, other.gr_gid
-    d = daemon_factory(start=False)
+    d = daemon_factory(start=False, backing=backing)
     run_dir = os.path.join(d.runtime_dir, "run")  # created by the daemon
     write_node_toml(d, runtime_dir=run_dir, endpoint=f"ipc://{run_dir}/ecd.sock",
                     node=f'group = "{group_setting}"')
@@ -47,7 +48,8 @@ def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, w
     created = [os.path.join(run_dir, n) for n in os.listdir(run_dir)]
     created += [f"/dev/shm/{n}" for n in shm_files(d.node)]
     kinds = {os.path.basename(p).rsplit(".", 1)[-1] for p in created}
-    assert {"sock", "0", "ring", "lock"} <= kinds, created
+    # memfd: the pool and ring have no names, the fd socket hands them out (the lock stays in /dev/shm)
+    assert {"sock", "0", "ring", "lock"} <= kinds if backing == "named" else kinds == {"sock", "fds", "lock"}, created
     for path in created:
         st = os.stat(path)
         # the ring is read-only to the group: clients map it read-only, only the daemon writes

@@ -13,6 +13,9 @@ Real parts: the daemon (`ecd serve`), the attacker (a process that ftruncates th
 here: a group member can do the same), honest clients in processes of their own
 (pool_client.py: they map the pool, and a fault there must not take the test runner with it).
 The test process itself only sends requests that never touch pool bytes.
+
+All of it is about `[pool.host] backing = "named"` (pinned here): the default, sealed memfds,
+cannot be truncated at all (test_memfd_pool.py).
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def locate(admin, key: str):
 
 @pytest.fixture
 def node():
-    d = DaemonProcess(size="32MiB")
+    d = DaemonProcess(size="32MiB", backing="named")
     d.start()
     clients: list[HonestClient] = []
 
@@ -163,7 +166,7 @@ def test_a_write_in_progress_that_the_cut_took_is_refused(node):
 
 def test_a_persisted_entry_cut_in_memory_comes_back_from_disk(tmp_path):
     """The disk tier keeps a whole copy: the cut drops the memory copy only, a get promotes it."""
-    d = DaemonProcess(size="32MiB", extra=f'[pool.disk]\npath = "{tmp_path}"\nsize = "64MiB"\n')
+    d = DaemonProcess(size="32MiB", extra=f'[pool.disk]\npath = "{tmp_path}"\nsize = "64MiB"\n', backing="named")
     d.start()
     client = HonestClient(d.endpoint)
     admin = None

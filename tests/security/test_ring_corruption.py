@@ -1,6 +1,7 @@
 """Someone scribbling over the event ring costs other clients round trips, never wrong answers.
-The ring is created 0640, so an engine in node.group cannot write it; the daemon's own user (or
-root, as this test runs) still can, and a reader must cope with whatever it finds there.
+In the named mode (`[pool.host] backing = "named"`, which this test uses) the ring is a /dev/shm
+file created 0640, so an engine in node.group cannot write it; the daemon's own user (or root, as
+this test runs) still can, and a reader must cope with whatever it finds there.
 
 One real daemon for the module; a producer (this process) put k0..k23 and keeps putting and
 deleting other keys so the ring moves; a consumer process that knows the truth calls get, view
@@ -62,7 +63,9 @@ class Consumer:
 
 class Node:
     def __init__(self) -> None:
-        self.daemon = DaemonProcess(extra=f"[ring]\nslots = {SLOTS}\npresence_buckets = {BUCKETS}\n")
+        # named: a memfd ring is sealed against every write but the daemon's mapping (test_memfd_pool.py)
+        self.daemon = DaemonProcess(extra=f"[ring]\nslots = {SLOTS}\npresence_buckets = {BUCKETS}\n",
+                                    backing="named")
         self.daemon.start()
         self.ring_path = f"/dev/shm/ecd.{self.daemon.node}.ring"
         self.producer = self.daemon.client()

@@ -1,0 +1,151 @@
+"""`[pool.host] backing = "memfd"`: the pool reaches clients as sealed memfds over the fd socket.
+
+- A client in its own IPC, mount and pid namespaces, with a /dev/shm of its own, as another uid
+  (what a container with no host namespaces is), puts, gets and views 16 MiB zero-copy through
+  nothing but the socket directory; in the named mode the same client finds no pool.
+- A client that holds the pool's descriptors cannot change their size (EPERM both ways), nor get
+  the ring writable, and the daemon serves on with every byte intact.
+- The fd socket is found beside the control socket path as the client knows it (a pod may mount
+  the directory elsewhere), and a missing one is a clear error naming its path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shlex
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, shm_files
+from secutil import write_node_toml
+
+from ecd.errors import DaemonUnavailable
+
+NS_CLIENT = Path(__file__).resolve().parent / "ns_client.py"
+NOBODY = pwd.getpwnam("nobody").pw_uid
+NBYTES = 16 << 20
+
+
+def pattern(nbytes: int, mul: int, mod: int) -> torch.Tensor:
+    return ((torch.arange(nbytes, dtype=torch.int64) * mul) % mod).to(torch.uint8)
+
+
+def _why_no_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: unshare of the ipc/mount/pid namespaces and the drop to user nobody"
+    if shutil.which("unshare") is None:
+        return "the unshare tool (util-linux) is not installed"
+    probe = subprocess.run(["unshare", "--ipc", "--mount", "--pid", "--fork", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare --ipc --mount --pid is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+def _run_client(*args: str, namespaces: bool, uid: int | None) -> dict:
+    client = [sys.executable, str(NS_CLIENT), *(["--uid", str(uid)] if uid is not None else []), *args]
+    if namespaces:  # a private tmpfs on /dev/shm, in its own mount namespace: the daemon's files are not there
+        script = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec " + shlex.join(client)
+        client = ["unshare", "--ipc", "--mount", "--pid", "--fork", "sh", "-c", script]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(client, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _start_for_nobody(daemon_factory, backing: str):
+    """A daemon whose runtime dir, control socket and fd socket belong to group nogroup (user
+    nobody's), the only thing the namespaced client shares with it."""
+    d = daemon_factory(start=False, backing=backing)
+    run_dir = os.path.join(d.runtime_dir, "run")  # created by the daemon, 0770 nogroup
+    os.chmod(d.runtime_dir, 0o711)  # mkdtemp's 0700 would keep nobody out of the path
+    write_node_toml(d, runtime_dir=run_dir, endpoint=f"ipc://{run_dir}/ecd.sock", node='group = "nogroup"')
+    d.start()
+    return d
+
+
+@pytest.mark.parametrize("backing", ["memfd", "named"])
+def test_client_in_its_own_namespaces_as_another_uid_puts_gets_and_views_16mib(daemon_factory, backing):
+    why = _why_no_namespaces()
+    if why is not None:
+        pytest.skip(why)
+    d = _start_for_nobody(daemon_factory, backing)
+    with d.client() as host:
+        host.put("from-host", pattern(NBYTES, 1, 251))
+    endpoint = d.endpoint
+    verdict = _run_client("roundtrip", endpoint, "from-host", str(NBYTES), namespaces=True, uid=NOBODY)
+    assert verdict.pop("uid") == NOBODY
+    assert verdict.pop("pid") == 1, "not in a pid namespace of its own"
+    assert verdict.pop("shm") == [], "its /dev/shm is not private"
+    if backing == "named":  # today's mode: the pool's files are in the host's /dev/shm, out of its sight
+        assert "not on the daemon's node" in verdict["error"], verdict
+        return
+    assert verdict.pop("view_mapping").startswith("r--s"), verdict  # read-only, shared: the pool itself
+    assert verdict == {"local": True, "get_exact": True, "view_exact": True}, verdict
+    with d.client() as host:
+        assert torch.equal(host.get("from-ns"), pattern(NBYTES, 7, 253))
+    assert shm_files(d.node) == [f"ecd.{d.node}.lock"]  # no pool or ring file in the host's /dev/shm
+
+
+def test_view_maps_the_daemons_memfd_read_only(daemon):
+    with daemon.client() as c:
+        c.put("k", pattern(1 << 20, 1, 251))
+        with c.view("k") as view:
+            with open("/proc/self/maps") as maps:
+                line = next(x for x in maps if int(x.split("-")[0], 16) <= view.data_ptr()
+                            < int(x.split(" ")[0].split("-")[1], 16))
+    assert " r--s " in line and f"/memfd:ecd.{daemon.node}.0" in line, line
+
+
+def test_received_pool_descriptors_cannot_be_resized_and_the_ring_cannot_be_written(daemon):
+    with daemon.client() as c:
+        before = pattern(NBYTES, 1, 251)
+        c.put("before", before)
+    # a separate process, the daemon's own uid (root here: the worst case; seals bind root too)
+    verdict = _run_client("attack", daemon.socket_path + ".fds", namespaces=False, uid=None)
+    assert verdict["kinds"] == ["pool", "ring"], verdict
+    assert verdict["shrink"] == "EPERM" and verdict["grow"] == "EPERM", verdict
+    assert verdict["pool_size_after"] == 64 << 20, verdict
+    assert verdict["ring_map_rw"] == "EACCES", verdict  # the descriptor is O_RDONLY
+    # re-opened read-write through /proc, it is still sealed against writes
+    assert verdict["ring_reopen_rw"] in ("done", "EACCES"), verdict
+    if verdict["ring_reopen_rw"] == "done":
+        assert verdict["ring_reopened_map_rw"] == "EPERM" and verdict["ring_reopened_write"] == "EPERM", verdict
+    assert daemon.alive()
+    with daemon.client() as c:
+        assert torch.equal(c.get("before"), before)
+        c.put("after", pattern(NBYTES, 7, 253))
+        assert torch.equal(c.get("after"), pattern(NBYTES, 7, 253))
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'ecd_pool_fd_handouts_total{outcome="sent"} 3.0' in metrics, metrics
+    assert "ecd_pool_truncations_total 0.0" in metrics
+
+
+def test_fd_socket_is_found_beside_the_control_socket_as_the_client_knows_it(daemon):
+    elsewhere = daemon.runtime_dir + "-mount"  # the same directory, at another path (a pod's mount)
+    os.symlink(daemon.runtime_dir, elsewhere)
+    try:
+        with daemon.client() as c:
+            c.put("k", pattern(1 << 20, 3, 7))
+        from ecd import Client
+        with Client(f"ipc://{elsewhere}/ecd.sock", timeout=5.0) as c:
+            assert c._map.local and c._map.sealed
+            assert torch.equal(c.get("k"), pattern(1 << 20, 3, 7))
+    finally:
+        os.unlink(elsewhere)
+
+
+def test_a_missing_fd_socket_is_a_clear_error_naming_it(daemon):
+    os.unlink(daemon.socket_path + ".fds")
+    with pytest.raises(DaemonUnavailable) as err:
+        daemon.client()
+    assert daemon.socket_path + ".fds" in str(err.value), err.value
+    assert "No such file" in str(err.value), err.value
+    assert daemon.alive()
