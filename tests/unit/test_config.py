@@ -34,6 +34,7 @@ def test_defaults_load_from_empty_table():
     assert cfg.control.endpoint == "ipc:///tmp/ecd/ecd.sock"
     assert cfg.pool.host.size == 1 << 30
     assert cfg.pool.host.segment_size == 1 << 30
+    assert cfg.pool.host.backing == "memfd"
     assert cfg.ring.slots == 65536
     assert cfg.ring.presence_buckets == 1 << 20
     assert cfg.leases.write_ttl == 60.0
@@ -136,6 +137,7 @@ def test_unknown_keys(data, expected):
     ({"pool": {"host": {"size": "0"}}}, "pool.host.size", "must be > 0, got 0"),
     ({"pool": {"host": {"size": "32TiB"}}}, "pool.host.size", "16TiB"),
     ({"pool": {"host": {"segment_size": "1KiB"}}}, "pool.host.segment_size", ">= 1MiB"),
+    ({"pool": {"host": {"backing": "shm"}}}, "pool.host.backing", 'must be "memfd" or "named", got \'shm\''),
     # the neighbour limits (issue 11)
     ({"limits": {"max_clients": 0}}, "limits.max_clients", "must be > 0, got 0"),
     ({"limits": {"max_clients_per_pid": -3}}, "limits.max_clients_per_pid", "must be > 0"),
