@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool nixl nixl-optional test-vllm bench-vllm test-engine example-epd
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm test-engine example-epd
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ venv: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/ecd serve --config $(CONFIG)
 
-test: $(VENV)/.installed promtool nixl-optional
+test: $(VENV)/.installed promtool kubectl nixl-optional
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # [cluster] transport = "nixl": NIXL's wheel (UCX inside; no GPU needed for host memory), with
@@ -62,6 +62,17 @@ promtool:
 	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
 	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
 	    echo "promtool not available: the promtool check in tests/ops will be skipped"
+
+# kubectl (Debian package kubernetes-client) renders deploy/k8s with its built-in kustomize for
+# tests/ops/test_k8s_manifests.py. Installed like promtool: when we can (root with apt); otherwise
+# those tests skip and say why. Debian 12's kubectl is 1.20, whose kustomize predates components:
+# the peer-plane tests skip there (any kubectl >= 1.21 already on PATH is used as it is).
+kubectl:
+	@command -v kubectl >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null 2>&1; }; }; } || \
+	    echo "kubectl not available: the deploy/k8s checks in tests/ops will be skipped"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
