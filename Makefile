@@ -54,25 +54,24 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ecd tests benchmarks
 	$(VENV)/bin/mypy
 
-# promtool (Debian package prometheus) checks the /metrics exposition in the tests. Installed
-# when we can (root with apt); otherwise that one test skips and says why.
+# $(call apt_optional,COMMAND,DEBIAN_PACKAGE,WHAT_SKIPS): install the package when COMMAND is
+# missing and we can (root with apt; `apt-get update` only if the first try fails); otherwise say
+# which tests will skip (they say why themselves too).
+apt_optional = command -v $(1) >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	{ export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1; }; }; } || \
+	echo "$(1) not available: $(3) will be skipped"
+
+# promtool (Debian package prometheus) checks the /metrics exposition in the tests.
 promtool:
-	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	    { export DEBIAN_FRONTEND=noninteractive; \
-	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
-	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
-	    echo "promtool not available: the promtool check in tests/ops will be skipped"
+	@$(call apt_optional,promtool,prometheus,the promtool check in tests/ops)
 
 # kubectl (Debian package kubernetes-client) renders deploy/k8s with its built-in kustomize for
-# tests/ops/test_k8s_manifests.py. Installed like promtool: when we can (root with apt); otherwise
-# those tests skip and say why. Debian 12's kubectl is 1.20, whose kustomize predates components:
-# the peer-plane tests skip there (any kubectl >= 1.21 already on PATH is used as it is).
+# tests/ops/test_k8s_manifests.py. Debian 12's kubectl is 1.20, whose kustomize predates
+# components: the peer-plane tests skip there (any kubectl >= 1.21 already on PATH is used as it is).
 kubectl:
-	@command -v kubectl >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	    { export DEBIAN_FRONTEND=noninteractive; \
-	      apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null 2>&1 || \
-	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null 2>&1; }; }; } || \
-	    echo "kubectl not available: the deploy/k8s checks in tests/ops will be skipped"
+	@$(call apt_optional,kubectl,kubernetes-client,the deploy/k8s checks in tests/ops)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
