@@ -274,15 +274,16 @@ def check_open_files(config: Config, rlimit: tuple[int, int] | None = None) -> F
 
 # ---- the socket directory -------------------------------------------------------------------
 
-def _searchable(st: os.stat_result, uid: int, gids: Iterable[int]) -> bool:
-    """Whether a process of `uid` and `gids` may pass through a directory (unix permission rules)."""
+def _permits(st: os.stat_result, uid: int, gids: Iterable[int], bits: int = 0o1) -> bool:
+    """Whether a process of `uid` and `gids` gets `bits` (0o1: search, 0o3: create in) on a
+    directory, by the unix permission rules: the owner's, else the group's, else the others'."""
     if uid == 0:
         return True
     if st.st_uid == uid:
-        return bool(st.st_mode & stat.S_IXUSR)
+        return (st.st_mode >> 6) & bits == bits
     if st.st_gid in set(gids):
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
+        return (st.st_mode >> 3) & bits == bits
+    return st.st_mode & bits == bits
 
 
 def _groups_of(uid: int) -> set[int]:
@@ -328,24 +329,25 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
         return [Finding("error", "control.endpoint", f"cannot look at {directory} ({exc.strerror})")]
     mode = stat.S_IMODE(st.st_mode)
     shown = f"{directory} is {mode:04o} {_user_name(st.st_uid)}:{_group_name(st.st_gid)}"
-    if not os.access(directory, os.W_OK | os.X_OK) and euid != 0:
+    own_groups = {os.getegid(), *os.getgroups()} if euid == os.geteuid() else _groups_of(euid)
+    if not _permits(st, euid, own_groups, 0o3):
         return [Finding("error", "control.endpoint", f"{shown}: the daemon (uid {euid}) cannot create its socket there; "
                                                      f"chown {euid} {directory}, or run the daemon as its owner")]
     findings = []
     if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
         findings.append(Finding("warning", "control.endpoint", f"{shown}: any user can replace the socket in it; "
                                                                f"chmod o-w {directory}"))
-    if not _searchable(st, -1, [gid]):
+    if not _permits(st, -1, [gid]):
         findings.append(Finding("warning", "node.group", (
             f"{shown}: members of group {_group_name(gid)} (node.group) cannot reach the socket; "
             f"chgrp {_group_name(gid)} {directory} && chmod g+x {directory}")))
     for uid in getattr(config.control, "allowed_uids", []):
-        if uid != euid and not _searchable(st, uid, _groups_of(uid)):
+        if uid != euid and not _permits(st, uid, _groups_of(uid)):
             findings.append(Finding("warning", "control.allowed_uids", (
                 f"{shown}: uid {uid} cannot reach the socket; chmod o+x {directory} (who connects is then "
                 f"the daemon's SO_PEERCRED check) or make the directory's group one uid {uid} has")))
     for other in getattr(config.control, "allowed_gids", []):
-        if not _searchable(st, -1, [other]):
+        if not _permits(st, -1, [other]):
             findings.append(Finding("warning", "control.allowed_gids", (
                 f"{shown}: group {_group_name(other)} cannot reach the socket; chmod o+x {directory} (who "
                 f"connects is then the daemon's SO_PEERCRED check)")))
