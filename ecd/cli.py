@@ -186,8 +186,11 @@ def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
 @contextlib.contextmanager
 def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
     """Daemon trouble as one line and an exit code, never a traceback."""
+    from .client.connection import SocketPermissionDenied
     try:
         yield
+    except SocketPermissionDenied as exc:  # the daemon may well be running: the socket refuses us
+        _fail(f"daemon unreachable at {endpoint}: {exc}", EXIT_UNREACHABLE)
     except DaemonUnavailable as exc:
         why = f"no answer within {timeout:g}s" if "within" in str(exc) else str(exc)
         _fail(f"daemon unreachable at {endpoint}: {why} (is `ecd serve` running?)", EXIT_UNREACHABLE)

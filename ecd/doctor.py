@@ -85,16 +85,18 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
             mounts = f.read().splitlines()
     except OSError:
         return None
-    v1 = v2 = None
+    v1: str | None = None
+    v2: str | None = None
     for line in memberships:
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hierarchy == "0" and controllers == "":
             v2 = path
         elif "memory" in controllers.split(","):
             v1 = path
-    for version, path in (("v1", v1), ("v2", v2)):
-        if path is None:
+    for version, member in (("v1", v1), ("v2", v2)):
+        if member is None:
             continue
+        path = member
         for line in mounts:
             fields = line.split()
             if "-" not in fields or len(fields) < 5:
@@ -337,7 +339,7 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
     if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
         findings.append(Finding("warning", "control.endpoint", f"{shown}: any user can replace the socket in it; "
                                                                f"chmod o-w {directory}"))
-    if not _permits(st, -1, [gid]):
+    if config.node.group and not _permits(st, -1, [gid]):  # "": a single-user node, the owner's uid
         findings.append(Finding("warning", "node.group", (
             f"{shown}: members of group {_group_name(gid)} (node.group) cannot reach the socket; "
             f"chgrp {_group_name(gid)} {directory} && chmod g+x {directory}")))

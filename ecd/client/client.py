@@ -69,9 +69,7 @@ class Client(ControlClient):
         """A new daemon (or the first): map its pools and ring; drop what belonged to the old one."""
         try:
             mapping = EpochMapping(welcome, self.populate)  # a new daemon: new pools, new ring
-            if not mapping.local and same_host(self.endpoint):
-                # Not "another node" (a unix socket is this kernel's): a /dev/shm of its own. Refused
-                # whole, rather than small puts working inline and the rest failing later.
+            if not mapping.local and same_host(self.endpoint):  # a /dev/shm of its own: refused whole
                 raise pool_not_visible(self.endpoint, welcome.node, welcome.ring.name)
         except EcdError:
             # Leave no session behind that this client cannot use; keep nothing of it either.

@@ -17,6 +17,8 @@ import pwd
 import sys
 import time
 
+import zmq.utils.monitor  # noqa: F401 - the client imports it lazily on a timeout
+
 from ecd.client.control import ControlClient
 
 

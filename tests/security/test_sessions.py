@@ -121,7 +121,7 @@ def test_client_off_the_daemons_node_does_control_operations_and_refuses_bulk_on
     import ecd.client.client
     import ecd.client.mapping as mapping
     # A tcp client: one over ipc:// is on this host, and refused at connect instead
-    # (tests/ops/test_doctor_clients.py)
+    # (tests/ops/test_doctor.py)
     monkeypatch.setattr(ecd.client.client, "same_host", lambda endpoint: False)
     if why == "no_files":
         def attach(cls, name, *args, **kwargs):

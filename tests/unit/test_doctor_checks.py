@@ -142,15 +142,17 @@ def test_open_files_reports_what_the_hard_limit_holds():
 def test_socket_directory_against_group_and_allowed_ids(tmp_path):
     sock_dir = tmp_path / "run"
     sock_dir.mkdir()
-    os.chown(sock_dir, 0, 0) if os.geteuid() == 0 else None
-    cfg = config(node={"runtime_dir": str(sock_dir)}, control={"endpoint": f"ipc://{sock_dir}/ecd.sock"})
     euid, egid = os.geteuid(), os.getegid()
+    cfg = config(node={"runtime_dir": str(sock_dir), "group": str(egid)},
+                 control={"endpoint": f"ipc://{sock_dir}/ecd.sock"})
     sock_dir.chmod(0o770)
     os.chown(sock_dir, -1, egid)
     assert [f.level for f in check_socket_dir(cfg, egid)] == ["ok"]
     sock_dir.chmod(0o700)  # the group cannot pass
     found = check_socket_dir(cfg, egid)
     assert [(f.level, f.key) for f in found] == [("warning", "node.group")] and "chmod g+x" in found[0].message
+    single_user = config(node={"runtime_dir": str(sock_dir)}, control={"endpoint": f"ipc://{sock_dir}/ecd.sock"})
+    assert [f.level for f in check_socket_dir(single_user, egid)] == ["ok"]  # no node.group: the owner's uid
     sock_dir.chmod(0o770)
     allowed = config(node={"runtime_dir": str(sock_dir)},
                      control={"endpoint": f"ipc://{sock_dir}/ecd.sock", "allowed_uids": [euid, 54321],
