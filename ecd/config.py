@@ -51,6 +51,10 @@ class ControlSection(Section):
     curve_allowed_keys: str = ""
     # A tcp endpoint on a non-loopback address without CURVE is refused unless this is true.
     insecure: bool = False
+    # Local clients of other uids/gids admitted by their SO_PEERCRED credentials, beside the
+    # socket's own group (node.group); the daemon's own uid is always admitted.
+    allowed_uids: list[int] = msgspec.field(default_factory=list)
+    allowed_gids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_field(re.fullmatch(r"(ipc://.+|tcp://[^:]+:\d+)", self.endpoint) is not None, "endpoint",
@@ -69,8 +73,12 @@ class HostPoolSection(Section):
     # Largest single shm file; the pool is split into ceil(size / segment_size) segments and one
     # entry never spans two, so this is also the largest tensor that fits.
     segment_size: ByteSize = ByteSize(1 << 30)
+    # "memfd": sealed memfds passed to clients over a unix socket; "named": /dev/shm files.
+    backing: str = "memfd"
 
     def __post_init__(self) -> None:
+        check_field(self.backing in ("memfd", "named"), "backing",
+               f"must be \"memfd\" or \"named\", got {self.backing!r}")
         check_field(self.size > 0, "size", f"must be > 0, got {int(self.size)}")
         check_field(self.size <= 1 << 44, "size", f"must be <= 16TiB, got {int(self.size)}")
         check_field(self.segment_size >= 1 << 20, "segment_size",
