@@ -51,6 +51,10 @@ class ControlSection(Section):
     curve_allowed_keys: str = ""
     # A tcp endpoint on a non-loopback address without CURVE is refused unless this is true.
     insecure: bool = False
+    # Local clients of other uids/gids admitted by their SO_PEERCRED credentials, beside the
+    # socket's own group (node.group); the daemon's own uid is always admitted.
+    allowed_uids: list[int] = msgspec.field(default_factory=list)
+    allowed_gids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_field(re.fullmatch(r"(ipc://.+|tcp://[^:]+:\d+)", self.endpoint) is not None, "endpoint",

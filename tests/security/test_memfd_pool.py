@@ -84,8 +84,8 @@ def test_client_in_its_own_namespaces_as_another_uid_puts_gets_and_views_16mib(d
     assert verdict.pop("uid") == NOBODY
     assert verdict.pop("pid") == 1, "not in a pid namespace of its own"
     assert verdict.pop("shm") == [], "its /dev/shm is not private"
-    if backing == "named":  # today's mode: the pool's files are in the host's /dev/shm, out of its sight
-        assert "not on the daemon's node" in verdict["error"], verdict
+    if backing == "named":  # the pool's files are in the host's /dev/shm, out of its sight
+        assert "PoolNotVisible" in verdict["error"] and "is not visible from this process" in verdict["error"], verdict
         return
     assert verdict.pop("view_mapping").startswith("r--s"), verdict  # read-only, shared: the pool itself
     assert verdict == {"local": True, "get_exact": True, "view_exact": True}, verdict
