@@ -38,14 +38,15 @@ needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is n
 # exists, a client SIGKILLed holding a lease, metrics scrapes, sd_notify with a watchdog, SIGHUP,
 # SIGTERM drain and exit), on x86-64 with Python 3.11, pyzmq 27, uvloop 0.23. libzmq calls
 # sched_setscheduler (in @resources) from each of its threads and aborts if that fails.
+# backing = "memfd" adds memfd_create (@ipc) and sendmsg (@network-io: the fd socket's SCM_RIGHTS).
 OBSERVED_SYSCALLS = """
 accept4 access arch_prctl bind brk chmod clone3 close connect epoll_create1 epoll_ctl epoll_pwait
 epoll_wait eventfd2 execve exit exit_group fallocate fchmod fcntl flock fstat ftruncate futex getcwd
 getdents64 getegid geteuid getgid getpeername getpid getrandom getsockname getsockopt gettid getuid
-io_uring_enter io_uring_setup ioctl listen lseek madvise mbind mmap mprotect munmap newfstatat
+io_uring_enter io_uring_setup ioctl listen lseek madvise mbind memfd_create mmap mprotect munmap newfstatat
 openat pidfd_open pipe2 poll prctl pread64 prlimit64 pwrite64 read readlink recvfrom rseq
 rt_sigaction rt_sigprocmask rt_sigreturn sched_getaffinity sched_getparam sched_getscheduler
-sched_setscheduler sendto set_robust_list set_tid_address setsockopt socket socketpair statfs
+sched_setscheduler sendmsg sendto set_robust_list set_tid_address setsockopt socket socketpair statfs
 sysinfo umask uname unlink write
 """.split()
 
