@@ -28,7 +28,7 @@ from secutil import write_node_toml
 
 from ecd.errors import DaemonUnavailable
 
-NS_CLIENT = Path(__file__).resolve().parent / "ns_client.py"
+NS_CLIENT = Path(__file__).resolve().parent / "memfd_ns_client.py"
 NOBODY = pwd.getpwnam("nobody").pw_uid
 NBYTES = 16 << 20
 

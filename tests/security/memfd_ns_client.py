@@ -2,11 +2,11 @@
 `unshare --ipc --mount --pid --fork` with a private tmpfs on /dev/shm, it drops to another uid
 and uses the daemon through nothing but the socket directory.
 
-    ns_client.py --uid UID roundtrip ENDPOINT HOST_KEY NBYTES
+    memfd_ns_client.py --uid UID roundtrip ENDPOINT HOST_KEY NBYTES
         connect; get HOST_KEY (a uint8 pattern the test put from the host: byte i = i % 251) and
         compare it byte for byte; view it and say whether the view's memory is the daemon's memfd
         mapped read-only (zero copy); put "from-ns" (byte i = (i * 7) % 253) for the test to read
-    ns_client.py --uid UID attack FD_SOCKET
+    memfd_ns_client.py --uid UID attack FD_SOCKET
         fetch the pool's descriptors like a client and try to change their size, and to get the
         ring writable (re-opened through /proc/self/fd, mapped PROT_WRITE, written)
 
