@@ -56,7 +56,7 @@ class ControlSection(Section):
     # uid is in allowed_uids, or whose primary or supplementary gid is in allowed_gids. The
     # daemon's own uid is always admitted. Both empty (the default): the socket's permissions
     # alone decide. A refused client gets PermissionDenied naming its uid. SIGHUP applies changes
-    # to hellos from then on. They do not apply to tcp endpoints (CURVE decides there).
+    # to hellos from then on. With a tcp endpoint they are a config error (CURVE decides there).
     allowed_uids: list[int] = msgspec.field(default_factory=list)
     allowed_gids: list[int] = msgspec.field(default_factory=list)
 
@@ -69,6 +69,10 @@ class ControlSection(Section):
             check_field(not bad, name, f"must be uids/gids between 0 and 4294967294, got {bad[0] if bad else 0}")
             check_field(len(ids) <= 4096, name, f"at most 4096 ids (use a group), got {len(ids)}")
             setattr(self, name, sorted(set(ids)))
+            # a silent no-op would leave the operator believing the socket is guarded
+            check_field(not ids or self.endpoint.startswith("ipc://"), name,
+                        "applies to an ipc:// endpoint only (a tcp client has no uid the daemon can check: "
+                        "use curve_allowed_keys)")
         check_field(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
                "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
                "curve_secret_key and curve_allowed_keys must be set together")
