@@ -3,7 +3,7 @@ often under `unshare --pid --fork` (its own pid namespace, where it is pid 1: it
 container's init, forks the engine and waits).
 
     ns_client.py hold ENDPOINT NS KEY [fork]
-        hello, read-lease and pin KEY of NS, print {"host_pid", "ns_pid", "pid_ns"} and hold them
+        hello, read-lease and pin KEY of NS, start a 1 MiB write it never commits, print {"host_pid", "ns_pid", "pid_ns"} and hold them
         until killed; with `fork` the engine forks a child that keeps the connection open (and
         prints its host pid as "child_host_pid") and does nothing else
     ns_client.py connect ENDPOINT [--uid UID --gid GID --groups G,G..]
@@ -27,8 +27,8 @@ import zmq.utils.monitor  # noqa: F401 - the client imports it lazily (handshake
 
 from ecd.client.control import ControlClient
 from ecd.errors import EcdError
-from ecd.protocol import (PROTOCOL_VERSION, Acquire, Acquired, Exists, Failure, Flags, Hello, Welcome, encoder,
-                          reply_decoder)
+from ecd.protocol import (PROTOCOL_VERSION, Acquire, Acquired, Alloc, Allocated, AllocItem, Exists, Failure, Flags,
+                          Hello, Welcome, encoder, reply_decoder)
 
 
 def host_pid() -> int:
@@ -72,6 +72,9 @@ def hold(endpoint: str, ns: str, key: str, fork: bool) -> None:
     assert isinstance(acquired, Acquired) and all(not isinstance(r, Failure) for r in acquired.results), acquired
     pinned = ask(Exists(3, ns, [key], 600.0))
     assert isinstance(pinned, Flags) and pinned.values == [True], pinned
+    # and 1 MiB of the pool in a write it never commits
+    writing = ask(Alloc(4, ns, [AllocItem(f"{key}.w", "uint8", [1 << 20], 1 << 20)]))
+    assert isinstance(writing, Allocated) and not isinstance(writing.results[0], Failure), writing
     report = {"host_pid": host_pid(), "ns_pid": os.getpid(), "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
               "heartbeat_s": welcome.heartbeat_s}
     if fork:

@@ -96,7 +96,8 @@ def test_a_dead_client_of_another_pid_namespace_is_reclaimed_within_2s(ns_daemon
         report = first_json(holder)
         with ControlClient(d.endpoint, timeout=10.0) as observer:
             stats = observer.stats()
-            assert (stats["read_leases"], stats["pins"]) == (1, 1), stats
+            assert (stats["read_leases"], stats["pins"], stats["entries_writing"]) == (1, 1, 1), stats
+            idle_bytes = stats["used_bytes"] - (1 << 20)
             killed = time.monotonic()
             if death == "whole_container":
                 holder.kill()  # unshare dies, its --kill-child takes the namespace's init and all in it
@@ -105,13 +106,14 @@ def test_a_dead_client_of_another_pid_namespace_is_reclaimed_within_2s(ns_daemon
             back = wait_for(lambda: observer.stats()["read_leases"] == 0, timeout=2.0)
             elapsed = time.monotonic() - killed
             assert back, f"leases still held {elapsed:.1f}s after the client died: {observer.stats()}"
-            assert observer.stats()["pins"] == 0
+            stats = observer.stats()
+            assert (stats["pins"], stats["entries_writing"], stats["used_bytes"]) == (0, 0, idle_bytes), stats
             if death == "engine_with_forked_child":
                 assert alive(report["child_host_pid"])  # the connection is still open
                 assert "exited: reclaiming session" in d.log()
             # The kernel named no pid for it, yet the daemon watched its process: no heartbeats asked.
             assert report["heartbeat_s"] == 0
-            print(f"{death}: leases and pins back {elapsed * 1000:.0f} ms after the kill")
+            print(f"{death}: leases, pins and the write's space back {elapsed * 1000:.0f} ms after the kill")
     finally:
         holder.kill()
         holder.wait()
