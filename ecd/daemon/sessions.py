@@ -58,7 +58,7 @@ class Peer:
 
     def describe(self, session: Session) -> str:
         """'pid 123' or, for a process outside the daemon's pid namespace, 'uid 1000 in pid
-        namespace 4026532178 (says pid 7)' for the log."""
+        namespace 4026532178' for the log."""
         if session.pid or self.creds is None:
             return f"pid {session.pid}" if session.pid else "a remote client"
         claimed = " claimed" if self.pid_ns_claimed else ""
@@ -115,9 +115,10 @@ class Sessions:
         try:
             process, bucket = self._identify(creds, pid, pidfd)
             if bucket is not None and self._per_process[bucket] >= limits.max_clients_per_pid:
-                who = f"uid {bucket[1]}'s processes outside the daemon's pid namespace (not told apart on this " \
-                      f"kernel)" if bucket[0] == "uid" else f"process {pid or 'of another pid namespace'}"
-                self._refuse("max_clients_per_pid", f"{who} hold limits.max_clients_per_pid="
+                who = f"the processes of uid {bucket[1]} outside the daemon's pid namespace (not told apart " \
+                      f"on this kernel) hold" if bucket[0] == "uid" else \
+                      f"process {pid or '(of another pid namespace)'} holds"
+                self._refuse("max_clients_per_pid", f"{who} limits.max_clients_per_pid="
                                                     f"{limits.max_clients_per_pid} sessions already")
         except BaseException:
             if pidfd >= 0:
@@ -187,8 +188,8 @@ class Sessions:
     def listing(self) -> list[SessionInfo]:
         """Every client session for Stats, oldest first."""
         out = []
-        for sid, conn in self._connection_of.items():
-            session, peer = conn.session, self._peers[sid]
+        for sid in self._connection_of:
+            session, peer = self.store.session(sid), self._peers[sid]
             creds = peer.creds
             out.append(SessionInfo(sid, peer.name, session.pid if session is not None else 0, peer.pid_ns,
                                    peer.pid_ns_claimed, creds.uid if creds is not None else -1,
