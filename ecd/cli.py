@@ -237,14 +237,15 @@ def status(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Time
         if interval > 0:
             time.sleep(interval)
             last, t_last = client.stats(), time.monotonic()
-    doc = status_document(ep, first, last, t_last - t_first)
+        own_session = client._session
+    doc = status_document(ep, first, last, t_last - t_first, own_session)
     if as_json:
         print_json(doc)
     else:
         render_status(doc, stdout_console())
 
 
-def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> dict:
+def status_document(endpoint: str, first: dict, last: dict, elapsed: float, own_session: int = 0) -> dict:
     ops_per_s = None
     if elapsed > 0:
         # Of this command's own requests, exactly one of its two Stats calls falls between the
@@ -272,6 +273,8 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> d
                     "fetches_in_flight": last.get("fetches_in_flight", 0),
                     "fetch_failures": last.get("fetch_failures", {})},
         "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
+        # each client session: its pid, pid namespace, uid and how it is watched (not this command's own)
+        "sessions": [s for s in last.get("sessions", []) if s["id"] != own_session],
     }
 
 

@@ -7,8 +7,10 @@ its batches and closes it. So nothing a client does can hold the daemon: no requ
 connection outlives the callback that accepted it, and the sends cannot block (a fresh
 connection's buffer is empty; a send that would block anyway fails that connection alone).
 
-Admission: the socket's file permissions (the same group as the control socket) and `admit`, the
-one place a check of the peer's credentials (SO_PEERCRED) goes. The batches are built once: the
+Admission: the socket's file permissions (the same group as the control socket) and the control
+socket's `[control] allowed_uids` / `allowed_gids` (admission.py, on the kernel's record of the
+peer: SO_PEERCRED, SO_PEERGROUPS), both re-read at each connection so a SIGHUP applies; a refused
+peer gets one batch naming its uid and what to set, and no descriptor. The batches are built once: the
 descriptors are the daemon's own, valid for its whole run, and the kernel duplicates them into
 each receiver.
 
@@ -25,13 +27,14 @@ import errno
 import logging
 import os
 import socket
-import struct
 from contextlib import suppress
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
 from ..fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
+from .admission import MAX_LOGGED_UIDS, admit as admit_ids
+from .connections import peer_credentials
 from ..memory.host import ShmFile
 from ..memory.memfd import MemfdFile
 
@@ -42,18 +45,15 @@ EMFILE_PAUSE_S = 0.1  # out of descriptors: stop accepting this long instead of 
 BACKLOG = 128
 
 
-def admit(uid: int, gid: int, pid: int) -> str | None:
-    """Whether the peer that connected may have the pool: None to admit it, else the reason it
-    is refused (sent to the client). Today the socket's permissions decide alone; the control
-    socket's `[control] allowed_uids/allowed_gids` check plugs in here."""
-    return None
-
-
 class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
-    def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile]) -> None:
+    def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
+                 control: Callable[[], Any]) -> None:
+        """`control`: the daemon's `[control]` section as it is now (after any SIGHUP)."""
         self.path = path
+        self._control = control
+        self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
         self.counts = {"sent": 0, "refused": 0, "failed": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ring_fd = -1
@@ -111,11 +111,15 @@ class FdServer:
     def _serve(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         try:
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            why = admit(uid, gid, pid)
+            creds = peer_credentials(conn.fileno())
+            if creds is None:
+                raise OSError(0, "the peer is gone")
+            why = admit_ids(creds.uid, creds.gid, self._control(), creds.groups)
             if why is not None:
                 self.counts["refused"] += 1
-                log.warning("fd socket: refused pid %d (uid %d, gid %d): %s", pid, uid, gid, why)
+                if creds.uid not in self._logged_uids and len(self._logged_uids) < MAX_LOGGED_UIDS:
+                    self._logged_uids.add(creds.uid)
+                    log.warning("fd socket: refused the pool to pid %d: %s", creds.pid, why)
                 conn.send(msgspec.msgpack.encode(FdBatch(FD_WIRE_VERSION, self._epoch, [], error=why)))
                 return
             for header, fds in self._batches:

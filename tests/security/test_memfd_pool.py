@@ -60,13 +60,14 @@ def _run_client(*args: str, namespaces: bool, uid: int | None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _start_for_nobody(daemon_factory, backing: str):
+def _start_for_nobody(daemon_factory, backing: str, control: str = ""):
     """A daemon whose runtime dir, control socket and fd socket belong to group nogroup (user
     nobody's), the only thing the namespaced client shares with it."""
     d = daemon_factory(start=False, backing=backing)
     run_dir = os.path.join(d.runtime_dir, "run")  # created by the daemon, 0770 nogroup
     os.chmod(d.runtime_dir, 0o711)  # mkdtemp's 0700 would keep nobody out of the path
-    write_node_toml(d, runtime_dir=run_dir, endpoint=f"ipc://{run_dir}/ecd.sock", node='group = "nogroup"')
+    write_node_toml(d, runtime_dir=run_dir, endpoint=f"ipc://{run_dir}/ecd.sock", node='group = "nogroup"',
+                    control=control)
     d.start()
     return d
 
@@ -92,6 +93,25 @@ def test_client_in_its_own_namespaces_as_another_uid_puts_gets_and_views_16mib(d
     with d.client() as host:
         assert torch.equal(host.get("from-ns"), pattern(NBYTES, 7, 253))
     assert shm_files(d.node) == [f"ecd.{d.node}.lock"]  # no pool or ring file in the host's /dev/shm
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the client as user nobody")
+def test_the_fd_socket_admits_as_the_control_socket_does(daemon_factory):
+    """`[control] allowed_uids`: a uid it does not name, in the socket's group, gets no descriptor
+    from the fd socket either (it could map the pool without ever saying hello)."""
+    d = _start_for_nobody(daemon_factory, "memfd", control="allowed_uids = [12345]")
+    fds = d.endpoint[len("ipc://"):] + ".fds"
+    verdict = _run_client("attack", fds, namespaces=False, uid=NOBODY)
+    assert "refused this client: uid 65534" in verdict["error"] and "control.allowed_uids" in verdict["error"], verdict
+    assert "kinds" not in verdict
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'ecd_pool_fd_handouts_total{outcome="refused"} 1.0' in metrics
+    assert d.log().count("fd socket: refused the pool") == 1
+    d.stop()
+    write_node_toml(d, runtime_dir=os.path.dirname(fds), endpoint=d.endpoint, node='group = "nogroup"',
+                    control=f"allowed_uids = [{NOBODY}]")
+    d.start()
+    assert _run_client("attack", fds, namespaces=False, uid=NOBODY)["kinds"] == ["pool", "ring"]
 
 
 def test_view_maps_the_daemons_memfd_read_only(daemon):
