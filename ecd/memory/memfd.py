@@ -112,6 +112,9 @@ class MemfdFile(ShmFile):
     def current_size(self) -> int:
         return self.size  # sealed: no fstat needed, no one can change it (pool_integrity's checks pass)
 
+    def whole(self) -> bool:
+        return True  # sealed against shrinking: no page can go (pool_integrity's checks pass, no fstat)
+
     def restore(self, start: int) -> str | None:
         return None  # sealed: the size never changed
 
