@@ -10,6 +10,7 @@ container). One command per stdin line, one JSON reply per stdout line:
     get KEY NBYTES SEED        -> {"ok": true, "equal": bool}   (byte-exact against the pattern)
     view KEY NBYTES SEED       -> {"ok": true, "equal": bool, "mapping": the file /proc/self/maps
                                    names for the view's address, "copy_mapping": the same for get}
+    timed-put KEY NBYTES SEED / timed-view KEY -> {"ok": true, "seconds": the call alone}
     hold KEY                   -> a view kept open (a read lease) until the process dies
     pin KEY SECONDS            -> exists(pin_s=SECONDS): a pin held by this session
     delete KEY | stats         -> {"ok": true, "result": ...}
@@ -128,6 +129,16 @@ def handle(words):
         want = pattern(int(words[2]), int(words[3]))
         with client.view(words[1]) as v:
             return reply(ok=True, equal=bool(torch.equal(v, want)), mapping=mapping_of(v.data_ptr()))
+    if cmd == "timed-put":  # benchmarks: the put alone, its payload made beforehand
+        data = pattern(int(words[2]), int(words[3]))
+        start = time.perf_counter()
+        client.put(words[1], data)
+        return reply(ok=True, seconds=time.perf_counter() - start)
+    if cmd == "timed-view":  # the zero-copy view taken and let go (lease round trips)
+        start = time.perf_counter()
+        with client.view(words[1]) as v:
+            first = int(v[0])
+        return reply(ok=True, seconds=time.perf_counter() - start, first=first)
     if cmd == "hold":
         holds.enter_context(client.view(words[1]))
         return reply(ok=True)

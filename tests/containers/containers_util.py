@@ -89,11 +89,11 @@ class Actor:
     """container_actor.py in a container of its own (or exec'ed in the daemon's): a line protocol
     over the attached stdin/stdout of `podman run -i`."""
 
-    def __init__(self, argv: list[str], label: str) -> None:
+    def __init__(self, argv: list[str], label: str, env: dict[str, str] | None = None) -> None:
         self.label = label
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True, env=dict(os.environ, CONTAINERS_CONF=CONF))
+                                     text=True, env=dict(os.environ, CONTAINERS_CONF=CONF, **(env or {})))
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
