@@ -193,6 +193,9 @@ listen = "0.0.0.0:9464"
     def logs(self) -> str:
         return podman("logs", self.daemon, check=False).stdout[-4000:]
 
+    def started_at(self) -> str:
+        return podman("inspect", "--format", "{{.State.StartedAt}}", self.daemon).stdout.strip()
+
     def daemon_pid(self) -> int:
         return int(podman("inspect", "--format", "{{.State.Pid}}", self.daemon).stdout)
 
