@@ -118,9 +118,16 @@ mv "$ctx/site/bin" "$ctx/bin"
 cp deploy/image/node.toml deploy/image/healthcheck.py "$ctx/"
 
 say "podman build $IMAGE"
+previous=$(podman image inspect --format '{{ .Id }}' "$IMAGE" 2>/dev/null || true)
 podman build --quiet --pull=never --network=none --format docker \
     --build-arg BASE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" --build-arg ECD_UID="$ECD_UID" \
     --build-arg SOURCE_DIGEST="$DIGEST" --build-arg ECD_VERSION="$("$IMAGE_PYTHON" -c 'import re; print(re.search(r"__version__ = \"(.*)\"", open("ecd/__init__.py").read()).group(1))')" \
     -f deploy/image/Containerfile -t "$IMAGE" "$ctx" >/dev/null
+# The image this build replaced keeps its layers until removed: drop it once nothing names it
+# (its shared layers, the base and the venv's, stay with the new one).
+if [ -n "$previous" ] && [ "$(podman image inspect --format '{{ .Id }}' "$IMAGE")" != "$previous" ] &&
+   [ -z "$(podman image inspect --format '{{ join .RepoTags "" }}' "$previous" 2>/dev/null)" ]; then
+    podman rmi "$previous" >/dev/null 2>&1 || true
+fi
 size=$(podman image inspect --format '{{ .Size }}' "$IMAGE")
 say "built $IMAGE in $(( $(date +%s) - START )) s: $(( size / 1000000 )) MB (sources $DIGEST)"
