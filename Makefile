@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool nixl nixl-optional test-vllm bench-vllm test-engine example-epd \
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm test-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -32,7 +32,7 @@ venv: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/ecd serve --config $(CONFIG)
 
-test: $(VENV)/.installed promtool nixl-optional
+test: $(VENV)/.installed promtool kubectl nixl-optional
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # [cluster] transport = "nixl": NIXL's wheel (UCX inside; no GPU needed for host memory), with
@@ -55,14 +55,24 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ecd tests benchmarks
 	$(VENV)/bin/mypy
 
-# promtool (Debian package prometheus) checks the /metrics exposition in the tests. Installed
-# when we can (root with apt); otherwise that one test skips and says why.
+# $(call apt_optional,COMMAND,DEBIAN_PACKAGE,WHAT_SKIPS): install the package when COMMAND is
+# missing and we can (root with apt; `apt-get update` only if the first try fails); otherwise say
+# which tests will skip (they say why themselves too).
+apt_optional = command -v $(1) >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	{ export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1; }; }; } || \
+	echo "$(1) not available: $(3) will be skipped"
+
+# promtool (Debian package prometheus) checks the /metrics exposition in the tests.
 promtool:
-	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	    { export DEBIAN_FRONTEND=noninteractive; \
-	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
-	      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
-	    echo "promtool not available: the promtool check in tests/ops will be skipped"
+	@$(call apt_optional,promtool,prometheus,the promtool check in tests/ops)
+
+# kubectl (Debian package kubernetes-client) renders deploy/k8s with its built-in kustomize for
+# tests/ops/test_k8s_manifests.py. Debian 12's kubectl is 1.20, whose kustomize predates
+# components: the peer-plane tests skip there (any kubectl >= 1.21 already on PATH is used as it is).
+kubectl:
+	@$(call apt_optional,kubectl,kubernetes-client,the deploy/k8s checks in tests/ops)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py

@@ -57,8 +57,48 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="node.toml"),
     try:
         daemon.prepare()
     except StartupError as exc:
-        _fail(f"cannot start: {exc}", EXIT_USAGE)
+        # one line per problem (preflight may find several), each as `ecd doctor` words it
+        for line in str(exc).splitlines()[:-1]:
+            typer.echo(f"ecd: cannot start: {line}", err=True)
+        _fail(f"cannot start: {str(exc).splitlines()[-1] if str(exc) else exc}", EXIT_USAGE)
     daemon.run()
+
+
+@app.command()
+def doctor(config: Annotated[Optional[Path], typer.Option(
+               "--config", "-c", help="node.toml [default: the built-in defaults]", show_default=False)] = None,
+           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print problems only")] = False) -> None:
+    """Check that this node can run the daemon as configured, one line per finding with its fix:
+    the pool against the cgroup's memory limit and /dev/shm, RLIMIT_MEMLOCK where the pool is
+    pinned, RLIMIT_NOFILE against limits.max_connections, the socket directory against node.group
+    and [control] allowed_uids/allowed_gids, CUDA where [pool.cuda] is set. Run it as the daemon's
+    user, where the daemon runs (in its container: its cgroup and /dev/shm are the ones checked).
+
+    Exit 0 when `ecd serve` would start (warnings included), 1 when it would refuse, 2 for a
+    config that does not load."""
+    from .config import load_config
+    from .daemon.security import check_security
+    from .doctor import Finding, preflight
+    try:
+        cfg = load_config_file(config) if config is not None else load_config({})
+    except ConfigError as exc:
+        _fail(f"config error: {exc}", EXIT_USAGE)
+    findings: list[Finding] = []
+    try:
+        gid, _ = check_security(cfg)
+    except ConfigError as exc:
+        key, _, message = str(exc).partition(": ")
+        findings.append(Finding("error", key, message))
+        gid = os.getegid()
+    findings += preflight(cfg, gid)
+    for finding in findings:
+        if finding.level != "ok" or not quiet:
+            typer.echo(f"{finding.level}: {finding.line()}", err=finding.level != "ok")
+    errors = sum(f.level == "error" for f in findings)
+    warnings = sum(f.level == "warning" for f in findings)
+    if errors:
+        _fail(f"doctor: {errors} error(s), {warnings} warning(s): `ecd serve` would refuse to start", EXIT_DAEMON)
+    typer.echo(f"OK ({warnings} warning(s))" if warnings else "OK")
 
 
 @app.command("check-config")
@@ -146,8 +186,11 @@ def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
 @contextlib.contextmanager
 def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
     """Daemon trouble as one line and an exit code, never a traceback."""
+    from .client.connection import SocketPermissionDenied
     try:
         yield
+    except SocketPermissionDenied as exc:  # the daemon may well be running: the socket refuses us
+        _fail(f"daemon unreachable at {endpoint}: {exc}", EXIT_UNREACHABLE)
     except DaemonUnavailable as exc:
         why = f"no answer within {timeout:g}s" if "within" in str(exc) else str(exc)
         _fail(f"daemon unreachable at {endpoint}: {why} (is `ecd serve` running?)", EXIT_UNREACHABLE)
@@ -194,14 +237,15 @@ def status(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Time
         if interval > 0:
             time.sleep(interval)
             last, t_last = client.stats(), time.monotonic()
-    doc = status_document(ep, first, last, t_last - t_first)
+        own_session = client._session
+    doc = status_document(ep, first, last, t_last - t_first, own_session)
     if as_json:
         print_json(doc)
     else:
         render_status(doc, stdout_console())
 
 
-def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> dict:
+def status_document(endpoint: str, first: dict, last: dict, elapsed: float, own_session: int = 0) -> dict:
     ops_per_s = None
     if elapsed > 0:
         # Of this command's own requests, exactly one of its two Stats calls falls between the
@@ -229,6 +273,8 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float) -> d
                     "fetches_in_flight": last.get("fetches_in_flight", 0),
                     "fetch_failures": last.get("fetch_failures", {})},
         "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
+        # each client session: its pid, pid namespace, uid and how it is watched (not this command's own)
+        "sessions": [s for s in last.get("sessions", []) if s["id"] != own_session],
     }
 
 

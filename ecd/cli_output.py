@@ -116,8 +116,31 @@ def render_status(doc: dict, console: Console) -> None:
     pools.add_row("total", human_size(doc["used_bytes"]), human_size(doc["capacity_bytes"]),
                   f"{doc['used_pct']:.1f}%", style="bold")
     console.print(pools)
+    render_sessions(doc.get("sessions") or [], console)
     render_disk(doc.get("disk"), console)
     render_peers(doc.get("cluster") or {}, console)
+
+
+SESSIONS_SHOWN = 50  # rows of the sessions table; --json lists them all
+
+
+def render_sessions(sessions: list[dict], console: Console) -> None:
+    """Each client session: who the kernel says it is and how the daemon learns it is gone."""
+    if not sessions:
+        return
+    table = Table(title="sessions", title_justify="left", show_edge=False)
+    for name in ("id", "name", "pid", "pid namespace", "uid", "gid", "watched by"):
+        table.add_column(name, justify="right" if name in ("id", "pid", "uid", "gid") else "left")
+    for s in sessions[:SESSIONS_SHOWN]:
+        remote = s["uid"] < 0
+        pid = "-" if remote else str(s["pid"]) if s["pid"] else "0 (another pid namespace)"
+        ns = "-" if remote or not s["pid_ns"] else f"{s['pid_ns']}{' (its claim)' if s['pid_ns_claimed'] else ''}"
+        watch = "pidfd" if s["watch"] == "pidfd" else "heartbeat (leases.session_ttl)"
+        table.add_row(str(s["id"]), escape(shown(s["name"])) or "-", pid, ns, "-" if remote else str(s["uid"]),
+                      "-" if remote else str(s["gid"]), watch)
+    if len(sessions) > SESSIONS_SHOWN:
+        table.add_row("...", f"{len(sessions) - SESSIONS_SHOWN} more (ecd status --json lists all)", "", "", "", "", "")
+    console.print(table)
 
 
 def render_disk(disk: dict | None, console: Console) -> None:

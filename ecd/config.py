@@ -51,10 +51,28 @@ class ControlSection(Section):
     curve_allowed_keys: str = ""
     # A tcp endpoint on a non-loopback address without CURVE is refused unless this is true.
     insecure: bool = False
+    # Who may say hello on a local (ipc) connection, beside the socket's file permissions: a peer
+    # (uid and groups as the kernel recorded them at connect, SO_PEERCRED / SO_PEERGROUPS) whose
+    # uid is in allowed_uids, or whose primary or supplementary gid is in allowed_gids. The
+    # daemon's own uid is always admitted. Both empty (the default): the socket's permissions
+    # alone decide. A refused client gets PermissionDenied naming its uid. SIGHUP applies changes
+    # to hellos from then on. With a tcp endpoint they are a config error (CURVE decides there).
+    allowed_uids: list[int] = msgspec.field(default_factory=list)
+    allowed_gids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_field(re.fullmatch(r"(ipc://.+|tcp://[^:]+:\d+)", self.endpoint) is not None, "endpoint",
                f"must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        for name in ("allowed_uids", "allowed_gids"):
+            ids = getattr(self, name)
+            bad = [i for i in ids if not 0 <= i < 2**32 - 1]  # (uid_t)-1 means "no id" to the kernel
+            check_field(not bad, name, f"must be uids/gids between 0 and 4294967294, got {bad[0] if bad else 0}")
+            check_field(len(ids) <= 4096, name, f"at most 4096 ids (use a group), got {len(ids)}")
+            setattr(self, name, sorted(set(ids)))
+            # a silent no-op would leave the operator believing the socket is guarded
+            check_field(not ids or self.endpoint.startswith("ipc://"), name,
+                        "applies to an ipc:// endpoint only (a tcp client has no uid the daemon can check: "
+                        "use curve_allowed_keys)")
         check_field(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
                "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
                "curve_secret_key and curve_allowed_keys must be set together")
@@ -69,8 +87,12 @@ class HostPoolSection(Section):
     # Largest single shm file; the pool is split into ceil(size / segment_size) segments and one
     # entry never spans two, so this is also the largest tensor that fits.
     segment_size: ByteSize = ByteSize(1 << 30)
+    # "memfd": sealed memfds passed to clients over a unix socket; "named": /dev/shm files.
+    backing: str = "memfd"
 
     def __post_init__(self) -> None:
+        check_field(self.backing in ("memfd", "named"), "backing",
+               f"must be \"memfd\" or \"named\", got {self.backing!r}")
         check_field(self.size > 0, "size", f"must be > 0, got {int(self.size)}")
         check_field(self.size <= 1 << 44, "size", f"must be <= 16TiB, got {int(self.size)}")
         check_field(self.segment_size >= 1 << 20, "segment_size",

@@ -21,6 +21,7 @@ class Code(enum.IntEnum):
     QUOTA_EXCEEDED = 12  # the namespace is at its byte quota and none of its own entries can go
     CORRUPT = 13  # the bytes read do not match the checksum their producer stored
     NOT_DURABLE = 14  # put(persist=True): stored in memory, but could not be made durable on disk
+    NOT_ALLOWED = 15  # Hello from a local uid/gid that control.allowed_uids/allowed_gids do not admit
 
 
 class EcdError(Exception):
@@ -104,6 +105,13 @@ class PersistFailed(EcdError):
     code = Code.NOT_DURABLE
 
 
+class PermissionDenied(EcdError, PermissionError):
+    """The daemon does not admit this client's uid: `[control] allowed_uids` / `allowed_gids`
+    name neither its uid nor its groups. The message names the uid and what to set."""
+
+    code = Code.NOT_ALLOWED
+
+
 class DaemonUnavailable(EcdError):
     """The daemon is down or did not answer within the client's timeout."""
 
@@ -136,6 +144,7 @@ _BY_CODE: dict[int, type[EcdError]] = {
         QuotaExceeded,
         IntegrityError,
         PersistFailed,
+        PermissionDenied,
     )
 }
 

@@ -132,6 +132,19 @@ class PeerState(Struct):
     failures: int = 0  # fetches from it that failed
 
 
+class SessionInfo(Struct):
+    """One client session, as `ecd status` shows it: who the kernel says connected and how the
+    daemon learns that it is gone."""
+    id: int
+    name: str  # Hello.name: the client's own word, cut to 64 characters
+    pid: int  # in the daemon's pid namespace (SO_PEERCRED); 0: not visible from it (another container), or tcp
+    pid_ns: int  # inode of the client's pid namespace (as /proc/PID/ns/pid names it); 0: unknown
+    pid_ns_claimed: bool  # pid_ns is Hello's claim: the kernel would not tell the daemon
+    uid: int  # -1: a tcp client (no credentials)
+    gid: int
+    watch: str  # "pidfd": reclaimed the moment its process exits; "heartbeat": after leases.session_ttl of silence
+
+
 class DiskStats(Struct):
     """The disk tier, as `ecd status` shows it."""
     path: str
@@ -187,6 +200,7 @@ class DaemonStats(Struct):
     fetch_failures: dict[str, int] = {}  # by reason
     # The disk tier ([pool.disk]); empty and 0 without it.
     disk: "DiskStats | None" = None
+    sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
 
 
 # ---- requests -------------------------------------------------------------------------------

@@ -62,10 +62,11 @@ class DaemonProcess:
         self.proc: subprocess.Popen | None = None
         self.metrics_port: int | None = None
 
-    def start(self, timeout: float = 20.0, env: dict | None = None) -> None:
+    def start(self, timeout: float = 20.0, env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
+        """`prefix`: a command the daemon runs under (e.g. `unshare --pid --fork`)."""
         self._log = open(self.log_path, "ab")
         start_offset = self._log.tell()
-        self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -32,6 +32,7 @@ from ..memory.allocator import align_up
 from ..protocol import (Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Bye, Commit, Committed,
                         Exists, Extent, Failure, Flags, Location, Publish, PutInline, Release, Report, Welcome,
                         encoder)
+from .connection import pool_not_visible, same_host
 from .control import ControlClient, _check_encodable, _key_list
 from .location_cache import LocationCache
 from .mapping import EpochMapping
@@ -68,6 +69,8 @@ class Client(ControlClient):
         """A new daemon (or the first): map its pools and ring; drop what belonged to the old one."""
         try:
             mapping = EpochMapping(welcome, self.populate)  # a new daemon: new pools, new ring
+            if not mapping.local and same_host(self.endpoint):  # a /dev/shm of its own: refused whole
+                raise pool_not_visible(self.endpoint, welcome.node, welcome.ring.name)
         except EcdError:
             # Leave no session behind that this client cannot use; keep nothing of it either.
             with contextlib.suppress(zmq.ZMQError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import time
 import weakref
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ..errors import DaemonUnavailable, EcdError
 from ..protocol import Bye, encoder
 
 if TYPE_CHECKING:
@@ -28,6 +30,79 @@ if TYPE_CHECKING:
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
+
+
+class SocketPermissionDenied(DaemonUnavailable):
+    """This process may not connect to the daemon's ipc socket (EACCES): libzmq would retry the
+    connect forever in silence and the caller see only a timeout, so the client looks first."""
+
+
+class PoolNotVisible(EcdError):
+    """A client on the daemon's own host (it reached it over ipc://) cannot see the daemon's named
+    /dev/shm pool files: another IPC or mount namespace (a container with its own /dev/shm)."""
+
+
+def _who() -> str:
+    return f"uid {os.geteuid()}, groups {sorted({os.getegid(), *os.getgroups()})}"
+
+
+def _mode_of(st: os.stat_result) -> str:
+    return f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}, group {st.st_gid}"
+
+
+def check_socket_access(endpoint: str) -> None:
+    """Raise SocketPermissionDenied, naming the path, its mode and owner and this process's ids,
+    where an ipc:// endpoint's socket (or a directory above it) refuses this process. A socket not
+    there yet is no error: the daemon may be starting, and ZMQ connects once it is."""
+    if not endpoint.startswith("ipc://") or endpoint[len("ipc://"):].startswith("@"):
+        return  # tcp, or an abstract socket (no file permissions)
+    path = os.path.abspath(endpoint[len("ipc://"):])
+    if os.access(path, os.R_OK | os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        return
+    fix = ("join the socket's group (the daemon's node.group) or run as a uid the daemon admits "
+           "([control] allowed_uids / allowed_gids); `ecd doctor` on the daemon's side checks the directory")
+    directory = os.path.dirname(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        # a directory on the way does not let this process through: name the first one
+        while directory != "/" and not os.access(directory, os.X_OK):
+            parent = os.path.dirname(directory)
+            if os.access(parent, os.X_OK):
+                break
+            directory = parent
+        try:
+            where = f"{directory} ({_mode_of(os.stat(directory))})"
+        except OSError:
+            where = directory
+        raise SocketPermissionDenied(f"permission denied: this process ({_who()}) cannot pass through the "
+                                     f"directory {where} to the daemon's socket {path}: {fix}") from None
+    except OSError:
+        return  # anything else: let the connect itself report it
+    if stat.S_ISSOCK(st.st_mode):
+        raise SocketPermissionDenied(f"permission denied: this process ({_who()}) may not connect to the "
+                                     f"daemon's socket {path} ({_mode_of(st)}): {fix}")
+
+
+def same_host(endpoint: str) -> bool:
+    """An ipc:// endpoint is a unix socket: whoever answers runs on this kernel, and so its named
+    /dev/shm files are this host's (unless a namespace hides them)."""
+    return endpoint.startswith("ipc://")
+
+
+def pool_not_visible(endpoint: str, node: str, ring_name: str) -> PoolNotVisible:
+    """The error of a same-host client whose /dev/shm lacks the daemon's files, or holds another
+    daemon's of the same node name (its ring's epoch differs)."""
+    from ..memory.host import shm_path
+    path = shm_path(ring_name)
+    why = "another daemon's: its epoch differs" if os.path.exists(path) else "not there"
+    return PoolNotVisible(
+        f"the daemon's pool file {path} ({why}) is not visible from this process, although it reached the "
+        f"daemon of node {node} at {endpoint} on this host: a different IPC or mount namespace (a container "
+        f"with its own /dev/shm)? Use [pool.host] backing = \"memfd\" (the pool comes over the socket) or share "
+        f"the daemon's /dev/shm with this container; ecd.ControlClient still works from here")
 
 
 def curve_keys(secret_key: str | None, server_key: str | None) -> tuple[bytes, bytes, bytes] | None:

@@ -37,7 +37,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acquire, Bye, Commit, Delete, E
                         Fetch, Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
                         StatsReply, Unpin, Welcome, encoder, reply_decoder)
 from .. import protocol
-from .connection import HANDSHAKE_EVENTS, Resources, curve_keys, heartbeat
+from .connection import HANDSHAKE_EVENTS, Resources, check_socket_access, curve_keys, heartbeat
 
 # Requests that name generations: after a daemon restart they mean nothing (or something else).
 _NAMES_GENERATIONS = (Commit, Publish, Abort, Release)
@@ -145,6 +145,7 @@ class ControlClient:
         """Say hello (again). The socket is kept across timeouts: a daemon that was only slow
         still knows this session and its leases; ZMQ reconnects it to a restarted daemon."""
         if self._res.sock is None:
+            check_socket_access(self.endpoint)  # EACCES now, not a timeout: libzmq retries it silently
             sock = self._res.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:

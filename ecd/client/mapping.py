@@ -101,8 +101,8 @@ class EpochMapping:
     def require_local(self, what: str, inline_max: int) -> None:
         if not self.local:
             raise InvalidRequest(
-                f"pools are not mapped: this client is not on the daemon's node ({self.node}); {what} "
-                f"moves bytes through /dev/shm. From here: exists, delete, keys, stats, evict, ping "
+                f"pools are not mapped: this client is not on the daemon's node ({self.node}), it reached it "
+                f"over tcp; {what} moves bytes through shared memory. From here: exists, delete, keys, stats, evict, ping "
                 f"and puts of up to {inline_max} bytes")
 
     def check(self, loc: Location) -> None:

@@ -3,9 +3,10 @@ the daemon holds for each.
 
 libzmq hides connections behind routing identities; ecd needs four things it does not give:
 - the kernel's word on who connected: every message carries the fd it arrived on (ZMQ_SRCFD),
-  and an ipc connection's fd tells the peer's pid as the kernel recorded it at connect()
-  (SO_PEERCRED, and a pidfd of that very process with SO_PEERPIDFD). A client cannot name
-  another process as its own;
+  and an ipc connection's fd tells the peer's pid, uid and groups as the kernel recorded them at
+  connect() (SO_PEERCRED, SO_PEERGROUPS), and gives a pidfd of that very process
+  (SO_PEERPIDFD), also when its pid namespace is not the daemon's (SO_PEERCRED's pid is 0
+  then). A client cannot name another process as its own;
 - notice that a connection is gone (a socket monitor's DISCONNECTED), so its session is
   reclaimed at once instead of when its process exits;
 - a cap on connections: past it the oldest connection that never said Hello is closed (or the
@@ -26,6 +27,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import errno
+import fcntl
+import functools
 import logging
 import os
 import resource
@@ -40,6 +45,9 @@ import zmq
 log = logging.getLogger("ecd.daemon")
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; older kernels: pidfd_open(pid)
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13: the peer's supplementary groups
+PIDFD_GET_PID_NAMESPACE = 0xFF05  # _IO(PIDFS_IOCTL_MAGIC, 5), Linux 6.11: a pidfd's pid namespace
+PIDFS_MAGIC = 0x50494446  # statfs f_type of a pidfd on Linux 6.9+ (pidfs: one inode per process)
 # File descriptors kept back from connections and sessions: pools, ring, lock, libzmq's own
 # eventfds and epoll, the metrics listener, logs, and the head-room for a burst of connects that
 # libzmq accepts before the monitor lets the daemon shed them (libzmq aborts on EMFILE).
@@ -82,10 +90,12 @@ def connection_budget(fd_limit: int, max_connections: int, http_connections: int
 
 @dataclass
 class Credentials:
-    """A local peer as the kernel recorded it when it connected."""
+    """A local peer as the kernel recorded it when it connected (ids in the daemon's namespaces:
+    pid 0 when its process is not visible from the daemon's pid namespace)."""
     pid: int
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()  # supplementary groups (SO_PEERGROUPS; empty where unreadable)
 
 
 @contextlib.contextmanager
@@ -106,23 +116,89 @@ def peer_credentials(fd: int) -> Credentials | None:
         with _borrowed(fd) as sock:
             if sock.family != socket.AF_UNIX:
                 return None
-            return Credentials(*struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)))
+            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return Credentials(pid, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, _peer_groups(sock))
     except OSError:
         return None
 
 
+def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups at connect(): a pod's fsGroup and supplementalGroups are
+    these, not its primary gid. A small buffer first; ERANGE means it has more groups."""
+    for count in (64, 65536):  # NGROUPS_MAX is 65536
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * count)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                continue
+            return ()  # before Linux 4.13
+        return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
+    return ()
+
+
 def peer_pidfd(fd: int, pid: int) -> int:
-    """A pidfd of the process that opened this connection (SO_PEERPIDFD: exactly that process);
-    before Linux 6.5, pidfd_open(pid), with the usual pid-reuse window. -1 when it is gone."""
+    """A pidfd of the process that opened this connection (SO_PEERPIDFD: exactly that process,
+    whatever pid namespace it is in; pid may be 0); before Linux 6.5, pidfd_open(pid) (nothing
+    for pid 0), with the usual pid-reuse window. -1 when it is gone or cannot be named."""
     try:
         with _borrowed(fd) as sock:
             return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError:
         pass
+    if pid <= 0:
+        return -1
     try:
         return os.pidfd_open(pid)
     except OSError:
         return -1
+
+
+@functools.cache
+def pidfs() -> bool:
+    """Whether pidfds live in pidfs (Linux 6.9+), where a pidfd's inode number names its process
+    (every pidfd of one process has it, no two processes share it during a boot). Before, every
+    pidfd shares one anonymous inode."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field (a long)
+        pidfd = os.pidfd_open(os.getpid())
+        try:
+            if libc.fstatfs(pidfd, buf) != 0:
+                return False
+        finally:
+            os.close(pidfd)
+        return bool(struct.unpack_from("l", buf.raw)[0] == PIDFS_MAGIC)
+    except (OSError, AttributeError):
+        return False
+
+
+def process_inode(pidfd: int) -> int:
+    """The pidfs inode of the process behind pidfd: an identity that holds across pid namespaces
+    (0 when pidfds are not in pidfs, or pidfd is -1)."""
+    if pidfd < 0 or not pidfs():
+        return 0
+    try:
+        return os.fstat(pidfd).st_ino
+    except OSError:
+        return 0
+
+
+def pid_namespace(pidfd: int) -> int:
+    """Inode of the pid namespace of the process behind pidfd, as /proc/PID/ns/pid names it (0 when
+    the kernel does not say: before Linux 6.11, or a daemon that may not ptrace-read that process,
+    e.g. one of another uid, or a process already gone)."""
+    if pidfd < 0:
+        return 0
+    try:
+        nsfd = fcntl.ioctl(pidfd, PIDFD_GET_PID_NAMESPACE)
+    except OSError:
+        return 0
+    try:
+        return os.fstat(nsfd).st_ino
+    except OSError:
+        return 0
+    finally:
+        os.close(nsfd)
 
 
 def socket_inode(fd: int) -> int:
@@ -345,7 +421,8 @@ class Connections:
         """Disconnect a peer: libzmq drops what it queued for it, its session is reclaimed."""
         if detail:
             creds = conn.credentials
-            who = f"pid {creds.pid}" if creds is not None and creds.pid > 0 else f"fd {conn.fd}"
+            who = f"pid {creds.pid}" if creds is not None and creds.pid > 0 else \
+                f"uid {creds.uid}, fd {conn.fd}" if creds is not None else f"fd {conn.fd}"
             log.warning("closing the connection of %s (%s): %s", who, reason, detail)
         self.closed[reason] += 1
         shut_down_socket(conn.fd, conn.inode)

@@ -286,7 +286,9 @@ class Handlers:
         if hello.version != PROTOCOL_VERSION:
             return self.reply_error(identity, hello.id, Code.VERSION, f"protocol version {hello.version} "
                                      f"not supported; daemon speaks {PROTOCOL_VERSION}")
-        session = self.d.sessions.open(conn, hello.pid)  # RequestError(LIMIT) in Welcome's place
+        # RequestError in Welcome's place: NOT_ALLOWED (control.allowed_uids/gids), LIMIT
+        self.d.sessions.admit(conn, self.d.config.control)
+        session = self.d.sessions.open(conn, hello)
         limits, cfg = self.d.config.limits, self.d.config
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
         self.send(identity, Welcome(
@@ -320,7 +322,7 @@ def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=d.disk.stats() if d.disk is not None else None, **cluster_stats(d))
+        disk=d.disk.stats() if d.disk is not None else None, sessions=d.sessions.listing(), **cluster_stats(d))
 
 
 def cluster_stats(d: "DaemonView") -> dict[str, Any]:

@@ -342,11 +342,19 @@ def connection_metrics(d: "DaemonView"):
     for reason in ("over_capacity", "client_backlog"):
         closed.add_metric([reason], d.connections.closed.get(reason, 0))
     yield closed
-    refused = CounterMetricFamily("ecd_sessions_refused", "Hellos refused by a session limit",
-                                  labels=["limit"])
-    for limit in ("max_clients", "max_clients_per_pid"):
+    refused = CounterMetricFamily("ecd_sessions_refused", "Hellos refused by a session limit (max_clients, "
+                                  "max_clients_per_pid: LIMIT) or because control.allowed_uids / allowed_gids "
+                                  "do not admit the client's uid (allowed_uids: NOT_ALLOWED)", labels=["limit"])
+    for limit in ("max_clients", "max_clients_per_pid", "allowed_uids"):
         refused.add_metric([limit], d.sessions.refused.get(limit, 0))
     yield refused
+    watched = GaugeMetricFamily("ecd_sessions", "Client sessions by how the daemon learns their client is gone: "
+                                "pidfd (the moment its process exits, in any pid namespace), heartbeat (after "
+                                "leases.session_ttl of silence: tcp clients, or no pidfd on this kernel)",
+                                labels=["watch"])
+    for mode, count in d.sessions.watch_counts().items():
+        watched.add_metric([mode], count)
+    yield watched
 
 
 class MetricsServer:

@@ -5,21 +5,24 @@ The pool files are 0660: any member of node.group can ftruncate /dev/shm/ecd.<no
 past the new end faults (SIGBUS) in whoever touches it next through the mapping, the daemon
 included, and what the file held there is gone for good: a restored size reads as zeros. So:
 
-- `check_pools` compares a segment's size (one fstat) with what the daemon created: for the
-  segments a request touches (an Alloc's extents, a Commit's or Publish's writes, a get's
-  entries; an inline put's copy just comes up short), and for all of them on a timer (a shrink
-  is found even when no request comes). The daemon's own copies do not fault meanwhile (ShmFile.write_at /
-  read_into: through the kernel, a short count instead of a signal).
+- `check_pools` compares a segment's size and page count (one fstat) with what the daemon
+  created (a file grown back after a cut has its size but not its pages): for the segments a
+  request touches (an Alloc's extents, a Commit's or Publish's writes, a get's entries; an
+  inline put's copy just comes up short), and for all of them on a timer (a shrink is found
+  even when no request comes). The daemon's own copies do not fault meanwhile
+  (ShmFile.write_at / read_into: through the kernel, a short count instead of a signal).
 - A shrunk segment is restored (ftruncate back, its pages allocated again) and every entry whose
-  extent reaches past the smallest size seen is dropped: a READY one leaves the index with an
-  EVICTED ring event (clients drop cached locations; a clean copy on the disk tier keeps the key,
+  extent reaches past where the cut may start is dropped (the file's size; its start, when the
+  file was grown back with pages missing below its end: nothing says which):
+  a READY one leaves the index with an EVICTED ring event (clients drop cached locations; a clean copy on the disk tier keeps the key,
   a read brings it back from there), a write or reservation in progress is marked so its commit
   is refused with CORRUPT and a reason, never published with zeros. Readers that hold a lease
   keep it (their bytes are already what they are). Counted: `pool_truncations`,
   `evicted_truncated` (ecd_evictions_total{reason="truncated"}), `truncated_writes_refused`.
 
-A truncation that is undone (the file grown back) before the daemon looks is not seen: it is a
-write of zeros, which a group member may do to the pool anyway (`verify` catches both).
+A truncation undone before the daemon looks is seen as long as its pages are still missing; once
+clients have written into every one of them again, it is what a write of zeros is, which a group
+member may do to the pool anyway (`verify` catches both).
 """
 from __future__ import annotations
 
@@ -68,13 +71,11 @@ class PoolIntegrity(RegistryState):
         """False when segment `index` was found truncated (now restored, its cut entries dropped)."""
         if index >= len(self.segments):
             return True  # a CUDA arena: not a file anyone can truncate
-        segment = self.segments[index]
-        size = segment.current_size()
-        if size >= segment.size:
+        if self.segments[index].whole():
             if index in self._unallocated:
                 self._allocate(index, self._unallocated[index])
             return True
-        self._pool_cut(index, size)
+        self._pool_cut(index)
         return False
 
     def refuse_cut_write(self, generation: int) -> Failure | None:
@@ -84,13 +85,20 @@ class PoolIntegrity(RegistryState):
             self.counters["truncated_writes_refused"] += 1
         return refused
 
-    def _pool_cut(self, index: int, size: int) -> None:
+    def _pool_cut(self, index: int) -> None:
         segment = self.segments[index]
         self.counters["pool_truncations"] += 1
-        cut = (f"host pool segment {index} ({segment.name}) was truncated to {size} of its {segment.size} bytes "
-               f"by another process while this was written: its bytes are gone")
+        size, first = segment.current_size(), segment.cut_from()
+        how = (f"truncated to {size} of its {segment.size} bytes" if first == size else
+               f"truncated{'' if size < segment.size else ' and grown again'} ({segment.size - first} bytes "
+               f"from {first} may be zeros: pages are missing below its end)")
+        cut = f"host pool segment {index} ({segment.name}) was {how} by another process: its bytes are gone"
         dropped = written = 0
-        for entry in [e for e in self.by_generation.values() if e.pool == index and e.offset + e.nbytes > size]:
+
+        def cut_off(offset: int, nbytes: int) -> bool:
+            return offset + nbytes > first
+
+        for entry in [e for e in self.by_generation.values() if e.pool == index and cut_off(e.offset, e.nbytes)]:
             if entry.state is State.READY:
                 self._drop_cut(entry)
                 dropped += 1
@@ -101,18 +109,16 @@ class PoolIntegrity(RegistryState):
         # Kept until its Publish (a watched client may be copying into it now: freeing it would let
         # another entry's bytes be overwritten); STALE sends that client's put the Alloc way, anew.
         for reservation in self.reservations.values():
-            if reservation.pool == index and reservation.offset + reservation.size > size:
+            if reservation.pool == index and cut_off(reservation.offset, reservation.size):
                 self.cut_writes[reservation.generation] = Failure(Code.STALE, f"the reservation was cut: {cut}")
                 written += 1
         # a generation freed meanwhile (aborted, expired) never commits: do not keep its reason
         for generation in [g for g in self.cut_writes if g not in self.by_generation and g not in self.reservations]:
             del self.cut_writes[generation]
-        log.error("host pool segment %d (%s) was truncated to %d of its %d bytes by another process (a member of "
-                  "node.group): size restored; %d entr%s whose bytes were cut dropped, %d write(s) in progress "
-                  "will be refused", index, segment.name, size, segment.size, dropped,
-                  "y" if dropped == 1 else "ies", written)
-        start = self._unallocated.get(index, size)
-        self._allocate(index, min(start, size))
+        log.error("%s (a member of node.group): size and pages restored; %d entr%s whose bytes were cut dropped, "
+                  "%d write(s) in progress will be refused", cut, dropped, "y" if dropped == 1 else "ies", written)
+        start = self._unallocated.get(index, first)
+        self._allocate(index, min(start, first))
 
     def _allocate(self, index: int, start: int) -> None:
         """Restore segment `index` from `start`; what could not be allocated is tried again at

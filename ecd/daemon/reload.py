@@ -1,6 +1,7 @@
 """SIGHUP: re-read node.toml and apply what can change while serving.
 
-Runtime-changeable: node.log_level, node.shutdown_grace, every [leases] and [limits] key (limits
+Runtime-changeable: node.log_level, node.shutdown_grace, control.allowed_uids and allowed_gids
+(they apply to hellos from then on: sessions already open stay), every [leases] and [limits] key (limits
 apply to requests from now on; a new limits.max_message_bytes only to connections made after
 it, and clients learn new limits when they next say hello), and [namespaces.*] quotas
 and guaranteed shares (they apply to allocations from now on: a namespace already over a lowered quota
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
 from ..config import NamespaceSection, load_config_file
@@ -29,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ecd.daemon")
 
-RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace"}
+RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace", "control.allowed_uids", "control.allowed_gids"}
 RUNTIME_SECTIONS = {"leases", "limits", "namespaces"}
 RUNTIME_PREFIXES = ("cluster.peers", "cluster.peer_keys.")
 
@@ -82,8 +84,10 @@ def reload_config(daemon: "DaemonView") -> None:
         return
     # Keep the parts that cannot change; take the rest from the new file.
     new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
-    new.control, new.pool, new.ring, new.metrics = (daemon.config.control, daemon.config.pool,
-                                                    daemon.config.ring, daemon.config.metrics)
+    # the allowed uids/gids apply to hellos from now on; the rest of [control] needs a restart
+    new.control = msgspec.structs.replace(daemon.config.control, allowed_uids=new.control.allowed_uids,
+                                          allowed_gids=new.control.allowed_gids)
+    new.pool, new.ring, new.metrics = daemon.config.pool, daemon.config.ring, daemon.config.metrics
     new.cluster = daemon.config.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(daemon.config.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.

@@ -104,6 +104,7 @@ class Daemon:
             self.gid, self.curve = check_security(self.config)
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
+        self._preflight()
         if self.config.pool.cuda is not None:
             self._open_cuda()  # before anything is created: a node without CUDA leaves nothing behind
         self._lock.group = self.gid
@@ -116,6 +117,9 @@ class Daemon:
             self._lock.acquire()
         except ShmError as exc:
             raise StartupError(f"node.name: {exc}") from None
+        except OSError as exc:  # preflight saw the directory writable: it changed since
+            raise StartupError(f"{os.path.dirname(self._lock.path)}: cannot create the node lock "
+                               f"{self._lock.path} ({exc.strerror})") from None
         try:
             self._check_endpoint_free()
             self._open_disk()
@@ -130,6 +134,19 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+
+    def _preflight(self) -> None:
+        """`ecd doctor`'s checks (ecd/doctor.py), but CUDA's (_open_cuda keeps the driver it
+        loads): warnings are logged, errors refuse the start with the line doctor prints, before
+        a pool larger than the cgroup's memory gets the daemon OOM-killed with no word."""
+        from ..doctor import preflight
+        findings = preflight(self.config, self.gid, cuda=False)
+        for finding in findings:
+            if finding.level == "warning":
+                log.warning("%s", finding.line())
+        errors = [f.line() for f in findings if f.level == "error"]
+        if errors:
+            raise StartupError("\n".join(errors))
 
     def _open_disk(self) -> None:
         """`[pool.disk]`: check the directory and re-index what a previous run left there."""
@@ -221,17 +238,11 @@ class Daemon:
 
     def _open_cuda(self) -> None:
         """Load the CUDA driver and map `[pool.cuda] devices` to this process's ordinals."""
-        from ..memory.cuda import CudaError, CudaUnavailable, DeviceNotFound, load_driver, resolve_devices
+        from ..doctor import open_cuda
         try:
-            if self.cuda_driver is None:
-                self.cuda_driver = load_driver()
-            self._cuda_ordinals = resolve_devices(self.cuda_driver, self.config.pool.cuda.devices)
-        except CudaUnavailable as exc:
-            raise StartupError(f"pool.cuda: CUDA is not available on this node: {exc}") from None
-        except DeviceNotFound as exc:
-            raise StartupError(f"pool.cuda.devices: {exc}") from None
-        except CudaError as exc:
-            raise StartupError(f"pool.cuda: {exc}") from None
+            self.cuda_driver, self._cuda_ordinals = open_cuda(self.config.pool.cuda.devices, self.cuda_driver)
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
 
     def _create_arenas(self) -> None:
         """One arena of `[pool.cuda] size` per device, exported once as a CUDA IPC handle."""

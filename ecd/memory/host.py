@@ -121,6 +121,23 @@ class ShmFile:
         any access of the mapping past it faults."""
         return os.fstat(self.fd).st_size
 
+    def whole(self) -> bool:
+        """One fstat: the file has its size and all its pages. A truncation undone by growing the
+        file again (ftruncate up) leaves the size right but the cut pages gone: they read as
+        zeros from then on, and only the page count (st_blocks, which the up-front allocation
+        made the full size) shows it."""
+        st = os.fstat(self.fd)
+        return st.st_size >= self.size and st.st_blocks * 512 >= self.size
+
+    def cut_from(self) -> int:
+        """Where the bytes a truncation took may start: the file's size when it is short and all
+        its pages below that are there, else 0. A file grown back after a cut has pages missing
+        below its end, and nothing cheap and reliable says which (mincore reports a page that was
+        allocated but never written as absent too): everything in it may be zeros."""
+        st = os.fstat(self.fd)
+        below = min(st.st_size, self.size)
+        return below if st.st_blocks * 512 >= below else 0
+
     def restore(self, start: int) -> str | None:
         """Give a truncated file its size back and allocate its pages from `start` (the lowest
         size seen): not a sparse hole that a store into a full /dev/shm would fault on later.

@@ -144,6 +144,38 @@ def test_a_truncation_with_no_request_is_repaired_by_the_timer(node):
     admin.close()
 
 
+def test_a_truncation_undone_by_the_attacker_is_found_by_the_pages_it_took(node):
+    """Cut and grown back to its size before the daemon looks: the size is right, but the cut
+    pages are gone (zeros). The daemon sees pages missing (st_blocks) and, since nothing cheap
+    says which, drops every entry of the segment: never serves zeros as "b" (before, it saw a
+    whole file and served them)."""
+    d, honest = node
+    client = honest()
+    assert client.ask(f"put a 1 {BIG}") == "ok"
+    assert client.ask(f"put b 2 {BIG}") == "ok"
+    admin = d.client()
+    b = locate(admin, "b")
+    path = _pool_path(d)
+    full = os.stat(path).st_size
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, b.offset)  # "b" and everything above it go ...
+        os.ftruncate(fd, full)  # ... and the size comes back at once, before the 0.25 s check
+    finally:
+        os.close(fd)
+    assert wait_for(lambda: admin.exists(["b"]) == [False], timeout=10.0), "the cut entry is dropped"
+    assert client.ask(f"get b 2 {BIG}") == "missing"
+    # Below the cut, but nothing says so: dropped too. Unless the 0.25 s check fell between the
+    # two ftruncates and saw a plain cut at "b": then "a" is whole and served (the client checks
+    # its bytes). Never anything else.
+    a = client.ask(f"get a 1 {BIG}")
+    assert a == ("missing" if "grown again" in d.log() else "ok"), d.log()[-2000:]
+    assert os.stat(path).st_blocks * 512 >= full, "its pages are allocated again"
+    assert client.ask(f"put c 3 {BIG}") == "ok" and client.ask(f"get c 3 {BIG}") == "ok"
+    assert d.alive()
+    admin.close()
+
+
 def test_a_write_in_progress_that_the_cut_took_is_refused(node):
     d, honest = node
     admin = d.client()

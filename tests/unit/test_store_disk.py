@@ -33,9 +33,11 @@ def payload(key: str, n: int = ENTRY) -> bytes:
 
 
 def pool_segment(size: int) -> ShmFile:
-    """A pool segment as the daemon has it (the mapping and its file's fd: spills pread it), on a memfd."""
+    """A pool segment as the daemon has it (the mapping and its file's fd: spills pread it), on a
+    memfd, allocated up front as the daemon's are (a page missing means a cut: pool_integrity.py)."""
     fd = os.memfd_create("ecd-test-pool", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
     return ShmFile("ecd-test-pool", size, mmap.mmap(fd, size), fd)
 
 

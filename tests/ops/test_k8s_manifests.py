@@ -1,0 +1,335 @@
+"""deploy/k8s (docs/kubernetes.md): what `kubectl kustomize` renders, checked offline.
+
+Every rendered object of the base, the peer-plane overlay and the engine example is validated
+against the Kubernetes OpenAPI schemas of K8S_VERSION (the kubernetes-validate package, strict:
+unknown fields are errors). The PodMonitor is a CRD (monitoring.coreos.com/v1) that those schemas
+do not hold: its required fields and its agreement with the DaemonSet are checked here by hand.
+The node.toml the ConfigMap carries goes through the real `ecd check-config`, the peer-plane
+init container's render script runs for real, and a daemon started from the ConfigMap's config
+answers the probes' path. The security contract (no host namespaces, non-root, no capabilities
+beyond the one init container's CHOWN/FOWNER, the socket directory as the only hostPath) is
+checked on every pod the manifests define.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+KUBECTL = shutil.which("kubectl")
+# Schemas of the oldest Kubernetes still in upstream support when this was written; the manifests
+# use nothing newer (kubernetes-validate 1.37 ships 1.25 to 1.37).
+K8S_VERSION = "1.32.0"
+SOCKET_DIR = "/run/ecd"
+# The one container that may run as root, and all it may do (daemonset.yaml says why).
+ROOT_INIT = "socket-dir"
+ROOT_INIT_CAPS = {"CHOWN", "FOWNER"}
+# What is rendered: deploy/k8s itself, the engine example, and deploy/k8s with the peer-plane
+# component through an overlay like the one its kustomization.yaml shows (written to a temporary
+# directory: kustomize refuses an overlay inside the directory it builds on).
+TARGETS = ["deploy/k8s", "deploy/k8s/examples", "peer-plane overlay"]
+PEER_ADDRESSES = "10.0.0.5 10.0.0.6 10.0.0.7"
+
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (Debian package "
+                                   "kubernetes-client; `make test` installs it when run as root)")
+
+
+def peer_plane_overlay(directory: Path) -> Path:
+    directory.mkdir(exist_ok=True)
+    base = os.path.relpath(K8S, directory)  # kustomize takes relative paths only
+    (directory / "kustomization.yaml").write_text(f"""apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+namespace: ecd
+resources: [{base}]
+components: [{base}/components/peer-plane]
+configMapGenerator:
+  - name: ecd-peers
+    literals: ["addresses={PEER_ADDRESSES}"]
+""")
+    return directory
+
+
+def render(target: str) -> list[dict]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (pip install -e '.[dev]')")
+    with tempfile.TemporaryDirectory(prefix="ecd-k8s-overlay-") as scratch:
+        path = peer_plane_overlay(Path(scratch)) if target == "peer-plane overlay" else REPO / target
+        out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0 and 'unknown field "components"' in out.stderr:
+        pytest.skip(f"{KUBECTL}'s built-in kustomize predates components (kubectl < 1.21, e.g. Debian 12's "
+                    "kubernetes-client 1.20): the peer-plane component is not rendered")
+    assert out.returncode == 0, f"kubectl kustomize {target} failed: {out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
+    specs = []
+    for doc in docs:
+        if doc["kind"] == "Pod":
+            specs.append((f"Pod/{doc['metadata']['name']}", doc["spec"]))
+        elif doc["kind"] in ("DaemonSet", "Deployment", "StatefulSet", "Job"):
+            specs.append((f"{doc['kind']}/{doc['metadata']['name']}", doc["spec"]["template"]["spec"]))
+    return specs
+
+
+def node_toml(docs: list[dict]) -> str:
+    """The node.toml of the ConfigMap the configMapGenerator made (ecd-config-<hash>)."""
+    found = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("ecd-config-")]
+    assert len(found) == 1, f"expected one ecd-config ConfigMap, got {len(found)}"
+    return found[0]["data"]["node.toml"]
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess:
+    """The real CLI, in a fresh interpreter: what `ecd check-config PATH` prints and returns."""
+    return subprocess.run([sys.executable, "-m", "ecd", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def parse_quantity(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "": 1}
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|)", str(text))
+    assert match, f"memory quantity {text!r}: use a binary unit (Ki, Mi, Gi, Ti)"
+    return int(match.group(1)) * units[match.group(2)]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_rendered_object_is_valid(target):
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is a dev extra: pip install -e '.[dev]'")
+    import jsonschema
+    docs = render(target)
+    assert docs, f"{target} rendered nothing"
+    for doc in docs:
+        what = f"{doc['kind']}/{doc['metadata'].get('name')}"
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            check_pod_monitor(doc, docs)
+            continue
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except jsonschema.ValidationError as exc:  # kubernetes_validate's own subclasses it
+            pytest.fail(f"{target}: {what} is not a valid Kubernetes {K8S_VERSION} object: "
+                        f"{'.'.join(map(str, exc.absolute_path))}: {exc.message}", pytrace=False)
+
+
+def check_pod_monitor(monitor: dict, docs: list[dict]) -> None:
+    """The Prometheus Operator's PodMonitor (not in the core schemas): the fields it requires, and
+    that it selects the DaemonSet's pods on a port the ecd container names."""
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    assert monitor["metadata"]["name"] and monitor["metadata"]["namespace"] == "ecd"
+    spec = monitor["spec"]
+    assert set(spec) <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels",
+                         "sampleLimit", "targetLimit"}, f"unexpected PodMonitor spec keys: {sorted(spec)}"
+    daemonset = one(docs, "DaemonSet")
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    selector = spec["selector"]["matchLabels"]
+    assert selector and selector.items() <= pod_labels.items(), "the PodMonitor selects no ecd pod"
+    ports = {p["name"]: p["containerPort"] for c in daemonset["spec"]["template"]["spec"]["containers"]
+             for p in c.get("ports", [])}
+    assert spec["podMetricsEndpoints"], "a PodMonitor needs at least one endpoint"
+    for endpoint in spec["podMetricsEndpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings",
+                                 "metricRelabelings", "honorLabels"}, f"unexpected endpoint keys: {sorted(endpoint)}"
+        assert endpoint["port"] in ports, f"endpoint port {endpoint['port']!r} is not a named container port"
+        assert endpoint.get("path", "/metrics") == "/metrics"
+        assert re.fullmatch(r"\d+(ms|s|m)", endpoint.get("interval", "30s"))
+        for relabel in endpoint.get("relabelings", []):
+            assert relabel["sourceLabels"] and relabel["targetLabel"]
+
+
+@needs_kubectl
+def test_the_config_map_node_toml_passes_check_config(tmp_path):
+    docs = render("deploy/k8s")
+    text = node_toml(docs)
+    assert text == (K8S / "node.toml").read_text(), "the ConfigMap is not generated from deploy/k8s/node.toml"
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    out = check_config(path)
+    assert out.returncode == 0, f"ecd check-config rejects the ConfigMap's node.toml: {out.stderr}"
+    effective = tomllib.loads(out.stdout)
+    assert effective["control"]["endpoint"] == f"ipc://{SOCKET_DIR}/ecd.sock"
+    assert effective["node"]["runtime_dir"] == SOCKET_DIR
+    # Probes and Prometheus come to the pod's IP: the loopback default would fail them all.
+    host, _, port = effective["metrics"]["listen"].rpartition(":")
+    assert host == "0.0.0.0"
+    container = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": int(port), "protocol": "TCP"} in container["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+
+
+@needs_kubectl
+def test_the_memory_limit_holds_the_pool_and_headroom(tmp_path):
+    """The pool's pages are charged to the daemon pod's cgroup: its limit must hold them all, plus
+    the ring and the process (a limit below the pool is an OOM kill at start)."""
+    sys.path.insert(0, str(REPO))
+    from ecd.config import load_config_file
+    from ecd.memory.ring import ring_bytes
+    docs = render("deploy/k8s")
+    path = tmp_path / "node.toml"
+    path.write_text(node_toml(docs))
+    config = load_config_file(path)
+    resources = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    limit = parse_quantity(resources["limits"]["memory"])
+    assert parse_quantity(resources["requests"]["memory"]) == limit, "memory request and limit differ"
+    floor = int(config.pool.host.size) + ring_bytes(config.ring.slots, config.ring.presence_buckets) + (256 << 20)
+    assert limit >= floor, f"memory limit {limit} < pool + ring + 256 MiB = {floor}"
+    assert "cpu" not in resources["limits"], "a CPU limit throttles the serving loop (daemonset.yaml)"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_host_namespaces_no_privilege_and_only_the_socket_dir(target):
+    for where, spec in pod_specs(render(target)):
+        for key in ("hostIPC", "hostPID", "hostNetwork"):
+            assert spec.get(key) is not True, f"{where}: {key}"
+        pod_sc = spec.get("securityContext", {})
+        assert pod_sc.get("runAsNonRoot") is True, f"{where}: runAsNonRoot is not set for the pod"
+        assert pod_sc.get("runAsUser", 0) != 0, f"{where}: the pod runs as root"
+        host_paths = {v["name"]: v["hostPath"] for v in spec.get("volumes", []) if "hostPath" in v}
+        assert [h["path"] for h in host_paths.values()] == [SOCKET_DIR], f"{where}: hostPaths {host_paths}"
+        assert list(host_paths.values())[0]["type"] in ("Directory", "DirectoryOrCreate")
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            name = f"{where}/{container['name']}"
+            sc = container.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, f"{name}: allowPrivilegeEscalation"
+            assert sc.get("privileged") is not True, f"{name}: privileged"
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{name}: does not drop ALL capabilities"
+            added = set(sc.get("capabilities", {}).get("add", []))
+            runs_as_root = sc.get("runAsUser", pod_sc.get("runAsUser")) == 0 or sc.get("runAsNonRoot") is False
+            if container["name"] == ROOT_INIT and where.startswith("DaemonSet/"):
+                # root only to give the hostPath to the daemon's uid, and nothing else
+                assert added <= ROOT_INIT_CAPS, f"{name}: adds {added}"
+                assert container["command"][-1] == "chmod 0770 /run/ecd && chown 10001:10001 /run/ecd"
+                assert sc.get("readOnlyRootFilesystem") is True
+            else:
+                assert not runs_as_root, f"{name}: runs as root"
+                assert sc.get("runAsNonRoot") is not False, f"{name}: runAsNonRoot overridden"
+                assert not added, f"{name}: adds capabilities {added}"
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in host_paths:
+                    assert mount["mountPath"] == SOCKET_DIR and not mount.get("subPath"), f"{name}: {mount}"
+        if where.startswith("DaemonSet/"):
+            ecd = next(c for c in spec["containers"] if c["name"] == "ecd")
+            assert ecd["securityContext"]["readOnlyRootFilesystem"] is True
+            assert spec["automountServiceAccountToken"] is False
+
+
+@needs_kubectl
+def test_the_engine_example_mounts_the_socket_dir_and_names_the_socket():
+    import json
+    pod = one(render("deploy/k8s/examples"), "Pod")
+    daemon_sc = one(render("deploy/k8s"), "DaemonSet")["spec"]["template"]["spec"]["securityContext"]
+    sc = pod["spec"]["securityContext"]
+    assert sc["runAsUser"] != daemon_sc["runAsUser"], "the example should show another uid"
+    assert daemon_sc["runAsGroup"] in sc["supplementalGroups"], "the engine is not in the socket's group"
+    args = pod["spec"]["containers"][0]["args"]
+    configs = {a.split("=", 1)[0]: json.loads(a.split("=", 1)[1]) for a in args if a.startswith("--e") or
+               a.startswith("--kv")}
+    assert configs["--ec-transfer-config"]["ec_connector_extra_config"]["endpoint"] == f"ipc://{SOCKET_DIR}/ecd.sock"
+    assert configs["--kv-transfer-config"]["kv_connector_extra_config"]["endpoint"] == f"ipc://{SOCKET_DIR}/ecd.sock"
+    assert configs["--kv-transfer-config"]["kv_connector_module_path"] == "ecd.integrations.vllm"
+
+
+@needs_kubectl
+def test_the_peer_plane_renders_a_config_per_node_that_check_config_accepts(tmp_path):
+    """The init container's script, run for real on a node named like a cloud VM, gives a
+    node.toml with its own name and address, the other nodes as peers, and passes check-config
+    with a key pair from `ecd keygen` in the Secret's place."""
+    docs = render("peer-plane overlay")
+    daemonset = one(docs, "DaemonSet")
+    init = next(c for c in daemonset["spec"]["template"]["spec"]["initContainers"] if c["name"] == "render-config")
+    peers_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("ecd-peers-"))
+    addresses = peers_map["data"]["addresses"].split()
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "ecd", "keygen", str(keys), "--name", "cluster"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "template").mkdir()
+    (tmp_path / "template" / "node.toml").write_text(node_toml(docs).replace("/etc/ecd-cluster", str(keys)))
+    (tmp_path / "node").mkdir()
+    script = init["command"][-1].replace("/etc/ecd-template", str(tmp_path / "template")) \
+        .replace("/etc/ecd-node", str(tmp_path / "node")).replace("/etc/ecd-cluster", str(keys))
+    env = {"PATH": "/usr/bin:/bin", "NODE_NAME": "ip-10-0-0-6.ec2.internal", "NODE_IP": addresses[1],
+           "PEER_IPS": peers_map["data"]["addresses"]}
+    out = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    rendered = tmp_path / "node" / "node.toml"
+    result = check_config(rendered)
+    assert result.returncode == 0, f"ecd check-config rejects the rendered node.toml: {result.stderr}\n" \
+                                   f"{rendered.read_text()}"
+    effective = tomllib.loads(result.stdout)
+    assert effective["node"]["name"] == "ip-10-0-0-6-ec2-internal"
+    others = [f"tcp://{ip}:7480" for ip in addresses if ip != addresses[1]]
+    assert effective["cluster"]["peers"] == others
+    assert sorted(effective["cluster"]["peer_keys"]) == sorted(others)
+    assert effective["cluster"]["advertise"] == f"tcp://{addresses[1]}:7480"
+    assert effective["cluster"]["data_listen"] == "tcp://0.0.0.0:7481"
+    ports = {p["containerPort"]: p.get("hostPort") for p in daemonset["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports[7480] == 7480 and ports[7481] == 7481
+    policy = one(docs, "NetworkPolicy")
+    peer_rule = next(r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 7480} in r["ports"])
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}}]
+    assert sorted(p["port"] for p in peer_rule["ports"]) == [7480, 7481]
+
+
+@needs_kubectl
+def test_a_daemon_started_from_the_config_map_answers_the_probe_path(tmp_path):
+    """The ConfigMap's node.toml, with only what must differ on a test machine (paths, a small
+    pool, loopback and a free port), starts the real daemon, whose /healthz answers 200 "ok"."""
+    text = node_toml(render("deploy/k8s"))
+    runtime = Path(tempfile.mkdtemp(prefix="ecd-k8s-", dir="/tmp"))  # a socket path must be short
+    node = f"k8s{id(tmp_path) % 100000}"
+    replaced = {'name = "k8s"': f'name = "{node}"', f'runtime_dir = "{SOCKET_DIR}"': f'runtime_dir = "{runtime}"',
+                f'endpoint = "ipc://{SOCKET_DIR}/ecd.sock"': f'endpoint = "ipc://{runtime}/ecd.sock"',
+                'size = "4GiB"': 'size = "64MiB"', 'segment_size = "1GiB"': 'segment_size = "64MiB"',
+                'listen = "0.0.0.0:9464"': 'listen = "127.0.0.1:0"'}
+    for old, new in replaced.items():
+        assert old in text, f"the test expects {old!r} in deploy/k8s/node.toml"
+        text = text.replace(old, new)
+    config = runtime / "node.toml"
+    config.write_text(text)
+    log = runtime / "daemon.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline, port = time.monotonic() + 30, None
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            match = re.search(r"metrics on http://[^:]+:(\d+)/metrics", log.read_text(errors="replace"))
+            port = int(match.group(1)) if match else None
+            time.sleep(0.05)
+        assert port, f"the daemon did not start: {log.read_text(errors='replace')}"
+        deadline, answer = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+                    answer = (resp.status, resp.read())
+                break
+            except urllib.error.HTTPError as exc:  # 503 "starting" until it serves
+                answer = (exc.code, exc.read())
+                time.sleep(0.05)
+        assert answer == (200, b"ok\n")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for name in Path("/dev/shm").glob(f"ecd.{node}.*"):
+            name.unlink()
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -1,0 +1,91 @@
+"""`[control] allowed_uids` / `allowed_gids`: who may say hello on the local socket besides the
+daemon's own uid, checked against the kernel's record of the connecting process (SO_PEERCRED,
+SO_PEERGROUPS). Real client processes that drop to other uids (tests/security/ns_client.py);
+each of them is in the socket's group (root here), so only the lists decide.
+
+Before (issue 24) there were no such keys: a config naming them did not start, and every process
+that could open the socket was served.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ecd import ControlClient
+from secutil import metric, wait_for, write_node_toml
+
+NS_CLIENT = Path(__file__).resolve().parent / "ns_client.py"
+NOBODY = 65534
+SOCKET_GID = 0  # node.group "" is the daemon's primary group: root's here
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
+                                                           "privileges: these tests need to run as root")
+
+
+def connect_as(endpoint: str, uid: int, gid: int, groups: tuple[int, ...] = (SOCKET_GID,)) -> dict:
+    """One client process of that uid, gid and supplementary groups: its hello's outcome."""
+    out = subprocess.run([sys.executable, str(NS_CLIENT), "connect", endpoint, "--uid", str(uid), "--gid", str(gid),
+                          "--groups", ",".join(map(str, groups))], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["uid"], report["gid"]) == (uid, gid), report  # it did drop
+    return report
+
+
+def start(d, control: str) -> None:
+    write_node_toml(d, control=control)
+    os.chmod(d.runtime_dir, 0o750)  # the test's temp dir (0700): the socket's group may reach the socket
+    d.start()
+
+
+def test_a_uid_that_is_not_allowed_is_refused_with_its_uid_and_what_to_set(daemon_factory):
+    d = daemon_factory(start=False)
+    start(d, "allowed_uids = [4242]\nallowed_gids = [7777]")
+    for _ in range(3):
+        refused = connect_as(d.endpoint, NOBODY, NOBODY)
+        assert refused["outcome"] == "PermissionDenied", refused
+        assert f"uid {NOBODY} (gid {NOBODY}) may not use this ecd daemon" in refused["message"], refused
+        assert f"add {NOBODY} to control.allowed_uids" in refused["message"], refused
+    assert d.log().count("refused a hello from") == 1  # logged once per uid, counted every time
+    assert metric(d, "ecd_sessions_refused_total", limit="allowed_uids") == 3
+
+    assert connect_as(d.endpoint, 4242, 4242)["outcome"] == "welcome"  # its uid is allowed
+    assert connect_as(d.endpoint, 5555, 7777)["outcome"] == "welcome"  # its primary gid is
+    assert connect_as(d.endpoint, 6666, 6666, (SOCKET_GID, 7777))["outcome"] == "welcome"  # a supplementary group
+    with ControlClient(d.endpoint, timeout=10.0) as own:  # the daemon's own uid, in no list: always
+        assert own.ping() > 0
+        assert own.stats()["clients"] == 1  # the refused ones hold no session
+
+    # SIGHUP: the lists apply to hellos from then on.
+    write_node_toml(d, control=f"allowed_uids = [4242, {NOBODY}]")
+    d.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: "SIGHUP: applied" in d.log(), timeout=10), d.log()
+    allowed_now = connect_as(d.endpoint, NOBODY, NOBODY)
+    assert allowed_now["outcome"] == "welcome", allowed_now
+    assert connect_as(d.endpoint, 5555, 7777)["outcome"] == "PermissionDenied"  # 7777 no longer listed
+
+
+def test_without_allowed_lists_whoever_can_open_the_socket_is_served(daemon):
+    os.chmod(daemon.runtime_dir, 0o750)
+    assert connect_as(daemon.endpoint, NOBODY, NOBODY)["outcome"] == "welcome"
+    assert metric(daemon, "ecd_sessions_refused_total", limit="allowed_uids") == 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("allowed_uids", "[-1]", "control.allowed_uids: must be uids/gids between 0 and 4294967294, got -1"),
+    ("allowed_gids", "[4294967295]", "control.allowed_gids: must be uids/gids between 0 and 4294967294"),
+    ("allowed_uids", '["nobody"]', "control.allowed_uids"),
+])
+def test_bad_allowed_ids_are_one_line_config_errors(tmp_path, key, value, message):
+    from ecd.config import load_config_file
+    from ecd.errors import ConfigError
+    path = tmp_path / "node.toml"
+    path.write_text(f"[control]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config_file(path)
