@@ -62,22 +62,24 @@ def unavailable_reason() -> str | None:
 
 
 def probe_features() -> dict[str, str | None]:
-    """Which of issue 24's daemon features the image's ecd has: None, or why not. Each is one
-    config key that an ecd without it refuses (`ecd check-config`)."""
-    probes = {"memfd": '[pool.host]\nsize = "64MiB"\nbacking = "memfd"\n',
-              "admission": '[control]\nallowed_uids = [20001]\nallowed_gids = []\n[pool.host]\nsize = "64MiB"\n'}
+    """Which of issue 24's daemon features the image's ecd has: None, or why not. Each needs its
+    config key accepted (`ecd check-config`) and the module that implements it (the keys came
+    into the config before the code behind them)."""
+    probes = {"memfd": ('[pool.host]\nsize = "64MiB"\nbacking = "memfd"\n', "ecd.daemon.fd_server"),
+              "admission": ('[control]\nallowed_uids = [20001]\nallowed_gids = []\n[pool.host]\nsize = "64MiB"\n',
+                            "ecd.daemon.admission")}
     with tempfile.TemporaryDirectory(prefix="ecd-probe-") as tmp:
         script = []
-        for name, text in probes.items():
+        for name, (text, module) in probes.items():
             Path(tmp, f"{name}.toml").write_text(text)
-            script.append(f'out=$(ecd check-config /probe/{name}.toml 2>&1); '
+            script.append(f'out=$(ecd check-config /probe/{name}.toml 2>&1 && python -c "import {module}" 2>&1); '
                           f'echo "{name} $? $(printf %s "$out" | tail -n 1)"')
         os.chmod(tmp, 0o755)
         out = podman("run", "--rm", *CONFINED, "--no-healthcheck", "-v", f"{tmp}:/probe:ro",
                      "--entrypoint", "/bin/sh", IMAGE, "-c", "; ".join(script)).stdout
     answers = {words[0]: words[1:] for words in (line.split(maxsplit=2) for line in out.splitlines()) if words}
     return {name: None if answers.get(name, ["?"])[0] == "0" else
-            f"the image's ecd refuses it: {' '.join(answers.get(name, ['no answer'])[1:])[:200]}"
+            f"the image's ecd does not have it: {' '.join(answers.get(name, ['no answer'])[1:])[:200]}"
             for name in probes}
 
 

@@ -57,11 +57,17 @@ def node(features):
         n.close()
 
 
+def memfd_missing(features: dict) -> str | None:
+    if features["memfd"] is None:
+        return None
+    return ("a client in another IPC namespace maps the pool only through the daemon's passed memfds "
+            f"([pool.host] backing = \"memfd\", issue 24 point 2): {features['memfd']}")
+
+
 @pytest.fixture
 def need_memfd(features) -> None:
-    if features["memfd"] is not None:
-        pytest.skip("a client in another IPC namespace maps the pool only through the daemon's passed "
-                    f"memfds ([pool.host] backing = \"memfd\", issue 24 point 2): {features['memfd']}")
+    if memfd_missing(features):
+        pytest.skip(memfd_missing(features))
 
 
 @pytest.fixture
@@ -70,14 +76,35 @@ def need_admission(features) -> None:
         pytest.skip(f"[control] allowed_uids (issue 24 point 3) is not in the image's ecd: {features['admission']}")
 
 
+# The producer's and the consumer's containers live for the module; they connect (an ecd.Client:
+# it maps the pool, so it needs the passed memfds) the first time a test asks for them connected.
 @pytest.fixture(scope="module")
-def producer(node):
-    return node.client("producer")
+def producer_box(node):
+    return node.client("producer", connect=False)
 
 
 @pytest.fixture(scope="module")
-def consumer(node):
-    return node.client("consumer")
+def consumer_box(node):
+    return node.client("consumer", connect=False)
+
+
+def connected(actor, features: dict):
+    if memfd_missing(features):
+        pytest.skip(memfd_missing(features))
+    if not getattr(actor, "connected", False):
+        actor.ok("connect 5")
+        actor.connected = True
+    return actor
+
+
+@pytest.fixture
+def producer(producer_box, features):
+    return connected(producer_box, features)
+
+
+@pytest.fixture
+def consumer(consumer_box, features):
+    return connected(consumer_box, features)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +145,10 @@ def test_image_runs_ecd_serve_as_its_own_user_and_is_healthy(node, observer):
     assert stats(observer)["node"] == node.prefix
 
 
-def test_clients_share_no_namespace_with_the_daemon_or_each_other(node, producer, consumer):
+def test_clients_share_no_namespace_with_the_daemon_or_each_other(node, producer_box, consumer_box):
     daemon = namespaces_of(node.daemon_pid())
     host = namespaces_of(os.getpid())
-    mine = [producer.ok("ns"), consumer.ok("ns")]
+    mine = [producer_box.ok("ns"), consumer_box.ok("ns")]
     for answer in mine:
         assert answer["uid"] == CLIENT_UID != DAEMON_UID and DAEMON_UID in answer["groups"]
         for kind in ("pid", "ipc", "mnt", "net"):
@@ -222,9 +249,8 @@ def _restart_and_carry_on(node, producer, consumer, roles: tuple[str, str], key:
     return {"producer": reports[0], "consumer": reports[1]}
 
 
-def test_daemon_restarted_inline_clients_carry_on(node):
-    # Control operations and inline puts (no pool mapping): what a client outside the daemon's
-    # IPC namespace can do with or without passed memfds.
+def test_daemon_restarted_inline_clients_carry_on(need_memfd, node):
+    # Control operations and inline puts: the paths that move no bytes through the pool.
     producer, consumer = node.client("producer2"), node.client("consumer2")
     try:
         _restart_and_carry_on(node, producer, consumer, ("put", "exists"), "live-inline", SMALL)
