@@ -7,7 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm test-engine example-epd
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm test-engine example-epd \
+	image image-tools test-containers bench-containers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -131,6 +132,40 @@ test-engine: $(ENGINE_VENV)/.installed
 # image request against a monolithic server (~2-3 min; tests/engine/test_example_epd.py runs it too).
 example-epd: $(ENGINE_VENV)/.installed
 	$(ENGINE_PY) examples/epd_cpu/run.py $(EPD_ARGS)
+
+# ---- the container image and tests with real containers (deploy/image, tests/containers) -------
+# `make image` builds localhost/ecd:latest with rootful podman from Debian's packages and a venv
+# built on the host at /opt/ecd/venv (deploy/image/build.sh says how); nothing is pulled from a
+# container registry. TORCH_SPEC picks the torch inside (a CUDA build for GPU nodes, with
+# PIP_EXTRA_INDEX_URL set to PyTorch's index). `make test` never builds it: tests/containers
+# skip there, saying why, unless the image is built from this very tree.
+IMAGE ?= localhost/ecd:latest
+CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
+
+# podman, mmdebstrap and runc from Debian's packages, when we can (root with apt).
+image-tools:
+	@command -v podman >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 || \
+	    { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	      { export DEBIAN_FRONTEND=noninteractive; \
+	        apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap >/dev/null 2>&1 || \
+	        { apt-get update -qq >/dev/null 2>&1 && \
+	          apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap >/dev/null 2>&1; }; }; } || \
+	    { echo "make image: needs podman, mmdebstrap and runc (apt-get install podman mmdebstrap runc uidmap)" >&2; exit 1; }
+
+image: image-tools
+	IMAGE="$(IMAGE)" TORCH_SPEC="$(TORCH_SPEC)" CONTAINERS_CONF="$(CONTAINERS_CONF)" deploy/image/build.sh
+
+# Builds the image when it is missing or was built from other sources, then runs the daemon and
+# its clients in separate containers. ECD_CONTAINER_TESTS=1: a reason to skip is a failure here.
+test-containers: $(VENV)/.installed image-tools
+	IMAGE="$(IMAGE)" TORCH_SPEC="$(TORCH_SPEC)" CONTAINERS_CONF="$(CONTAINERS_CONF)" deploy/image/build.sh --if-stale
+	ECD_IMAGE="$(IMAGE)" ECD_CONTAINER_TESTS=1 CONTAINERS_CONF="$(CONTAINERS_CONF)" \
+	    $(PY) -m pytest tests/containers $(PYTEST_ARGS)
+
+# put + view of 16 MiB across containers against the same on the host, paired (needs the image)
+bench-containers: $(VENV)/.installed image-tools
+	IMAGE="$(IMAGE)" TORCH_SPEC="$(TORCH_SPEC)" CONTAINERS_CONF="$(CONTAINERS_CONF)" deploy/image/build.sh --if-stale
+	ECD_IMAGE="$(IMAGE)" CONTAINERS_CONF="$(CONTAINERS_CONF)" $(PY) benchmarks/bench_containers.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache ecd/*.so
