@@ -55,14 +55,14 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ecd tests benchmarks
 	$(VENV)/bin/mypy
 
-# $(call apt_optional,COMMAND,DEBIAN_PACKAGE,WHAT_SKIPS): install the package when COMMAND is
-# missing and we can (root with apt; `apt-get update` only if the first try fails); otherwise say
-# which tests will skip (they say why themselves too).
-apt_optional = command -v $(1) >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+# $(call apt_get,PACKAGES): install Debian packages when we can (root with apt; `apt-get update`
+# only if the first try fails). $(call apt_optional,COMMAND,DEBIAN_PACKAGE,WHAT_SKIPS): that,
+# when COMMAND is missing; otherwise say which tests will skip (they say why themselves too).
+apt_get = [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	{ export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1 || \
-	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $(2) >/dev/null 2>&1; }; }; } || \
-	echo "$(1) not available: $(3) will be skipped"
+	  apt-get install -y -qq --no-install-recommends $(1) >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $(1) >/dev/null 2>&1; }; }
+apt_optional = command -v $(1) >/dev/null 2>&1 || { $(call apt_get,$(2)); } || echo "$(1) not available: $(3) will be skipped"
 
 # promtool (Debian package prometheus) checks the /metrics exposition in the tests.
 promtool:
@@ -144,12 +144,8 @@ CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
 
 # podman, mmdebstrap and runc from Debian's packages, when we can (root with apt).
 image-tools:
-	@command -v podman >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 || \
-	    { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-	      { export DEBIAN_FRONTEND=noninteractive; \
-	        apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap >/dev/null 2>&1 || \
-	        { apt-get update -qq >/dev/null 2>&1 && \
-	          apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap >/dev/null 2>&1; }; }; } || \
+	@{ command -v podman && command -v mmdebstrap && command -v runc; } >/dev/null 2>&1 || \
+	    { $(call apt_get,podman mmdebstrap runc uidmap); } || \
 	    { echo "make image: needs podman, mmdebstrap and runc (apt-get install podman mmdebstrap runc uidmap)" >&2; exit 1; }
 
 image: image-tools
