@@ -233,22 +233,28 @@ class HostPool:
 
     def __init__(self, node: str, size: int, segment_size: int, group: int = -1) -> None:
         self.segments: list[ShmFile] = []
-        # Check the whole pool up front: filling /dev/shm segment by segment before failing would
-        # take the node's memory with it (tmpfs is RAM) and invite the OOM killer.
-        free = _shm_free_bytes()
-        if free is not None and size > free:
-            raise ShmError(f"{SHM_DIR} has {format_size(free)} ({free} bytes) free, the host pool needs "
-                           f"{format_size(size)} ({size} bytes): shrink pool.host.size or grow {SHM_DIR}")
+        # Check the whole pool up front: filling memory segment by segment before failing would
+        # take the node's memory with it (tmpfs and memfd pages are RAM) and invite the OOM killer.
+        self.check_room(size)
         remaining, index = size, 0
         try:
             while remaining > 0:
                 seg_size = min(remaining, segment_size)
-                self.segments.append(ShmFile.create(segment_name(node, index), seg_size, group))
+                self.segments.append(self.create_segment(segment_name(node, index), seg_size, group))
                 remaining -= seg_size
                 index += 1
         except BaseException:
             self.close()
             raise
+
+    def check_room(self, size: int) -> None:
+        free = _shm_free_bytes()
+        if free is not None and size > free:
+            raise ShmError(f"{SHM_DIR} has {format_size(free)} ({free} bytes) free, the host pool needs "
+                           f"{format_size(size)} ({size} bytes): shrink pool.host.size or grow {SHM_DIR}")
+
+    def create_segment(self, name: str, size: int, group: int) -> ShmFile:
+        return ShmFile.create(name, size, group)
 
     def close(self) -> None:
         for seg in self.segments:

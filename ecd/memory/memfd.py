@@ -24,7 +24,7 @@ import mmap
 import os
 
 from ..config_types import format_size
-from .host import ShmError, ShmFile
+from .host import HostPool, ShmError, ShmFile
 
 # Linux's values (include/uapi/linux/fcntl.h); Python 3.11's fcntl lacks F_SEAL_FUTURE_WRITE.
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -130,30 +130,16 @@ def map_fd(fd: int, size: int, *, writable: bool, populate: bool = False) -> mma
     return mmap.mmap(fd, size, mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0), prot)
 
 
-class MemfdPool:
+class MemfdPool(HostPool):
     """The daemon's host pool as sealed memfds: `size` bytes in segments of at most `segment_size`
-    (HostPool's interface: `segments`, `close`)."""
+    (named like the files of the named mode, for /proc/PID/maps and the logs; no group: a memfd
+    has no path for a permission to guard, its descriptors are what is handed out)."""
 
-    def __init__(self, node: str, size: int, segment_size: int) -> None:
-        self.segments: list[ShmFile] = []
-        # The whole pool up front: memory is taken segment by segment, and a pool that cannot fit
-        # would take the node's memory with it before failing (and invite the OOM killer).
+    def check_room(self, size: int) -> None:
         free = available_memory()
         if free is not None and size > free:
             raise ShmError(f"the node has {format_size(free)} ({free} bytes) of memory available, the host pool "
                            f"needs {format_size(size)} ({size} bytes): shrink pool.host.size")
-        remaining, index = size, 0
-        try:
-            while remaining > 0:
-                seg_size = min(remaining, segment_size)
-                self.segments.append(MemfdFile.create_sealed(f"ecd.{node}.{index}", seg_size))
-                remaining -= seg_size
-                index += 1
-        except BaseException:
-            self.close()
-            raise
 
-    def close(self) -> None:
-        for seg in self.segments:
-            seg.unlink()
-        self.segments.clear()
+    def create_segment(self, name: str, size: int, group: int) -> ShmFile:
+        return MemfdFile.create_sealed(name, size)

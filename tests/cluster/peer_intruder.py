@@ -22,11 +22,15 @@ import secrets
 import socket
 import struct
 import sys
+from pathlib import Path
 
 import zmq
 
 from ecd.peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, PeerHello, PeerWelcome, encoder,
                                peer_reply_decoder)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: privileges.py
+from privileges import drop_to  # noqa: E402
 
 REPLY_WAIT_MS = 3000
 REQUEST_HEAD = struct.Struct("!4sI")  # ecd/transport/tcp.py's data wire
@@ -95,18 +99,10 @@ def steal(endpoint: str, ns: str, key: str, server_key: str = "") -> dict:
         ctx.term()
 
 
-def _drop_to(uid: int) -> None:
-    import pwd
-    gid = pwd.getpwuid(uid).pw_gid
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     if argv[0] == "--uid":
-        _drop_to(int(argv[1]))
+        drop_to(int(argv[1]))
         argv = argv[2:]
     mode, *args = argv
     if mode == "steal":

@@ -22,12 +22,16 @@ import json
 import mmap
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 import ecd.client.mapping  # noqa: F401 - everything a Client loads, before the drop
 from ecd import Client
 from ecd.fd_passing import receive
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: privileges.py
+from privileges import drop_to  # noqa: E402
 
 
 def pattern(nbytes: int, mul: int, mod: int) -> torch.Tensor:
@@ -103,18 +107,10 @@ def attack(fd_socket: str) -> dict:
     return out
 
 
-def _drop_to(uid: int) -> None:
-    import pwd
-    gid = pwd.getpwuid(uid).pw_gid
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     if argv[0] == "--uid":
-        _drop_to(int(argv[1]))
+        drop_to(int(argv[1]))
         argv = argv[2:]
     mode, *args = argv
     try:
