@@ -144,9 +144,9 @@ CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
 
 # podman, mmdebstrap and runc from Debian's packages, when we can (root with apt).
 image-tools:
-	@{ command -v podman && command -v mmdebstrap && command -v runc; } >/dev/null 2>&1 || \
-	    { $(call apt_get,podman mmdebstrap runc uidmap); } || \
-	    { echo "make image: needs podman, mmdebstrap and runc (apt-get install podman mmdebstrap runc uidmap)" >&2; exit 1; }
+	@{ command -v podman && command -v mmdebstrap && command -v runc && /usr/bin/python3.11 -c "import ensurepip"; } >/dev/null 2>&1 || \
+	    { $(call apt_get,podman mmdebstrap runc uidmap python3.11-venv); } || \
+	    { echo "make image: needs podman, mmdebstrap, runc and python3.11-venv (apt-get install podman mmdebstrap runc uidmap python3.11-venv)" >&2; exit 1; }
 
 image: image-tools
 	IMAGE="$(IMAGE)" TORCH_SPEC="$(TORCH_SPEC)" CONTAINERS_CONF="$(CONTAINERS_CONF)" deploy/image/build.sh
