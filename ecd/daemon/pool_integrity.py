@@ -39,18 +39,24 @@ log = logging.getLogger("ecd.daemon")
 
 
 class PoolIntegrity(RegistryState):
-    segments: Sequence[Any] = ()  # the host pool's ShmFiles (memory.host), set by the daemon at start
+    # the host pool's named ShmFiles (memory.host), set by the daemon at start; none with
+    # backing = "memfd": sealed memfds cannot be truncated, so there is nothing to check
+    segments: Sequence[Any] = ()
     cut_writes: dict[int, Failure]  # generation -> its commit's answer (Store.__init__ makes it)
     _unallocated: dict[int, int]  # segment -> offset from which a restore still owes pages
 
     def check_pools(self, pools: Iterable[int] | None = None) -> None:
         """The host segments `pools` (every one when None: the timer's check), one fstat each: a
         request checks only those it touches (a big pool has hundreds of segments)."""
+        if not self.segments:
+            return  # sealed memfds: nothing to look at, not even the keys a get names
         for index in range(len(self.segments)) if pools is None else set(pools):
             self.check_pool(index)
 
     def check_generations(self, generations: Iterable[int]) -> None:
         """Before a Commit or Publish: the segments of the writes (or reservation) it names."""
+        if not self.segments:
+            return
         pools = set()
         for generation in generations:
             held = self.by_generation.get(generation) or self.reservations.get(generation)

@@ -79,7 +79,7 @@ class Daemon:
         self._signals_seen = 0
         self.endpoint = config.control.endpoint
         self._lock = NodeLock(self.node)
-        self.pool: HostPool | MemfdPool | None = None
+        self.pool: HostPool | None = None  # a MemfdPool with backing = "memfd"
         self.fd_server: FdServer | None = None  # backing = "memfd": hands the pool to clients
         self.fd_socket_name = ""  # Welcome.fd_socket
         self.ring_file: ShmFile | None = None
@@ -241,7 +241,7 @@ class Daemon:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
         self.store_limits = self.build_store_limits()
-        if not kernel_copy.available():
+        if host.backing == "named" and not kernel_copy.available():
             log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                         "after a size check, and a pool file truncated in between would crash the daemon")
 
@@ -377,7 +377,9 @@ class Daemon:
         self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
                            self.store_limits, namespaces=self.config.namespaces,
                            arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
-        self.store.segments = self.pool.segments  # for pool_integrity's checks of the files
+        # pool_integrity's checks: only the named files can be truncated (memfds are sealed), so in
+        # the memfd mode gets, commits and the timer pay nothing for them
+        self.store.segments = self.pool.segments if self.config.pool.host.backing == "named" else ()
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, self.control.schedule_drain)
         if self.cluster is not None:

@@ -11,7 +11,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..config import Config
     from ..memory.host import HostPool, ShmFile
-    from ..memory.memfd import MemfdPool
     from ..memory.ring import RingWriter
     from ..protocol import ArenaInfo
     from .connections import Connections
@@ -32,7 +31,7 @@ class DaemonView(Protocol):
     config_path: str | None
     loop: asyncio.AbstractEventLoop | None
     sock: "zmq.Socket | None"
-    pool: "HostPool | MemfdPool | None"
+    pool: "HostPool | None"  # a MemfdPool with backing = "memfd"
     fd_server: Any  # fd_server.FdServer with backing = "memfd", else None
     fd_socket_name: str  # Welcome.fd_socket
     ring: "RingWriter | None"

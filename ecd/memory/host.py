@@ -73,13 +73,7 @@ class ShmFile:
             os.fchmod(fd, mode)  # the umask must not widen or narrow what clients need
             if group >= 0:
                 os.fchown(fd, -1, group)  # node.group: the engines' group
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise ShmError(f"{SHM_DIR} cannot hold {name}: {format_size(size)} ({size} bytes)"
-                                   f" requested, {exc.strerror}") from None
-                raise ShmError(f"cannot allocate {path}: {exc.strerror}") from None
+            allocate_whole(fd, size, holder=SHM_DIR, name=name, what=path)
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -170,6 +164,18 @@ class ShmFile:
                 break
             done += got
         return done
+
+
+def allocate_whole(fd: int, size: int, *, holder: str, name: str, what: str) -> None:
+    """Every page of the file now (posix_fallocate): memory short fails here, with a reason
+    (`holder` cannot hold `name`), not later as SIGBUS in a client's copy."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise ShmError(f"{holder} cannot hold {name}: {format_size(size)} ({size} bytes) requested, "
+                           f"{exc.strerror}") from None
+        raise ShmError(f"cannot allocate {what}: {exc.strerror}") from None
 
 
 def _unlink_quietly(path: str) -> None:
