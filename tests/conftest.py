@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -274,6 +275,17 @@ def metric_by_label(body: str, name: str, label: str) -> dict[str, float]:
     pattern = re.compile(rf'^{re.escape(name)}\{{{label}="([^"]*)"\}}$')
     return {m.group(1): value for series, value in metric_samples(body).items()
             if (m := pattern.match(series))}
+
+
+def line_within(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The next line a helper process (attacker, client) writes to its stdout, stripped: the
+    test fails, rather than hangs, when none comes within `timeout`."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert out and out[0], f"the process said nothing within {timeout}s (exit {proc.poll()})"
+    return out[0].strip()
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):

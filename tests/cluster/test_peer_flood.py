@@ -18,7 +18,7 @@ import torch
 from peer_attacker import flood_key
 from peerutil import cluster  # noqa: F401 - the fixture
 
-from conftest import metric, proc_memory_kib, scrape_metrics, wait_for
+from conftest import line_within, metric, proc_memory_kib, scrape_metrics, wait_for
 
 ATTACKER = Path(__file__).resolve().parent / "peer_attacker.py"
 MiB = 1 << 20
@@ -38,14 +38,6 @@ def attack(endpoint: str, messages: int, distinct: int, repeat: int, read: bool,
                              str(distinct), str(repeat), "1" if read else "0", str(ttl_s)],
                             stdout=subprocess.PIPE, text=True)
 
-
-def read_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    assert out and out[0], f"the attacker said nothing within {timeout}s (exit {proc.poll()})"
-    return out[0].strip()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -132,7 +124,7 @@ def weather(owner, puller, attacker: subprocess.Popen) -> None:
     """Honest rounds (Honest) against the owner while the attacker floods it: every round is
     served, and the owner's RSS stays within RSS_BOUND of where it started."""
     honest = Honest(owner, puller)
-    assert read_line(attacker) == "hello"
+    assert line_within(attacker) == "hello"
     honest.start()
     before, peak = watch_rss(owner, attacker, 12)
     print(f"owner RSS {before / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{(peak - before) / MiB:.0f} MiB)")
@@ -183,8 +175,8 @@ def test_lookup_bounds_are_refused_with_a_reason(cluster, distinct, repeat, expe
     put_flood_keys(owner, distinct)
     attacker = attack(owner.peer_endpoint, len(expect), distinct, repeat, read=True)
     try:
-        assert read_line(attacker) == "hello"
-        lines = [read_line(attacker) for _ in expect]
+        assert line_within(attacker) == "hello"
+        lines = [line_within(attacker) for _ in expect]
         for line, want in zip(lines, expect):
             assert line.startswith(want), lines
         if expect[-1].startswith("error 9"):
@@ -192,7 +184,7 @@ def test_lookup_bounds_are_refused_with_a_reason(cluster, distinct, repeat, expe
             assert serve_failures(owner, "serve_lease_limit") == 1
         else:
             assert "names a key more than once" in lines[-1], lines
-        assert read_line(attacker) == f"sent {len(expect)}"
+        assert line_within(attacker) == f"sent {len(expect)}"
     finally:
         stop(attacker)
     with owner.client() as c:
@@ -206,8 +198,8 @@ def test_a_lookups_leases_go_back_at_its_ttl(cluster):  # noqa: F811
     put_flood_keys(owner, 4096)
     attacker = attack(owner.peer_endpoint, 1, 4096, 1, read=True, ttl_s=1.0)
     try:
-        assert read_line(attacker) == "hello"
-        assert read_line(attacker) == "leased 4096"
+        assert line_within(attacker) == "hello"
+        assert line_within(attacker) == "leased 4096"
         leases = lambda: metric(scrape_metrics(owner.metrics_port), "ecd_transfer_leases")  # noqa: E731
         assert wait_for(lambda: leases() == 0, timeout=10), leases()
         assert "node 'attacker' ended" not in owner.log()  # the TTL did it, not the session's end

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metric, proc_memory_kib, scrape_metrics, wait_for
+from conftest import line_within, metric, proc_memory_kib, scrape_metrics, wait_for
 from ecd import Client
 
 ATTACKER = Path(__file__).resolve().parent / "attacker.py"
@@ -37,15 +37,6 @@ def attack(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ATTACKER), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
 
-
-def first_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    """The attacker's report that its harm is done (or fail, rather than hang)."""
-    result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    assert result and result[0], f"attacker said nothing within {timeout}s (exit {proc.poll()})"
-    return result[0].strip()
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:
@@ -110,7 +101,7 @@ def test_a_client_that_never_reads_its_replies_is_disconnected_not_buffered(daem
     bystander = Bystander(d.endpoint)
     try:
         for a in attackers:
-            assert first_line(a) == "sent"
+            assert line_within(a) == "sent"
         bystander.start()
         peak = before
         deadline = time.monotonic() + 8
@@ -150,7 +141,7 @@ def test_many_sessions_from_one_process_are_refused_and_closed_ones_reclaimed_at
         bystander = Bystander(daemon.endpoint)
         bystander.start()
         try:
-            report = first_line(attacker, timeout=120)
+            report = line_within(attacker, timeout=120)
             assert report.startswith("welcomed=64 refused=536 silent=0"), report
             assert "limits.max_clients_per_pid=64" in report
             assert observer.stats()["clients"] == baseline_clients + 1 + 64  # + the bystander
@@ -161,7 +152,7 @@ def test_many_sessions_from_one_process_are_refused_and_closed_ones_reclaimed_at
             assert metric(body, "ecd_sessions_refused_total", limit="max_clients_per_pid") == 536
             attacker.stdin.write("close\n")
             attacker.stdin.flush()
-            assert first_line(attacker) == "closed"
+            assert line_within(attacker) == "closed"
             started = time.monotonic()
             # The process lives on; its closed connections' sessions go at once.
             assert wait_for(lambda: observer.stats()["clients"] == baseline_clients + 1, timeout=5)
@@ -189,7 +180,7 @@ def test_connections_past_max_connections_are_shed_and_engines_still_connect(dae
     sampler.start()
     attacker = attack("raw-connections", d.endpoint[len("ipc://"):], "3000")
     try:
-        report = first_line(attacker, timeout=120)
+        report = line_within(attacker, timeout=120)
         assert wait_for(lambda: metric(scrape_metrics(d.metrics_port), "ecd_connections_closed_total",
                                        reason="over_capacity") >= 3000 - 300, timeout=10)
         sampling.set()
@@ -223,7 +214,7 @@ def test_a_forged_pid_cannot_pin_another_namespaces_entries(daemon_factory):
             victim.put(key, block)
         attacker = attack("forged-pid", d.endpoint, "victim", *keys)
         try:
-            assert first_line(attacker) == "holding"
+            assert line_within(attacker) == "holding"
             assert victim.stats()["read_leases"] == 12
             attacker.send_signal(signal.SIGKILL)
             attacker.wait()

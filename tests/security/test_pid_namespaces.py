@@ -16,14 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import metric, scrape_metrics, wait_for
+from conftest import line_within, metric, scrape_metrics, wait_for
 from ecd import ControlClient
 from ecd.daemon.connections import SO_PEERPIDFD, pidfs
 
@@ -72,12 +71,7 @@ def ns_daemon(daemon_factory):
 
 
 def first_json(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
-    result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    assert result and result[0], f"client said nothing within {timeout}s (exit {proc.poll()})"
-    return json.loads(result[0])
+    return json.loads(line_within(proc, timeout))
 
 
 def in_own_pid_namespace(*args: str) -> subprocess.Popen:

@@ -128,13 +128,19 @@ def test_inline_put_into_a_truncated_pool_keeps_the_daemon_serving(node):
     admin.close()
 
 
-def test_a_truncation_with_no_request_is_repaired_by_the_timer(node):
+def _a_below_b(node):
+    """Entries "a" (seed 1) and "b" (seed 2) put by an honest client: (daemon, that client, an
+    admin Client, b's location)."""
     d, honest = node
     client = honest()
     assert client.ask(f"put a 1 {BIG}") == "ok"
     assert client.ask(f"put b 2 {BIG}") == "ok"
     admin = d.client()
-    b = locate(admin, "b")
+    return d, client, admin, locate(admin, "b")
+
+
+def test_a_truncation_with_no_request_is_repaired_by_the_timer(node):
+    d, client, admin, b = _a_below_b(node)
     path, full = _pool_path(d), os.stat(_pool_path(d)).st_size
     truncate(path, b.offset)  # exactly at "b": "a" is whole
 
@@ -152,12 +158,7 @@ def test_a_truncation_undone_by_the_attacker_is_found_by_the_pages_it_took(node)
     pages are gone (zeros). The daemon sees pages missing (st_blocks) and, since nothing cheap
     says which, drops every entry of the segment: never serves zeros as "b" (before, it saw a
     whole file and served them)."""
-    d, honest = node
-    client = honest()
-    assert client.ask(f"put a 1 {BIG}") == "ok"
-    assert client.ask(f"put b 2 {BIG}") == "ok"
-    admin = d.client()
-    b = locate(admin, "b")
+    d, client, admin, b = _a_below_b(node)
     path = _pool_path(d)
     full = os.stat(path).st_size
     fd = os.open(path, os.O_RDWR)
