@@ -77,7 +77,7 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
     Exit 0 when `ecd serve` would start (warnings included), 1 when it would refuse, 2 for a
     config that does not load."""
     from .config import load_config
-    from .daemon.security import check_security
+    from .daemon.ops.security import check_security
     from .doctor import Finding, preflight
     try:
         cfg = load_config_file(config) if config is not None else load_config({})
@@ -105,7 +105,7 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
 def check_config(path: Path = typer.Argument(..., help="node.toml to validate")) -> None:
     """Validate a config file (and what `ecd serve` checks at start: the tcp/CURVE rule, key
     files, node.group) and print the effective configuration."""
-    from .daemon.security import check_security
+    from .daemon.ops.security import check_security
     try:
         cfg = load_config_file(path)
         check_security(cfg)

@@ -256,7 +256,7 @@ def check_memlock(config: Config, rlimit: tuple[int, int] | None = None,
 
 def check_open_files(config: Config, rlimit: tuple[int, int] | None = None) -> Finding:
     """What the hard RLIMIT_NOFILE allows: the daemon raises its soft limit to it at start."""
-    from .daemon.connections import FD_RESERVE, connection_budget
+    from .daemon.control.connections import FD_RESERVE, connection_budget
     soft, hard = rlimit if rlimit is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
     usable = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     limits = config.limits

@@ -2,7 +2,7 @@
 
 ZeroMQ's ipc transport cannot carry descriptors, so a daemon whose pool is memfds
 (`[pool.host] backing = "memfd"`) also listens on a SOCK_SEQPACKET unix socket beside its control
-socket: `<control socket>.fds` (ecd/daemon/fd_server.py). A client connects and sends nothing;
+socket: `<control socket>.fds` (ecd/daemon/control/fd_server.py). A client connects and sends nothing;
 the daemon answers with one or more messages, each an `FdBatch` header (msgspec msgpack) with up to
 FDS_PER_MESSAGE descriptors attached (SCM_RIGHTS), and closes. The last batch has `last` set. A
 refusal is one batch with `error` set and no descriptors.

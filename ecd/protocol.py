@@ -162,7 +162,7 @@ class DiskStats(Struct):
     dropped: dict[str, int] = {}  # evicted entries not spilled, by reason
     loaded: int = 0  # records re-indexed at start
     load_s: float = 0.0  # how long that took
-    degraded: str = ""  # why the filesystem refuses writes (full, read-only: disk_health.py); "" while it takes them
+    degraded: str = ""  # why the filesystem refuses writes (full, read-only: ecd/daemon/tiers/disk_health.py); "" while it takes them
     degraded_s: float = 0.0  # for how long
 
 

@@ -52,7 +52,7 @@ _Self = typing.TypeVar("_Self", bound="ControlClient")  # `with Client(...) as c
 
 
 # What each reason a fetch gives means (FetchOutcome.message); the labels are the daemon's
-# (ecd/daemon/fetch.py), the same ecd_transfer_failures_total counts.
+# (ecd/daemon/peer/fetch.py), the same ecd_transfer_failures_total counts.
 FETCH_REASONS = {
     "not_found": "no peer asked holds it",
     "timeout": "the peer did not answer, or the transfer did not finish, within the fetch's timeout",

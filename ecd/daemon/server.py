@@ -2,9 +2,9 @@
 shutdown, and its signals (in the spirit of uvicorn's Server).
 
 One asyncio loop (uvloop) owns everything. What happens to each message is elsewhere: the
-control socket's loop (control.py) and one handler per request type (handlers.py); who is on
-the other end of each connection (connections.py) and each client session (sessions.py); the
-registry (store.py). Metrics and reload read the daemon through view.DaemonView.
+control socket's loop (control/loop.py) and one handler per request type (control/handlers.py); who is on
+the other end of each connection (control/connections.py) and each client session (control/sessions.py); the
+registry (registry/store.py). Metrics and reload read the daemon through view.DaemonView.
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile,
 from ..memory.memfd import RING_SEALS, MemfdFile, MemfdPool
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import ArenaInfo, DaemonStats
-from .connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
-from .control import ControlLoop, ServeCounters
-from .fd_server import FdServer
-from .handlers import daemon_stats
-from .metrics import MetricsServer, bind_listener, make_registry
-from .security import CurveAuth, check_security
-from .entries import StoreLimits
-from .sessions import Sessions
-from .store import Store
-from .systemd import Notifier
+from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
+from .control.loop import ControlLoop, ServeCounters
+from .control.fd_server import FdServer
+from .control.handlers import daemon_stats
+from .ops.metrics import MetricsServer, bind_listener, make_registry
+from .ops.security import CurveAuth, check_security
+from .registry.entries import StoreLimits
+from .control.sessions import Sessions
+from .registry.store import Store
+from .ops.systemd import Notifier
 
 log = logging.getLogger("ecd.daemon")
 
@@ -44,7 +44,7 @@ HEARTBEAT_INTERVAL_S = 0.1  # ring heartbeat; clients distrust a ring silent for
 EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
-POOL_CHECK_INTERVAL_S = 0.25  # how often the pool files' sizes are checked (pool_integrity.py)
+POOL_CHECK_INTERVAL_S = 0.25  # how often the pool files' sizes are checked (tiers/host_integrity.py)
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
 
 
@@ -157,7 +157,7 @@ class Daemon:
         """`[pool.disk]`: check the directory and re-index what a previous run left there."""
         if self.config.pool.disk is None:
             return
-        from .disk_tier import DiskTier
+        from .tiers.disk import DiskTier
         disk = DiskTier(self.config.pool.disk, self.epoch)
         try:
             disk.open()
@@ -300,7 +300,7 @@ class Daemon:
         limits = self.config.limits
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, int(limits.max_message_bytes))
-        # What one peer can make the daemon hold, both ways (see connections.py): replies by
+        # What one peer can make the daemon hold, both ways (see control/connections.py): replies by
         # count here and by bytes in Connections.send; requests by count times their largest size.
         # ROUTER_MANDATORY turns a full pipe into EAGAIN instead of a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -328,7 +328,7 @@ class Daemon:
         self.sock = sock
 
     def _bind_fd_socket(self) -> None:
-        """backing = "memfd": the fd socket beside the control socket (fd_server.py); Welcome
+        """backing = "memfd": the fd socket beside the control socket (control/fd_server.py); Welcome
         names it by its basename (by its path for a tcp control endpoint)."""
         if not isinstance(self.ring_file, MemfdFile):
             return
@@ -355,7 +355,7 @@ class Daemon:
     def _bind_cluster(self) -> None:
         if not self.config.cluster.enabled:
             return
-        from .cluster import Cluster
+        from .peer.cluster import Cluster
         try:
             self.cluster = Cluster(self)
             self.cluster.prepare()
@@ -470,7 +470,7 @@ class Daemon:
         log.info("shutdown grace over: abandoning writes in progress and parked requests")
 
     def _on_reload_signal(self) -> None:
-        from .reload import reload_config
+        from .ops.reload import reload_config
         reload_config(self)
 
     def _on_connection_gone(self, conn: Connection, reason: str) -> None:

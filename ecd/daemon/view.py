@@ -13,12 +13,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..memory.host import HostPool, ShmFile
     from ..memory.ring import RingWriter
     from ..protocol import ArenaInfo
-    from .connections import Connections
-    from .control import ServeCounters
-    from .entries import StoreLimits
-    from .security import CurveAuth
-    from .sessions import Sessions
-    from .store import Store
+    from .control.connections import Connections
+    from .control.loop import ServeCounters
+    from .registry.entries import StoreLimits
+    from .ops.security import CurveAuth
+    from .control.sessions import Sessions
+    from .registry.store import Store
 
 
 class DaemonView(Protocol):

@@ -1,6 +1,6 @@
 """The disk tier's files: one self-describing record per entry, and the blocking I/O on them.
 
-Every function here blocks and is called on a worker thread (ecd/daemon/disk_tier.py runs them in
+Every function here blocks and is called on a worker thread (ecd/daemon/tiers/disk.py runs them in
 its executor), except `open_directory`, run once at start-up.
 
 A record is one file, `<keyhash>-<epoch>-<sequence>.ecd` (the key's ring hash, the daemon run

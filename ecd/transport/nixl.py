@@ -10,7 +10,7 @@ its own registered pool (`initialize_xfer("READ", local, remote, agent)`, `trans
 `check_xfer_state`, `release_xfer_handle`), on its own executor threads, never on the loop.
 
 The owner's CPU does not take part in a READ, so it never learns that the bytes went: the puller
-says so over the control plane (`peer_done`, see ecd/daemon/fetch.py), and the owner gives the
+says so over the control plane (`peer_done`, see ecd/daemon/peer/fetch.py), and the owner gives the
 transfer leases back then (or on `peer_release`, the lease TTL, the puller's session ending).
 GrantTable tokens still name each lease on the control plane, but no data connection presents
 them: what admits a READ is the agent metadata, handed only to authenticated peers, and the

@@ -65,9 +65,9 @@ def probe_features() -> dict[str, str | None]:
     """Which of issue 24's daemon features the image's ecd has: None, or why not. Each needs its
     config key accepted (`ecd check-config`) and the module that implements it (the keys came
     into the config before the code behind them)."""
-    probes = {"memfd": ('[pool.host]\nsize = "64MiB"\nbacking = "memfd"\n', "ecd.daemon.fd_server"),
+    probes = {"memfd": ('[pool.host]\nsize = "64MiB"\nbacking = "memfd"\n', "ecd.daemon.control.fd_server"),
               "admission": ('[control]\nallowed_uids = [20001]\nallowed_gids = []\n[pool.host]\nsize = "64MiB"\n',
-                            "ecd.daemon.admission")}
+                            "ecd.daemon.control.admission")}
     with tempfile.TemporaryDirectory(prefix="ecd-probe-") as tmp:
         script = []
         for name, (text, module) in probes.items():

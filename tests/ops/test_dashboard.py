@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "configs" / "grafana" / "ecd-dashboard.json"
 
-# What the daemon exports (ecd/daemon/metrics.py): name -> label -> allowed values (None: any).
+# What the daemon exports (ecd/daemon/ops/metrics.py): name -> label -> allowed values (None: any).
 HISTOGRAM = {"op": None, "le": None}
 METRICS: dict[str, dict[str, set[str] | None]] = {
     "ecd_requests_total": {"op": None, "outcome": None},

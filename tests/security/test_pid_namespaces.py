@@ -24,7 +24,7 @@ import torch
 
 from conftest import line_within, metric, scrape_metrics, wait_for
 from ecd import ControlClient
-from ecd.daemon.connections import SO_PEERPIDFD, pidfs
+from ecd.daemon.control.connections import SO_PEERPIDFD, pidfs
 
 HERE = Path(__file__).resolve().parent
 NS_CLIENT = HERE / "ns_client.py"

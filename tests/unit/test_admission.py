@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ecd.cli_output import render_sessions
 from ecd.config import ControlSection, load_config
-from ecd.daemon.admission import Refusals, admit
+from ecd.daemon.control.admission import Refusals, admit
 from ecd.errors import ConfigError
 
 OWN = 999

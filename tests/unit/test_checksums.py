@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from ecd.client.tensors import CHECKSUM_CHUNK, copy_into, copy_out_checked
-from ecd.daemon.entries import State
+from ecd.daemon.registry.entries import State
 from ecd.errors import Code, IntegrityError, error_from_code
 from ecd.integrity import EMPTY_CHECKSUM, checksum
 from ecd.protocol import Commit, Location, Report, encoder, reply_decoder, request_decoder

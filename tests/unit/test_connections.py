@@ -1,4 +1,4 @@
-"""File-descriptor planning and kernel credentials of a unix-socket peer (ecd.daemon.connections)."""
+"""File-descriptor planning and kernel credentials of a unix-socket peer (ecd.daemon.control.connections)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from ecd.daemon.connections import FD_RESERVE, connection_budget, peer_credentials, peer_pidfd
+from ecd.daemon.control.connections import FD_RESERVE, connection_budget, peer_credentials, peer_pidfd
 
 
 def test_connection_budget_leaves_the_reserve_and_http_and_a_pidfd_per_connection():
@@ -17,7 +17,7 @@ def test_connection_budget_leaves_the_reserve_and_http_and_a_pidfd_per_connectio
 
 
 def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one():
-    code = ("import resource; from ecd.daemon.connections import raise_fd_limit; "
+    code = ("import resource; from ecd.daemon.control.connections import raise_fd_limit; "
             "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); assert s == 256, s; "
             "n = raise_fd_limit(); assert n == h == resource.getrlimit(resource.RLIMIT_NOFILE)[0], (n, h); print(n)")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

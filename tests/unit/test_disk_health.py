@@ -1,4 +1,4 @@
-"""The disk tier's degraded state (ecd/daemon/disk_health.py) driven through a Store + DiskTier on
+"""The disk tier's degraded state (ecd/daemon/tiers/disk_health.py) driven through a Store + DiskTier on
 a real event loop: a write refused for room degrades the tier, a write that fits meanwhile does not
 clear it (a filesystem on the edge of full would flip it per request), the probe does, by itself.
 The restart onto a full or read-only filesystem is tests/integration/test_disk_full_start.py."""
@@ -14,7 +14,7 @@ from test_store_disk import KIB, DiskEnv, payload, run, tier_dir  # noqa: F401 (
 
 
 def test_a_write_refused_for_room_degrades_the_tier_until_a_probe_write_succeeds(tier_dir, monkeypatch):  # noqa: F811
-    import ecd.daemon.disk_health as health_mod
+    import ecd.daemon.tiers.disk_health as health_mod
     monkeypatch.setattr(health_mod, "PROBE_INTERVAL_S", 0.02)
     full = False  # the start-up probe succeeds
     real_write, real_probe = files.write_record, files.probe_direct_io

@@ -1,4 +1,4 @@
-"""The store's answer to a truncated pool file (ecd/daemon/pool_integrity.py), driven directly:
+"""The store's answer to a truncated pool file (ecd/daemon/tiers/host_integrity.py), driven directly:
 the segment is a memfd this process truncates, as a group member would the /dev/shm file. Nothing
 here touches the mapping past a cut (that would be SIGBUS in the test runner); the daemon-level
 attack is tests/security/test_pool_truncation.py."""

@@ -4,7 +4,7 @@ also asserts that each namespace's used bytes equal the sum of its entries' exte
 from __future__ import annotations
 
 from ecd.config import NamespaceSection
-from ecd.daemon.entries import State
+from ecd.daemon.registry.entries import State
 from ecd.errors import Code
 from ecd.protocol import Extent, Failure
 

@@ -16,8 +16,8 @@ import pytest
 from ecd.errors import Code
 from ecd.memory.allocator import ALIGNMENT, align_up
 from ecd.memory.ring import ABSENT, SHARED, EventKind, RingReader, RingWriter, key_hash, ring_bytes
-from ecd.daemon.entries import RequestError, State, StoreLimits
-from ecd.daemon.store import Store
+from ecd.daemon.registry.entries import RequestError, State, StoreLimits
+from ecd.daemon.registry.store import Store
 from ecd.protocol import AllocItem, Extent, Failure, Location
 
 A = ALIGNMENT

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from ecd.config import load_config
-from ecd.daemon.disk_tier import DiskTier
+from ecd.daemon.tiers.disk import DiskTier
 from ecd.errors import Code
 from ecd.integrity import checksum
 from ecd.memory.host import ShmFile
@@ -34,7 +34,7 @@ def payload(key: str, n: int = ENTRY) -> bytes:
 
 def pool_segment(size: int) -> ShmFile:
     """A pool segment as the daemon has it (the mapping and its file's fd: spills pread it), on a
-    memfd, allocated up front as the daemon's are (a page missing means a cut: pool_integrity.py)."""
+    memfd, allocated up front as the daemon's are (a page missing means a cut: ecd/daemon/tiers/host_integrity.py)."""
     fd = os.memfd_create("ecd-test-pool", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     os.posix_fallocate(fd, 0, size)
@@ -352,7 +352,7 @@ def test_unusable_paths_are_refused_with_the_key_and_path(tmp_path):
 def test_a_read_that_fails_for_another_reason_keeps_the_record(tier_dir, monkeypatch):
     """EIO, EMFILE, EACCES on a read are not the record's fault: that read misses, the record
     (here an acknowledged persist) stays, and the next read serves it."""
-    import ecd.daemon.disk_tier as tier_mod
+    import ecd.daemon.tiers.disk as tier_mod
     from ecd.memory import disk as files
 
     async def main():
@@ -418,7 +418,7 @@ def test_a_write_whose_directory_fsync_fails_leaves_no_record(tmp_path, monkeypa
 
 
 def test_a_persist_batch_survives_one_write_raising_and_leaves_no_lease(tier_dir, monkeypatch):
-    import ecd.daemon.disk_tier as tier_mod
+    import ecd.daemon.tiers.disk as tier_mod
     from ecd.memory import disk as files
     real = files.write_record
 
@@ -447,7 +447,7 @@ def test_a_promotion_of_an_older_record_never_answers_for_a_newer_one(tier_dir, 
     again (R2). A get of the new k0 must read R2, not be told "missing" by R1's promotion."""
     import threading
 
-    import ecd.daemon.disk_tier as tier_mod
+    import ecd.daemon.tiers.disk as tier_mod
     from ecd.memory import disk as files
     real, gate, held = files.write_record, threading.Event(), []
 
@@ -609,7 +609,7 @@ def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order
 
 def _hold_reads(monkeypatch):
     """Make promotions' reads wait for `release`: (reading, release) events."""
-    import ecd.daemon.disk_tier as tier_mod
+    import ecd.daemon.tiers.disk as tier_mod
     real, reading, release = tier_mod.files.read_record, threading.Event(), threading.Event()
 
     def held_read(*args, **kwargs):
@@ -664,7 +664,7 @@ def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_
 
 def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_dir, monkeypatch):
     """The same through Handlers.dispatch: the Delete's reply goes out once the file is gone."""
-    from ecd.daemon.handlers import Handlers
+    from ecd.daemon.control.handlers import Handlers
     from ecd.protocol import Delete, Flags
     reading, release = _hold_reads(monkeypatch)
 
@@ -721,7 +721,7 @@ def test_a_bug_inside_a_promotion_leaves_no_read_count_and_no_extent(tier_dir, m
     """An unexpected exception (a bug, not a DiskIOError) while promoting costs that read only:
     the record's read count drops (a delete would otherwise wait for it until shutdown) and an
     extent already taken is given back (it is never expired while a read fills it)."""
-    import ecd.daemon.disk_tier as tier_mod
+    import ecd.daemon.tiers.disk as tier_mod
 
     def broken(*args, **kwargs):
         raise ValueError("a bug")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ecd.daemon.entries import RequestError, StoreLimits
-from ecd.daemon.store import Store
+from ecd.daemon.registry.entries import RequestError, StoreLimits
+from ecd.daemon.registry.store import Store
 from ecd.errors import Code
 from ecd.protocol import Extent, Failure
 

@@ -1,17 +1,17 @@
 """Spill on eviction and promotion on read: DiskTier's flows between the host pool and its records
-(ecd/daemon/disk_tier.py describes them; the record set is disk_records.py)."""
+(ecd/daemon/tiers/disk.py describes them; the record set is disk_records.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
 
-from ..errors import Code
-from ..memory import disk as files
-from ..memory.ring import EventKind
-from ..protocol import AllocItem, Extent, Failure
+from ...errors import Code
+from ...memory import disk as files
+from ...memory.ring import EventKind
+from ...protocol import AllocItem, Extent, Failure
 from .disk_records import INTEGRITY_KINDS, DiskRecord, DiskRecords
-from .entries import Entry
+from ..registry.entries import Entry
 
 log = logging.getLogger("ecd.disk")
 

@@ -1,5 +1,5 @@
 """One handler per request type: what the daemon does with each message of a known session,
-dispatched with `match` on the tagged msgspec union (the loop, control.py, has already decoded
+dispatched with `match` on the tagged msgspec union (the loop, loop.py, has already decoded
 the frame, found the session and refused what a session may not send)."""
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import __version__
-from ..errors import Code
-from ..integrity import checksum as checksum_of, describe
-from ..protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
+from ... import __version__
+from ...errors import Code
+from ...integrity import checksum as checksum_of, describe
+from ...protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
                         Committed, DaemonStats, Delete, Evict, Evicted, Exists, Extent, Failure, Fetch, Flags, Held, Hello,
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
-from .entries import Entry, RequestError, Session, State
+from ..registry.entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .control import ServeCounters
-    from .view import DaemonView
+    from .loop import ServeCounters
+    from ..view import DaemonView
 
 log = logging.getLogger("ecd.daemon")
 
@@ -189,7 +189,7 @@ class Handlers:
 
     def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
               timeout_s: float) -> None:
-        """Answered when the peer plane is done (cluster.py), within the fetch's timeout."""
+        """Answered when the peer plane is done (peer/cluster.py), within the fetch's timeout."""
         cluster = self.d.cluster
         if cluster is None:
             raise RequestError(Code.INVALID, "this daemon has no peer plane ([cluster] listen is not set)")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import Code
-from ..memory.allocator import align_up
-from ..protocol import AllocItem, Extent, Failure
+from ...errors import Code
+from ...memory.allocator import align_up
+from ...protocol import AllocItem, Extent, Failure
 from .entries import Entry, Reservation, Session
-from .registry import RegistryState
+from .state import RegistryState
 
 # Every way a reservation ends, plus "granted" and "refused": the labels of ecd_reservations_total.
 RESERVATION_OUTCOMES = ("granted", "refused", "published", "aborted", "expired", "reclaimed")

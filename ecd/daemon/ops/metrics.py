@@ -19,13 +19,13 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .. import __version__
-from ..listeners import bind_tcp_listener
-from .entries import State
-from .reservations import RESERVATION_OUTCOMES
+from ... import __version__
+from ...listeners import bind_tcp_listener
+from ..registry.entries import State
+from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .view import DaemonView
+    from ..view import DaemonView
 
 log = logging.getLogger("ecd.metrics")
 
@@ -243,7 +243,7 @@ class DaemonCollector:
 
 def disk_metrics(disk) -> Iterator:
     """The disk tier ([pool.disk], disk_tier.DiskTier)."""
-    from .disk_tier import DROP_REASONS
+    from ..tiers.disk import DROP_REASONS
     yield GaugeMetricFamily("ecd_disk_capacity_bytes", "The disk tier's byte budget ([pool.disk] size)",
                             value=disk.capacity)
     yield GaugeMetricFamily("ecd_disk_used_bytes", "Bytes of records on disk (headers and padding included)",
@@ -311,7 +311,7 @@ def peer_metrics(cluster) -> Iterator:
                                    "owner's side (sends to peers that failed, serve_backlog: peers cut off for "
                                    "unread replies, serve_lease_limit and serve_lookup_invalid: lookups "
                                    "refused)", labels=["reason"])
-    from .cluster import FAILURE_REASONS
+    from ..peer.cluster import FAILURE_REASONS
     for reason in sorted(set(FAILURE_REASONS) | set(stats.failures)):
         failures.add_metric([reason], stats.failures.get(reason, 0))
     yield failures

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..config_types import split_tcp_endpoint
-from ..errors import Code
-from ..peer_protocol import (PEER_PROTOCOL_VERSION, PeerError, PeerHello, PeerPing, PeerWelcome, encoder,
+from ...config_types import split_tcp_endpoint
+from ...errors import Code
+from ...peer_protocol import (PEER_PROTOCOL_VERSION, PeerError, PeerHello, PeerPing, PeerWelcome, encoder,
                              peer_reply_decoder)
-from .entries import RequestError
+from ..registry.entries import RequestError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster

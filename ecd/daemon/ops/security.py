@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ..config import Config, check_cluster_policy, check_control_policy
-from ..curve import load_allowed_keys, load_keyfile, load_public_key
-from ..errors import ConfigError
+from ...config import Config, check_cluster_policy, check_control_policy
+from ...curve import load_allowed_keys, load_keyfile, load_public_key
+from ...errors import ConfigError
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
-    from ..transport.tls import TlsConfig
+    from ...transport.tls import TlsConfig
 
 log = logging.getLogger("ecd.daemon")
 
@@ -69,7 +69,7 @@ def cluster_curve(config: Config) -> "tuple[CurveAuth, dict[str, bytes]] | None"
 
 def cluster_tls(config: Config) -> "TlsConfig | None":
     """`[cluster] tls`: the data streams' TLS contexts; None without it. ConfigError naming the key."""
-    from ..transport.tls import load_tls
+    from ...transport.tls import load_tls
     cluster = config.cluster
     if not cluster.enabled or not cluster.tls:
         return None

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..errors import Code
-from ..peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerAcked, PeerDone, PeerError,
+from ...errors import Code
+from ...peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, PeerAcked, PeerDone, PeerError,
                              PeerHello, PeerPing, PeerPong, PeerRelease, PeerWelcome, encoder,
                              peer_request_decoder)
-from ..protocol import Location
-from ..transport import Grant, Transport
-from .connections import Connection, shut_down_socket, socket_inode
-from .entries import RequestError, Session
+from ...protocol import Location
+from ...transport import Grant, Transport
+from ..control.connections import Connection, shut_down_socket, socket_inode
+from ..registry.entries import RequestError, Session
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster

@@ -48,19 +48,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ..config_types import format_size
-from ..errors import ConfigError
-from ..memory import disk as files
-from ..memory.allocator import ExtentAllocator
-from ..memory.ring import key_hash
-from ..protocol import DiskStats
+from ...config_types import format_size
+from ...errors import ConfigError
+from ...memory import disk as files
+from ...memory.allocator import ExtentAllocator
+from ...memory.ring import key_hash
+from ...protocol import DiskStats
 from .disk_health import DEGRADING_KINDS
 from .disk_persist import Persist
 from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord, mark_done
 from .disk_spill import SpillPromote
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .store import Store
+    from ..registry.store import Store
 
 log = logging.getLogger("ecd.disk")
 

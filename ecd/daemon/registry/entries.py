@@ -10,9 +10,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from ..errors import Code
-from ..memory.ring import key_hash
-from ..protocol import Failure, Location
+from ...errors import Code
+from ...memory.ring import key_hash
+from ...protocol import Failure, Location
 
 
 class State(enum.IntEnum):

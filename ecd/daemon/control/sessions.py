@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import Code
-from ..protocol import Hello, SessionInfo
+from ...errors import Code
+from ...protocol import Hello, SessionInfo
 from .admission import Refusals, admit
 from .connections import Connection, Connections, Credentials, peer_pidfd, pid_namespace, process_inode
-from .entries import RequestError, Session
-from .store import Store
+from ..registry.entries import RequestError, Session
+from ..registry.store import Store
 
 log = logging.getLogger("ecd.daemon")
 

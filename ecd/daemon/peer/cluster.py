@@ -1,8 +1,8 @@
 """The peer plane (`[cluster]`): daemons fetch entries from each other. This module assembles it
 and counts what it does; the parts are siblings:
 
-- peers.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
-- peer_links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
+- owner.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
+- links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
 - fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
 - ../transport/  the bulk bytes, on their own threads (tcp, or nixl: one interface)
 
@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from ..cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
-from ..config_types import split_tcp_endpoint
-from ..errors import ConfigError
-from ..protocol import PeerState
-from ..transport import Transport, make_transport
+from ...cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
+from ...config_types import split_tcp_endpoint
+from ...errors import ConfigError
+from ...protocol import PeerState
+from ...transport import Transport, make_transport
 from .fetch import Fetcher, check_fetch
-from .peer_links import PeerLink, PeerLinks
-from .peers import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
-from .security import CurveAuth, cluster_curve, cluster_tls
+from .links import PeerLink, PeerLinks
+from .owner import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
+from ..ops.security import CurveAuth, cluster_curve, cluster_tls
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .view import DaemonView
+    from ..view import DaemonView
 
 log = logging.getLogger("ecd.peers")
 
@@ -124,7 +124,7 @@ class Cluster:
                                       io_timeout=float(self.config.request_timeout))
         if self.config.transport != "nixl":
             return make_transport(self.config.transport, tls=cluster_tls(self.d.config), **kwargs)
-        from ..transport.nixl import NixlUnavailable
+        from ...transport.nixl import NixlUnavailable
         try:  # an agent name no other daemon, nor this node's next run, ever had
             return make_transport("nixl", agent_name=f"ecd:{self.d.node}:{self.d.epoch}", **kwargs)
         except NixlUnavailable as exc:
@@ -146,7 +146,7 @@ class Cluster:
         sock.setsockopt(zmq.LINGER, 0)
         max_message = int(self.d.config.limits.max_message_bytes)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message)
-        # What one peer can make this daemon hold (see peers.py): replies by count here and by
+        # What one peer can make this daemon hold (see owner.py): replies by count here and by
         # bytes in PeerServer.send (ROUTER_MANDATORY: a full pipe is EAGAIN, not a silent drop);
         # requests libzmq reads ahead by count times their largest size, within peer_queue_bytes.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -169,7 +169,7 @@ class Cluster:
                               f"{exc.strerror or exc}") from None
         self.data_bound = (host, port)
         # Announce "": peers dial the data port at the host they dialled for control, and refuse
-        # any other host (peer_links.py). The config keeps data_listen on listen's host or a
+        # any other host (links.py). The config keeps data_listen on listen's host or a
         # wildcard, so that host reaches the data listener.
         self.data_address = ("", port)
         if self.transport.name == "nixl":
@@ -208,7 +208,7 @@ class Cluster:
 
     def reload(self, new: ClusterSection) -> None:
         """SIGHUP: cluster.peers and cluster.peer_keys; the allowed peer keys are re-read."""
-        from .security import load_peer_keys
+        from ..ops.security import load_peer_keys
         if self.curve is not None:
             self.curve.reload()
         try:

@@ -32,16 +32,16 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence, cast
 
-from ..errors import Code
-from ..memory.allocator import ExtentAllocator, align_up
-from ..memory.ring import EventKind, RingWriter
-from ..protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
+from ...errors import Code
+from ...memory.allocator import ExtentAllocator, align_up
+from ...memory.ring import EventKind, RingWriter
+from ...protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
 from .entries import Entry, RequestError, Reservation, Scheduler, Session, State, StoreLimits, Waiter
 from .deadlines import Deadlines
 from .key_index import KeyIndex
 from .operator import OperatorRequests
 from .placement import Placement
-from .pool_integrity import PoolIntegrity
+from ..tiers.host_integrity import PoolIntegrity
 from .reservations import Reservations
 from .waiting import Waiting
 
@@ -57,7 +57,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
     """The registry. Its jobs beside the entry state machine live in mixins of their own modules:
     placement and eviction (placement.py), reservations for a client's next put
     (reservations.py), parked gets (waiting.py), pins and write deadlines (deadlines.py),
-    operator requests (operator.py), a pool file truncated under it (pool_integrity.py)."""
+    operator requests (operator.py), a pool file truncated under it (tiers/host_integrity.py)."""
 
     def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
                  limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
@@ -100,7 +100,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
         self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
         self.disk: Any = None  # the disk tier (disk_tier.DiskTier) with [pool.disk]; it sets itself here
-        self.cut_writes: dict[int, Failure] = {}  # writes a pool truncation took (pool_integrity.py)
+        self.cut_writes: dict[int, Failure] = {}  # writes a pool truncation took (tiers/host_integrity.py)
         self._unallocated: dict[int, int] = {}
         self.set_namespaces(namespaces or {})
 

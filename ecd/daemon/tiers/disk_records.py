@@ -1,4 +1,4 @@
-"""The disk tier's record set (ecd/daemon/disk_tier.py says what the tier does): one DiskRecord
+"""The disk tier's record set (ecd/daemon/tiers/disk.py says what the tier does): one DiskRecord
 per key on disk, in LRU order within the byte budget, and what every flow does to it: look a key
 up, drop it (its file removed on a worker thread, durably), make room by dropping least recently
 used spills, finish a write. The flows themselves are mixins over this state: spill and promote
@@ -15,18 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import DiskPoolSection
-from ..memory import disk as files
-from ..memory.allocator import ExtentAllocator
-from ..memory.ring import EventKind, key_hash
-from .cluster import Histogram
+from ...config import DiskPoolSection
+from ...memory import disk as files
+from ...memory.allocator import ExtentAllocator
+from ...memory.ring import EventKind, key_hash
+from ..peer.cluster import Histogram
 from .disk_health import DiskHealth
-from .entries import Entry
+from ..registry.entries import Entry
 
 if TYPE_CHECKING:  # pragma: no cover
     import mmap
 
-    from .store import Store
+    from ..registry.store import Store
 
 log = logging.getLogger("ecd.disk")
 

@@ -2,10 +2,10 @@
 their wait, dropped with their session. Mixed into Store (store.acquire parks them)."""
 from __future__ import annotations
 
-from ..errors import Code
-from ..protocol import Failure
+from ...errors import Code
+from ...protocol import Failure
 from .entries import Waiter
-from .registry import RegistryState
+from .state import RegistryState
 
 
 class Waiting(RegistryState):

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from ..config import NamespaceSection, load_config_file
-from ..errors import ConfigError
+from ...config import NamespaceSection, load_config_file
+from ...errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .view import DaemonView
+    from ..view import DaemonView
 
 log = logging.getLogger("ecd.daemon")
 

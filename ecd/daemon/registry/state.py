@@ -6,9 +6,9 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, Sequence
 
-from ..memory.allocator import ExtentAllocator
-from ..memory.ring import EventKind, RingWriter
-from ..protocol import AllocItem, Failure, Location
+from ...memory.allocator import ExtentAllocator
+from ...memory.ring import EventKind, RingWriter
+from ...protocol import AllocItem, Failure, Location
 from .key_index import KeyIndex
 from .entries import Entry, Reservation, Scheduler, Session, StoreLimits, Waiter
 

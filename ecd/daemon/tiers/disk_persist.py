@@ -1,4 +1,4 @@
-"""Write-through (`put(persist=True)`): DiskTier's persist flow (ecd/daemon/disk_tier.py describes
+"""Write-through (`put(persist=True)`): DiskTier's persist flow (ecd/daemon/tiers/disk.py describes
 it; the record set is disk_records.py)."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import logging
 import time
 from typing import Any
 
-from ..errors import Code
-from ..memory import disk as files
-from ..memory.ring import EventKind
-from ..protocol import Failure
+from ...errors import Code
+from ...memory import disk as files
+from ...memory.ring import EventKind
+from ...protocol import Failure
 from .disk_records import DiskRecord, DiskRecords
-from .entries import Entry
+from ..registry.entries import Entry
 
 log = logging.getLogger("ecd.disk")
 

@@ -7,7 +7,7 @@ import heapq
 from typing import cast
 
 from .entries import Entry, Session, State
-from .registry import RegistryState
+from .state import RegistryState
 
 
 class Deadlines(RegistryState):

@@ -29,11 +29,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Sequence
 
-from ..errors import Code
-from ..memory.ring import EventKind
-from ..protocol import Extent, Failure
-from .entries import State
-from .registry import RegistryState
+from ...errors import Code
+from ...memory.ring import EventKind
+from ...protocol import Extent, Failure
+from ..registry.entries import State
+from ..registry.state import RegistryState
 
 log = logging.getLogger("ecd.daemon")
 

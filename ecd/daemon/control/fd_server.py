@@ -32,11 +32,11 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-from ..fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
+from ...fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
 from .admission import MAX_LOGGED_UIDS, admit as admit_ids
 from .connections import peer_credentials
-from ..memory.host import ShmFile
-from ..memory.memfd import MemfdFile
+from ...memory.host import ShmFile
+from ...memory.memfd import MemfdFile
 
 log = logging.getLogger("ecd.daemon")
 

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Executor
 from typing import Callable
 
-from ..memory import disk as files
+from ...memory import disk as files
 
 log = logging.getLogger("ecd.disk")
 

@@ -27,13 +27,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import Code
-from ..integrity import checksum as checksum_of
-from ..peer_protocol import Leased, Lookup, Offer, PeerDone, PeerError, PeerRelease
-from ..protocol import AllocItem, Extent
-from ..transport import PullItem, TransferError
-from .entries import RequestError
-from .peer_links import PeerLink, PeerUnavailable
+from ...errors import Code
+from ...integrity import checksum as checksum_of
+from ...peer_protocol import Leased, Lookup, Offer, PeerDone, PeerError, PeerRelease
+from ...protocol import AllocItem, Extent
+from ...transport import PullItem, TransferError
+from ..registry.entries import RequestError
+from .links import PeerLink, PeerUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import Cluster
@@ -269,7 +269,7 @@ def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem]
     """On a transport thread: pull, then check each entry against its owner's checksum. The hash
     reads the mapping: a pool file a group member truncated meanwhile would fault it (SIGBUS), so
     its size is looked at first (one fstat); the commit's own check then drops what the cut took
-    (pool_integrity.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
+    (tiers/host_integrity.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
     transport.pull(host, port, items, deadline)
     return [not want or (file.current_size() >= item.offset + item.nbytes
                          and checksum_of(item.buf, item.offset, item.nbytes) == want)

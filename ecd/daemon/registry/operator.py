@@ -6,9 +6,9 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from ..memory.ring import EventKind
+from ...memory.ring import EventKind
 from .entries import Entry
-from .registry import RegistryState
+from .state import RegistryState
 
 EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
 

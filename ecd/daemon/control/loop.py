@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import msgspec
 import zmq
 
-from ..errors import Code
-from ..protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInline, Release, Report, encoder,
+from ...errors import Code
+from ...protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInline, Release, Report, encoder,
                         request_decoder, salvage_request_id)
 from .connections import Connection
-from .entries import RequestError
+from ..registry.entries import RequestError
 from .handlers import Handlers
-from .metrics import RequestStats
+from ..ops.metrics import RequestStats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .view import DaemonView
+    from ..view import DaemonView
 
 log = logging.getLogger("ecd.daemon")
 

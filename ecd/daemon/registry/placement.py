@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..errors import Code
-from ..memory.allocator import ALIGNMENT, align_up
-from ..memory.ring import EventKind
-from ..protocol import Failure
+from ...errors import Code
+from ...memory.allocator import ALIGNMENT, align_up
+from ...memory.ring import EventKind
+from ...protocol import Failure
 from .entries import Entry
-from .registry import RegistryState
+from .state import RegistryState
 
 
 # a promotion's preference for entries already on disk looks this far into the LRU order (~1 ms)

@@ -1,0 +1,148 @@
+"""The house's shape, checked: no import circle among ecd's modules at import time, every module
+at most 550 lines, no package over 12 modules, and the daemon's packages import only downwards
+(docs/architecture.md draws the layers). Imports under `if TYPE_CHECKING:` and inside functions
+do not run at import time, so they do not count."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ecd"
+MAX_MODULE_LINES = 550
+MAX_PACKAGE_MODULES = 12
+
+# Who may import whom inside ecd.daemon, at import time: a package may import those listed for it
+# (and anything outside ecd.daemon). The registry and the tiers know nothing of sockets or peers;
+# the control socket and the peer plane sit on the registry; server.py assembles everything.
+DAEMON_LAYERS = {
+    "registry": {"registry"},
+    "tiers": {"tiers", "registry"},
+    "ops": {"ops", "registry", "tiers"},
+    "control": {"control", "registry", "tiers", "ops"},
+    "peer": {"peer", "registry", "tiers", "ops"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_time_imports(path: Path) -> set[str]:
+    """The ecd modules `path` imports when it is imported (module level, outside TYPE_CHECKING)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if not is_type_checking(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *[h.body for h in node.handlers]):
+                    visit(block)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("ecd"))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("ecd"):
+                    continue
+                for alias in node.names:  # `from pkg import module` imports the module
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists() else target)
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        edges = set()
+        for target in import_time_imports(path):
+            # importing a.b.c imports a and a.b first: their __init__ modules run too
+            parts = target.split(".")
+            edges.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        graph[name] = {t for t in edges if t in known and t != name}
+    return graph
+
+
+def test_no_import_circle_at_import_time():
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def strongconnect(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                strongconnect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            strongconnect(node)
+    assert not circles, f"import circles at import time: {circles}"
+
+
+def test_daemon_packages_import_only_their_layers():
+    wrong = []
+    for name, targets in import_graph().items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] != "daemon" or parts[2] not in DAEMON_LAYERS:
+            continue
+        allowed = DAEMON_LAYERS[parts[2]]
+        for target in targets:
+            tparts = target.split(".")
+            if len(tparts) >= 3 and tparts[1] == "daemon" and tparts[2] not in allowed:
+                wrong.append(f"{name} -> {target}")
+            elif tparts[:2] == ["ecd", "daemon"] and len(tparts) == 3 and tparts[2] not in DAEMON_LAYERS:
+                wrong.append(f"{name} -> {target} (the daemon's assembly)")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_is_at_most_550_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)} has {lines} lines"
+
+
+def test_no_package_has_more_than_12_modules():
+    crowded = {}
+    for package in [p.parent for p in PACKAGE.rglob("__init__.py")]:
+        count = sum(1 for p in package.glob("*.py") if p.name != "__init__.py")
+        if count > MAX_PACKAGE_MODULES:
+            crowded[str(package.relative_to(ROOT))] = count
+    assert not crowded, f"packages with more than {MAX_PACKAGE_MODULES} modules: {crowded}"
