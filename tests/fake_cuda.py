@@ -57,5 +57,5 @@ if __name__ == "__main__":
     from ecd.memory import cuda
     driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"))
     cuda.load_driver = lambda: driver
-    from ecd.cli import app
+    from ecd.cli.commands import app
     sys.exit(app(prog_name="ecd"))

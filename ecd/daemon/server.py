@@ -141,10 +141,10 @@ class Daemon:
             raise
 
     def _preflight(self) -> None:
-        """`ecd doctor`'s checks (ecd/doctor.py), but CUDA's (_open_cuda keeps the driver it
+        """`ecd doctor`'s checks (ecd/cli/doctor.py), but CUDA's (_open_cuda keeps the driver it
         loads): warnings are logged, errors refuse the start with the line doctor prints, before
         a pool larger than the cgroup's memory gets the daemon OOM-killed with no word."""
-        from ..doctor import preflight
+        from ..cli.doctor import preflight
         findings = preflight(self.config, self.gid, cuda=False)
         for finding in findings:
             if finding.level == "warning":
@@ -247,7 +247,7 @@ class Daemon:
 
     def _open_cuda(self) -> None:
         """Load the CUDA driver and map `[pool.cuda] devices` to this process's ordinals."""
-        from ..doctor import open_cuda
+        from ..cli.doctor import open_cuda
         try:
             self.cuda_driver, self._cuda_ordinals = open_cuda(self.config.pool.cuda.devices, self.cuda_driver)
         except ConfigError as exc:

@@ -290,7 +290,7 @@ def test_installed_entry_point_runs_from_the_installed_package(staged, tmp_path)
                           timeout=60, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "serve" in proc.stdout and "check-config" in proc.stdout
-    where = subprocess.run([sys.executable, "-c", "import ecd.cli; print(ecd.cli.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import ecd.cli.commands; print(ecd.cli.commands.__file__)"],
                            capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr
 

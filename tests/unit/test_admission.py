@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from ecd.cli_output import render_sessions
+from ecd.cli.output import render_sessions
 from ecd.config import ControlSection, load_config
 from ecd.daemon.control.admission import Refusals, admit
 from ecd.errors import ConfigError

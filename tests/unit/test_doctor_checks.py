@@ -1,4 +1,4 @@
-"""ecd/doctor.py's checks, one by one, on controlled inputs: a fake cgroup tree and mountinfo, rlimit
+"""ecd/cli/doctor.py's checks, one by one, on controlled inputs: a fake cgroup tree and mountinfo, rlimit
 pairs, directories of chosen modes, a fake CUDA driver. (tests/ops/test_doctor.py runs `ecd doctor`
 and `ecd serve` for real.)"""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ecd import doctor
+from ecd.cli import doctor
 from ecd.config import load_config
-from ecd.doctor import (MemoryLimit, cgroup_memory_limit, check_cuda, check_memlock, check_memory,
+from ecd.cli.doctor import (MemoryLimit, cgroup_memory_limit, check_cuda, check_memlock, check_memory,
                         check_open_files, check_shm, check_socket_dir)
 
 MiB = 1 << 20

@@ -15,14 +15,16 @@ MAX_MODULE_LINES = 550
 MAX_PACKAGE_MODULES = 12
 
 # Who may import whom inside ecd.daemon, at import time: a package may import those listed for it
-# (and anything outside ecd.daemon). The registry and the tiers know nothing of sockets or peers;
-# the control socket and the peer plane sit on the registry; server.py assembles everything.
+# (and anything outside ecd.daemon). Bottom up: the registry (entries and their life), the
+# operational parts (metrics, security, systemd, reload: they read the daemon through narrow
+# views), the tiers (host pool, disk), the control socket, the peer plane (whose owner side
+# serves peers the way the control socket serves clients); server.py assembles everything.
 DAEMON_LAYERS = {
     "registry": {"registry"},
-    "tiers": {"tiers", "registry"},
-    "ops": {"ops", "registry", "tiers"},
+    "ops": {"ops", "registry"},
+    "tiers": {"tiers", "registry", "ops"},
     "control": {"control", "registry", "tiers", "ops"},
-    "peer": {"peer", "registry", "tiers", "ops"},
+    "peer": {"peer", "control", "registry", "tiers", "ops"},
 }
 
 

@@ -12,12 +12,12 @@ from typing import Annotated, Iterator, NoReturn, Optional
 
 import typer
 
-from . import __version__
-from .cli_output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
+from .. import __version__
+from .output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
                          stderr_console, stdout_console)
-from .config import ControlSection, dumps_toml, load_config_file
-from .config_types import parse_size
-from .errors import AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError
+from ..config import ControlSection, dumps_toml, load_config_file
+from ..config_types import parse_size
+from ..errors import AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ecd: per-node tensor hand-off daemon for disaggregated LLM serving.")
@@ -47,7 +47,7 @@ def _setup_logging(level: str) -> None:
 def serve(config: Path = typer.Option(..., "--config", "-c", help="node.toml"),
           log_level: Optional[str] = typer.Option(None, "--log-level", help="overrides node.log_level")) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM."""
-    from .daemon.server import Daemon, StartupError
+    from ..daemon.server import Daemon, StartupError
     try:
         cfg = load_config_file(config)
     except ConfigError as exc:
@@ -76,8 +76,8 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
 
     Exit 0 when `ecd serve` would start (warnings included), 1 when it would refuse, 2 for a
     config that does not load."""
-    from .config import load_config
-    from .daemon.ops.security import check_security
+    from ..config import load_config
+    from ..daemon.ops.security import check_security
     from .doctor import Finding, preflight
     try:
         cfg = load_config_file(config) if config is not None else load_config({})
@@ -105,7 +105,7 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
 def check_config(path: Path = typer.Argument(..., help="node.toml to validate")) -> None:
     """Validate a config file (and what `ecd serve` checks at start: the tcp/CURVE rule, key
     files, node.group) and print the effective configuration."""
-    from .daemon.ops.security import check_security
+    from ..daemon.ops.security import check_security
     try:
         cfg = load_config_file(path)
         check_security(cfg)
@@ -126,11 +126,11 @@ def keygen(directory: Path = typer.Argument(..., help="where to write the key pa
     .key. A client's pair: copy its .key into the daemon's control.curve_allowed_keys directory.
     With --tls: a self-signed certificate NAME.crt (peers pin it: copy it into their
     cluster.tls_allowed_certs directory) and its key NAME.crt_secret (mode 0600)."""
-    from .curve import write_keypair
+    from ..curve import write_keypair
     if not name or "/" in name or name.startswith("."):
         _fail(f"--name: must be a plain file name, got {name!r}", EXIT_USAGE)
     if tls:
-        from .transport.tls import fingerprint, write_tls_pair
+        from ..transport.tls import fingerprint, write_tls_pair
         try:
             cert, key = write_tls_pair(str(directory), name, force)
         except FileExistsError as exc:
@@ -186,7 +186,7 @@ def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
 @contextlib.contextmanager
 def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
     """Daemon trouble as one line and an exit code, never a traceback."""
-    from .client.connection import SocketPermissionDenied
+    from ..client.connection import SocketPermissionDenied
     try:
         yield
     except SocketPermissionDenied as exc:  # the daemon may well be running: the socket refuses us
@@ -202,7 +202,7 @@ def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
 
 def _check_curve_options(curve_secret_key: str | None, curve_server_key: str | None) -> None:
     """Bad --curve-* options are a usage error (exit 2), named as the user typed them."""
-    from .client.connection import curve_keys
+    from ..client.connection import curve_keys
     try:
         curve_keys(curve_secret_key, curve_server_key)
     except ValueError as exc:
@@ -216,7 +216,7 @@ def _client(endpoint: str, timeout: float, namespace: str = "default", curve_sec
             curve_server_key: str | None = None):
     # The control plane only: an operator command moves no tensor bytes, so it maps no shared
     # memory and imports neither torch nor numpy (ecd.Client would: seconds of start-up).
-    from .client.control import ControlClient
+    from ..client.control import ControlClient
     _check_curve_options(curve_secret_key, curve_server_key)
     return ControlClient(endpoint, namespace=namespace, timeout=timeout, name="ecd-cli",
                          curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)

@@ -17,8 +17,8 @@ import signal
 import time
 from typing import Callable
 
-from .cli_output import human_size
-from .errors import DaemonUnavailable, EcdError
+from .output import human_size
+from ..errors import DaemonUnavailable, EcdError
 
 KEYS_PER_SIZE = 64
 _HIST_MIN_S = 1e-7
@@ -84,8 +84,8 @@ def _worker(index: int, endpoint: str, timeout: float, namespace: str, sizes: li
     try:
         import torch
 
-        from .client.client import Client
-        from .errors import KeyNotFound
+        from ..client.client import Client
+        from ..errors import KeyNotFound
 
         client = Client(endpoint, namespace=namespace, timeout=timeout, name=f"ecd-bench-{index}",
                         **client_options)
@@ -159,7 +159,7 @@ def run_bench(endpoint: str, timeout: float, sizes: list[int], clients: int, sec
     """Run the benchmark; returns the result document. `progress(phase, fraction, ops)` is called
     a few times a second (phase "start" while workers connect, then "run"). `client_options` go
     to every Client (e.g. the CURVE keys)."""
-    from .client.client import Client
+    from ..client.client import Client
 
     client_options = client_options or {}
     admin = Client(endpoint, namespace=namespace, timeout=timeout, name="ecd-bench", populate=False,

@@ -29,8 +29,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .config import Config
-from .errors import ConfigError
+from ..config import Config
+from ..errors import ConfigError
 
 # The daemon's own memory beside its pool and ring, charged to the same cgroup: its interpreter,
 # libraries and bookkeeping (measured: 79 MiB RSS idle, 45 MiB of it anonymous and 24 MiB mapped
@@ -134,7 +134,7 @@ def _smallest_limit(directory: str, top: str, name: str) -> MemoryLimit | None:
 
 def memory_needed(config: Config) -> dict[str, int]:
     """What the daemon's cgroup must hold, by part."""
-    from .memory.ring import ring_bytes
+    from ..memory.ring import ring_bytes
     parts = {"host pool": int(config.pool.host.size),
              "event ring": ring_bytes(config.ring.slots, config.ring.presence_buckets),
              "daemon": DAEMON_BASE_BYTES + int(config.limits.max_message_bytes)}
@@ -179,8 +179,8 @@ def _writable(directory: str) -> str | None:
 def check_shm(config: Config, shm_dir: str | None = None, lock_dir: str | None = None) -> list[Finding]:
     """The node lock's directory must be writable; with backing = "named", /dev/shm must have room
     for the pool and ring (the node's own files of a previous run count as room: start removes them)."""
-    from .memory import host
-    from .memory.ring import ring_bytes
+    from ..memory import host
+    from ..memory.ring import ring_bytes
     shm_dir = shm_dir or host.SHM_DIR
     lock_dir = lock_dir or os.path.dirname(host.NodeLock(config.node.name).path)
     named = getattr(config.pool.host, "backing", "named") == "named"
@@ -256,7 +256,7 @@ def check_memlock(config: Config, rlimit: tuple[int, int] | None = None,
 
 def check_open_files(config: Config, rlimit: tuple[int, int] | None = None) -> Finding:
     """What the hard RLIMIT_NOFILE allows: the daemon raises its soft limit to it at start."""
-    from .daemon.control.connections import FD_RESERVE, connection_budget
+    from ..daemon.control.connections import FD_RESERVE, connection_budget
     soft, hard = rlimit if rlimit is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
     usable = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     limits = config.limits
@@ -364,7 +364,7 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
 def open_cuda(devices: list[int | str], driver: Any = None) -> tuple[Any, list[int]]:
     """Load the CUDA driver (unless a test passes one) and map `[pool.cuda] devices` to this
     process's ordinals; ConfigError with the line serve and doctor print."""
-    from .memory.cuda import CudaError, CudaUnavailable, DeviceNotFound, load_driver, resolve_devices
+    from ..memory.cuda import CudaError, CudaUnavailable, DeviceNotFound, load_driver, resolve_devices
     try:
         if driver is None:
             driver = load_driver()

@@ -1,0 +1,1 @@
+"""The `ecd` command line: commands.py (the typer app), output.py, doctor.py, bench.py."""
