@@ -4,7 +4,8 @@ from __future__ import annotations
 import msgspec
 
 from .config_types import WILDCARD_HOSTS, Duration, Section, ByteSize, check_field, split_tcp_endpoint
-
+from .transport.base import Transport, TransportUnavailable
+from .transport.registry import quoted_names, transport_class, transport_names
 
 # What `[cluster] insecure = true` opens, said in the refusal and in the daemon's start-up warning.
 INSECURE_CLUSTER_OPENS = ("any process that can reach the peer port (on loopback: every local user) "
@@ -27,7 +28,7 @@ class ClusterSection(Section):
     peers: list[str] = msgspec.field(default_factory=list)  # other nodes' `listen` endpoints
     # "tcp" (ecd's TCP streams on data_listen) or "nixl" (one-sided READs through a NIXL agent
     # that registered the pool; needs `pip install --no-deps nixl-cu12 numpy`; data_listen and
-    # tls do not apply)
+    # tls do not apply): a name registered in ecd/transport/registry.py
     transport: str = "tcp"
     # CURVE, as in [control]: this node's key pair (it is both server and client of its peers),
     # the directory of the peers' public keys it admits (*.key, re-read on SIGHUP), and the
@@ -81,11 +82,10 @@ class ClusterSection(Section):
             check_field(where is not None and where[1] > 0, "peers",
                    f"each must be tcp://HOST:PORT with a port > 0, got {peer!r}")
         check_field(len(set(self.peers)) == len(self.peers), "peers", f"lists a peer twice: {self.peers!r}")
-        check_field(self.transport in ("tcp", "nixl"), "transport",
-               f"must be \"tcp\" or \"nixl\", got {self.transport!r}")
-        # NIXL moves the bytes itself (UCX, RDMA): ecd's TLS wraps only its own TCP streams
-        check_field(not (self.tls and self.transport == "nixl"), "tls",
-               "applies to transport \"tcp\" only (NIXL/UCX traffic is not encrypted by ecd)")
+        check_field(self.transport in transport_names(), "transport",
+               f"must be {quoted_names(transport_names())}, got {self.transport!r}")
+        transport = self._transport_class()
+        transport.check_config(self)  # its own checks (nixl: tls does not apply)
         check_field(bool(self.curve_secret_key) == bool(self.curve_allowed_keys),
                "curve_allowed_keys" if self.curve_secret_key else "curve_secret_key",
                "curve_secret_key and curve_allowed_keys must be set together")
@@ -119,7 +119,7 @@ class ClusterSection(Section):
             host = f"[{host}]" if ":" in host else host
             self.data_listen = f"tcp://{host}:{port + 1 if port else 0}"
             check_field(port < 65535, "data_listen", "listen's port is 65535: give data_listen explicitly")
-        if self.listen and self.transport == "tcp":
+        if self.listen and transport.has_data_listener:
             # Peers dial the data port at the host they reach `listen` by, and refuse a welcome
             # that names another (a peer must not steer their daemon to connect elsewhere).
             data_host = split_tcp_endpoint(self.data_listen)[0]  # type: ignore[index]
@@ -127,6 +127,14 @@ class ClusterSection(Section):
             check_field(data_host in (listen_host, *WILDCARD_HOSTS), "data_listen",
                    f"must be on listen's host ({listen_host}) or a wildcard: peers dial the data port at "
                    f"the host they reach listen by, got {self.data_listen!r}")
+
+    def _transport_class(self) -> type[Transport]:
+        """The configured transport's class (its module imported now, not the library it may
+        need: that is the daemon's to find, at start)."""
+        try:
+            return transport_class(self.transport)
+        except TransportUnavailable as exc:
+            raise ValueError(f"transport: \"{self.transport}\" is registered but {exc}") from None
 
     @property
     def enabled(self) -> bool:

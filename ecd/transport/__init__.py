@@ -1,20 +1,14 @@
-"""Bulk data planes of the peer plane: one interface (base.Transport), one module per transport.
+"""Bulk data planes of the peer plane: one interface (base.Transport), one module per transport,
+each registered by name in registry.py (`make_transport`, `register_transport`,
+`transport_names`), which imports a transport's module only when it is chosen.
 
 "tcp" (tcp.TcpTransport, the default: TCP streams, optionally TLS) and "nixl" (nixl.NixlTransport:
-one-sided READs through a NIXL agent, UCX underneath; an optional install, imported only here)."""
+one-sided READs through a NIXL agent, UCX underneath; an optional install).
+
+This package's __init__ imports only base (which imports nothing of ecd): the registry and the
+transports import base, so importing them here would make an import circle."""
 from __future__ import annotations
 
-from .base import Grant, GrantTable, PullItem, Transport, TransferError
+from .base import Grant, GrantTable, PullItem, Transport, TransferError, TransportUnavailable
 
-
-def make_transport(name: str, **kwargs) -> Transport:
-    if name == "tcp":
-        from .tcp import TcpTransport
-        return TcpTransport(**kwargs)
-    if name == "nixl":
-        from .nixl import NixlTransport
-        return NixlTransport(**kwargs)
-    raise ValueError(f"unknown transport {name!r}: 'tcp' or 'nixl'")
-
-
-__all__ = ["Grant", "GrantTable", "PullItem", "Transport", "TransferError", "make_transport"]
+__all__ = ["Grant", "GrantTable", "PullItem", "Transport", "TransferError", "TransportUnavailable"]

@@ -18,7 +18,10 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..cluster_config import ClusterSection
 
 
 class TransferError(Exception):
@@ -28,6 +31,12 @@ class TransferError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class TransportUnavailable(Exception):
+    """A registered transport cannot run here: its module or a library it needs does not import
+    (the message says why and, where it can, how to install it). The daemon refuses to start with
+    a ConfigError naming cluster.transport."""
 
 
 @dataclass(eq=False)
@@ -94,28 +103,66 @@ OnSent = Callable[[list[Grant], int, "str | None"], None]
 
 
 class Transport(abc.ABC):
-    """A bulk data plane. The daemon creates one at start (cluster.transport) and closes it at
-    shutdown, before its pools are unmapped."""
+    """A bulk data plane. The daemon makes one at start (registry.make_transport, by the name in
+    `[cluster] transport`) and closes it at shutdown, before its pools are unmapped.
+
+    Life: construct -> bind() (in Cluster.prepare, before READY: start-up errors exit 2) ->
+    `loop` set and serve() (in Cluster.start, on the loop) -> pull() for fetches, the owner's
+    grants filed in `grants` -> close().
+
+    Every transport's constructor takes these keywords (the daemon passes all of them; a
+    transport ignores what does not apply to it): host, port (cluster.data_listen), max_inflight
+    (pull threads), io_timeout (seconds without progress), loop (may come later: see `loop`),
+    tls (a tls.TlsConfig or None; config refuses cluster.tls for a transport that cannot use
+    it), instance (a name unique to this daemon run, "ecd:NODE:EPOCH"; "" for a made-up one).
+    A library it needs that does not import: TransportUnavailable from the constructor.
+
+    What the daemon asks of a transport's class, instead of testing its name: `has_data_listener`
+    and `owner_sees_send` (capabilities), and check_config() (its own `[cluster]` checks).
+    """
 
     name: str
     grants: GrantTable
+    executor: Any  # where pulls run: at most cluster.max_inflight at once
+    # The event loop that on_sent runs on (call_soon_threadsafe): the constructor's `loop`, or
+    # set by the daemon before serve().
+    loop: Any = None
+
+    # tcp: the owner sees its sends end (on_sent gives the leases back). nixl: READs are
+    # one-sided, so the puller tells the owner over the control plane (peer_done).
+    owner_sees_send: bool = True
+    # True (tcp): bind() opens a listener on cluster.data_listen, and peers dial its port at the
+    # host they reach cluster.listen by (so config keeps data_listen on listen's host or a
+    # wildcard). False (nixl: UCX listens by itself): data_listen does not apply, and the data
+    # address the daemon announces only names it (its control port, unique on its host).
+    has_data_listener: bool = True
+
+    @classmethod
+    def check_config(cls, cluster: "ClusterSection") -> None:
+        """This transport's own checks of `[cluster]`, run by config validation once the name is
+        known to be registered, before the TLS and CURVE checks (data_listen may still be "": its
+        default comes later). Refuse with ValueError("KEY: why"), as config_types.check_field
+        does; config reports it as cluster.KEY."""
+        return None
+
+    @abc.abstractmethod
+    def bind(self) -> tuple[str, int]:
+        """Take the data port now, so start-up errors come before READY (OSError: the daemon
+        refuses to start, naming cluster.data_listen); returns where it is bound (host, port).
+        serve() starts accepting on it. A transport without a listener of its own returns the
+        address it was given."""
 
     @abc.abstractmethod
     def serve(self, segments: Callable[[int], Any], on_sent: OnSent) -> tuple[str, int]:
-        """Start serving grants from the pool (segments(pool) -> its mapping); returns where
-        peers reach it (host, port). `on_sent` runs on the event loop after each connection."""
+        """Start serving grants from the pool (segments(pool) -> its mapping, pools 0..n-1,
+        IndexError past the last), binding first if bind() was not called; returns where peers
+        reach it (host, port). `on_sent` runs on `loop` after each connection."""
 
     @abc.abstractmethod
     def pull(self, host: str, port: int, items: list[PullItem], deadline: float) -> int:
         """Blocking (run it in `executor`): receive every item from the owner at host:port by
         `deadline` (time.monotonic()); returns bytes received; TransferError otherwise. Never
         returns while a byte may still be written into an item's extent."""
-
-    executor: Any  # where pulls run: at most cluster.max_inflight at once
-
-    # tcp: the owner sees its sends end (on_sent gives the leases back). nixl: READs are
-    # one-sided, so the puller tells the owner over the control plane (peer_done).
-    owner_sees_send: bool = True
 
     def metadata(self) -> bytes:
         """What the owner's peer_welcome carries for this transport (nixl: its agent metadata)."""

@@ -31,9 +31,13 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .base import GrantTable, OnSent, PullItem, Transport, TransferError
+from ..config_types import check_field
+from .base import GrantTable, OnSent, PullItem, Transport, TransferError, TransportUnavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..cluster_config import ClusterSection
 
 log = logging.getLogger("ecd.transport")
 
@@ -53,7 +57,7 @@ def _reason(exc: Exception) -> str:
     return "protocol" if bad else "connection"
 
 
-class NixlUnavailable(Exception):
+class NixlUnavailable(TransportUnavailable):
     """NIXL does not import here (the message says why and how to install it)."""
 
 
@@ -82,21 +86,28 @@ def buffer_address(buf: Any) -> int:
 class NixlTransport(Transport):
     name = "nixl"
     owner_sees_send = False  # READs are one-sided: the puller reports completion (peer_done)
+    has_data_listener = False  # UCX opens its own listener (its address is in the agent metadata)
+
+    @classmethod
+    def check_config(cls, cluster: "ClusterSection") -> None:
+        # NIXL moves the bytes itself (UCX, RDMA): ecd's TLS wraps only its own TCP streams
+        check_field(not cluster.tls, "tls",
+                    "applies to transport \"tcp\" only (NIXL/UCX traffic is not encrypted by ecd)")
 
     def __init__(self, host: str, port: int, max_inflight: int = 4, io_timeout: float = 5.0,
-                 loop: Any = None, tls: Any = None, agent_name: str = "") -> None:
+                 loop: Any = None, tls: Any = None, instance: str = "") -> None:
         if tls is not None:  # config refuses it; a caller that bypasses config must not think it applies
             raise ValueError("cluster.tls applies to transport \"tcp\" only")
         api = load_nixl()
         self.grants = GrantTable()
         self.executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="ecd-nixl-pull")
         self.io_timeout = io_timeout
-        self._loop = loop
+        self.loop = loop
         self._bind = (host, port)
         self._stop = threading.Event()
         # One agent per daemon; its name must be unique among every agent a peer ever loads (an
         # owner that restarts comes back under a new name, and its old one is dropped).
-        self.agent_name = agent_name or f"ecd-{os.getpid()}-{time.time_ns():x}"
+        self.agent_name = instance or f"ecd-{os.getpid()}-{time.time_ns():x}"
         sync = getattr(api, "nixl_thread_sync_t", None)
         kwargs: dict[str, Any] = {"enable_prog_thread": True, "backends": ["UCX"]}
         if sync is not None:

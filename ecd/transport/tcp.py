@@ -115,7 +115,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float, io_timeo
         raise
 
 
-def _stale(sock: socket.socket) -> bool:
+def connection_is_stale(sock: socket.socket) -> bool:
     """A pooled connection must have nothing to read: readable means EOF, a reset, or bytes the
     owner should never have sent."""
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
@@ -131,7 +131,7 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, host: str, port: int, max_inflight: int = 4, io_timeout: float = 5.0,
-                 loop: Any = None, tls: TlsConfig | None = None) -> None:
+                 loop: Any = None, tls: TlsConfig | None = None, instance: str = "") -> None:
         self.grants = GrantTable()
         self.executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="ecd-pull")
         self.io_timeout = io_timeout
@@ -142,7 +142,11 @@ class TcpTransport(Transport):
         self.idle_timeout = IDLE_TIMEOUT_S
         self.pool_idle = POOL_IDLE_S
         self.tls = tls
-        self._loop = loop
+        self.loop = loop
+        # Test-support hook: the check a pooled connection passes before it is reused. A test
+        # replaces it (on one puller) to reuse a connection whose close has not shown yet: the
+        # race between the check and the owner closing, which the retry in pull() covers.
+        self.connection_is_stale: Callable[[socket.socket], bool] = connection_is_stale
         self._listener: socket.socket | None = None
         self._bind = (host, port)
         self._stop = threading.Event()
@@ -166,6 +170,27 @@ class TcpTransport(Transport):
         listener = bind_tcp_listener(*self._bind, 128)
         self._listener = listener
         return listener.getsockname()[:2]
+
+    @property
+    def bound_address(self) -> tuple[str, int]:
+        """Where the data listener is bound (host, port) once bind() or serve() ran; ("", 0) before."""
+        try:
+            return self._listener.getsockname()[:2] if self._listener is not None else ("", 0)
+        except OSError:  # closed
+            return ("", 0)
+
+    @property
+    def serving_threads(self) -> int:
+        """Threads serving data connections now (one per connection, idle ones included; at most
+        max_conns): for stats and tests."""
+        with self._lock:
+            return len(self._threads)
+
+    def waiting_connections(self) -> list[socket.socket]:
+        """The served connections parked between requests now (their thread waits for the next
+        one, up to idle_timeout): what the cap closes first to make room. For tests."""
+        with self._lock:
+            return list(self._waiting)
 
     def serve(self, segments: Callable[[int], Any], on_sent: OnSent) -> tuple[str, int]:
         if self._listener is None:
@@ -211,11 +236,11 @@ class TcpTransport(Transport):
         with self._lock:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
             self._unreported[reason] = self._unreported.get(reason, 0) + 1
-            if self._report_posted or self._on_sent is None or self._loop is None:
+            if self._report_posted or self._on_sent is None or self.loop is None:
                 return
             self._report_posted = True
         try:
-            self._loop.call_soon_threadsafe(self._report_refusals)
+            self.loop.call_soon_threadsafe(self._report_refusals)
         except RuntimeError:  # the loop is closed: the daemon is gone
             pass
 
@@ -306,7 +331,7 @@ class TcpTransport(Transport):
     def _report(self, taken: list[Grant], sent: int, failure: str | None) -> None:
         # The bytes are in the kernel's hands (or the send failed): the loop gives the leases back.
         try:
-            self._loop.call_soon_threadsafe(self._on_sent, taken, sent, failure)
+            self.loop.call_soon_threadsafe(self._on_sent, taken, sent, failure)
         except RuntimeError:  # the loop is closed: the daemon is gone, and its leases with it
             pass
 
@@ -341,7 +366,7 @@ class TcpTransport(Transport):
                 if not idle:
                     break
                 sock, since = idle.pop()
-            if now - since < self.pool_idle and not _stale(sock):
+            if now - since < self.pool_idle and not self.connection_is_stale(sock):
                 return sock, True
             self._drop(sock)
         return self._connect(*where, deadline), False

@@ -180,7 +180,7 @@ def test_gate_admits_only_live_tokens_in_process(tmp_path, tls):
                 assert s.recv(1) == b""
         # the silent and one-byte hogs are closed when the handshake deadline passes
         assert wait_for(lambda: owner.refusals.get("handshake_timeout", 0) >= 2 * HOGS // 3, timeout=5), owner.refusals
-        assert len(owner._threads) <= owner.max_conns
+        assert owner.serving_threads <= owner.max_conns
     finally:
         for s in hogs:
             s.close()

@@ -42,7 +42,7 @@ def pair():
     segment = bytearray(os.urandom(SIZE))
     loop = DirectLoop()
     owner = TcpTransport("127.0.0.1", 0, loop=loop, io_timeout=2.0)
-    owner._bound = owner.serve(lambda pool: segment, lambda *a: None)  # type: ignore[attr-defined]
+    owner.serve(lambda pool: segment, lambda *a: None)
     owner.loop_reports = loop.reports  # type: ignore[attr-defined]
     puller = TcpTransport("127.0.0.1", 0, io_timeout=2.0)
 
@@ -58,7 +58,7 @@ def pair():
 
 def _pull(puller: TcpTransport, owner: TcpTransport, token: bytes, nbytes: int = SIZE) -> bytearray:
     dest = bytearray(nbytes)
-    port = owner._bound[1]  # type: ignore[attr-defined]
+    port = owner.bound_address[1]
     puller.pull("127.0.0.1", port, [PullItem(token, dest, 0, nbytes)], time.monotonic() + 5)
     return dest
 
@@ -69,12 +69,12 @@ def test_many_transfers_share_one_data_connection(pair):
         assert _pull(puller, owner, grant(i)) == segment
     # several entries in one transfer, on the same connection
     dest = bytearray(2 * 1000)
-    port = owner._bound[1]
+    port = owner.bound_address[1]
     puller.pull("127.0.0.1", port, [PullItem(grant(0, 0, 1000), dest, 0, 1000),
                                     PullItem(grant(0, 5000, 1000), dest, 1000, 1000)], time.monotonic() + 5)
     assert dest == segment[:1000] + segment[5000:6000]
     assert puller.connections_opened == 1
-    assert len(owner._threads) == 1  # one owner thread served them all
+    assert owner.serving_threads == 1  # one owner thread served them all
     assert wait_for(lambda: len(owner.loop_reports) == 9, timeout=5)
     assert [r[2] for r in owner.loop_reports] == [None] * 9  # a completion per transfer, not per connection
 
@@ -94,20 +94,14 @@ def test_pooled_connection_gone_unnoticed_is_retried_once(pair):
     owner, puller, segment, grant = pair
     assert _pull(puller, owner, grant(0)) == segment
 
-    def waiting_connections():  # the owner's thread parks the connection after its last send
-        with owner._lock:
-            return list(owner._waiting)
-    waiting = wait_for(waiting_connections, timeout=10)
+    # the owner's thread parks the connection after its last send
+    waiting = wait_for(owner.waiting_connections, timeout=10)
     assert waiting
     for sock in waiting:
         sock.shutdown(socket.SHUT_RD)  # the owner's thread leaves; the puller has not seen a FIN
     time.sleep(0.1)
-    import ecd.transport.tcp as tcp
-    real, tcp._stale = tcp._stale, lambda sock: False  # type: ignore[attr-defined]
-    try:
-        assert _pull(puller, owner, grant(1)) == segment
-    finally:
-        tcp._stale = real  # type: ignore[attr-defined]
+    puller.connection_is_stale = lambda sock: False  # as if the FIN came just after the check
+    assert _pull(puller, owner, grant(1)) == segment
     assert puller.connections_opened == 2
 
 
@@ -120,7 +114,7 @@ def test_reused_connection_never_uses_a_token_twice(pair):
     assert info.value.reason == "refused"
     assert puller.connections_opened == 1
     # the same on a raw connection: two requests, one token
-    port = owner._bound[1]
+    port = owner.bound_address[1]
     token = grant(1, 0, 10)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         statuses = []
@@ -157,7 +151,7 @@ def test_tls_transfer_and_an_unpinned_certificate(tmp_path):
                         str(tmp_path / f"{name}-allowed"))
     segment = bytearray(os.urandom(SIZE))
     owner = TcpTransport("127.0.0.1", 0, loop=DirectLoop(), tls=tls("a"), io_timeout=2.0)
-    owner._bound = owner.serve(lambda pool: segment, lambda *a: None)  # type: ignore[attr-defined]
+    owner.serve(lambda pool: segment, lambda *a: None)
     good, bad = TcpTransport("127.0.0.1", 0, tls=tls("b")), TcpTransport("127.0.0.1", 0, tls=tls("c"))
     try:
         for _ in range(3):

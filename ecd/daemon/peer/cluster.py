@@ -4,7 +4,7 @@ and counts what it does; the parts are siblings:
 - owner.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
 - links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
 - fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
-- ../transport/  the bulk bytes, on their own threads (tcp, or nixl: one interface)
+- ../transport/  the bulk bytes, on their own threads (one interface, transports registered by name)
 
 Everything ZeroMQ here lives in its own context (zmq.asyncio, on the daemon's event loop) with
 its own ZAP handler, so `[control]` and `[cluster]` keys never mix. prepare() binds (start-up
@@ -26,7 +26,8 @@ from ...cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
 from ...config_types import split_tcp_endpoint
 from ...errors import ConfigError
 from ...protocol import PeerState
-from ...transport import Transport, make_transport
+from ...transport import Transport, TransportUnavailable
+from ...transport.registry import make_transport
 from .fetch import Fetcher, check_fetch
 from .links import PeerLink, PeerLinks
 from .owner import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
@@ -120,15 +121,14 @@ class Cluster:
 
     def _make_transport(self) -> Transport:
         host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
-        kwargs: dict[str, Any] = dict(host=host, port=port, max_inflight=self.config.max_inflight,
-                                      io_timeout=float(self.config.request_timeout))
-        if self.config.transport != "nixl":
-            return make_transport(self.config.transport, tls=cluster_tls(self.d.config), **kwargs)
-        from ...transport.nixl import NixlUnavailable
-        try:  # an agent name no other daemon, nor this node's next run, ever had
-            return make_transport("nixl", agent_name=f"ecd:{self.d.node}:{self.d.epoch}", **kwargs)
-        except NixlUnavailable as exc:
-            raise ConfigError(f"cluster.transport: \"nixl\" is configured but {exc}") from None
+        name = self.config.transport
+        tls = cluster_tls(self.d.config)  # None without cluster.tls (config refuses it where it does not apply)
+        try:  # instance: a name no other daemon, nor this node's next run, ever had (nixl names its agent so)
+            return make_transport(name, host=host, port=port, max_inflight=self.config.max_inflight,
+                                  io_timeout=float(self.config.request_timeout), tls=tls,
+                                  instance=f"ecd:{self.d.node}:{self.d.epoch}")
+        except TransportUnavailable as exc:
+            raise ConfigError(f"cluster.transport: \"{name}\" is configured but {exc}") from None
 
     def internal_session_id(self) -> int:
         """Store sessions of the peer plane take negative ids: never a client's."""
@@ -163,7 +163,7 @@ class Cluster:
         self.listen = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.advertised = self.config.advertise or self.listen  # what clients are told
         try:
-            host, port = self.transport.bind()  # type: ignore[attr-defined]
+            host, port = self.transport.bind()
         except OSError as exc:
             raise ConfigError(f"cluster.data_listen: cannot bind {self.config.data_listen}: "
                               f"{exc.strerror or exc}") from None
@@ -172,14 +172,14 @@ class Cluster:
         # any other host (links.py). The config keeps data_listen on listen's host or a
         # wildcard, so that host reaches the data listener.
         self.data_address = ("", port)
-        if self.transport.name == "nixl":
-            # UCX listens by itself (its address is in the agent metadata): what peers get only
-            # names this daemon, as the key of its metadata; the control port is unique on its host.
+        if not self.transport.has_data_listener:
+            # It listens by itself (nixl: UCX, its address in the agent metadata): what peers get
+            # only names this daemon, as the key of its metadata; the control port is unique on its host.
             self.data_address = ("", split_tcp_endpoint(self.listen)[1])  # type: ignore[index]
 
     def start(self) -> None:
         loop = self.d.loop
-        self.transport._loop = loop  # type: ignore[attr-defined]  # completions come back here
+        self.transport.loop = loop  # completions come back here
         self.server = PeerServer(self, self._router, self.transport)
         self.fetcher = Fetcher(self)
         self.transport.serve(lambda pool: self.d.pool.segments[pool].buf, self.server.on_sent)
