@@ -233,12 +233,15 @@ def has_capability(bit: int, status: str = "/proc/self/status") -> bool:
 def check_memlock(config: Config, rlimit: tuple[int, int] | None = None,
                   ipc_lock: bool | None = None) -> list[Finding]:
     """Where the host pool gets pinned: [pool.cuda] (clients cuMemHostRegister their mappings of
-    it) and [cluster] transport = "nixl" (the daemon registers it with UCX)."""
+    it) and a [cluster] transport that pins it (nixl: the daemon registers it with UCX)."""
     pinners = []
     if config.pool.cuda is not None:
         pinners.append("[pool.cuda] clients pin it with cuMemHostRegister (their own limit applies)")
-    if config.cluster.enabled and config.cluster.transport == "nixl":
-        pinners.append("[cluster] transport = \"nixl\" registers it with UCX in the daemon")
+    if config.cluster.enabled:
+        from ..transport.registry import transport_class  # the class only: NIXL itself is not loaded
+        how = transport_class(config.cluster.transport).pins_pool
+        if how:
+            pinners.append(f"[cluster] transport = \"{config.cluster.transport}\" {how}")
     if not pinners:
         return []
     soft, hard = rlimit if rlimit is not None else resource.getrlimit(resource.RLIMIT_MEMLOCK)

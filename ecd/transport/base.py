@@ -117,8 +117,8 @@ class Transport(abc.ABC):
     it), instance (a name unique to this daemon run, "ecd:NODE:EPOCH"; "" for a made-up one).
     A library it needs that does not import: TransportUnavailable from the constructor.
 
-    What the daemon asks of a transport's class, instead of testing its name: `has_data_listener`
-    and `owner_sees_send` (capabilities), and check_config() (its own `[cluster]` checks).
+    What the daemon asks of a transport's class, instead of testing its name: `has_data_listener`,
+    `owner_sees_send` and `pins_pool` (capabilities), and check_config() (its own `[cluster]` checks).
     """
 
     name: str
@@ -136,6 +136,9 @@ class Transport(abc.ABC):
     # wildcard). False (nixl: UCX listens by itself): data_listen does not apply, and the data
     # address the daemon announces only names it (its control port, unique on its host).
     has_data_listener: bool = True
+    # Non-empty when the transport pins the host pool in the daemon (nixl: UCX registers it), so
+    # `ecd doctor` checks RLIMIT_MEMLOCK against the pool's size: says how, for its finding.
+    pins_pool: str = ""
 
     @classmethod
     def check_config(cls, cluster: "ClusterSection") -> None:

@@ -87,6 +87,7 @@ class NixlTransport(Transport):
     name = "nixl"
     owner_sees_send = False  # READs are one-sided: the puller reports completion (peer_done)
     has_data_listener = False  # UCX opens its own listener (its address is in the agent metadata)
+    pins_pool = "registers it with UCX in the daemon"
 
     @classmethod
     def check_config(cls, cluster: "ClusterSection") -> None:
