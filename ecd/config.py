@@ -90,7 +90,7 @@ class HostPoolSection(Section):
     # "memfd": sealed memfds handed to local clients over the fd socket beside the control socket
     # (no name in /dev/shm; nobody can truncate them; clients in other IPC namespaces reach them).
     # "named": files /dev/shm/ecd.<node>.<n> that clients open by name (any member of node.group
-    # can ftruncate one: ecd/daemon/tiers/host_integrity.py limits the damage; see docs/SECURITY.md).
+    # can ftruncate one: ecd/daemon/tiers/host.py limits the damage; see docs/SECURITY.md).
     backing: str = "memfd"
 
     def __post_init__(self) -> None:

@@ -33,9 +33,10 @@ from .control.fd_server import FdServer
 from .control.handlers import daemon_stats
 from .ops.metrics import MetricsServer, bind_listener, make_registry
 from .ops.security import CurveAuth, check_security
-from .registry.entries import StoreLimits
 from .control.sessions import Sessions
 from .registry.store import Store
+from .tiers.base import LowerTier, NullTier
+from .tiers.host import HostTier
 from .ops.systemd import Notifier
 
 log = logging.getLogger("ecd.daemon")
@@ -44,7 +45,7 @@ HEARTBEAT_INTERVAL_S = 0.1  # ring heartbeat; clients distrust a ring silent for
 EXPIRY_INTERVAL_S = 0.25  # write-TTL and pin sweep
 STATUS_INTERVAL_S = 5.0  # sd_notify STATUS= refresh
 DRAIN_POLL_S = 0.05  # how often a draining daemon checks whether anything is left in flight
-POOL_CHECK_INTERVAL_S = 0.25  # how often the pool files' sizes are checked (tiers/host_integrity.py)
+POOL_CHECK_INTERVAL_S = 0.25  # how often the pool files' sizes are checked (tiers/host.py)
 SESSION_SWEEP_S = 0.25  # how often sessions that must heartbeat are checked for silence
 
 
@@ -95,7 +96,8 @@ class Daemon:
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
         self.cluster: Any = None  # the peer plane (cluster.Cluster), with [cluster] listen
-        self.disk: Any = None  # the disk tier (disk_tier.DiskTier), with [pool.disk]
+        # the tier below the host pool: the disk tier (tiers/disk.DiskTier) with [pool.disk], else one that holds nothing
+        self.disk: LowerTier = NullTier()
         self.control = ControlLoop(self, self.counters)  # the ROUTER loop and the request handlers
         self._stopping: asyncio.Event | None = None
         self._force_stop = asyncio.Event()
@@ -240,7 +242,6 @@ class Daemon:
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
         self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
-        self.store_limits = self.build_store_limits()
         if host.backing == "named" and not kernel_copy.available():
             log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                         "after a size check, and a pool file truncated in between would crash the daemon")
@@ -280,15 +281,6 @@ class Daemon:
         if self.arenas is not None:
             labels += [a.label for a in self.arenas]
         return labels
-
-    def build_store_limits(self) -> StoreLimits:
-        leases, limits = self.config.leases, self.config.limits
-        return StoreLimits(
-            max_key_bytes=limits.max_key_bytes, max_batch=limits.max_batch, max_ndim=limits.max_ndim,
-            max_waiters_per_client=limits.max_waiters_per_client,
-            max_leases_per_client=limits.max_leases_per_client,
-            max_pins_per_client=limits.max_pins_per_client, write_ttl=float(leases.write_ttl),
-            max_pin=float(leases.max_pin), max_wait=float(leases.max_wait))
 
     def _bind(self) -> None:
         self.ctx = zmq.Context(io_threads=1)
@@ -374,20 +366,20 @@ class Daemon:
         # prepare() made these
         assert self.pool is not None and self.ring is not None and self.connections is not None
         assert self.sock is not None
-        self.store = Store([seg.size for seg in self.pool.segments], self.ring, self.loop,
-                           self.store_limits, namespaces=self.config.namespaces,
-                           arena_sizes=[a.size for a in self.arenas] if self.arenas is not None else [])
-        # pool_integrity's checks: only the named files can be truncated (memfds are sealed), so in
-        # the memfd mode gets, commits and the timer pay nothing for them
-        self.store.segments = self.pool.segments if self.config.pool.host.backing == "named" else ()
+        # the truncation checks (tiers/host.py): only the named files can be truncated (memfds are
+        # sealed), so in the memfd mode gets, commits and the timer pay nothing for them
+        host = HostTier([seg.size for seg in self.pool.segments],
+                        [a.size for a in self.arenas] if self.arenas is not None else [],
+                        segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
+        self.store = Store(host, self.disk, self.ring, self.loop, self.config.limits, self.config.leases,
+                           namespaces=self.config.namespaces)
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, self.control.schedule_drain)
         if self.cluster is not None:
             self.cluster.start()
         if self.fd_server is not None:
             self.fd_server.start(self.loop)
-        if self.disk is not None:
-            self.disk.attach(self.store, self.loop, self.pool.segments)
+        self.disk.attach(self.store, self.loop, self.pool.segments)
         if self.metrics_listener is not None:
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state,
                                                 max_connections=self.config.metrics.max_connections)
@@ -403,7 +395,7 @@ class Daemon:
                  self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status)),
                  self.loop.create_task(self._every(SESSION_SWEEP_S, self._sweep_sessions)),
                  # a pool file truncated while no request comes: its cut entries go within this
-                 self.loop.create_task(self._every(POOL_CHECK_INTERVAL_S, self.store.check_pools))]
+                 self.loop.create_task(self._every(POOL_CHECK_INTERVAL_S, self.store.host.check_pools))]
         if self.notifier.watchdog_interval:
             # From the loop itself: a wedged loop stops the pings and systemd restarts the daemon.
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
@@ -463,7 +455,7 @@ class Daemon:
         while self.loop.time() < deadline and not self._force_stop.is_set():
             # cheap checks (no full stats): this runs every DRAIN_POLL_S
             if (not self.store.writes_in_progress() and not self.store.waiters
-                    and not (self.disk is not None and self.disk.writes)):
+                    and not self.disk.writes):
                 return
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._force_stop.wait(), DRAIN_POLL_S)
@@ -516,9 +508,8 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        if self.disk is not None:
-            self.disk.close()  # its threads stop touching the pools before those are unmapped
-            self.disk = None
+        self.disk.close()  # its threads stop touching the pools before those are unmapped
+        self.disk = NullTier()
         if self.fd_server is not None:
             self.fd_server.close()
             self.fd_server = None

@@ -15,9 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import ArenaInfo
     from .control.connections import Connections
     from .control.loop import ServeCounters
-    from .registry.entries import StoreLimits
     from .ops.security import CurveAuth
     from .control.sessions import Sessions
+    from .tiers.base import LowerTier
     from .registry.store import Store
 
 
@@ -44,10 +44,9 @@ class DaemonView(Protocol):
     curve: "CurveAuth | None"
     metrics_server: Any
     cluster: Any  # the peer plane (cluster.Cluster) or None
-    disk: Any  # the disk tier (disk_tier.DiskTier) or None
+    disk: "LowerTier"  # below the host pool: the disk tier (tiers/disk.DiskTier), or a NullTier
     max_connections: int
 
     def arena_infos(self) -> list["ArenaInfo"]: ...
     def pool_labels(self) -> list[str]: ...
-    def build_store_limits(self) -> "StoreLimits": ...
     def apply_connection_limits(self) -> None: ...

@@ -8,7 +8,7 @@ small fails at start with a clear message instead of SIGBUS-ing a client mid-cop
 A pool file is 0660, so any member of the group can also ftruncate it; the daemon keeps each
 file it created open to notice that (`current_size`, one fstat), to give it back its size and
 memory (`restore`), and to copy in and out of it without faulting on a page that is gone
-(`write_at`, `read_into`): ecd/daemon/tiers/host_integrity.py says what the daemon does about the lost bytes.
+(`write_at`, `read_into`): ecd/daemon/tiers/host.py says what the daemon does about the lost bytes.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ passes it (ecd/daemon/control/fd_server.py, SCM_RIGHTS), so a client in a contai
 namespace and its own /dev/shm maps the same pages as one on the host. Each segment is sealed
 against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW), then against further seals
 (F_SEAL_SEAL): ftruncate by anyone, the daemon included, fails with EPERM, so the SIGBUS that a
-truncated /dev/shm file deals (ecd/daemon/tiers/host_integrity.py) cannot happen. The ring is also sealed against
+truncated /dev/shm file deals (ecd/daemon/tiers/host.py) cannot happen. The ring is also sealed against
 future writes (F_SEAL_FUTURE_WRITE, Linux 5.1) once the daemon has mapped it: the read-only
 descriptor clients get cannot be re-opened writable through /proc/self/fd (a memfd's inode is
 mode 0777), nor mapped PROT_WRITE, nor written.

@@ -1,4 +1,4 @@
-"""The store's answer to a truncated pool file (ecd/daemon/tiers/host_integrity.py), driven directly:
+"""The store's answer to a truncated pool file (ecd/daemon/tiers/host.py), driven directly:
 the segment is a memfd this process truncates, as a group member would the /dev/shm file. Nothing
 here touches the mapping past a cut (that would be SIGBUS in the test runner); the daemon-level
 attack is tests/security/test_pool_truncation.py."""
@@ -21,7 +21,7 @@ def events(env: Env) -> list[tuple[int, int]]:
 def test_a_shrunk_segment_is_restored_and_only_the_cut_entries_go():
     env = Env(pool_sizes=(8 * A,))
     segment = pool_segment(8 * A)
-    env.store.segments = [segment]
+    env.store.host.segments = [segment]
     writer, reader = env.session(), env.session()
     for i in range(4):
         extent = env.alloc(writer, f"k{i}")
@@ -33,7 +33,7 @@ def test_a_shrunk_segment_is_restored_and_only_the_cut_entries_go():
     env.events()
 
     os.ftruncate(segment.fd, k2.offset + 100)  # k0, k1 whole; k2, k3 and w cut
-    env.store.check_pools()
+    env.store.host.check_pools()
 
     assert os.fstat(segment.fd).st_size == 8 * A, "restored"
     assert [env.present(f"k{i}") for i in range(4)] == [True, True, False, False]
@@ -47,20 +47,20 @@ def test_a_shrunk_segment_is_restored_and_only_the_cut_entries_go():
     assert env.store.release(reader, held.generation) is None  # the retired k3 is freed now
     assert all(not isinstance(r, Location) for r in env.get(reader, ["k2", "k3"]))
     env.check()
-    env.store.check_pools()  # whole again: nothing more happens
+    env.store.host.check_pools()  # whole again: nothing more happens
     assert env.store.counters["pool_truncations"] == 1
 
 
 def test_a_reservation_the_cut_took_sends_its_put_the_alloc_way():
     env = Env(pool_sizes=(8 * A,))
     segment = pool_segment(8 * A)
-    env.store.segments = [segment]
+    env.store.host.segments = [segment]
     writer = env.reserving(env.session())
     env.put(writer, "k0")
     reservation = env.store.reserve(writer, A)
     assert isinstance(reservation, Extent)
     os.ftruncate(segment.fd, reservation.offset)
-    env.store.check_pools()
+    env.store.host.check_pools()
     refused = env.store.publish(writer, "ns", reservation.generation, item("r"))
     assert refused is not None and refused.code == Code.STALE and "truncated" in refused.message
     assert env.present("k0") and not env.present("r")

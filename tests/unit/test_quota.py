@@ -298,14 +298,14 @@ def test_random_operations_keep_quotas_guarantees_and_invariants():
     sessions = [env.session() for _ in range(3)]
     current = {"ns": None}
     evicted = []
-    real_evict = store._evict
+    real_evict = store.placement.evict
 
     def spy(victim, counter):
         before = store.ns_used[victim.ns]
         real_evict(victim, counter)
         evicted.append((victim.ns, counter, before - store.ns_used.get(victim.ns, 0), current["ns"]))
 
-    store._evict = spy
+    store.placement.evict = spy
     names = ["q", "g", "h", "u", "v"]
     for step in range(3000):
         s = rng.choice(sessions)

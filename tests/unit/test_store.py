@@ -16,8 +16,11 @@ import pytest
 from ecd.errors import Code
 from ecd.memory.allocator import ALIGNMENT, align_up
 from ecd.memory.ring import ABSENT, SHARED, EventKind, RingReader, RingWriter, key_hash, ring_bytes
-from ecd.daemon.registry.entries import RequestError, State, StoreLimits
+from ecd.config import LeasesSection, LimitsSection
+from ecd.daemon.registry.entries import RequestError, State
 from ecd.daemon.registry.store import Store
+from ecd.daemon.tiers.base import NullTier
+from ecd.daemon.tiers.host import HostTier
 from ecd.protocol import AllocItem, Extent, Failure, Location
 
 A = ALIGNMENT
@@ -85,15 +88,24 @@ def item(key: str, nbytes: int = A, dtype: str = "uint8") -> AllocItem:
     return AllocItem(key, dtype, [nbytes // itemsize], nbytes)
 
 
+LEASE_KEYS = ("write_ttl", "max_pin", "max_wait")
+
+
+def store_limits(**limits) -> tuple[LimitsSection, LeasesSection]:
+    """[limits] and [leases] as node.toml would give them, with these values (of either section)."""
+    leases = {k: limits.pop(k) for k in LEASE_KEYS if k in limits}
+    return LimitsSection(**limits), LeasesSection(**leases)
+
+
 class Env:
-    def __init__(self, pool_sizes=(4 * A,), namespaces=None, **limits) -> None:
+    def __init__(self, pool_sizes=(4 * A,), namespaces=None, arena_sizes=(), lower_tier=None, **limits) -> None:
         self.clock = FakeClock()
         self.sched = FakeScheduler()
         self.buf = mmap.mmap(-1, ring_bytes(SLOTS, BUCKETS))
         self.ring = RingWriter(self.buf, SLOTS, BUCKETS, epoch=1)
         self.reader = RingReader(self.buf, SLOTS, BUCKETS)
-        self.store = Store(list(pool_sizes), self.ring, self.sched, StoreLimits(**limits),
-                           clock=self.clock, namespaces=namespaces)
+        self.store = Store(HostTier(list(pool_sizes), list(arena_sizes)), lower_tier or NullTier(), self.ring,
+                           self.sched, *store_limits(**limits), clock=self.clock, namespaces=namespaces)
         self._ids = itertools.count(1)
 
     def session(self):
@@ -127,7 +139,7 @@ class Env:
         return (ns, key) in self.store.index
 
     def used(self, pool: int = 0) -> int:
-        return self.store.allocators[pool].used
+        return self.store.host.allocators[pool].used
 
     def events(self) -> list[tuple[int, int, int]]:
         polled = self.reader.poll()
@@ -146,7 +158,7 @@ class Env:
         # spilled key stays present), nothing else; the shared table says ABSENT exactly where a
         # counter is zero, and names a key hash only where every present key in the bucket has it
         # (SHARED otherwise)
-        present = {(e.ns, e.key) for e in ready} | (set(store.disk.records) if store.disk is not None else set())
+        present = {(e.ns, e.key) for e in ready} | {(r.ns, r.key) for r in store.lower_tier.listing()}
         expected = collections.Counter(key_hash(ns, key) & (BUCKETS - 1) for ns, key in present)
         actual = {b: int(n) for b, n in enumerate(self.ring.counts) if n}
         assert actual == dict(expected)
@@ -160,7 +172,7 @@ class Env:
                 assert hashes[bucket] == {word}
         # allocator bytes are exactly those of entries and reservations holding extents
         reservations = list(store.reservations.values())
-        for pool, allocator in enumerate(store.allocators):
+        for pool, allocator in enumerate(store.host.allocators):
             want = (sum(align_up(max(e.nbytes, 1)) for e in entries if e.pool == pool)
                     + sum(r.size for r in reservations if r.pool == pool))
             assert allocator.used == want, f"pool {pool}: used {allocator.used}, entries hold {want}"
@@ -169,7 +181,7 @@ class Env:
         for r in reservations:
             assert r.owner.reservation is r and r.generation not in store.by_generation
         # entries' and reservations' extents and the free ones tile each pool exactly
-        for pool, allocator in enumerate(store.allocators):
+        for pool, allocator in enumerate(store.host.allocators):
             spans = sorted([(e.offset, align_up(max(e.nbytes, 1))) for e in entries if e.pool == pool]
                            + [(r.offset, r.size) for r in reservations if r.pool == pool]
                            + allocator.free_extents())
@@ -190,12 +202,13 @@ class Env:
         want_ready = {ns: sum(align_up(max(e.nbytes, 1)) for e in ready if e.ns == ns) for ns in store.guarantees}
         assert store.guaranteed_ready == want_ready
         # each quota'd namespace's LRU is the global LRU order restricted to it
-        assert set(store._quota_lru) == set(store.quotas)
-        for ns, lru in store._quota_lru.items():
+        placement = store.placement
+        assert set(placement.quota_lru) == set(store.quotas)
+        for ns, lru in placement.quota_lru.items():
             assert list(lru) == [g for g, e in store.evictable.items() if e.ns == ns]
-            assert store._quota_evictable_bytes[ns] == sum(align_up(max(e.nbytes, 1)) for e in lru.values())
+            assert placement.quota_evictable_bytes[ns] == sum(align_up(max(e.nbytes, 1)) for e in lru.values())
         # reader and pin counts agree with the sessions
-        sessions = list(store._sessions.values())
+        sessions = list(store.each_session())
         for s in sessions:
             assert s.parked_keys == sum(len(w.keys) for w in s.waiters)
         for e in entries:
@@ -209,13 +222,13 @@ class Env:
             for w in s.waiters:
                 for key in w.missing:
                     assert w in store.waiters[(w.ns, key)]
-        if store.disk is not None:
+        if store.lower_tier.persists:  # the disk tier
             self.check_disk()
 
     def check_disk(self) -> None:
         """The disk tier: its bytes are its records' and within its budget; a key's record and
         its READY entry coexist only when they hold the same bytes (the same generation)."""
-        disk = self.store.disk
+        disk = self.store.lower_tier
         records = list(disk.records.values())
         assert disk.used == sum(r.size for r in records) <= disk.capacity
         for (ns, key), record in disk.records.items():
@@ -1100,10 +1113,10 @@ def test_forced_eviction_revokes_only_the_leases_of_sessions_nothing_watches():
     env.put(watched, "remote-only")
     both = [env.lease(watched, "both"), env.lease(unwatched, "both")][0]
     env.lease(unwatched, "remote-only")
-    used = env.store.allocators[0].used
+    used = env.store.host.allocators[0].used
     assert env.store.evict("ns", ["both", "remote-only"], False, False, True) == (2, [], [], [both.generation])
     assert unwatched.leases == {} and watched.leases == {both.generation: 1}
-    assert env.store.allocators[0].used < used  # remote-only is freed at once
+    assert env.store.host.allocators[0].used < used  # remote-only is freed at once
     assert env.store.release(watched, both.generation) is None
     env.check()
 
@@ -1119,7 +1132,7 @@ def test_deadline_heap_stays_proportional_to_live_deadlines():
         env.put(s, f"k{i % 100}")
         env.clock.now += 0.001
         env.store.exists(s, "ns", ["pinned"], pin_s=100)  # extends the pin: the old deadline dies
-    assert len(env.store._deadlines) < 10_000
+    assert len(env.store.deadlines) < 10_000
     assert env.store.by_generation[pending.generation].state is State.WRITING
     env.clock.now += 60
     env.store.expire()

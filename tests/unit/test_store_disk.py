@@ -34,7 +34,7 @@ def payload(key: str, n: int = ENTRY) -> bytes:
 
 def pool_segment(size: int) -> ShmFile:
     """A pool segment as the daemon has it (the mapping and its file's fd: spills pread it), on a
-    memfd, allocated up front as the daemon's are (a page missing means a cut: ecd/daemon/tiers/host_integrity.py)."""
+    memfd, allocated up front as the daemon's are (a page missing means a cut: ecd/daemon/tiers/host.py)."""
     fd = os.memfd_create("ecd-test-pool", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     os.posix_fallocate(fd, 0, size)
@@ -43,12 +43,12 @@ def pool_segment(size: int) -> ShmFile:
 
 class DiskEnv(Env):
     def __init__(self, path: str, loop, size: str = "16MiB", **disk) -> None:
-        super().__init__(pool_sizes=(POOL,))
-        self.store.scheduler = loop  # parked requests and promotions need real timers and tasks
-        self.segments = [pool_segment(POOL)]
         cfg = load_config({"pool": {"disk": {"path": path, "size": size, "min_spill_size": 0, **disk}}}).pool.disk
         self.disk = DiskTier(cfg, epoch=7)
         self.disk.open()
+        super().__init__(pool_sizes=(POOL,), lower_tier=self.disk)
+        self.store.scheduler = loop  # parked requests and promotions need real timers and tasks
+        self.segments = [pool_segment(POOL)]
         self.disk.attach(self.store, loop, self.segments)
         self.writer = self.session()
 
@@ -518,19 +518,15 @@ def test_a_key_deleted_while_its_spill_is_written_never_reaches_the_directory(ti
     """A crash right after the write finished, before the loop saw it, must not leave a record
     a restart would serve: the write sees the deletion before it renames its file into place."""
     from ecd.memory import disk as files
-    body, release, finished = files._write_body, threading.Event(), threading.Event()
+    release, finished = threading.Event(), threading.Event()
 
-    def held_body(*args):
+    def write_record(*args, **kwargs):  # held on its worker thread until the key is deleted
         assert release.wait(10)
-        body(*args)
-
-    def write_record(*args, **kwargs):
         try:
             return real_write(*args, **kwargs)
         finally:
             finished.set()
     real_write = files.write_record
-    monkeypatch.setattr(files, "_write_body", held_body)
     monkeypatch.setattr(files, "write_record", write_record)
 
     async def main():
@@ -587,7 +583,7 @@ def test_a_delete_is_answered_once_its_record_is_removed_durably_off_the_loop(ti
 
 
 def test_the_preference_for_entries_on_disk_looks_only_so_far_into_the_lru_order(tier_dir, monkeypatch):
-    from ecd.daemon import placement
+    from ecd.daemon.registry import placement
     monkeypatch.setattr(placement, "CLEAN_FIRST_WALK", 2)  # k0 (on disk) is third least recently used
 
     async def main():
@@ -656,7 +652,7 @@ def test_a_delete_while_a_promotion_reads_the_record_waits_for_its_removal(tier_
         (result,) = await get
         assert isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND
         await env.settle()
-        assert env.disk.removals_since(env.disk.removal_mark()) is None and not env.disk._removals_after_reads
+        assert env.disk.removals_since(env.disk.removal_mark()) is None and not env.disk.removals_held_by_reads
         env.check()
         env.disk.close()
     run(main())

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ecd.daemon.registry.entries import RequestError, StoreLimits
-from ecd.daemon.registry.store import Store
+from ecd.daemon.registry.entries import RequestError
 from ecd.errors import Code
 from ecd.protocol import Extent, Failure
 
@@ -16,9 +15,7 @@ HOST, ARENA0, ARENA1 = 0, 1, 2  # one host segment, then two arenas
 
 class TierEnv(Env):
     def __init__(self, host=(4 * A,), arenas=(4 * A, 8 * A), namespaces=None, **limits) -> None:
-        super().__init__(host, namespaces, **limits)
-        self.store = Store(list(host), self.ring, self.sched, StoreLimits(**limits), clock=self.clock,
-                           namespaces=namespaces, arena_sizes=list(arenas))
+        super().__init__(host, namespaces, arena_sizes=arenas, **limits)
 
     def alloc_in(self, session, key, nbytes=A, arena=-1, ns="ns"):
         return self.store.alloc(session, ns, item(key, nbytes), self.store.tier(arena))
@@ -36,8 +33,8 @@ def env() -> TierEnv:
 
 
 def test_pool_indices_host_first_then_arenas(env):
-    assert env.store.host_pools == (HOST,) and env.store.arena_pools == (ARENA0, ARENA1)
-    assert [a.capacity for a in env.store.allocators] == [4 * A, 4 * A, 8 * A]
+    assert env.store.host.host_pools == (HOST,) and env.store.host.arena_pools == (ARENA0, ARENA1)
+    assert [a.capacity for a in env.store.host.allocators] == [4 * A, 4 * A, 8 * A]
     env.check()
 
 

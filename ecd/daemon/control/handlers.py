@@ -53,7 +53,7 @@ class Handlers:
         """The request's answer, or None when it is answered later. A request that removed disk
         records is answered once they are gone for good: a key deleted or replaced must not come
         back at the next start (the unlinks run on the disk tier's worker threads)."""
-        if self.d.disk is None or not isinstance(request, REMOVES_RECORDS):
+        if not isinstance(request, REMOVES_RECORDS):
             return self._dispatch(identity, session, request)
         self._removal_mark = self.d.disk.removal_mark()
         try:
@@ -87,7 +87,7 @@ class Handlers:
                 store.check_batch(len(items))
                 pools = store.tier(arena)
                 extents = [store.alloc(session, ns, item, pools) for item in items]
-                store.check_fresh(extents)  # a truncated pool file is whole again before the client copies
+                store.host.check_fresh(extents)  # a truncated pool file is whole again before the client copies
                 return Allocated(rid, extents)
             case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums, persist=persist):
                 store.check_batch(len(generations))
@@ -97,7 +97,7 @@ class Handlers:
                     raise RequestError(Code.INVALID, f"{len(checksums)} checksums for "
                                                      f"{len(generations)} generations")
                 checksums = checksums or [0] * len(generations)
-                store.check_generations(generations)  # what a pool truncation took is refused
+                store.host.check_generations(generations)  # what a pool truncation took is refused
                 # the reservation goes in the tier of the first committed item (host if none)
                 tier = store.tier_of(generations[0]) if reserve and generations else None
                 committed = [store.commit(session, g, c) for g, c in zip(generations, checksums)]
@@ -108,7 +108,7 @@ class Handlers:
                 if persist:
                     self.check_persist(session, [generation])
                 tier = store.tier_of(generation) if reserve else None  # the reservation's own tier
-                store.check_generations([generation])
+                store.host.check_generations([generation])
                 result = store.publish(session, ns, generation, item, checksum)
                 reservation = store.reserve(session, reserve, tier) if reserve else None
                 return self._committed(identity, session, rid, [generation], [result], reservation, persist)
@@ -153,13 +153,12 @@ class Handlers:
     def _removed(self) -> "asyncio.Future[None] | None":
         """Done once the disk records this request removed (a delete, an eviction, a put that
         replaced a key) are gone from the directory durably; None when it removed none."""
-        disk = self.d.disk
-        return disk.removals_since(self._removal_mark) if disk is not None and self._removal_mark >= 0 else None
+        return self.d.disk.removals_since(self._removal_mark) if self._removal_mark >= 0 else None
 
     def check_persist(self, session: Session, generations: list[int]) -> None:
         """A put asking for persist on a daemon without a disk tier is refused whole (its writes
         aborted), never stored quietly in memory alone."""
-        if self.d.disk is not None:
+        if self.d.disk.persists:
             return
         for generation in generations:
             self.d.store.abort(session, generation)
@@ -177,7 +176,7 @@ class Handlers:
 
     def persist(self, identity: bytes, session: Session, rid: int, generations: list[int],
                 results: list[Failure | None], reply: Callable[[list[Failure | None]], Any]) -> None:
-        """Answer a committed put once its entries are durable on disk (disk_tier.persist)."""
+        """Answer a committed put once its entries are durable on disk (DiskTier.persist)."""
         store = self.d.store
         entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
         durable: asyncio.Future = self.d.disk.persist(entries)
@@ -235,9 +234,8 @@ class Handlers:
 
     def _key_info(self, e: Any, now: float) -> KeyInfo:
         """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
-        disk = self.d.disk
         if isinstance(e, Entry):
-            tier = "memory+disk" if disk is not None and disk.clean(e) else "memory"
+            tier = "memory+disk" if self.d.disk.clean(e) else "memory"
             return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                            now - e.last_access, e.readers, e.pins, tier)
         header = e.header
@@ -275,8 +273,8 @@ class Handlers:
         for _ in range(2):
             if segment.write_at(placed.offset, request.data) == len(request.data):
                 return None
-            store.check_pool(placed.pool)  # restored; this write is marked cut, but is written again
-            store.cut_writes.pop(placed.generation, None)
+            store.host.check_pool(placed.pool)  # restored; this write is marked cut, but is written again
+            store.host.forget_cut(placed.generation)
         store.abort(session, placed.generation)
         store.counters["truncated_writes_refused"] += 1
         return Failure(Code.CORRUPT, f"inline put of {request.key!r} not stored: host pool segment {placed.pool} "
@@ -299,7 +297,7 @@ class Handlers:
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
             sorted(self.d.store.verify_namespaces), self.d.arena_infos(),
-            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk is not None,
+            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk.persists,
             self.d.fd_socket_name))
         return "ok"
 
@@ -310,7 +308,7 @@ def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
     states = store.count_states()
     leases, pins, waiters = store.lease_totals()
     reservations, reserved_bytes = store.reservation_totals()
-    pools = [(a.capacity, a.used) for a in store.allocators]
+    pools = [(a.capacity, a.used) for a in store.host.allocators]
     c = store.counters
     return DaemonStats(
         node=d.node, epoch=d.epoch, version=__version__,
@@ -323,14 +321,14 @@ def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=d.disk.stats() if d.disk is not None else None, sessions=d.sessions.listing(), **cluster_stats(d))
+        disk=d.disk.stats(), sessions=d.sessions.listing(), **cluster_stats(d))
 
 
 def cluster_stats(d: "DaemonView") -> dict[str, Any]:
     """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
     peer plane's internal sessions."""
     cluster = d.cluster
-    internal = d.disk.internal_sessions if d.disk is not None else 0  # the disk tier's own session
+    internal = d.disk.internal_sessions  # the disk tier's own session
     if cluster is None:
         return {"clients": d.store.sessions - internal}
     return {"clients": d.store.sessions - cluster.internal_sessions - internal, "cluster_listen": cluster.listen,

@@ -8,7 +8,6 @@ a tiny asyncio server on the daemon's own loop: GET /metrics and GET /healthz, n
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import socket
 import sys
@@ -22,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from ... import __version__
 from ...listeners import bind_tcp_listener
 from ..registry.entries import State
+from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,16 +45,15 @@ class RequestStats:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
-        self._hist: dict[str, list] = {}  # op -> [bucket counts..., +Inf count, sum]
+        self._hist: dict[str, Histogram] = {}  # by op
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
         key = (op, outcome)
         self.counts[key] = self.counts.get(key, 0) + 1
         hist = self._hist.get(op)
         if hist is None:
-            hist = self._hist[op] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0]
-        hist[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        hist[-1] += seconds
+            hist = self._hist[op] = Histogram(LATENCY_BUCKETS)
+        hist.observe(seconds)
 
     def by_op(self) -> dict[str, int]:
         totals: dict[str, int] = {}
@@ -64,11 +63,7 @@ class RequestStats:
 
     def histograms(self) -> Iterator[tuple[str, list[tuple[str, int]], float]]:
         for op, hist in self._hist.items():
-            cumulative, buckets = 0, []
-            for bound, n in zip(LATENCY_BUCKETS + (float("inf"),), hist[:-1]):
-                cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            yield op, buckets, hist[-1]
+            yield op, hist.buckets(), hist.sum
 
 
 class DaemonCollector:
@@ -123,7 +118,7 @@ class DaemonCollector:
                                  "cuda<ordinal> arenas", labels=["pool"])
         capacity = GaugeMetricFamily("ecd_pool_capacity_bytes", "Size of each pool: host<n> segments, "
                                      "cuda<ordinal> arenas", labels=["pool"])
-        for label, allocator in zip(d.pool_labels(), store.allocators):
+        for label, allocator in zip(d.pool_labels(), store.host.allocators):
             used.add_metric([label], allocator.used)
             capacity.add_metric([label], allocator.capacity)
         yield used
@@ -211,12 +206,11 @@ class DaemonCollector:
             yield shed
 
         internal = d.cluster.internal_sessions if d.cluster is not None else 0
-        internal += d.disk.internal_sessions if d.disk is not None else 0
+        internal += d.disk.internal_sessions
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
         if d.cluster is not None:
             yield from peer_metrics(d.cluster)
-        if d.disk is not None:
-            yield from disk_metrics(d.disk)
+        yield from d.disk.metric_families()
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
@@ -231,54 +225,14 @@ class DaemonCollector:
                                         labels=["where"])
         for where, n in sorted(d.counters.integrity_failures.items()):
             integrity.add_metric([where], n)
-        if d.disk is not None:  # records found corrupt on disk (never served, removed)
-            integrity.add_metric(["disk"], d.disk.counters["integrity_failures"])
+        for where, n in d.disk.integrity_failures().items():  # the lower tier's records found corrupt
+            integrity.add_metric([where], n)
         yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
         info = InfoMetricFamily("ecd_build", "ecd build information")
         info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
         yield info
-
-
-def disk_metrics(disk) -> Iterator:
-    """The disk tier ([pool.disk], disk_tier.DiskTier)."""
-    from ..tiers.disk import DROP_REASONS
-    yield GaugeMetricFamily("ecd_disk_capacity_bytes", "The disk tier's byte budget ([pool.disk] size)",
-                            value=disk.capacity)
-    yield GaugeMetricFamily("ecd_disk_used_bytes", "Bytes of records on disk (headers and padding included)",
-                            value=disk.used)
-    yield GaugeMetricFamily("ecd_disk_entries", "Records on disk (spilled and persisted)", value=len(disk.records))
-    yield GaugeMetricFamily("ecd_disk_degraded", "1 while the disk tier's filesystem refuses writes (full or "
-                            "read-only: records still served, writes fail, probed every second), else 0",
-                            value=1 if disk.health.degraded else 0)
-    yield GaugeMetricFamily("ecd_disk_writes_in_flight", "Spills and write-throughs being written", value=disk.writes)
-    yield GaugeMetricFamily("ecd_disk_spill_buffer_bytes", "Evicted bytes waiting in RAM for their spill",
-                            value=disk.staging_alloc.used if disk.staging_alloc is not None else 0)
-    c = disk.counters
-    yield CounterMetricFamily("ecd_disk_spills", "Entries evicted from the host pool and written to disk",
-                              value=c["spills"])
-    dropped = CounterMetricFamily("ecd_disk_spills_dropped", "Evicted entries not spilled, by reason: too_small "
-                                  "(min_spill_size), too_large, disk_full (persisted records fill it), backlog "
-                                  "(spill_buffer full), disabled (spill = false), failed (the write failed)",
-                                  labels=["reason"])
-    for reason in DROP_REASONS:
-        dropped.add_metric([reason], disk.dropped[reason])
-    yield dropped
-    yield CounterMetricFamily("ecd_disk_promotions", "Entries read back from disk into the host pool",
-                              value=c["promotions"])
-    yield CounterMetricFamily("ecd_disk_promotion_failures", "Reads of disk records that failed (see "
-                              "ecd_disk_errors_total and ecd_integrity_failures_total)", value=c["promotion_failures"])
-    yield CounterMetricFamily("ecd_disk_evictions", "Spilled records dropped for room on disk",
-                              value=c["disk_evictions"])
-    errors = CounterMetricFamily("ecd_disk_errors", "Failed disk operations by kind (enospc, eio, readonly, "
-                                 "missing, full, io, shutdown)", labels=["kind"])
-    for kind, n in sorted(disk.errors.items()):
-        errors.add_metric([kind], n)
-    yield errors
-    hist = disk.persist_latency
-    yield HistogramMetricFamily("ecd_disk_write_through_seconds", "put(persist=True): commit to durable on disk",
-                                buckets=hist.buckets(), sum_value=hist.sum)
 
 
 def peer_metrics(cluster) -> Iterator:

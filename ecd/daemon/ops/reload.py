@@ -99,7 +99,7 @@ def reload_config(daemon: "DaemonView") -> None:
                     key, old_flat.get(key), new_flat.get(key))
     daemon.config = new
     logging.getLogger().setLevel(new.node.log_level.upper())
-    daemon.store.limits = daemon.build_store_limits()
+    daemon.store.set_limits(new.limits, new.leases)
     daemon.store.set_namespaces(new.namespaces)
     daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
     daemon.apply_connection_limits()

@@ -14,7 +14,6 @@ before the daemon unmaps its pools.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from ...transport.registry import make_transport
 from .fetch import Fetcher, check_fetch
 from .links import PeerLink, PeerLinks
 from .owner import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
+from ..ops.histogram import Histogram
 from ..ops.security import CurveAuth, cluster_curve, cluster_tls
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,24 +47,6 @@ FAILURE_REASONS = ("timeout", "connection", "refused", "protocol", "checksum", "
                    "serve_backlog", "serve_lease_limit", "serve_lookup_invalid", "serve_handshake_timeout",
                    "serve_refused", "serve_protocol", "serve_shed", "serve_busy")
 MAX_LABELS = 256  # peer labels kept in counters: node names are the peers' claims
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.bounds = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, cumulative = [], 0
-        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
-            cumulative += n
-            out.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        return out
 
 
 class PeerStats:

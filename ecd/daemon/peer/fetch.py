@@ -269,7 +269,7 @@ def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem]
     """On a transport thread: pull, then check each entry against its owner's checksum. The hash
     reads the mapping: a pool file a group member truncated meanwhile would fault it (SIGBUS), so
     its size is looked at first (one fstat); the commit's own check then drops what the cut took
-    (tiers/host_integrity.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
+    (tiers/host.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
     transport.pull(host, port, items, deadline)
     return [not want or (file.current_size() >= item.offset + item.nbytes
                          and checksum_of(item.buf, item.offset, item.nbytes) == want)

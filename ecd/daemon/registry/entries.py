@@ -1,4 +1,4 @@
-"""What the store keeps: entries and their states, client sessions, parked waiters, limits.
+"""What the store keeps: entries and their states, client sessions, parked waiters.
 
 Plain records with no behaviour beyond describing themselves; `store.Store` owns and changes
 them on the daemon's event loop (see its docstring for the entry life cycle).
@@ -27,7 +27,7 @@ class Entry:
     ns: str
     key: str
     dtype: str  # interned, as is ns: one string per distinct value, not one per entry
-    shape: tuple[int, ...]  # shared by the entries of one shape (Store._shared_shape)
+    shape: tuple[int, ...]  # shared by the entries of one shape (Store.shared_shape)
     nbytes: int
     pool: int
     offset: int
@@ -62,7 +62,7 @@ class Entry:
 
 @dataclass(slots=True, eq=False)
 class Reservation:
-    """An anonymous extent a client holds for its next put (reservations.Reservations): the
+    """An anonymous extent a client holds for its next put (reservations.Reserving): the
     client copies into it first and names it after (Publish), which makes it an Entry. It has no
     key, is never indexed, read or evicted; its bytes count toward `ns` (the namespace of the
     client's last commit) until it is published, handed back, expired or its client goes."""
@@ -115,19 +115,6 @@ class Cancellable(Protocol):
 
 class Scheduler(Protocol):
     def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable: ...
-
-
-@dataclass
-class StoreLimits:
-    max_key_bytes: int = 1024
-    max_batch: int = 16384
-    max_ndim: int = 16
-    max_waiters_per_client: int = 4096
-    max_leases_per_client: int = 1 << 20
-    max_pins_per_client: int = 1 << 20
-    write_ttl: float = 60.0
-    max_pin: float = 600.0
-    max_wait: float = 300.0
 
 
 class RequestError(Exception):

@@ -1,43 +1,49 @@
 """Operator requests on the registry: list keys (paged by the handler), evict keys, a namespace
 or everything (forced: also what is leased or pinned), and ask which generations are still held.
-Mixed into Store."""
+A part the Store owns (store.operator); keys the lower tier holds are listed and evicted too."""
 from __future__ import annotations
 
 import heapq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...memory.ring import EventKind
 from .entries import Entry
-from .state import RegistryState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import RecordSet
 
 EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
 
 
-class OperatorRequests(RegistryState):
+class OperatorRequests:
+    def __init__(self, records: "RecordSet") -> None:
+        self.r = records
+
     def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
         """(how many keys match, the first `limit` of them by namespace and key, after `after`
-        when given): READY entries, and disk-tier records (disk_tier.DiskRecord) of keys with none."""
-        matching: list[Any] = [e for e in self.index.values() if not ns or e.ns == ns]
-        if self.disk is not None:
-            matching += [r for k, r in self.disk.records.items() if (not ns or k[0] == ns) and k not in self.index]
+        when given): READY entries, and the lower tier's records (disk.DiskRecord) of keys with none."""
+        index = self.r.index
+        matching: list[Any] = [e for e in index.values() if not ns or e.ns == ns]
+        matching += [r for r in self.r.lower_tier.listing(ns or None) if (r.ns, r.key) not in index]
         if after is not None:
             later = [e for e in matching if (e.ns, e.key) > after]
             return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
         return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
 
-
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
               force: bool) -> tuple[int, list[str], list[str], list[int]]:
         """(evicted, refused because leased/pinned, missing, generations still draining readers)."""
+        r = self.r
+        index, lower = r.index, r.lower_tier
         if everything or whole_namespace:
-            targets = [e for e in self.index.values() if everything or e.ns == ns]
+            targets = [e for e in index.values() if everything or e.ns == ns]
             missing: list[str] = []
         else:
-            self.check_batch(len(keys))
+            r.check_batch(len(keys))
             # a key named twice is evicted once (a second removal of the same entry would fail)
-            targets = list({k: self.index[(ns, k)] for k in keys if (ns, k) in self.index}.values())
+            targets = list({k: index[(ns, k)] for k in keys if (ns, k) in index}.values())
             # capped like `refused`: the request's own keys echoed back could make a huge reply
-            missing = [k for k in keys if (ns, k) not in self.index][:EVICT_ECHO_MAX]
+            missing = [k for k in keys if (ns, k) not in index][:EVICT_ECHO_MAX]
         evicted = 0
         refused: list[str] = []
         draining: list[int] = []
@@ -48,35 +54,33 @@ class OperatorRequests(RegistryState):
                 continue
             if entry.readers:
                 self._revoke_unwatched_leases(entry)
-            self._remove(entry)
+            r.remove(entry)
             evicted += 1
             if entry.readers:
                 draining.append(entry.generation)
-        if self.disk is not None:  # keys only on the disk tier go too (their records and files)
-            if everything or whole_namespace:
-                on_disk = [k for k in self.disk.records if everything or k[0] == ns]
-            else:
-                on_disk = [(ns, k) for k in dict.fromkeys(keys) if (ns, k) not in self.index and self.disk.holds(ns, k)]
-                missing = [k for k in missing if not self.disk.holds(ns, k)]
-            for record_ns, key in on_disk:
-                if (record_ns, key) not in self.index:
-                    self.disk.drop(record_ns, key, EventKind.EVICTED)
-                    evicted += 1
+        # keys only the lower tier holds go too (their records and files)
+        if everything or whole_namespace:
+            below = [(record.ns, record.key) for record in lower.listing(None if everything else ns)]
+        else:
+            below = [(ns, k) for k in dict.fromkeys(keys) if (ns, k) not in index and lower.holds(ns, k)]
+            missing = [k for k in missing if not lower.holds(ns, k)]
+        for record_ns, key in below:
+            if (record_ns, key) not in index:
+                lower.drop(record_ns, key, EventKind.EVICTED)
+                evicted += 1
         return evicted, refused, missing, draining
-
 
     def _revoke_unwatched_leases(self, entry: Entry) -> None:
         """A forced eviction takes back the read leases of sessions the daemon cannot watch (tcp
         peers, processes whose identity the kernel could not vouch for): nothing tells the daemon
         such a holder is still alive, and its lease must not keep the bytes forever. A watched
         session's process is alive and may be reading: its lease drains normally."""
-        for session in self._sessions.values():
+        for session in self.r.each_session():
             if not session.watched:
                 count = session.leases.pop(entry.generation, 0)
                 entry.readers -= count
 
-
     def held(self, generations: list[int]) -> list[bool]:
-        self.check_batch(len(generations))
         """Whether each generation still holds its extent (an entry in any state, or a reservation)."""
-        return [g in self.by_generation or g in self.reservations for g in generations]
+        self.r.check_batch(len(generations))
+        return [g in self.r.by_generation or g in self.r.reservations for g in generations]

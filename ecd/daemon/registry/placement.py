@@ -1,39 +1,95 @@
 """Where a new extent goes, and what is evicted to make room for it: placement in a tier, LRU
 eviction planned before anything is evicted (nothing goes unless the hole it opens is big
 enough), namespace quotas (a namespace over its quota evicts its own LRU entries) and guaranteed
-shares (never evicted below them for another namespace). Mixed into Store: it works on the
-Store's allocators, index and LRU order (store.py says what they hold)."""
+shares (never evicted below them for another namespace), and the LRU order itself. A part the
+Store owns (store.placement): it works on the store's records (state.RecordSet: the index, the LRU
+order, the namespaces' bytes) and allocates through the host tier (tiers/host.py)."""
 from __future__ import annotations
 
-from typing import Callable
+import collections
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import Code
 from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.ring import EventKind
 from ...protocol import Failure
 from .entries import Entry
-from .state import RegistryState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import RecordSet
 
 
 # a promotion's preference for entries already on disk looks this far into the LRU order (~1 ms)
 CLEAN_FIRST_WALK = 4096
 
 
-class Placement(RegistryState):
-    def _quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
+class Placement:
+    def __init__(self, records: "RecordSet") -> None:
+        self.r = records
+        # Each quota'd namespace's evictable entries in LRU order, and their bytes: kept with the
+        # store's `evictable` (make_evictable / make_unevictable), so a quota finds its victims
+        # without walking other namespaces' entries.
+        self.quota_lru: dict[str, collections.OrderedDict[int, Entry]] = {}
+        self.quota_evictable_bytes: dict[str, int] = {}
+        self.protected = 0  # entries the last failed eviction plan left for their guaranteed share
+
+    # ---- the LRU order --------------------------------------------------------------------
+
+    def reset_quotas(self) -> None:
+        """The namespaces' quotas changed (Store.set_namespaces): their LRU orders rebuilt. O(entries)."""
+        r = self.r
+        self.quota_lru = {name: collections.OrderedDict() for name in r.quotas}
+        self.quota_evictable_bytes = dict.fromkeys(r.quotas, 0)
+        for entry in r.evictable.values():  # LRU first, so each namespace's order is kept
+            lru = self.quota_lru.get(entry.ns)
+            if lru is not None:
+                lru[entry.generation] = entry
+                self.quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
+
+    def make_evictable(self, entry: Entry) -> None:
+        """An unheld READY entry (or one just used: to the most recently used end)."""
+        r = self.r
+        lru = self.quota_lru.get(entry.ns) if self.quota_lru else None
+        if entry.generation in r.evictable:
+            r.evictable.move_to_end(entry.generation)
+            if lru is not None:
+                lru.move_to_end(entry.generation)
+        else:
+            nbytes = align_up(max(entry.nbytes, 1))
+            r.evictable_bytes[entry.pool] += nbytes
+            r.evictable[entry.generation] = entry  # the most recently used end
+            if lru is not None:
+                lru[entry.generation] = entry
+                self.quota_evictable_bytes[entry.ns] += nbytes
+
+    def make_unevictable(self, entry: Entry) -> None:
+        """A leased, pinned or unindexed entry: out of the LRU order."""
+        r = self.r
+        if r.evictable.pop(entry.generation, None) is not None:
+            nbytes = align_up(max(entry.nbytes, 1))
+            r.evictable_bytes[entry.pool] -= nbytes
+            lru = self.quota_lru.get(entry.ns) if self.quota_lru else None
+            if lru is not None:
+                del lru[entry.generation]
+                self.quota_evictable_bytes[entry.ns] -= nbytes
+
+    # ---- quotas and room ------------------------------------------------------------------
+
+    def quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
         """The namespace's own LRU entries that must go for `size` more bytes to fit under its
         quota ([] when it fits or has no quota), or QUOTA_EXCEEDED when they cannot make it fit."""
-        quota = self.quotas.get(ns)
+        r = self.r
+        quota = r.quotas.get(ns)
         if quota is None:
             return []
-        used = self.ns_used.get(ns, 0)
+        used = r.ns_used.get(ns, 0)
         over = used + size - quota
         if over <= 0:
             return []
-        evictable = self._quota_evictable_bytes[ns]
+        evictable = self.quota_evictable_bytes[ns]
         if size > quota or evictable < over:
-            self.quota_refusals[ns] += 1
-            self.quota_refused += 1
+            r.quota_refusals[ns] += 1
+            r.quota_refused += 1
             if size > quota:
                 why = f"an entry of {size} bytes (whole {ALIGNMENT}-byte units) is larger than the quota itself"
             else:
@@ -42,81 +98,62 @@ class Placement(RegistryState):
             return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
                                                 f"{used} bytes in use, {size} more requested; {why}")
         victims = []
-        for entry in self._quota_lru[ns].values():
+        for entry in self.quota_lru[ns].values():
             victims.append(entry)
             over -= align_up(max(entry.nbytes, 1))
             if over <= 0:
                 break
         return victims
 
-
-    def _largest_in(self, pools: tuple[int, ...]) -> int:
-        if pools == self.host_pools:
-            return self.largest_segment
-        return max(self.allocators[p].capacity for p in pools)
-
-
-    def _too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
-        largest = self._largest_in(pools)
-        if nbytes <= largest:
-            return None
-        where = ("the largest pool segment" if pools == self.host_pools
-                 else f"CUDA arena {pools[0]}")
-        return f"{nbytes} bytes is larger than {where} ({largest} bytes)"
-
-
-    def _place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
+    def place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
                evict: bool = True, pools: tuple[int, ...] | None = None,
                clean_first: bool = False) -> tuple[int, int] | None:
         """(pool, offset) of a new extent in one of `pools` (default the host pool), evicting
         `required` (the namespace's own entries its quota demands, in any tier) and, when no hole
         is big enough, what else in `pools` may be evicted for room; None (and nothing evicted)
         when that cannot make a big enough contiguous hole. `clean_first` (a promotion from the
-        disk tier): entries whose bytes are on disk already (disk_tier.DiskTier.clean: dropped
+        disk tier): entries whose bytes are there already (LowerTier.clean: dropped
         without a write) are evicted in preference to any other, when they alone can make the
         room: a promotion then never shares the disk with a spill of its own making."""
-        pools = self.host_pools if pools is None else pools
-        allocators = self.allocators
+        host = self.r.host
+        pools = host.host_pools if pools is None else pools
         size = align_up(max(nbytes, 1))
-        if required and any(allocators[p].largest_free >= size for p in pools):
+        if required and any(host.allocators[p].largest_free >= size for p in pools):
             self._evict_all(required, ())
             required = ()
         if not required:  # the common path: O(log n) per pool, no eviction
-            for pool in pools:
-                offset = allocators[pool].alloc(size)
-                if offset is not None:
-                    return pool, offset
+            placed = host.alloc(size, pools)
+            if placed is not None:
+                return placed
         if not evict:
             return None
         victims = None
-        if clean_first and self.disk is not None:
-            victims = self._plan_room(size, ns, required, pools, self.disk.clean)
+        if clean_first:
+            victims = self._plan_room(size, ns, required, pools, self.r.lower_tier.clean)
         if victims is None:
             victims = self._plan_room(size, ns, required, pools)
         if victims is None:
             return None
         self._evict_all(required, victims)
-        for pool in pools:
-            offset = allocators[pool].alloc(size)
-            if offset is not None:
-                return pool, offset
-        raise AssertionError("eviction plan did not make the room it promised")
-
+        placed = host.alloc(size, pools)
+        if placed is None:
+            raise AssertionError("eviction plan did not make the room it promised")
+        return placed
 
     def _evict_all(self, required, victims) -> None:
         for victim in required:
-            self._evict(victim, "evicted_quota")
+            self.evict(victim, "evicted_quota")
         for victim in victims:
-            self._evict(victim, "evictions")  # for room: "capacity" in metrics
+            self.evict(victim, "evictions")  # for room: "capacity" in metrics
 
-
-    def _evict(self, victim: Entry, counter: str) -> None:
-        if self.disk is not None:
-            self.disk.spill(victim)  # first: a record that keeps its bytes keeps the key present
-        self._unindex(victim, EventKind.EVICTED)
-        self._free(victim)
-        self.counters[counter] += 1
-
+    def evict(self, victim: Entry, counter: str) -> None:
+        """Evict a READY entry nothing holds: to the lower tier (which may keep its bytes), out of
+        the index, its extent freed; counted under `counter`."""
+        r = self.r
+        r.lower_tier.spill(victim)  # first: a record that keeps its bytes keeps the key present
+        r.unindex(victim, EventKind.EVICTED)
+        r.free(victim)
+        r.counters[counter] += 1
 
     def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...],
                    only: Callable[[Entry], bool] | None = None) -> list[Entry] | None:
@@ -129,8 +166,9 @@ class Placement(RegistryState):
         they may be gone soon); `ns`'s own entries may always go. `only`: the entries that may go
         (all evictable ones when None), looked for among the CLEAN_FIRST_WALK least recently used
         only (a preference must not cost a walk of millions). O(entries walked)."""
-        self._protected = 0
-        allocators = self.allocators
+        self.protected = 0
+        r = self.r
+        allocators = r.host.allocators
         run_end: list[dict[int, int]] = [{} for _ in allocators]  # per pool: start -> end of runs freed on paper
         run_start: list[dict[int, int]] = [{} for _ in allocators]  # end -> start
 
@@ -166,14 +204,14 @@ class Placement(RegistryState):
         # Only segments of the tier whose free plus evictable bytes could hold it are worth a look.
         candidates = [False] * len(allocators)
         for pool in pools:
-            candidates[pool] = allocators[pool].free + self.evictable_bytes[pool] >= size
+            candidates[pool] = allocators[pool].free + r.evictable_bytes[pool] >= size
         if not any(candidates):
             return None
         skip = {e.generation for e in required}
-        guarantees = self.guarantees
+        guarantees = r.guarantees
         planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
         walked: list[Entry] = []
-        for walked_n, entry in enumerate(self.evictable.values()):
+        for walked_n, entry in enumerate(r.evictable.values()):
             if only is not None:
                 if walked_n >= CLEAN_FIRST_WALK:
                     return None
@@ -186,8 +224,8 @@ class Placement(RegistryState):
                 if share is not None:
                     nbytes = align_up(max(entry.nbytes, 1))
                     taken = planned.get(entry.ns, 0) + nbytes
-                    if self.guaranteed_ready[entry.ns] - taken < share:
-                        self._protected += 1
+                    if r.guaranteed_ready[entry.ns] - taken < share:
+                        self.protected += 1
                         continue
                     planned[entry.ns] = taken
             walked.append(entry)
@@ -196,20 +234,21 @@ class Placement(RegistryState):
                 return in_run(entry.pool, start, end, walked)
         return None
 
-
-    def _pool_full_message(self, nbytes: int, pools: tuple[int, ...]) -> str:
-        # O(pools): this runs on every refused put, and a full pool can hold millions of entries.
-        tier = [self.allocators[p] for p in pools]
+    def pool_full_message(self, nbytes: int, pools: tuple[int, ...]) -> str:
+        """POOL_FULL's message: why no room could be made. O(pools): this runs on every refused
+        put, and a full pool can hold millions of entries."""
+        r = self.r
+        tier = [r.host.allocators[p] for p in pools]
         capacity = sum(a.capacity for a in tier)
         used = sum(a.used for a in tier)
         largest = max(a.largest_free for a in tier)
-        where = "" if pools == self.host_pools else f" in CUDA arena {pools[0]}"
-        held = len(self.index) - len(self.evictable)
-        writing = self.writes_in_progress()
+        where = "" if pools == r.host.host_pools else f" in CUDA arena {pools[0]}"
+        held = len(r.index) - len(r.evictable)
+        writing = r.writes_in_progress()
         # Bytes nothing may evict: leased/pinned entries, writes, reservations, retired bytes.
-        held_bytes = used - sum(self.evictable_bytes[p] for p in pools)
-        protected = (f", {self._protected} kept for their namespace's guaranteed share"
-                     if self._protected else "")
+        held_bytes = used - sum(r.evictable_bytes[p] for p in pools)
+        protected = (f", {self.protected} kept for their namespace's guaranteed share"
+                     if self.protected else "")
         return (f"no room for {nbytes} bytes{where}: {used} of {capacity} bytes in use, largest free extent "
                 f"{largest}; evicting what may be evicted cannot make a big enough contiguous hole "
                 f"({held_bytes} bytes held: {held} entries leased or pinned, {writing} being written{protected})")

@@ -12,107 +12,118 @@ It ends by Publish, by Abort (the client found it unusable), by the write TTL (o
 client the daemon cannot watch: a watched client may start copying at any moment, and its
 reservation goes with its process), or with its session. Counted by outcome in
 `counters["reservations_<outcome>"]` (ecd_reservations_total) and held in `reservations` /
-`reserved_bytes` (ecd_reserved_bytes). Mixed into Store."""
+`reserved_bytes` (ecd_reserved_bytes), records of the store. A part the Store owns
+(store.reserving)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from ...errors import Code
 from ...memory.allocator import align_up
 from ...protocol import AllocItem, Extent, Failure
 from .entries import Entry, Reservation, Session
-from .state import RegistryState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import RecordSet
 
 # Every way a reservation ends, plus "granted" and "refused": the labels of ecd_reservations_total.
 RESERVATION_OUTCOMES = ("granted", "refused", "published", "aborted", "expired", "reclaimed")
 
 
-class Reservations(RegistryState):
+class Reserving:
+    def __init__(self, records: "RecordSet") -> None:
+        self.r = records
+
     def reserve(self, session: Session, nbytes: int, pools: tuple[int, ...] | None = None) -> Extent | Failure:
         """An anonymous extent of `nbytes` for this client's next put, placed in `pools` (a tier:
         the one of the commit it rides on; default the host pool), without evicting."""
-        pools = self.host_pools if pools is None else pools
+        r = self.r
+        pools = r.host.host_pools if pools is None else pools
         if session.reservation is not None:
             return Failure(Code.LIMIT, "this client already holds a reservation")
         ns = session.reserve_ns
         if ns is None:
             return Failure(Code.INVALID, "a reservation is asked for with a commit: this client has committed nothing")
-        too_large = self._too_large(nbytes, pools)
+        too_large = r.host.too_large(nbytes, pools)
         if too_large:
             return Failure(Code.INVALID, f"cannot reserve: {too_large}")
         size = align_up(max(nbytes, 1))
-        quota = self.quotas.get(ns)
-        if quota is not None and self.ns_used.get(ns, 0) + size > quota:
-            self.counters["reservations_refused"] += 1  # not a refused put: the next put takes Alloc
+        quota = r.quotas.get(ns)
+        if quota is not None and r.ns_used.get(ns, 0) + size > quota:
+            r.counters["reservations_refused"] += 1  # not a refused put: the next put takes Alloc
             return Failure(Code.QUOTA_EXCEEDED, f"no reservation of {nbytes} bytes: it would take namespace "
                                                 f"{ns!r} over its quota of {quota} bytes")
-        placed = self._place(nbytes, None, (), evict=False, pools=pools)
+        placed = r.placement.place(nbytes, None, (), evict=False, pools=pools)
         if placed is None:
-            self.counters["reservations_refused"] += 1
+            r.counters["reservations_refused"] += 1
             return Failure(Code.POOL_FULL, f"no free extent of {nbytes} bytes without evicting")
         pool, offset = placed
-        reservation = Reservation(self._take_generation(), pool, offset, size, ns, session,
-                                  self.clock() + self.limits.write_ttl)
-        self.reservations[reservation.generation] = reservation
-        self.reserved_bytes += size
-        self.ns_used[ns] = self.ns_used.get(ns, 0) + size
+        reservation = Reservation(r.take_generation(), pool, offset, size, ns, session,
+                                  r.clock() + r.leases.write_ttl)
+        r.reservations[reservation.generation] = reservation
+        r.reserved_bytes += size
+        r.charge(ns, size)
         session.reservation = reservation
-        self._push_deadline(reservation.deadline, reservation.generation, 0)
-        self.counters["reservations_granted"] += 1
+        r.deadlines.push(reservation.deadline, reservation.generation, 0)
+        r.counters["reservations_granted"] += 1
         return Extent(reservation.generation, pool, offset)
 
     def publish(self, session: Session, ns: str, generation: int, item: AllocItem,
                 checksum: int = 0) -> Failure | None:
         """Name this client's reservation `ns`/`item.key` and commit it (its bytes are written).
         A reservation Publish refuses is freed: the client's put failed, its extent is not kept."""
+        r = self.r
         reservation = session.reservation
         if reservation is None or reservation.generation != generation:
             return Failure(Code.STALE, f"generation {generation} is not this client's reservation "
                                        "(expired, aborted or already published)")
-        pools = (reservation.pool,) if reservation.pool in self.arena_pools else self.host_pools
-        failure = self._check_item(ns, item, pools)
+        host = r.host
+        pools = (reservation.pool,) if reservation.pool in host.arena_pools else host.host_pools
+        failure = r.checks.item(ns, item, pools)
         if failure is None and align_up(max(item.nbytes, 1)) != reservation.size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {reservation.size}")
         victims: list[Entry] | Failure = []
         if failure is None and ns != reservation.ns:  # its bytes move to `ns`: that quota decides
-            victims = self._quota_victims(ns, reservation.size)
+            victims = r.placement.quota_victims(ns, reservation.size)
             if isinstance(victims, Failure):
                 failure = victims
         if failure is not None:
-            self.end_reservation(reservation, "aborted")
+            self.end(reservation, "aborted")
             return failure
         for victim in victims:
-            self._evict(victim, "evicted_quota")
-        self._forget_reservation(reservation, "published")
+            r.placement.evict(victim, "evicted_quota")
+        self._forget(reservation, "published")
         if ns != reservation.ns:
-            self._uncharge(reservation.ns, reservation.size)
-            self.ns_used[ns] = self.ns_used.get(ns, 0) + reservation.size
+            r.uncharge(reservation.ns, reservation.size)
+            r.charge(ns, reservation.size)
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
-                      self._shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
-                      last_access=self.clock(), when=reservation.deadline)
-        self.by_generation[generation] = entry
+                      r.shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
+                      last_access=r.clock(), when=reservation.deadline)
+        r.by_generation[generation] = entry
         session.writes[generation] = entry
-        return self.commit(session, generation, checksum)
+        return r.commit(session, generation, checksum)
 
-    def end_reservation(self, reservation: Reservation, outcome: str) -> None:
+    def end(self, reservation: Reservation, outcome: str) -> None:
         """Free a reservation's extent and give its bytes back to its namespace."""
-        self._forget_reservation(reservation, outcome)
-        self.allocators[reservation.pool].free_extent(reservation.offset, reservation.size)
-        self._uncharge(reservation.ns, reservation.size)
+        self._forget(reservation, outcome)
+        self.r.host.free(reservation.pool, reservation.offset, reservation.size)
+        self.r.uncharge(reservation.ns, reservation.size)
 
-    def _forget_reservation(self, reservation: Reservation, outcome: str) -> None:
-        del self.reservations[reservation.generation]
-        self.reserved_bytes -= reservation.size
+    def _forget(self, reservation: Reservation, outcome: str) -> None:
+        r = self.r
+        del r.reservations[reservation.generation]
+        r.reserved_bytes -= reservation.size
         if reservation.owner.reservation is reservation:
             reservation.owner.reservation = None
-        self.counters[f"reservations_{outcome}"] += 1
+        r.counters[f"reservations_{outcome}"] += 1
 
-    def _reservation_expired(self, reservation: Reservation) -> None:
+    def expired(self, reservation: Reservation) -> None:
         """Its write TTL passed (deadlines.expire): kept while its client's process is watched."""
         if not reservation.owner.watched:
-            self.end_reservation(reservation, "expired")
+            self.end(reservation, "expired")
 
-    def reservation_totals(self) -> tuple[int, int]:
+    def totals(self) -> tuple[int, int]:
         """(reservations, bytes they hold). O(1)."""
-        return len(self.reservations), self.reserved_bytes
+        return len(self.r.reservations), self.r.reserved_bytes

@@ -19,56 +19,66 @@ quota. Eviction for room (no hole big enough) never takes an entry of another na
 that namespace's guaranteed share (of READY bytes), and evicts nothing at all
 unless it first finds that evicting what it may would open a big enough contiguous hole.
 
-Tiers: the host pool (its segments, pools 0..n-1) and, with `[pool.cuda]`, one CUDA arena per
-device (pools n, n+1, ...), each with its own allocator. An allocation names its tier (Alloc.arena):
-it is placed, and evicts for room, only there; host placement never spills into an arena nor an
-arena into the host pool. A reservation lives in the tier it was asked for (that of the commit it
-rides on). Namespace quotas and guaranteed shares count an entry's bytes whatever its tier.
+Tiers: the host tier (tiers/host.py: the host pool's segments, pools 0..n-1, and with
+`[pool.cuda]` one CUDA arena per device, pools n, n+1, ..., each with its own allocator) and the
+lower tier below it (tiers/base.py's LowerTier: the disk tier with `[pool.disk]`, else a NullTier),
+both handed to the Store by the daemon. An allocation names its pools (Alloc.arena): it is placed,
+and evicts for room, only there; host placement never spills into an arena nor an arena into the
+host pool. A reservation lives in the pools it was asked for (those of the commit it rides on).
+Namespace quotas and guaranteed shares count an entry's bytes wherever it lives. The lower tier
+is asked on every eviction (spill), read miss (promote), replacing put and delete.
 """
 from __future__ import annotations
 
 import collections
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from ...errors import Code
-from ...memory.allocator import ExtentAllocator, align_up
+from ...memory.allocator import align_up
 from ...memory.ring import EventKind, RingWriter
-from ...protocol import (DTYPE_ITEMSIZE, AllocItem, Extent, Failure, Location, expected_nbytes)
-from .entries import Entry, RequestError, Reservation, Scheduler, Session, State, StoreLimits, Waiter
+from ...protocol import (AllocItem, Extent, Failure, Location)
+from .entries import Entry, Reservation, Scheduler, Session, State, Waiter
+from .checks import RequestChecks
 from .deadlines import Deadlines
 from .key_index import KeyIndex
 from .operator import OperatorRequests
 from .placement import Placement
-from ..tiers.host_integrity import PoolIntegrity
-from .reservations import Reservations
+from .reservations import Reserving
 from .waiting import Waiting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...config import LeasesSection, LimitsSection
+    from ..tiers.base import LowerTier
+    from ..tiers.host import HostTier
 
 
 SHARED_SHAPES = 4096  # distinct shapes whose tuple entries share (_shared_shape)
-PROMOTE_WAIT_S = 30.0  # the longest a get waits for its keys to come back from the disk tier
 # Entries stamped (published, read) within this of each other share one float object (24 B
 # per entry saved for the entries of a batch); the stamps are for `ecd keys`, not for deadlines.
 STAMP_RESOLUTION_S = 0.001
 
 
-class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolIntegrity):
-    """The registry. Its jobs beside the entry state machine live in mixins of their own modules:
-    placement and eviction (placement.py), reservations for a client's next put
-    (reservations.py), parked gets (waiting.py), pins and write deadlines (deadlines.py),
-    operator requests (operator.py), a pool file truncated under it (tiers/host_integrity.py)."""
+class Store:
+    """The registry. Its jobs beside the entry state machine are parts it owns, each in a module
+    of its own and each given the store's records (state.RecordSet): placement and eviction
+    (store.placement, placement.py), reservations for a client's next put (store.reserving,
+    reservations.py), parked gets (store.waiting, waiting.py), pins and write deadlines
+    (store.deadlines, deadlines.py), operator requests (store.operator, operator.py). Where entries
+    live is the host tier's (`host`, tiers/host.py: the pools, their allocators, a pool file
+    truncated under it); what goes below the host pool is the lower tier's (`lower_tier`).
+    `limits` and `leases` are the config's own sections ([limits], [leases])."""
 
-    def __init__(self, pool_sizes: list[int], ring: RingWriter, scheduler: Scheduler,
-                 limits: StoreLimits, clock: Callable[[], float] = time.monotonic,
-                 namespaces: Mapping[str, Any] | None = None, arena_sizes: list[int] | tuple = ()) -> None:
-        self.allocators = [ExtentAllocator(size) for size in [*pool_sizes, *arena_sizes]]
-        self.host_pools = tuple(range(len(pool_sizes)))  # the host tier: every shm segment
-        self.arena_pools = tuple(range(len(pool_sizes), len(self.allocators)))  # one per CUDA arena
-        self.largest_segment = max(pool_sizes)  # no host entry can be bigger than this
+    def __init__(self, host: "HostTier", lower_tier: "LowerTier", ring: RingWriter, scheduler: Scheduler,
+                 limits: "LimitsSection", leases: "LeasesSection", clock: Callable[[], float] = time.monotonic,
+                 namespaces: Mapping[str, Any] | None = None) -> None:
+        self.host = host
+        self.lower_tier = lower_tier
         self.ring = ring
         self.scheduler = scheduler
         self.limits = limits
+        self.leases = leases
         self.clock = clock
         self._next_generation = 1
         self.index = KeyIndex()  # READY entries only, by (namespace, key)
@@ -78,12 +88,10 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._last_stamp = float("-inf")
         self.evictable: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
-        self.evictable_bytes = [0] * len(self.allocators)  # per pool, kept with `evictable`
-        self.waiters: dict[tuple[str, str], set[Waiter]] = {}
-        self._deadlines: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
-        self._compact_deadlines_at = 4096  # heap size at which stale deadlines are swept out
+        self.evictable_bytes = [0] * len(host.allocators)  # per pool, kept with `evictable`
+        self.waiters: dict[tuple[str, str], set[Waiter]] = {}  # parked gets by missing key
         self._sessions: dict[int, Session] = {}
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         # Namespaces: bytes held by each one's named entries, and the configured policies.
         self.ns_used: dict[str, int] = {}
         self.policies: dict[str, tuple[int, int]] = {}  # configured namespace -> (quota, guaranteed)
@@ -92,16 +100,16 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         # Bytes of READY entries of each namespace with a guaranteed share: what the share protects
         # (ns_used also counts writes that may be aborted and replaced entries about to be freed).
         self.guaranteed_ready: dict[str, int] = {}
-        # Each quota'd namespace's evictable entries in LRU order, kept with `evictable`.
-        self._quota_lru: dict[str, collections.OrderedDict[int, Entry]] = {}
-        self._quota_evictable_bytes: dict[str, int] = {}
-        self.quota_refusals = collections.Counter()  # namespace -> items refused QUOTA_EXCEEDED
+        self.quota_refusals: collections.Counter[str] = collections.Counter()  # namespace -> items refused QUOTA_EXCEEDED
         self.quota_refused = 0  # all of them: the server compares it to label a request's outcome
-        self._protected = 0  # entries the last failed eviction plan left for their guaranteed share
         self.verify_namespaces: frozenset[str] = frozenset()  # commits into these need a checksum
-        self.disk: Any = None  # the disk tier (disk_tier.DiskTier) with [pool.disk]; it sets itself here
-        self.cut_writes: dict[int, Failure] = {}  # writes a pool truncation took (tiers/host_integrity.py)
-        self._unallocated: dict[int, int] = {}
+        self.checks = RequestChecks(self)
+        self.placement = Placement(self)
+        self.reserving = Reserving(self)
+        self.waiting = Waiting(self)
+        self.deadlines = Deadlines(self)
+        self.operator = OperatorRequests(self)
+        host.attach(self)
         self.set_namespaces(namespaces or {})
 
     # ---- namespaces ---------------------------------------------------------------------
@@ -114,17 +122,15 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         self.verify_namespaces = frozenset(name for name, ns in namespaces.items() if getattr(ns, "verify", False))
         self.quotas = {name: q for name, (q, _) in self.policies.items() if q > 0}
         self.guarantees = {name: g for name, (_, g) in self.policies.items() if g > 0}
-        self._quota_lru = {name: collections.OrderedDict() for name in self.quotas}
-        self._quota_evictable_bytes = dict.fromkeys(self.quotas, 0)
         self.guaranteed_ready = dict.fromkeys(self.guarantees, 0)
         for entry in self.index.values():
             if entry.ns in self.guaranteed_ready:
                 self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
-        for entry in self.evictable.values():  # LRU first, so each namespace's order is kept
-            lru = self._quota_lru.get(entry.ns)
-            if lru is not None:
-                lru[entry.generation] = entry
-                self._quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
+        self.placement.reset_quotas()
+
+    def set_limits(self, limits: "LimitsSection", leases: "LeasesSection") -> None:
+        """`[limits]` and `[leases]` (at start, and again on SIGHUP): requests from now on are held to them."""
+        self.limits, self.leases = limits, leases
 
     # ---- sessions -----------------------------------------------------------------------
 
@@ -149,105 +155,95 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
                                                      + len(session.writes))
         self._sessions.pop(session.id, None)
         for waiter in list(session.waiters):
-            self._drop_waiter(waiter)
+            self.waiting.drop(waiter)
         for written in list(session.writes.values()):
-            self._free(written)
+            self.free(written)
         session.writes.clear()
         if session.reservation is not None:
-            self.end_reservation(session.reservation, "reclaimed")
+            self.reserving.end(session.reservation, "reclaimed")
         for generation, count in session.leases.items():
             entry = self.by_generation.get(generation)
             if entry is not None:
                 entry.readers -= count
-                self._after_unhold(entry)
+                self.after_unhold(entry)
         session.leases.clear()
         for generation in session.pins:
             entry = self.by_generation.get(generation)
             if entry is not None:
                 entry.pins -= 1
-                self._after_unhold(entry)
+                self.after_unhold(entry)
         session.pins.clear()
 
     @property
     def sessions(self) -> int:
         return len(self._sessions)
 
-    # ---- validation ---------------------------------------------------------------------
+    def each_session(self) -> Iterable[Session]:
+        """The open sessions (clients', and the peer plane's and lower tier's own)."""
+        return self._sessions.values()
+
+    # ---- validation (checks.py) ----------------------------------------------------------
 
     def check_batch(self, n: int) -> None:
-        if n > self.limits.max_batch:
-            raise RequestError(Code.LIMIT, f"batch of {n} items exceeds limits.max_batch={self.limits.max_batch}")
+        self.checks.batch(n)
 
     def check_key(self, ns: str, key: str) -> Failure | None:
-        limit = self.limits.max_key_bytes
-        if len(key) == 0:
-            return Failure(Code.INVALID, "empty key")
-        if len(key) > limit or len(key.encode()) > limit:
-            return Failure(Code.LIMIT, f"key of {len(key.encode())} bytes exceeds limits.max_key_bytes={limit}")
-        if len(ns) > limit or len(ns.encode()) > limit:
-            return Failure(Code.LIMIT, f"namespace longer than limits.max_key_bytes={limit}")
-        return None
+        return self.checks.key(ns, key)
 
     def tier(self, arena: int) -> tuple[int, ...]:
-        """The pools an Alloc with this `arena` may use: -1 the host pool's segments, else exactly
-        that arena (RequestError INVALID when `arena` is not an arena's pool index)."""
-        if arena == -1:
-            return self.host_pools
-        if arena in self.arena_pools:
-            return (arena,)
-        arenas = (f"pools {self.arena_pools[0]}..{self.arena_pools[-1]} are CUDA arenas"
-                  if self.arena_pools else "this daemon has no CUDA arenas ([pool.cuda])")
-        raise RequestError(Code.INVALID, f"arena={arena} is not a CUDA arena: {arenas}; -1 is the host pool")
+        """The pools an Alloc with this `arena` may use (HostTier.tier)."""
+        return self.host.tier(arena)
+
+    def holder(self, generation: int) -> Entry | Reservation | None:
+        """The entry (in any state) or reservation that holds this generation's extent."""
+        return self.by_generation.get(generation) or self.reservations.get(generation)
 
     def tier_of(self, generation: int) -> tuple[int, ...]:
-        """The tier of an entry or reservation (the host pool when the generation names none)."""
-        held = self.by_generation.get(generation) or self.reservations.get(generation)
-        return (held.pool,) if held is not None and held.pool in self.arena_pools else self.host_pools
-
-    def _check_item(self, ns: str, item: AllocItem, pools: tuple[int, ...] | None = None) -> Failure | None:
-        failure = self.check_key(ns, item.key)
-        if failure is not None:
-            return failure
-        if item.dtype not in DTYPE_ITEMSIZE:
-            return Failure(Code.INVALID, f"unknown dtype {item.dtype!r}")
-        if len(item.shape) > self.limits.max_ndim:
-            return Failure(Code.LIMIT, f"{len(item.shape)} dimensions exceed limits.max_ndim={self.limits.max_ndim}")
-        want = expected_nbytes(item.dtype, item.shape)
-        if want != item.nbytes:
-            return Failure(Code.INVALID, f"nbytes={item.nbytes} but shape {list(item.shape)} of "
-                                         f"{item.dtype} needs {want}")
-        too_large = self._too_large(item.nbytes, self.host_pools if pools is None else pools)
-        if too_large:
-            return Failure(Code.INVALID, too_large)
-        return None
+        """The pools of an entry or reservation (the host pool when the generation names none)."""
+        held = self.holder(generation)
+        host = self.host
+        return (held.pool,) if held is not None and held.pool in host.arena_pools else host.host_pools
 
     # ---- put ----------------------------------------------------------------------------
 
     def alloc(self, session: Session, ns: str, item: AllocItem,
               pools: tuple[int, ...] | None = None, clean_first: bool = False) -> Extent | Failure:
         """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`:
-        see Placement._place."""
-        pools = self.host_pools if pools is None else pools
-        failure = self._check_item(ns, item, pools)
+        see Placement.place."""
+        pools = self.host.host_pools if pools is None else pools
+        failure = self.checks.item(ns, item, pools)
         if failure is not None:
             self.counters["alloc_refused"] += 1
             return failure
-        victims = self._quota_victims(ns, align_up(max(item.nbytes, 1)))
+        placement = self.placement
+        victims = placement.quota_victims(ns, align_up(max(item.nbytes, 1)))
         if isinstance(victims, Failure):
             return victims
-        placed = self._place(item.nbytes, ns, victims, pools=pools, clean_first=clean_first)
+        placed = placement.place(item.nbytes, ns, victims, pools=pools, clean_first=clean_first)
         if placed is None:
             self.counters["pool_full"] += 1
-            return Failure(Code.POOL_FULL, self._pool_full_message(item.nbytes, pools))
-        entry = self._new_write(session, placed, ns, item.key, item.dtype, item.shape, item.nbytes)
-        return Extent(entry.generation, entry.pool, entry.offset)
+            return Failure(Code.POOL_FULL, placement.pool_full_message(item.nbytes, pools))
+        generation = self.take_generation()
+        now = self.clock()
+        # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
+        # interned string nothing refers to, so client-chosen names cannot pile up).
+        ns = sys.intern(ns)
+        entry = Entry(generation, ns, item.key, sys.intern(item.dtype), self.shared_shape(item.shape),
+                      item.nbytes, placed[0], placed[1], owner=session, last_access=now,
+                      when=now + self.leases.write_ttl)
+        self.by_generation[generation] = entry
+        self.charge(ns, align_up(max(item.nbytes, 1)))
+        session.writes[generation] = entry
+        self.deadlines.push(entry.write_deadline, generation, 0)
+        return Extent(generation, entry.pool, entry.offset)
 
-    def _take_generation(self) -> int:
+    def take_generation(self) -> int:
+        """The next generation (entries and reservations share the counter)."""
         generation = self._next_generation
         self._next_generation += 1
         return generation
 
-    def _shared_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    def shared_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """One tuple per distinct shape, shared by its entries (a list per entry cost 72 bytes;
         KV blocks and embeddings come in a few shapes). Bounded: clients choose shapes."""
         shape = tuple(shape)
@@ -266,22 +262,6 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         self._last_stamp = now
         return now
 
-    def _new_write(self, session: Session, placed: tuple[int, int], ns: str, key: str, dtype: str,
-                   shape: Sequence[int], nbytes: int) -> Entry:
-        generation = self._take_generation()
-        now = self.clock()
-        # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
-        # interned string nothing refers to, so client-chosen names cannot pile up).
-        ns, dtype = sys.intern(ns), sys.intern(dtype)
-        entry = Entry(generation, ns, key, dtype, self._shared_shape(shape), nbytes,
-                      placed[0], placed[1], owner=session, last_access=now,
-                      when=now + self.limits.write_ttl)
-        self.by_generation[generation] = entry
-        self.ns_used[ns] = self.ns_used.get(ns, 0) + align_up(max(nbytes, 1))
-        session.writes[generation] = entry
-        self._push_deadline(entry.write_deadline, generation, 0)
-        return entry
-
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
         entry = self.by_generation.get(generation)
@@ -296,12 +276,12 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         if entry.owner is not session:
             return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
         del session.writes[generation]
-        refused = self.refuse_cut_write(generation)
+        refused = self.host.refuse_cut_write(generation)
         if refused is not None:
-            self._free(entry)  # its bytes are zeros now: never published
+            self.free(entry)  # its bytes are zeros now: never published
             return refused
         if not checksum and entry.ns in self.verify_namespaces:
-            self._free(entry)  # refused, not left WRITING until its TTL
+            self.free(entry)  # refused, not left WRITING until its TTL
             self.counters["unchecksummed_refused"] += 1
             return Failure(Code.INVALID, f"namespace {entry.ns!r} is configured with verify = true: a put "
                                          f"into it must carry a checksum (key {entry.key!r} not stored)")
@@ -310,27 +290,23 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         entry.state = State.READY
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
-        disk = self.disk
-        if disk is not None:
-            record = disk.record(entry.ns, entry.key)
-            if record is not None and record.generation != entry.generation:
-                disk.drop(entry.ns, entry.key)  # a new value: the old bytes on disk must never be served
+        self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
         old = self.index.get((entry.ns, entry.key))
         if old is not None:  # an atomic replace: current readers keep the old bytes
-            self._unindex(old, EventKind.DELETED)
+            self.unindex(old, EventKind.DELETED)
             self.counters["evicted_replaced"] += 1
             if old.pins:
-                self._move_pins(old, entry)
-            self._retire_or_free(old)
+                self.deadlines.move_pins(old, entry)
+            self.retire_or_free(old)
         self.index[(entry.ns, entry.key)] = entry
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
-            self._make_evictable(entry)
+            self.placement.make_evictable(entry)
         self._announce(EventKind.PUBLISHED, entry)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
-        self._wake_waiters(entry.ns, entry.key)
+        self.waiting.wake(entry.ns, entry.key)
         return None
 
     def abort(self, session: Session, generation: int) -> Failure | None:
@@ -339,7 +315,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         if reservation is not None:
             if reservation.owner is not session:
                 return Failure(Code.NOT_OWNER, f"generation {generation} is another client's reservation")
-            self.end_reservation(reservation, "aborted")
+            self.reserving.end(reservation, "aborted")
             return None
         entry = session.writes.pop(generation, None)
         if entry is None:
@@ -347,7 +323,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
             if entry is not None and entry.state is State.WRITING:
                 return Failure(Code.NOT_OWNER, f"generation {generation} is being written by another client")
             return Failure(Code.STALE, f"generation {generation} is not an entry being written")
-        self._free(entry)
+        self.free(entry)
         return None
 
     # ---- get ----------------------------------------------------------------------------
@@ -359,54 +335,29 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         (on_done fires when every key is READY or wait_s passes, whichever comes first).
         `park_for_disk` False (a peer's lookup, answered at once): keys on disk are missing now,
         and start coming back for the next ask."""
-        self.check_batch(len(keys))
-        for key in keys:
-            failure = self.check_key(ns, key)
-            if failure is not None:
-                raise RequestError(cast(Code, failure.code), failure.message)  # check_key gives Code values
-        if len(session.leases) + len(keys) > self.limits.max_leases_per_client:
-            raise RequestError(Code.LIMIT, f"client holds {len(session.leases)} read leases; "
-                                           f"limits.max_leases_per_client={self.limits.max_leases_per_client}")
+        self.checks.get(session, ns, keys)
         # entries a pool truncation cut are dropped before they could be leased
-        self.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
+        self.host.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
         missing = {key for key in keys if (ns, key) not in self.index}
-        # keys on disk come back into the host pool first (disk_tier.promote): the request parks
-        # until they are READY, however short its wait (a promotion failure answers it at once)
-        promotable = {key for key in missing if self.disk.holds(ns, key)} if self.disk is not None and missing else ()
+        # keys the lower tier holds come back into the host pool first (LowerTier.promote): the
+        # request parks until they are READY, however short its wait (a promotion failure
+        # answers it at once)
+        lower = self.lower_tier
+        promotable = {key for key in missing if lower.holds(ns, key)} if missing else ()
         if promotable and not park_for_disk:
             for key in promotable:
-                self.disk.promote(ns, key)
+                lower.promote(ns, key)
             promotable = ()
         if missing and (wait_s > 0 or promotable):
-            if len(session.waiters) >= self.limits.max_waiters_per_client:
-                raise RequestError(Code.LIMIT, f"client has {len(session.waiters)} parked requests; "
-                                               f"limits.max_waiters_per_client={self.limits.max_waiters_per_client}")
-            # A parked key costs the daemon a few hundred bytes: without a bound on keys, the
-            # request limit times max_batch would let one client park tens of GB.
-            max_keys = self.max_parked_keys
-            if session.parked_keys + len(keys) > max_keys:
-                raise RequestError(Code.LIMIT, f"client has {session.parked_keys} keys parked in "
-                                               f"{len(session.waiters)} requests; {len(keys)} more would pass "
-                                               f"{max_keys}, the most one client may wait for (the larger of "
-                                               f"limits.max_batch and limits.max_waiters_per_client)")
-            patient = wait_s > 0
-            waiter = Waiter(session, ns, keys, missing if patient else set(promotable), on_done, patient=patient)
-            for key in waiter.missing:
-                self.waiters.setdefault((ns, key), set()).add(waiter)
-            session.waiters.add(waiter)
-            session.parked_keys += len(keys)
-            wait = min(wait_s, self.limits.max_wait)
-            if promotable:
-                wait = max(wait, PROMOTE_WAIT_S)
-                for key in promotable:
-                    self.disk.promote(ns, key)
-            waiter.timer = self.scheduler.call_later(wait, lambda: self._expire_waiter(waiter))
+            self.waiting.park(session, ns, keys, missing, promotable, wait_s, on_done)
             return None
-        return self._lease_all(session, ns, keys)
+        return self.lease_all(session, ns, keys)
 
-    def _lease_all(self, session: Session, ns: str, keys: list[str]) -> list[Location | Failure]:
+    def lease_all(self, session: Session, ns: str, keys: list[str]) -> list[Location | Failure]:
+        """Read-lease the keys that are READY now; the others are KEY_NOT_FOUND."""
         results: list[Location | Failure] = []
         now = self._stamp()
+        make_unevictable = self.placement.make_unevictable
         for key in keys:
             entry = self.index.get((ns, key))
             if entry is None:
@@ -417,7 +368,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
             self.counters["read_bytes"] += entry.nbytes
             entry.readers += 1
             entry.last_access = now
-            self._make_unevictable(entry)
+            make_unevictable(entry)
             session.leases[entry.generation] += 1
             results.append(entry.location())
         return results
@@ -430,32 +381,29 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
             del session.leases[generation]
         entry = self.by_generation[generation]
         entry.readers -= 1
-        self._after_unhold(entry)
+        self.after_unhold(entry)
         return None
 
     # ---- exists / pins / delete ---------------------------------------------------------
 
     def is_local(self, ns: str, key: str) -> bool:
-        """READY here, or on this node's disk tier (a read brings it back): no peer needed."""
-        return (ns, key) in self.index or (self.disk is not None and self.disk.holds(ns, key))
+        """READY here, or held by this node's lower tier (a read brings it back): no peer needed."""
+        return (ns, key) in self.index or self.lower_tier.holds(ns, key)
 
     def exists(self, session: Session, ns: str, keys: list[str], pin_s: float) -> list[bool]:
-        self.check_batch(len(keys))
-        if pin_s > 0 and len(session.pins) + len(keys) > self.limits.max_pins_per_client:
-            raise RequestError(Code.LIMIT, f"client holds {len(session.pins)} pins; "
-                                           f"limits.max_pins_per_client={self.limits.max_pins_per_client}")
+        self.checks.lookup(session, keys, pin_s)
         now = self.clock()
         found = []
-        disk = self.disk
+        lower = self.lower_tier
         for key in keys:
             entry = self.index.get((ns, key))
-            if entry is None and disk is not None and disk.holds(ns, key):
+            if entry is None and lower.holds(ns, key):
                 found.append(True)
                 self.counters["hits"] += 1
                 if pin_s > 0:
-                    disk.promote(ns, key)  # a load follows a pinned lookup (vLLM): bring it back now
+                    lower.promote(ns, key)  # a load follows a pinned lookup (vLLM): bring it back now
                 else:
-                    disk.touch(ns, key)
+                    lower.touch(ns, key)
                 continue
             found.append(entry is not None)
             if entry is None:
@@ -464,9 +412,9 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
             self.counters["hits"] += 1
             entry.last_access = now
             if pin_s > 0:
-                self._pin(session, entry, now + min(pin_s, self.limits.max_pin))
+                self.deadlines.pin(session, entry, now + min(pin_s, self.leases.max_pin))
             elif entry.generation in self.evictable:
-                self._make_evictable(entry)  # to the most recently used end
+                self.placement.make_evictable(entry)  # to the most recently used end
         return found
 
     def delete(self, ns: str, keys: list[str]) -> list[bool]:
@@ -475,84 +423,102 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         for key in keys:
             entry = self.index.get((ns, key))
             if entry is not None:
-                self._remove(entry)
-            on_disk = self.disk is not None and self.disk.drop(ns, key)
-            result.append(entry is not None or on_disk)
+                self.remove(entry)
+            below = self.lower_tier.drop(ns, key)
+            result.append(entry is not None or below)
         return result
 
-    def _remove(self, entry: Entry) -> None:
-        if self.disk is not None:
-            self.disk.drop(entry.ns, entry.key)  # first: its record must not keep the key present
-        self._unindex(entry, EventKind.DELETED)
+    def remove(self, entry: Entry) -> None:
+        """Delete a READY entry (Delete, an operator's Evict): from the lower tier too."""
+        self.lower_tier.drop(entry.ns, entry.key)  # first: its record must not keep the key present
+        self.unindex(entry, EventKind.DELETED)
         self.counters["evicted_deleted"] += 1
-        self._retire_or_free(entry)
+        self.retire_or_free(entry)
 
-    # ---- operator requests --------------------------------------------------------------
+    def drop_cut(self, entry: Entry) -> None:
+        """A READY entry whose bytes a pool truncation took (HostTier): out of the index (an
+        EVICTED event), freed once no reader holds it. A whole copy below keeps the key; one still
+        being made from the pool may have read zeros and goes too (LowerTier.cut)."""
+        self.lower_tier.cut(entry)
+        self.unindex(entry, EventKind.EVICTED)
+        self.counters["evicted_truncated"] += 1
+        self.retire_or_free(entry)
 
-    # ---- internals ----------------------------------------------------------------------
+    # ---- the parts' requests, as the handlers make them ---------------------------------
 
-    def _after_unhold(self, entry: Entry) -> None:
+    def reserve(self, session: Session, nbytes: int, pools: tuple[int, ...] | None = None) -> Extent | Failure:
+        return self.reserving.reserve(session, nbytes, pools)
+
+    def publish(self, session: Session, ns: str, generation: int, item: AllocItem,
+                checksum: int = 0) -> Failure | None:
+        return self.reserving.publish(session, ns, generation, item, checksum)
+
+    def unpin(self, session: Session, ns: str, keys: list[str]) -> list[bool]:
+        return self.deadlines.unpin(session, ns, keys)
+
+    def expire(self) -> None:
+        self.deadlines.expire()
+
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
+        return self.operator.list_keys(ns, limit, after)
+
+    def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
+              force: bool) -> tuple[int, list[str], list[str], list[int]]:
+        return self.operator.evict(ns, keys, whole_namespace, everything, force)
+
+    def held(self, generations: list[int]) -> list[bool]:
+        return self.operator.held(generations)
+
+    def fail_waiters(self, code: Code, message: str) -> None:
+        self.waiting.fail_all(code, message)
+
+    # ---- the entry life, as the parts take it -------------------------------------------
+
+    def after_unhold(self, entry: Entry) -> None:
         """A reader or pin went away: free a retired entry once no reader is left (pins only
         guard against eviction), or make an unheld READY entry evictable again."""
         if entry.state is State.RETIRED:
             if not entry.readers:
-                self._free(entry)
+                self.free(entry)
         elif entry.state is State.READY and not entry.readers and not entry.pins:
-            self._make_evictable(entry)
+            self.placement.make_evictable(entry)
 
-    def _make_evictable(self, entry: Entry) -> None:
-        lru = self._quota_lru.get(entry.ns) if self._quota_lru else None
-        if entry.generation in self.evictable:
-            self.evictable.move_to_end(entry.generation)
-            if lru is not None:
-                lru.move_to_end(entry.generation)
-        else:
-            nbytes = align_up(max(entry.nbytes, 1))
-            self.evictable_bytes[entry.pool] += nbytes
-            self.evictable[entry.generation] = entry  # the most recently used end
-            if lru is not None:
-                lru[entry.generation] = entry
-                self._quota_evictable_bytes[entry.ns] += nbytes
-
-    def _make_unevictable(self, entry: Entry) -> None:
-        if self.evictable.pop(entry.generation, None) is not None:
-            nbytes = align_up(max(entry.nbytes, 1))
-            self.evictable_bytes[entry.pool] -= nbytes
-            lru = self._quota_lru.get(entry.ns) if self._quota_lru else None
-            if lru is not None:
-                del lru[entry.generation]
-                self._quota_evictable_bytes[entry.ns] -= nbytes
-
-    def _unindex(self, entry: Entry, kind: EventKind) -> None:
+    def unindex(self, entry: Entry, kind: EventKind) -> None:
+        """A READY entry leaves the index (evicted, deleted, replaced): a ring event says so."""
         del self.index[(entry.ns, entry.key)]
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
-        self._make_unevictable(entry)
+        self.placement.make_unevictable(entry)
         self._announce(kind, entry)
 
     def _announce(self, kind: EventKind, entry: Entry) -> None:
-        """The ring event of `entry` being published, evicted or deleted. While the disk tier
-        holds a record of the key (spilled, or promoted from it), the record keeps the key
-        present: only the event is written, the presence table stays as it is."""
-        if self.disk is not None and self.disk.holds(entry.ns, entry.key):
+        """The ring event of `entry` being published, evicted or deleted. While the lower tier
+        holds the key (spilled, or promoted from it), its record keeps the key present: only the
+        event is written, the presence table stays as it is."""
+        if self.lower_tier.holds(entry.ns, entry.key):
             self.ring.append(kind, entry.keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
             self.ring.publish(entry.keyhash, entry.generation)
         else:
             self.ring.unpublish(kind, entry.keyhash, entry.generation)
 
-    def _retire_or_free(self, entry: Entry) -> None:
+    def retire_or_free(self, entry: Entry) -> None:
+        """An unindexed entry: kept (RETIRED) while readers hold it, else freed."""
         if entry.readers:
             entry.state = State.RETIRED
         else:
-            self._free(entry)
+            self.free(entry)
 
-    def _free(self, entry: Entry) -> None:
-        self.allocators[entry.pool].free_extent(entry.offset, entry.nbytes)
+    def free(self, entry: Entry) -> None:
+        """Give an entry's extent back to its pool and its bytes back to its namespace."""
+        self.host.free(entry.pool, entry.offset, entry.nbytes)
         del self.by_generation[entry.generation]
-        self._uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
+        self.uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
 
-    def _uncharge(self, ns: str, nbytes: int) -> None:
+    def charge(self, ns: str, nbytes: int) -> None:
+        self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
+
+    def uncharge(self, ns: str, nbytes: int) -> None:
         left = self.ns_used[ns] - nbytes
         if left:
             self.ns_used[ns] = left
@@ -574,3 +540,7 @@ class Store(Placement, Reservations, Waiting, Deadlines, OperatorRequests, PoolI
         sessions = self._sessions.values()
         return (sum(sum(s.leases.values()) for s in sessions), sum(len(s.pins) for s in sessions),
                 sum(len(s.waiters) for s in sessions))
+
+    def reservation_totals(self) -> tuple[int, int]:
+        """(reservations, bytes they hold). O(1)."""
+        return self.reserving.totals()

@@ -9,12 +9,12 @@ What it keeps: `records`, one DiskRecord per (namespace, key) whose bytes are on
 way there, in LRU order (first: least recently used), and the bytes they take (`used`, within
 `[pool.disk] size`). A key's record and its host entry (Store.index) may coexist only when they
 hold the same bytes: `record.generation == entry.generation` (a promoted or persisted entry); a
-put that replaces a key drops its record first (Store.commit). The event ring's presence table
+put that replaces a key drops its record first (Store.commit -> replaced). The event ring's presence table
 counts a key while it is in the index or here, so a client's exists() never answers a spilled
-key "absent" (Store._unindex keeps the presence when a record stays).
+key "absent" (Store.unindex keeps the presence when a record stays).
 
 Flows (each a task on the loop; disk I/O only in the executor, completions back on the loop):
-- spill (Store._evict -> spill): the evicted entry's bytes are copied into the spill buffer (an
+- spill (Placement.evict -> spill): the evicted entry's bytes are copied into the spill buffer (an
   aligned RAM staging area, so the host extent is free at once and the put that evicted it never
   waits for the disk), then written on a worker thread; the record is WRITING until then (a read
   of it waits for the write, then promotes). No room on disk (after dropping least recently used
@@ -46,7 +46,7 @@ import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ...config_types import format_size
 from ...errors import ConfigError
@@ -55,8 +55,9 @@ from ...memory.allocator import ExtentAllocator
 from ...memory.ring import key_hash
 from ...protocol import DiskStats
 from .disk_health import DEGRADING_KINDS
+from .disk_metrics import disk_metrics
 from .disk_persist import Persist
-from .disk_records import DROP_REASONS, INTEGRITY_KINDS, INTERNAL_SESSION_ID, DiskRecord, mark_done
+from .disk_records import INTEGRITY_KINDS, INTERNAL_SESSION_ID, SPILL_DROP_REASONS, DiskRecord, mark_done
 from .disk_spill import SpillPromote
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,7 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ecd.disk")
 
-__all__ = ["DROP_REASONS", "INTERNAL_SESSION_ID", "DiskRecord", "DiskTier"]
+__all__ = ["INTERNAL_SESSION_ID", "SPILL_DROP_REASONS", "DiskRecord", "DiskTier"]
 
 
 class DiskTier(SpillPromote, Persist):
@@ -192,11 +193,11 @@ class DiskTier(SpillPromote, Persist):
             return False
 
     def attach(self, store: "Store", loop: asyncio.AbstractEventLoop, segments: list[Any]) -> None:
-        """Serve: the store consults this tier from now on; re-indexed keys become present."""
+        """Serve: the store (made with this tier as its lower_tier) consults it from now on;
+        re-indexed keys become present."""
         self.store, self.loop, self.segments = store, loop, segments
         self.session = store.open_session(INTERNAL_SESSION_ID, 0)
         self.session.watched = True  # the daemon itself: a forced eviction must not revoke its leases
-        store.disk = self
         for (ns, key) in self.records:
             store.ring.publish(key_hash(ns, key), 0)
         self.health.attach(loop, lambda: self.executor, self._recovered)
@@ -260,3 +261,10 @@ class DiskTier(SpillPromote, Persist):
                          dict(self.errors), dict(self.dropped), self.loaded, self.load_s, self.health.reason,
                          self.health.seconds())
 
+
+    def metric_families(self) -> Iterator[Any]:
+        return disk_metrics(self)
+
+    def integrity_failures(self) -> dict[str, int]:
+        """Records found corrupt on disk (never served, removed)."""
+        return {"disk": self.counters["integrity_failures"]}

@@ -51,7 +51,7 @@ class Persist(DiskRecords):
         store, loop = self.store, self.loop
         assert store is not None and loop is not None
         k = (entry.ns, entry.key)
-        if entry.pool not in store.host_pools:
+        if entry.pool not in store.host.host_pools:
             return Failure(Code.INVALID, f"{entry.key!r} is in a CUDA arena: persist is for host-pool entries")
         record = self.records.get(k)
         if record is not None and record.generation == entry.generation and record.persisted:
@@ -68,7 +68,7 @@ class Persist(DiskRecords):
         session = self.session
         session.leases[entry.generation] += 1
         entry.readers += 1
-        store._make_unevictable(entry)
+        store.placement.make_unevictable(entry)
         header = self._header(entry, persisted=True)
         record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
                             guard=files.WriteGuard())

@@ -1,9 +1,9 @@
 """The disk tier's record set (ecd/daemon/tiers/disk.py says what the tier does): one DiskRecord
 per key on disk, in LRU order within the byte budget, and what every flow does to it: look a key
 up, drop it (its file removed on a worker thread, durably), make room by dropping least recently
-used spills, finish a write. The flows themselves are mixins over this state: spill and promote
-(disk_spill.py), write-through (disk_persist.py); start-up, re-indexing and shutdown are
-disk_tier.DiskTier's."""
+used spills, finish a write; and the LowerTier questions (tiers/base.py) the store asks of it. The
+flows themselves are mixins over this state: spill and promote (disk_spill.py), write-through
+(disk_persist.py); start-up, re-indexing and shutdown are disk.DiskTier's."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,7 @@ from ...config import DiskPoolSection
 from ...memory import disk as files
 from ...memory.allocator import ExtentAllocator
 from ...memory.ring import EventKind, key_hash
-from ..peer.cluster import Histogram
+from ..ops.histogram import Histogram
 from .disk_health import DiskHealth
 from ..registry.entries import Entry
 
@@ -36,7 +36,8 @@ PERSIST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # Read failures that mean the record itself is bad: never served, removed. Any other kind (the
 # file vanished: forgotten; EIO, EMFILE, EACCES...: kept) is not the record's fault.
 INTEGRITY_KINDS = ("corrupt", "header", "truncated")
-DROP_REASONS = ("too_small", "too_large", "disk_full", "backlog", "disabled", "failed")
+# Why an evicted entry was not spilled (DiskRecords.dropped; ecd_disk_spills_dropped_total's reasons).
+SPILL_DROP_REASONS = ("too_small", "too_large", "disk_full", "backlog", "disabled", "failed")
 
 
 @dataclass(slots=True, eq=False)
@@ -108,10 +109,15 @@ class DiskRecords:
         # removed once the tier takes writes again (DiskTier._recovered)
         self._unremoved: list[str] = []
 
-    # ---- what the store asks --------------------------------------------------------------
+    # ---- what the store asks (tiers/base.LowerTier) ---------------------------------------
+
+    persists = True  # put(persist=True) is written through here
 
     def holds(self, ns: str, key: str) -> bool:
         return (ns, key) in self.records
+
+    def listing(self, ns: str | None = None) -> list[DiskRecord]:
+        return [r for r in self.records.values() if ns is None or r.header.ns == ns]
 
     def record(self, ns: str, key: str) -> DiskRecord | None:
         return self.records.get((ns, key))
@@ -125,6 +131,19 @@ class DiskRecords:
     def touch(self, ns: str, key: str) -> None:
         if (ns, key) in self.records:
             self.records.move_to_end((ns, key))
+
+    def replaced(self, entry: Entry) -> None:
+        """Store.commit: a record of the key's older bytes goes (they must never be served)."""
+        record = self.records.get((entry.ns, entry.key))
+        if record is not None and record.generation != entry.generation:
+            self._forget(record, EventKind.DELETED)
+
+    def cut(self, entry: Entry) -> None:
+        """A pool truncation took `entry`'s bytes (Store.drop_cut): a record of them still being
+        written from the pool (persist) may have read zeros and goes; a whole one keeps the key."""
+        record = self.records.get((entry.ns, entry.key))
+        if record is not None and record.generation == entry.generation and not record.ready:
+            self._forget(record, EventKind.EVICTED)
 
     def drop(self, ns: str, key: str, kind: EventKind = EventKind.DELETED) -> bool:
         """Forget the key's record (delete, replacement, operator eviction); its file goes."""
@@ -183,6 +202,11 @@ class DiskRecords:
             self._unlinks_done.add_done_callback(functools.partial(mark_done, deferred[1]))
         if not self._unlinking:
             self._next_removals()
+
+    @property
+    def removals_held_by_reads(self) -> int:
+        """Dropped records whose files wait for a promotion's read to end (_remove_after_reads)."""
+        return len(self._removals_after_reads)
 
     def removal_mark(self) -> int:
         return self.removals_queued

@@ -20,7 +20,7 @@ class SpillPromote(DiskRecords):
     # ---- spill ----------------------------------------------------------------------------
 
     def spill(self, entry: Entry) -> None:
-        """Store._evict: `entry` leaves the host pool now. Keep its bytes on disk if they fit."""
+        """Placement.evict: `entry` leaves the host pool now. Keep its bytes on disk if they fit."""
         assert self.store is not None and self.staging is not None and self.staging_alloc is not None
         k = (entry.ns, entry.key)
         record = self.records.get(k)
@@ -31,7 +31,7 @@ class SpillPromote(DiskRecords):
         if not self.config.spill:
             self.dropped["disabled"] += 1
             return
-        if entry.pool not in self.store.host_pools:
+        if entry.pool not in self.store.host.host_pools:
             return  # CUDA arena entries are not spilled
         if entry.nbytes < self.config.min_spill_size:
             self.dropped["too_small"] += 1
@@ -136,7 +136,7 @@ class SpillPromote(DiskRecords):
         if failure is not None:
             self.counters["promotion_failures"] += 1
             if k not in self.promoting:  # else a newer record's promotion answers the waiters
-                self.store.promotion_failed(header.ns, header.key, failure)
+                self.store.waiting.promotion_failed(header.ns, header.key, failure)
 
     async def _promote_once(self, record: DiskRecord) -> Failure | None:
         store, loop, header = self.store, self.loop, record.header
@@ -163,7 +163,7 @@ class SpillPromote(DiskRecords):
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
         entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
-        store.check_pool(entry.pool)  # a truncated pool file is restored before a worker writes into it
+        store.host.check_pool(entry.pool)  # a truncated pool file is restored before a worker writes into it
         error: files.DiskIOError | None = None
         try:
             with memoryview(self.segments[entry.pool].buf) as seg:
@@ -188,8 +188,8 @@ class SpillPromote(DiskRecords):
                 return None if (header.ns, header.key) in store.index else missing
             self._read_failed(record, error)
             return missing
-        store.check_pool(entry.pool)
-        if store.cut_writes.pop(extent.generation, None) is not None:
+        store.host.check_pool(entry.pool)
+        if store.host.cut_writes.pop(extent.generation, None) is not None:
             store.abort(self.session, extent.generation)  # the record stays: the next read tries again
             return Failure(Code.CORRUPT, f"{header.key!r} was read back from disk into host pool segment "
                                          f"{entry.pool}, which another process truncated meanwhile: read it again")

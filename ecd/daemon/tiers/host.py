@@ -1,5 +1,12 @@
-"""A host pool file truncated under the daemon: find it, give the file its size back, and drop
-every entry whose bytes the cut took. Mixed into Store.
+"""The host tier: the pools entries live in and their integrity. The host pool's segments
+(pools 0..n-1) and, with `[pool.cuda]`, one CUDA arena per device (pools n, n+1, ...), each with
+its own extent allocator; an allocation names its tier (store.tier: the host pool, or exactly one
+arena) and is placed only there. What goes where, and what is evicted for room, is the registry's
+policy (registry/placement.py); the allocators, the tiers' sizes and the truncation defence are
+here. The daemon builds it (server.py) and hands it to the Store.
+
+A host pool file truncated under the daemon: find it, give the file its size back, and drop
+every entry whose bytes the cut took. (The named mode only: sealed memfds cannot be truncated.)
 
 The pool files are 0660: any member of node.group can ftruncate /dev/shm/ecd.<node>.<n>. A page
 past the new end faults (SIGBUS) in whoever touches it next through the mapping, the daemon
@@ -27,23 +34,75 @@ member may do to the pool anyway (`verify` catches both).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ...errors import Code
-from ...memory.ring import EventKind
+from ...memory.allocator import ExtentAllocator
 from ...protocol import Extent, Failure
-from ..registry.entries import State
-from ..registry.state import RegistryState
+from ..registry.entries import RequestError, State
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..registry.store import Store
 
 log = logging.getLogger("ecd.daemon")
 
 
-class PoolIntegrity(RegistryState):
-    # the host pool's named ShmFiles (memory.host), set by the daemon at start; none with
-    # backing = "memfd": sealed memfds cannot be truncated, so there is nothing to check
-    segments: Sequence[Any] = ()
-    cut_writes: dict[int, Failure]  # generation -> its commit's answer (Store.__init__ makes it)
-    _unallocated: dict[int, int]  # segment -> offset from which a restore still owes pages
+class HostTier:
+    """The pools and their allocators (host segments first, then CUDA arenas), and the named
+    mode's truncation checks (`segments`: the host pool's ShmFiles; none with backing = "memfd")."""
+
+    def __init__(self, pool_sizes: Sequence[int], arena_sizes: Sequence[int] = (),
+                 segments: Sequence[Any] = ()) -> None:
+        self.allocators = [ExtentAllocator(size) for size in [*pool_sizes, *arena_sizes]]
+        self.host_pools = tuple(range(len(pool_sizes)))  # the host pool: every shm segment
+        self.arena_pools = tuple(range(len(pool_sizes), len(self.allocators)))  # one per CUDA arena
+        self.largest_segment = max(pool_sizes)  # no host entry can be bigger than this
+        # the host pool's named ShmFiles (memory.host), checked for truncation; none with
+        # backing = "memfd": sealed memfds cannot be truncated, so there is nothing to check
+        self.segments: Sequence[Any] = segments
+        self.cut_writes: dict[int, Failure] = {}  # generation -> its commit's answer, once
+        self._unallocated: dict[int, int] = {}  # segment -> offset from which a restore still owes pages
+        self.store: "Store | None" = None
+
+    def attach(self, store: "Store") -> None:
+        """The store whose entries live here (Store.__init__): a cut drops them through it."""
+        self.store = store
+
+    # ---- tiers and allocation -------------------------------------------------------------
+
+    def tier(self, arena: int) -> tuple[int, ...]:
+        """The pools an Alloc with this `arena` may use: -1 the host pool's segments, else exactly
+        that arena (RequestError INVALID when `arena` is not an arena's pool index)."""
+        if arena == -1:
+            return self.host_pools
+        if arena in self.arena_pools:
+            return (arena,)
+        arenas = (f"pools {self.arena_pools[0]}..{self.arena_pools[-1]} are CUDA arenas"
+                  if self.arena_pools else "this daemon has no CUDA arenas ([pool.cuda])")
+        raise RequestError(Code.INVALID, f"arena={arena} is not a CUDA arena: {arenas}; -1 is the host pool")
+
+    def too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
+        """Why no extent of `nbytes` can ever fit in `pools` (None when one can)."""
+        largest = (self.largest_segment if pools == self.host_pools
+                   else max(self.allocators[p].capacity for p in pools))
+        if nbytes <= largest:
+            return None
+        where = "the largest pool segment" if pools == self.host_pools else f"CUDA arena {pools[0]}"
+        return f"{nbytes} bytes is larger than {where} ({largest} bytes)"
+
+    def alloc(self, size: int, pools: tuple[int, ...]) -> tuple[int, int] | None:
+        """(pool, offset) of a free extent of `size` (aligned) bytes in the first of `pools` with
+        room, or None. O(log n) per pool."""
+        for pool in pools:
+            offset = self.allocators[pool].alloc(size)
+            if offset is not None:
+                return pool, offset
+        return None
+
+    def free(self, pool: int, offset: int, size: int) -> None:
+        self.allocators[pool].free_extent(offset, size)
+
+    # ---- truncation -----------------------------------------------------------------------
 
     def check_pools(self, pools: Iterable[int] | None = None) -> None:
         """The host segments `pools` (every one when None: the timer's check), one fstat each: a
@@ -58,8 +117,9 @@ class PoolIntegrity(RegistryState):
         if not self.segments:
             return
         pools = set()
+        assert self.store is not None
         for generation in generations:
-            held = self.by_generation.get(generation) or self.reservations.get(generation)
+            held = self.store.holder(generation)
             if held is not None:
                 pools.add(held.pool)
         self.check_pools(pools)
@@ -88,12 +148,21 @@ class PoolIntegrity(RegistryState):
         """Store.commit: the reason a write the cut took must not be published, once."""
         refused = self.cut_writes.pop(generation, None) if self.cut_writes else None
         if refused is not None:
-            self.counters["truncated_writes_refused"] += 1
+            assert self.store is not None
+            self.store.counters["truncated_writes_refused"] += 1
         return refused
 
+    def forget_cut(self, generation: int) -> None:
+        """A write whose extent was cut is written again from its start (an inline put's or a
+        peer fetch's copy, retried after the restore): its commit is not to be refused."""
+        if self.cut_writes:
+            self.cut_writes.pop(generation, None)
+
     def _pool_cut(self, index: int) -> None:
+        store = self.store
+        assert store is not None
         segment = self.segments[index]
-        self.counters["pool_truncations"] += 1
+        store.counters["pool_truncations"] += 1
         size, first = segment.current_size(), segment.cut_from()
         how = (f"truncated to {size} of its {segment.size} bytes" if first == size else
                f"truncated{'' if size < segment.size else ' and grown again'} ({segment.size - first} bytes "
@@ -104,9 +173,9 @@ class PoolIntegrity(RegistryState):
         def cut_off(offset: int, nbytes: int) -> bool:
             return offset + nbytes > first
 
-        for entry in [e for e in self.by_generation.values() if e.pool == index and cut_off(e.offset, e.nbytes)]:
+        for entry in [e for e in store.by_generation.values() if e.pool == index and cut_off(e.offset, e.nbytes)]:
             if entry.state is State.READY:
-                self._drop_cut(entry)
+                store.drop_cut(entry)
                 dropped += 1
             elif entry.state is State.WRITING:
                 refused = Failure(Code.CORRUPT, f"{entry.key!r} not stored: {cut}; put it again")
@@ -114,12 +183,12 @@ class PoolIntegrity(RegistryState):
                 written += 1
         # Kept until its Publish (a watched client may be copying into it now: freeing it would let
         # another entry's bytes be overwritten); STALE sends that client's put the Alloc way, anew.
-        for reservation in self.reservations.values():
+        for reservation in store.reservations.values():
             if reservation.pool == index and cut_off(reservation.offset, reservation.size):
                 self.cut_writes[reservation.generation] = Failure(Code.STALE, f"the reservation was cut: {cut}")
                 written += 1
         # a generation freed meanwhile (aborted, expired) never commits: do not keep its reason
-        for generation in [g for g in self.cut_writes if g not in self.by_generation and g not in self.reservations]:
+        for generation in [g for g in self.cut_writes if store.holder(g) is None]:
             del self.cut_writes[generation]
         log.error("%s (a member of node.group): size and pages restored; %d entr%s whose bytes were cut dropped, "
                   "%d write(s) in progress will be refused", cut, dropped, "y" if dropped == 1 else "ies", written)
@@ -137,19 +206,3 @@ class PoolIntegrity(RegistryState):
         if index not in self._unallocated:
             log.error("host pool segment %d: %s; retried every check until it succeeds", index, problem)
         self._unallocated[index] = start
-
-    def _drop_cut(self, entry: Any) -> None:
-        """A READY entry whose bytes are gone: out of the index (an EVICTED event), freed once no
-        reader holds it. A disk record of the same generation keeps the key if it is whole; one
-        still being written from the pool (persist) may have read zeros and goes too."""
-        disk = self.disk
-        if disk is not None:
-            record = disk.record(entry.ns, entry.key)
-            if record is not None and record.generation == entry.generation and not record.ready:
-                disk.drop(entry.ns, entry.key, EventKind.EVICTED)
-        self._unindex(entry, EventKind.EVICTED)
-        self.counters["evicted_truncated"] += 1
-        if entry.readers:
-            entry.state = State.RETIRED
-        else:
-            self._free(entry)
