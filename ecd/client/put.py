@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .client import Client
 
 PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
-HOST = -1  # a group's arena for the host pool (Alloc.arena's value for it too)
+HOST = -1  # a group's arena for the host pool (Alloc.arena's value for it; cuda.HOST, without importing it)
 
 INLINE, RESERVED, ALLOCATED = "inline", "reserved", "allocated"
 
@@ -245,7 +245,7 @@ class PutRoute:
                                      with_checksum=checksum))
         if on_device:
             done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
-                                                             [dest.tensors[i] for i in on_device], checksum)
+                                                  [dest.tensors[i] for i in on_device], checksum)
             for i, digest in zip(on_device, done):
                 digests[i] = digest
         return digests
