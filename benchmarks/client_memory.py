@@ -27,7 +27,7 @@ from bench_daemon import BenchDaemon, proc_memory_kib, write_results
 
 
 def cache_len(client) -> int:
-    return len(client._cache)
+    return len(client.location_cache)
 
 
 def main() -> int:

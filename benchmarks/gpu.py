@@ -292,7 +292,7 @@ def main() -> int:
     ok = False
     try:
         c = daemon.connect(timeout=30)
-        if not c._welcome.arenas:
+        if not c.welcome.arenas:
             raise RuntimeError("the daemon exported no CUDA arena")
         res = {"env": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}}

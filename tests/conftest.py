@@ -80,7 +80,7 @@ def open_pool(target):
 def pool_target(client, pool: int) -> str:
     """What a vandal opens for host pool segment `pool` of `client`'s daemon: its /dev/shm file
     (backing = "named"), or "fds:<the fd socket>:<pool>" (backing = "memfd")."""
-    welcome = client._welcome
+    welcome = client.welcome
     if not welcome.fd_socket:
         return f"/dev/shm/{welcome.pools[pool].name}"
     socket_dir = os.path.dirname(client.endpoint[len("ipc://"):])

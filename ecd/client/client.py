@@ -7,6 +7,10 @@ are copied straight into and out of the daemon's shared-memory pools, mapped onc
 write faults instead of corrupting the cache). The event ring, mapped read-only, answers exists()
 negatives without a round trip and drops cached locations of entries that were evicted or replaced.
 
+Every put goes one route, ecd.client.put: place (inline, the reserved extent, or extents
+allocated now, in the host pool or a CUDA arena), copy (a host or CUDA copy, with the checksum),
+commit (PutInline, Publish or Commit).
+
 Thread-safety: one lock serialises socket round trips; copies run outside it, so threads of one
 process can put/get concurrently through one Client.
 
@@ -18,28 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Iterator, Literal, Mapping, Sequence, cast, overload
 
 import torch
 import zmq
 
-from ..errors import (Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, LimitExceeded,
+from ..errors import (Code, EcdError, IntegrityError, KeyNotFound, LimitExceeded,
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.ring import HERE, NOT_HERE, key_hash
-from ..memory.allocator import align_up
-from ..protocol import (Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Bye, Commit, Committed,
-                        Exists, Extent, Failure, Flags, Location, Publish, PutInline, Release, Report, Welcome,
+from ..protocol import (Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host
 from .control import ControlClient, _check_encodable, _key_list
 from .location_cache import LocationCache
 from .mapping import EpochMapping
-from .tensors import copy_into, copy_out, copy_out_checked, dtype_name, host_tensor, parse_device, view_of
-
-
-PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
+from .put import PutRoute
+from .tensors import copy_out, copy_out_checked, parse_device, view_of
 
 
 class Client(ControlClient):
@@ -53,11 +52,7 @@ class Client(ControlClient):
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
         prefault the pool mappings when they are made (MAP_POPULATE) rather than on first use."""
         self.populate = populate
-        # [(extent, aligned size, use-by monotonic time, session, epoch mapping)] of the daemon's
-        # reservation for this client's next put, or []: a list, so a put claims it with one
-        # atomic pop; and whether a put is filling the one it claimed right now
-        self._reservation: list[tuple[Extent, int, float, int, EpochMapping]] = []
-        self._reservation_busy = False
+        self._puts = PutRoute()  # the put route, and the reservation for this client's next put
         self._map: EpochMapping | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
         # LRU (location_cache.py), kept current by ring events; exists() answers from it
@@ -79,7 +74,20 @@ class Client(ControlClient):
         self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
         self._map = mapping
         self._cache.clear()
-        self._reservation.clear()
+        self._puts.forget_reservation()
+
+    @property
+    def mapping(self) -> EpochMapping:
+        """The daemon run's shared memory as this process maps it (read-only use): `local`
+        (False for a client off the daemon's node: nothing mapped), `sealed` (memfd pools),
+        `ring` (the event ring reader, its `overruns`)."""
+        return cast(EpochMapping, self._map)  # connected: set
+
+    @property
+    def location_cache(self) -> LocationCache:
+        """The locations this client learnt (keyhash -> namespace, key, generation): what its
+        exists() answers from without a round trip. For inspection; the client keeps it current."""
+        return self._cache
 
     def _verifies(self, asked: bool) -> bool:
         return asked or self.namespace in self._welcome.verify_namespaces
@@ -108,32 +116,9 @@ class Client(ControlClient):
     def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False,
                  tier: str | None = None, persist: bool = False) -> None:
         """Store several tensors with one allocation and one commit round trip per tier (the
-        host pool, and each arena the CUDA tensors go to: see put; `persist` as in put)."""
-        if tier is not None and tier not in ("host", "cuda"):
-            raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
-        if persist and not self._welcome.disk:
-            raise InvalidRequest("persist=True but the daemon has no disk tier ([pool.disk] is not configured): "
-                                 "nothing was stored")
-        _check_encodable("key", items)
-        pending = dict(items)
-        on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values())
-        for attempt in range(2):
-            epoch = self._map.epoch
-            try:
-                if on_gpu:  # one Alloc/Commit per tier: the host pool, and each arena the tensors go to
-                    groups = self._cuda_plane(cast(EpochMapping, self._map)).group_by_tier(pending, tier)
-                else:
-                    groups = {-1: {key: host_tensor(t) for key, t in pending.items()}}  # -1: the host pool
-                for arena, tensors in groups.items():
-                    if tensors:
-                        self._put_once(tensors, self._verifies(checksum), arena, persist)
-                    for key in tensors:
-                        del pending[key]
-                return
-            except StaleGeneration:
-                # The daemon restarted between alloc and commit: the bytes went with it. Retry once.
-                if attempt or self._map.epoch == epoch:
-                    raise
+        host pool, and each arena the CUDA tensors go to: see put; `persist` as in put). Every
+        put takes the one put route of ecd.client.put: place, copy, commit."""
+        self._puts.put_many(self, items, checksum, tier, persist)
 
     def _cuda_plane(self, mapping: EpochMapping):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
@@ -149,179 +134,6 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
-    def _put_once(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int = -1,
-                  persist: bool = False) -> None:
-        """The one put route. Place the bytes — in the message (inline-sized), in the extent the
-        daemon reserved for this client's next put, or in extents allocated for them (Alloc) —
-        then one round trip publishes them (PutInline, Publish or Commit) and brings the
-        reservation for the next put. A reserved or inline put takes the client's lock once."""
-        if not self._map.local:  # a client off the daemon's node: only puts small enough to ride inline
-            sizes = [t.numel() * t.element_size() for t in tensors.values()]
-            if max(sizes) > self.limits.inline_max_bytes:
-                self._map.require_local("a put larger than limits.inline_max_bytes", self.limits.inline_max_bytes)
-            for (key, t), nbytes in zip(tensors.items(), sizes):
-                self._put_inline(key, t, nbytes, checksum, persist)
-            return
-        if len(tensors) == 1:
-            (key, t), = tensors.items()
-            nbytes = t.numel() * t.element_size()
-            if arena < 0 and nbytes <= self.limits.inline_max_bytes:
-                self._put_inline(key, t, nbytes, checksum, persist)
-                return
-            if self._put_reserved(key, t, nbytes, checksum, arena, persist):
-                return
-        self._put_allocated(tensors, checksum, arena, persist)
-
-    def _put_inline(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, persist: bool = False) -> None:
-        if t.is_cuda:
-            t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
-        buf = bytearray(nbytes)
-        copy_into(buf, 0, t)
-        data = bytes(buf)
-        self._finish_put(PutInline(next(self._ids), self.namespace, key, dtype_name(t.dtype), list(t.shape),
-                                   data, checksum_of(data) if checksum else 0, persist), [key], [], -1)
-
-    def _put_reserved(self, key: str, t: torch.Tensor, nbytes: int, checksum: bool, arena: int,
-                      persist: bool = False) -> bool:
-        """Copy into the reservation the last put left, then Publish. False when there is no
-        usable reservation, or the daemon no longer holds it: the caller allocates."""
-        claimed = self._claim_reservation(nbytes, arena)
-        if claimed is None:
-            return False
-        extent, mapping, ring_pos = claimed
-        try:
-            if t.is_cuda or mapping.is_arena(extent.pool):
-                digest, = self._cuda_plane(mapping).copy_in([extent], [t], checksum)
-            else:
-                digest = copy_into(mapping.rw_for(extent.pool, extent.offset, nbytes), extent.offset, t,
-                                   with_checksum=checksum)
-        except BaseException:
-            self._reservation_busy = False
-            self._send_quietly(Abort(0, [extent.generation]))  # do not strand the reservation
-            raise
-        item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
-        publish = Publish(next(self._ids), self.namespace, extent.generation, item, nbytes, digest, persist)
-        return self._finish_put(publish, [key], [extent.generation], ring_pos, mapping)
-
-    def _claim_reservation(self, nbytes: int, arena: int) -> tuple[Extent, EpochMapping, int] | None:
-        """Take the reservation for this put, without the lock: list.pop is atomic, so two
-        threads never get the same one. Returns (extent, its epoch's mapping, ring position)."""
-        try:
-            extent, size, use_by, session, mapping = self._reservation.pop()
-        except IndexError:
-            return None
-        ring_pos = mapping.ring.next_seq
-        if (align_up(max(nbytes, 1)) != size or time.monotonic() > use_by or session != self._session
-                or mapping is not self._map or not mapping.fits(extent, arena)):
-            # Not usable (another size or tier, too old, another daemon run): hand it back if
-            # it is still ours, so the next Commit can reserve anew.
-            if session == self._session and mapping is self._map:
-                self._send_quietly(Abort(0, [extent.generation]))
-            return None
-        self._reservation_busy = True  # the daemon still holds it: asking for another is futile
-        return extent, mapping, ring_pos
-
-    def _put_allocated(self, tensors: dict[str, torch.Tensor], checksum: bool, arena: int,
-                       persist: bool = False) -> None:
-        """Alloc extents for the items, copy into them, Commit."""
-        items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
-                 for key, t in tensors.items()]
-        with self._lock:
-            # Taken before the request: the daemon's write TTL starts later, when it allocates.
-            use_by = time.monotonic() + self._safe_write_window()
-            reply: Allocated = self._call(Alloc(next(self._ids), self.namespace, items, arena))
-            mapping, ring_pos = cast(EpochMapping, self._map), self._map.ring.next_seq
-        extents = reply.results
-        failed = next((r for r in extents if isinstance(r, Failure)), None)
-        generations = [r.generation for r in extents if not isinstance(r, Failure)]
-        try:
-            if failed is not None:
-                raise error_from_code(failed.code, failed.message)
-            digests = self._copy_into_extents(mapping, cast("list[Extent]", extents), list(tensors.values()),
-                                              checksum, use_by)
-        except BaseException:
-            if generations:
-                with contextlib.suppress(EcdError):
-                    self._call(Abort(next(self._ids), generations))
-            raise
-        reserve = items[0].nbytes if len(items) == 1 else 0  # same-sized puts (embeddings, KV blocks) reuse it
-        commit = Commit(next(self._ids), generations, reserve, digests if checksum else [], persist)
-        self._finish_put(commit, list(tensors), generations, ring_pos, mapping)
-
-    def _copy_into_extents(self, mapping: EpochMapping, extents: list[Extent], tensors: list[torch.Tensor],
-                           checksum: bool, use_by: float) -> list[int]:
-        """Copy each tensor into its extent (host copies first, then those on a GPU); digests."""
-        digests: list[int] = []
-        on_device: list[int] = []  # items whose copy runs on a GPU (after the host copies)
-        for i, (extent, t) in enumerate(zip(extents, tensors)):
-            if time.monotonic() > use_by:
-                # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired the
-                # write and handed the extent to another entry; copying now would corrupt that
-                # entry, so give up as a commit of an expired write would.
-                raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
-                                      "its bytes were copied: put again")
-            if t.is_cuda or mapping.is_arena(extent.pool):
-                on_device.append(i)
-                digests.append(0)
-                continue
-            digests.append(copy_into(mapping.rw_for(extent.pool, extent.offset, t.numel() * t.element_size()),
-                                     extent.offset, t, with_checksum=checksum))
-        if on_device:
-            done = self._cuda_plane(mapping).copy_in([extents[i] for i in on_device], [tensors[i] for i in on_device],
-                                                      checksum)
-            for i, digest in zip(on_device, done):
-                digests[i] = digest
-        return digests
-
-    def _finish_put(self, request: PutInline | Publish | Commit, keys: list[str], generations: list[int],
-                    ring_pos: int, mapping: EpochMapping | None = None) -> bool:
-        """The put's last round trip, under one acquisition of the lock: ask for a reservation
-        for the next put unless this client holds one, send, keep the one that comes back and
-        the locations learnt. False when a Publish found its reservation gone or unfit (the
-        caller allocates); a failed item raises."""
-        with self._lock:
-            if isinstance(request, Publish):
-                self._reservation_busy = False  # this put claimed it; the reply says what became of it
-            if mapping is not None and mapping is not self._map:
-                # Another thread reconnected to a restarted daemon while this put copied: its
-                # extents went with the old one, and their generations may name others' there.
-                if isinstance(request, Publish):
-                    return False
-                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
-            if not isinstance(request, PutInline) and (self._reservation or self._reservation_busy):
-                request.reserve = 0  # the daemon keeps one reservation per client
-            # a persisted put is answered once the disk has it: give the write and its fsyncs time
-            reply: Acked | Committed = self._call_locked(request, PERSIST_WAIT_S if request.persist else 0.0)
-            if isinstance(reply, Committed):
-                self._keep_reservation(reply.reservation, request.reserve)
-            failure = next((r for r in reply.results if isinstance(r, Failure)), None)
-            if isinstance(request, PutInline):
-                self._cache.forget(key_hash(self.namespace, keys[0]))  # generation unknown: ask next time
-            elif failure is None:
-                self._remember_locked(self.namespace, keys, generations, ring_pos)
-        if failure is not None and isinstance(request, Publish) and failure.code in (Code.STALE, Code.INVALID):
-            return False  # the reservation was gone or unfit: put it the ordinary way
-        self._raise_first(reply.results)
-        return True
-
-    def _safe_write_window(self) -> float:
-        """How long after an Alloc (or reservation) this client may still start copying: half of
-        what the daemon waits before it takes the extent back — the write TTL, or for a session it
-        cannot watch by pid the session TTL (three heartbeat intervals)."""
-        window = self.limits.write_ttl_s / 2
-        if self._heartbeat_s:
-            window = min(window, 1.5 * self._heartbeat_s)
-        return window
-
-    def _keep_reservation(self, reservation: Extent | Failure | None, nbytes: int) -> None:
-        """Under the lock, with the reply that brought it."""
-        if isinstance(reservation, Extent):
-            # Use it only well inside the time the daemon gives it: after that the extent may belong
-            # to someone else, and copying into it would corrupt their entry.
-            use_by = time.monotonic() + self._safe_write_window()
-            self._reservation[:] = [(reservation, align_up(max(nbytes, 1)), use_by, self._session,
-                                     cast(EpochMapping, self._map))]  # connected: set
-
     def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
         was out: one of them may have been this entry's eviction, read before it was cached."""
@@ -333,12 +145,6 @@ class Client(ControlClient):
             cache.remember(key_hash(ns, key), ns, key, generation)
         if self._map.local:
             cache.catch_up(ring)
-
-    @staticmethod
-    def _raise_first(results: Sequence[Failure | None]) -> None:
-        for result in results:
-            if isinstance(result, Failure):
-                raise error_from_code(result.code, result.message)
 
     # ---- get / view ---------------------------------------------------------------------
 

@@ -312,6 +312,24 @@ class ControlClient:
         return self._call(msgspec.structs.replace(message, id=next(self._ids)), wait_s)
 
     @property
+    def welcome(self) -> Welcome:
+        """The daemon's last Welcome, as received (read-only): its pools, ring, arenas, limits,
+        heartbeat_s, disk tier, fd socket and so on (ecd.protocol.Welcome)."""
+        return typing.cast(Welcome, self._welcome)  # connected in __init__: set
+
+    @property
+    def session_id(self) -> int:
+        """This client's session with the daemon (from its Welcome); a new one after a reconnect
+        that had to say hello again."""
+        return self._session
+
+    @property
+    def heartbeating(self) -> bool:
+        """Whether this client runs its heartbeat thread (the daemon asked for heartbeats: it
+        cannot watch this process by pid)."""
+        return self._heartbeat_thread is not None
+
+    @property
     def limits(self):
         """The daemon's ecd.protocol.Limits, from its Welcome (max_batch, inline_max_bytes, ...)."""
         return self._welcome.limits

@@ -154,7 +154,7 @@ def _driver():
     return load_driver()
 
 
-def _host_bytes(buf, offset: int, nbytes: int) -> torch.Tensor:
+def host_bytes(buf, offset: int, nbytes: int) -> torch.Tensor:
     """A CPU uint8 tensor over buf[offset:offset + nbytes] (no copy)."""
     # read-only buffers: torch's warning that it cannot enforce it is spent at import (tensors.py)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -205,7 +205,8 @@ class CudaPlane:
 
     # -- memory
 
-    def _base(self, pool: int) -> int:
+    def arena_base(self, pool: int) -> int:
+        """The arena's base pointer in this process: its IPC handle is opened on first use, once."""
         base = self._bases.get(pool)
         if base is not None:
             return base
@@ -225,7 +226,7 @@ class CudaPlane:
         ordinal = self.ordinal_of(pool)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", ordinal))
-        flat = torch.as_tensor(_DeviceBytes(self._base(pool), offset, nbytes),
+        flat = torch.as_tensor(_DeviceBytes(self.arena_base(pool), offset, nbytes),
                                device=torch.device("cuda", ordinal))
         return flat
 
@@ -261,7 +262,7 @@ class CudaPlane:
         tdtype = torch_dtype(dtype)
         if nbytes == 0:
             return torch.empty(shape, dtype=tdtype)
-        return _host_bytes(self._host_bufs[pool], offset, nbytes).view(tdtype).view(shape)
+        return host_bytes(self._host_bufs[pool], offset, nbytes).view(tdtype).view(shape)
 
     def location_tensor(self, pool: int, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
         if pool >= self.n_host:

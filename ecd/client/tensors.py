@@ -49,10 +49,12 @@ _spend_read_only_warning()
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=r"ecd\.client\.")
 
+# The compiled copy (ecd._copy, built from ecd/_copy.c by setup.py), or None: installed without a
+# C compiler, numpy's memcpy does the same, a bit slower. Tests set it to None to check the fallback.
 try:
-    from .. import _copy as _ccopy  # built from ecd/_copy.c (setup.py)
-except ImportError:  # installed without a C compiler: numpy's memcpy does the same, a bit slower
-    _ccopy = None
+    from .. import _copy as compiled_copy
+except ImportError:
+    compiled_copy = None
     logging.getLogger(__name__).debug("ecd._copy is not built: copies into the pool use numpy")
 
 
@@ -96,8 +98,8 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_bytes(buf, offset: int, src: np.ndarray) -> None:
     """buf[offset:offset + src.size] = src, a flat contiguous uint8 array."""
-    if _ccopy is not None:
-        _ccopy.copy(buf, offset, src)
+    if compiled_copy is not None:
+        compiled_copy.copy(buf, offset, src)
     else:
         np.copyto(np.frombuffer(buf, np.uint8, count=src.size, offset=offset), src)
 

@@ -91,7 +91,7 @@ def serve(endpoint: str, namespace: str = "default") -> None:
             elif cmd == "exists":
                 say("ok " + " ".join(str(x) for x in client.exists(args)))
             elif cmd == "ring":
-                say(f"ok {client._map.ring.overruns} {len(client._cache)}")
+                say(f"ok {client.mapping.ring.overruns} {len(client.location_cache)}")
             elif cmd == "alloc-stuck":
                 nbytes = int(args[1])
                 reply = client.request(Alloc(0, namespace,
@@ -193,8 +193,8 @@ def mixed(endpoint: str, ident: str, seed: int) -> None:
 
 
 def slow_put(endpoint: str, key: str, numel: int) -> None:
-    import ecd.client.client as client_module
-    real_copy = client_module.copy_into
+    import ecd.client.put as put_module  # the put route's copy step
+    real_copy = put_module.copy_into
 
     def half_then_hang(buf, offset, tensor, **kwargs):
         half = tensor.numel() // 2
@@ -203,26 +203,26 @@ def slow_put(endpoint: str, key: str, numel: int) -> None:
         while True:
             time.sleep(60)
 
-    client_module.copy_into = half_then_hang
+    put_module.copy_into = half_then_hang
     with Client(endpoint, timeout=10.0) as c:
         c.put(key, garbage(numel))
 
 
 def stop_after_alloc(endpoint: str, key: str, numel: int) -> None:
+    from ecd.client.testing import intercept_round_trips
     from ecd.protocol import Alloc
     c = Client(endpoint, timeout=10.0)
-    real_call = c._call
 
-    def call(request, *args):
-        reply = real_call(request, *args)
+    def call(request, send):
+        reply = send(request)
         if isinstance(request, Alloc):
             say(f"allocated {reply.results[0].generation}")
             os.kill(os.getpid(), signal.SIGSTOP)  # stuck here until SIGCONT
         return reply
 
-    c._call = call
     try:
-        c.put(key, garbage(numel))
+        with intercept_round_trips(c, call):
+            c.put(key, garbage(numel))
         say("ok")
     except EcdError as exc:
         say(f"error {type(exc).__name__} {exc}")

@@ -66,7 +66,7 @@ def test_a_killed_memfd_daemon_leaves_no_pool_behind_and_restarts(daemon):
     assert os.path.exists(daemon.socket_path + ".fds")  # the fd socket's file is left: replaced at start
     daemon.start()
     with daemon.client() as c:
-        assert c._map.sealed and c.exists("k#100000") is False
+        assert c.mapping.sealed and c.exists("k#100000") is False
         c.put("k#100000", payload("k#100000"))
         assert c.get("k#100000").equal(payload("k#100000"))
     assert_healthy(daemon)

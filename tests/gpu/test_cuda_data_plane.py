@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ecd.client.testing import acquire
+
 pytestmark = pytest.mark.gpu
 
 WORKER = Path(__file__).with_name("gpu_worker.py")
@@ -33,7 +35,7 @@ def gpu_daemon(daemon_factory):
 
 
 def arena_pools(client) -> set[int]:
-    return {a.index for a in client._welcome.arenas}
+    return {a.index for a in client.welcome.arenas}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16", "uint8"])
@@ -43,9 +45,9 @@ def test_d2d_across_processes_is_bit_identical(gpu_daemon, dtype):
     assert device == "cuda:0"
     with gpu_daemon.client() as c:
         assert arena_pools(c), "the daemon exported no arena"
-        (loc,), _, _ = c._acquire(["x"], None)
+        (loc,), release = acquire(c, ["x"])
         assert loc.pool in arena_pools(c)  # it lives in the arena, not the host pool
-        c._release([loc.generation], c._session, c.epoch)
+        release()
     assert worker(ep, "get", "x", "none") == (digest, "cuda:0")  # default: where it lives
     assert worker(ep, "get", "x", "cuda:0") == (digest, "cuda:0")
     assert worker(ep, "get", "x", "cpu") == (digest, "cpu")
@@ -56,9 +58,9 @@ def test_host_tier_d2h_then_h2d(gpu_daemon):
     ep = gpu_daemon.endpoint
     digest, _ = worker(ep, "put", "h", 3, 1 << 20, "bfloat16", "cuda:0", "host")
     with gpu_daemon.client() as c:
-        (loc,), _, _ = c._acquire(["h"], None)
+        (loc,), release = acquire(c, ["h"])
         assert loc.pool not in arena_pools(c)
-        c._release([loc.generation], c._session, c.epoch)
+        release()
     assert worker(ep, "get", "h", "none") == (digest, "cpu")
     assert worker(ep, "get", "h", "cuda:0") == (digest, "cuda:0")
 

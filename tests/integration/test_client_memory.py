@@ -51,14 +51,15 @@ def same_bucket_keys(n: int, buckets: int = 64) -> list[str]:
 
 def test_a_dropped_location_costs_one_round_trip_never_a_wrong_answer(daemon_factory):
     from ecd.client.location_cache import LocationCache
+    from ecd.client.testing import replace_location_cache
     daemon = daemon_factory(extra="[ring]\npresence_buckets = 64")
     t = torch.ones(KIB128)
     keys = same_bucket_keys(20)
     with daemon.client() as c, daemon.client() as other:
-        c._cache = LocationCache(8)  # room for the last 8 only
+        replace_location_cache(c, LocationCache(8))  # room for the last 8 only
         for key in keys:
             c.put(key, t)
-        assert len(c._cache) == 8 and all(key_hash("default", k) in c._cache for k in keys[-8:])
+        assert len(c.location_cache) == 8 and all(key_hash("default", k) in c.location_cache for k in keys[-8:])
         asked = c.stats()["ops"].get("exists", 0)
         assert c.exists(keys) == [True] * 20  # 12 dropped locations: asked, in one round trip
         assert c.stats()["ops"].get("exists", 0) == asked + 1
@@ -76,11 +77,11 @@ def test_a_client_that_only_puts_and_gets_follows_the_ring(daemon_factory):
     with d.client() as c:
         c.put("mine", t)
         mine = key_hash("default", "mine")
-        assert mine in c._cache
+        assert mine in c.location_cache
         for i in range(700):  # a publish and an eviction each: 1400 events
             c.put(f"k{i}", t)
-        assert mine not in c._cache  # evicted (LRU), and this client read it on the ring
-        assert len(c._cache) <= 64 + 512  # the pool's entries, plus puts since the last sync
+        assert mine not in c.location_cache  # evicted (LRU), and this client read it on the ring
+        assert len(c.location_cache) <= 64 + 512  # the pool's entries, plus puts since the last sync
         assert c.exists("mine") is False
         c.ping()
         assert overruns(d) == 0
@@ -92,10 +93,10 @@ def test_an_idle_client_catches_up_with_the_ring_quietly(daemon):
     report, and answers right afterwards."""
     with daemon.client() as c, daemon.client() as other:
         c.put("mine", torch.ones(KIB128))
-        assert key_hash("default", "mine") in c._cache
+        assert key_hash("default", "mine") in c.location_cache
         other.put_many({f"o{i}": torch.ones(1) for i in range(5000)})  # 5000 events
         c.put("next", torch.ones(KIB128))
-        assert len(c._cache) == 0
+        assert len(c.location_cache) == 0
         assert c.exists(["mine", "next", "o4999", "absent"]) == [True, True, True, False]
         c.ping()
         assert overruns(daemon) == 0

@@ -12,6 +12,7 @@ import zmq
 
 import ecd
 from conftest import wait_for
+from ecd.client.testing import acquire
 from ecd.errors import Code
 from ecd.memory.ring import key_hash
 from ecd.protocol import (PROTOCOL_VERSION, Commit, Error, Hello, Ping, Release, Welcome, encoder,
@@ -111,7 +112,7 @@ def test_error_reply_carries_the_request_id_when_it_can_be_read(daemon):
 def test_leases_and_writes_are_bound_to_their_client(daemon):
     with daemon.client() as owner:
         owner.put("mine", torch.ones(100_000))
-        results, _, _ = owner._acquire(["mine"], None)
+        results, release = acquire(owner, ["mine"])
         generation = results[0].generation
         intruder = RawPeer(daemon.endpoint)
         try:
@@ -123,7 +124,7 @@ def test_leases_and_writes_are_bound_to_their_client(daemon):
         finally:
             intruder.close()
         assert owner.stats()["read_leases"] == 1  # the intruder could not drop it
-        owner._release([generation], owner._session, owner.epoch)
+        release()
         assert wait_for(lambda: owner.stats()["read_leases"] == 0)
 
 
@@ -152,14 +153,14 @@ def test_cached_location_is_dropped_when_another_process_evicts(daemon, actors):
     with daemon.client() as c:
         c.put("cached", torch.ones(100_000))
         h = key_hash("default", "cached")
-        assert h in c._cache
+        assert h in c.location_cache
         before = c.stats()["ops"].get("exists", 0)
         assert c.exists("cached") is True
         assert c.stats()["ops"].get("exists", 0) == before  # answered from the cache
         other = actors(daemon.endpoint)
         assert other.ask("put cached 3 10") == "ok"  # replaced by another process
         c.exists("unrelated")  # any call syncs the ring
-        assert h not in c._cache  # the old generation's location was dropped
+        assert h not in c.location_cache  # the old generation's location was dropped
         assert c.exists("cached") is True
 
 

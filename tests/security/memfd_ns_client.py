@@ -61,7 +61,7 @@ def roundtrip(endpoint: str, host_key: str, nbytes: str) -> dict:
 
 def _roundtrip(endpoint: str, host_key: str, n: int, out: dict) -> None:
     with Client(endpoint, timeout=10.0) as c:
-        out["local"] = c._map.local
+        out["local"] = c.mapping.local
         got = c.get(host_key)
         out["get_exact"] = bool(torch.equal(got, pattern(n, 1, 251)))
         with c.view(host_key) as view:

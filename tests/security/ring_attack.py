@@ -150,7 +150,7 @@ def consume(endpoint: str, present: int, absent: int) -> None:
         return out
 
     def status() -> dict:
-        rings = [c._map.ring for c in (reader, asker)]
+        rings = [c.mapping.ring for c in (reader, asker)]
         usable = [bool(r.usable(1.0)) if hasattr(r, "usable") else bool(r.alive(1.0)) for r in rings]
         return {"usable": usable, "overruns": [r.overruns for r in rings],
                 "corruptions": [getattr(r, "corruptions", None) for r in rings]}

@@ -156,7 +156,7 @@ def test_fd_socket_is_found_beside_the_control_socket_as_the_client_knows_it(dae
             c.put("k", pattern(1 << 20, 3, 7))
         from ecd import Client
         with Client(f"ipc://{elsewhere}/ecd.sock", timeout=5.0) as c:
-            assert c._map.local and c._map.sealed
+            assert c.mapping.local and c.mapping.sealed
             assert torch.equal(c.get("k"), pattern(1 << 20, 3, 7))
     finally:
         os.unlink(elsewhere)

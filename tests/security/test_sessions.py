@@ -26,7 +26,7 @@ def test_silent_tcp_client_is_reclaimed_heartbeating_idle_client_keeps_its_holds
     holder = Client(endpoint, timeout=10.0)  # goes idle holding a view and a pin
     observer = Client(endpoint, timeout=10.0)
     try:
-        assert holder._welcome.heartbeat_s == pytest.approx(2 / 3)
+        assert holder.welcome.heartbeat_s == pytest.approx(2 / 3)
         holder.put("a", make_tensor(1, NUMEL))
         holder.put("b", make_tensor(2, NUMEL))
         holder.put("c", make_tensor(3, NUMEL))
@@ -34,7 +34,7 @@ def test_silent_tcp_client_is_reclaimed_heartbeating_idle_client_keeps_its_holds
         assert actor.ask("view-hold a 1 %d" % NUMEL) == "holding"
         with holder.view("b") as view_b:
             assert holder.exists("c", pin_s=600) is True
-            session = holder._session
+            session = holder.session_id
             assert observer.stats()["read_leases"] == 2
 
             os.kill(actor.proc.pid, signal.SIGSTOP)
@@ -52,7 +52,7 @@ def test_silent_tcp_client_is_reclaimed_heartbeating_idle_client_keeps_its_holds
                 assert torch.equal(view_b, make_tensor(2, NUMEL))
             finally:
                 os.kill(actor.proc.pid, signal.SIGCONT)
-        assert holder._session == session  # never had to say hello again
+        assert holder.session_id == session  # never had to say hello again
         assert holder.stats()["read_leases"] == 0  # its release is ordered before its next request
         # The reclaimed client notices nothing: NOT_REGISTERED, a new hello, the retried request.
         assert actor.ask("drop") == "ok"
@@ -112,7 +112,7 @@ def test_a_local_clients_pid_comes_from_the_kernel_not_from_its_hello(daemon_fac
     import ecd.protocol
     monkeypatch.setattr(ecd.protocol, "pid_namespace", lambda: own_ns + 1)
     with d.client() as c:
-        assert c._welcome.heartbeat_s == 0 and c._heartbeat_thread is None
+        assert c.welcome.heartbeat_s == 0 and not c.heartbeating
         assert c.ping()
 
 
@@ -138,7 +138,7 @@ def test_client_off_the_daemons_node_does_control_operations_and_refuses_bulk_on
 
     small = torch.arange(64, dtype=torch.int64)
     with daemon.client() as remote:
-        assert not remote._map.local
+        assert not remote.mapping.local
         assert remote.ping() > 0
         remote.put("small", small)
         remote.put_many({"s1": small, "s2": small + 1})
@@ -155,7 +155,7 @@ def test_client_off_the_daemons_node_does_control_operations_and_refuses_bulk_on
         assert remote.evict(["s1"])["evicted"] == 1
     monkeypatch.undo()
     with daemon.client() as local:
-        assert local._map.local
+        assert local.mapping.local
         assert torch.equal(local.get("small"), small)
         stats = local.stats()
         assert stats["read_leases"] == 0 and stats["entries_ready"] == 1 and stats["entries_writing"] == 0

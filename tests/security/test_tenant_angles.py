@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "chaos"))
 
 import ecd  # noqa: E402
 from conftest import metric, metric_samples, proc_memory_kib, scrape_metrics, wait_for  # noqa: E402
+from ecd.client.testing import intercept_round_trips  # noqa: E402
 from ecd.errors import Code  # noqa: E402
 from ecd.protocol import (PROTOCOL_VERSION, Acquire, Alloc, AllocItem, Bye, Commit, Error, Hello,  # noqa: E402
                           Welcome, encoder, pid_namespace, reply_decoder)
@@ -125,18 +126,16 @@ def test_quota_edges_exact_over_replace_and_replace_under_read(daemon_factory):
         # the quota evicts the old one for the new one's bytes (a cache may always say
         # KeyNotFound), so the key is absent while the new bytes are copied.
         seen = {}
-        real_call = q._call
 
-        def spy(request, *args):
-            reply = real_call(request, *args)
+        def spy(request, send):
+            reply = send(request)
             if isinstance(request, Alloc):
                 seen["exists_during_write"] = reader.exists("k")
                 seen["used_during_write"] = ns_used(d, "q")
             return reply
 
-        q._call = spy
-        q.put("k", u8(2, MiB))
-        q._call = real_call
+        with intercept_round_trips(q, spy):
+            q.put("k", u8(2, MiB))
         assert seen == {"exists_during_write": False, "used_during_write": MiB}
         assert torch.equal(reader.get("k"), u8(2, MiB))
 
@@ -618,11 +617,10 @@ def test_threaded_get_straddling_a_restart_reads_the_pools_its_answer_came_from(
     old, new = torch.full((numel,), 7, dtype=torch.int32), torch.full((numel,), 9, dtype=torch.int32)
     with daemon.client(timeout=3.0) as c:
         c.put("k", old)
-        real_call = c._call_locked  # the round trip under the lock (get takes it once)
         state = {}
 
-        def call(request, *args):
-            reply = real_call(request, *args)
+        def call(request, send):  # the round trip under the lock (get takes it once)
+            reply = send(request)
             if isinstance(request, Acquire) and not state:
                 state["restarted"] = True
                 daemon.stop(signal.SIGKILL)
@@ -635,10 +633,9 @@ def test_threaded_get_straddling_a_restart_reads_the_pools_its_answer_came_from(
                 state["thread"] = b
             return reply
 
-        c._call_locked = call
-        got = c.get("k")
+        with intercept_round_trips(c, call):
+            got = c.get("k")
         state["thread"].join(10.0)
-        c._call_locked = real_call
         assert torch.equal(got, old), f"read {got[:4].tolist()}: bytes of the new daemon's entry"
         assert c.exists("k") is False  # the new daemon does not have it; the client reconnected
         assert torch.equal(c.get("other"), new)

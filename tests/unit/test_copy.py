@@ -85,8 +85,8 @@ def test_copy_into_writes_the_tensor_bytes(monkeypatch, compiled, size):
     if compiled and _copy is None:
         pytest.skip("ecd._copy is not built")
     if not compiled:
-        monkeypatch.setattr(tensors, "_ccopy", None)
-    assert (tensors._ccopy is not None) == compiled
+        monkeypatch.setattr(tensors, "compiled_copy", None)
+    assert (tensors.compiled_copy is not None) == compiled
 
     def copy(buf, offset, src):
         assert tensors.copy_into(buf, offset, torch.from_numpy(src)) == 0
@@ -100,7 +100,7 @@ def test_copy_into_other_dtypes_and_layouts(monkeypatch, compiled):
     if compiled and _copy is None:
         pytest.skip("ecd._copy is not built")
     if not compiled:
-        monkeypatch.setattr(tensors, "_ccopy", None)
+        monkeypatch.setattr(tensors, "compiled_copy", None)
     t = torch.arange(3 * 1024 * 1024, dtype=torch.float32).reshape(1024, 3072)
     for src in (t.to(torch.bfloat16), t, t.t(), t[:, ::2]):  # bfloat16, contiguous, transposed, strided
         nbytes = src.numel() * src.element_size()
@@ -128,7 +128,7 @@ def test_views_of_read_only_pool_memory_warn_nothing_and_leave_the_filters_alone
         "ro = mmap.mmap(-1, 1 << 16, prot=mmap.PROT_READ)\n"
         "for _ in range(3):\n"
         "    assert tensors.view_of(ro, 4096, 4096, 'float32', [32, 32]).shape == (32, 32)\n"
-        "    assert cuda._host_bytes(ro, 0, 16).numel() == 16\n"
+        "    assert cuda.host_bytes(ro, 0, 16).numel() == 16\n"
         "assert warnings.filters == filters, 'a view changed the warning filters'\n"
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", str(script)], capture_output=True, text=True,

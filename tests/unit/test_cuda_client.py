@@ -172,8 +172,8 @@ def test_arena_on_an_invisible_device_is_not_local(fake_driver):
 def test_handles_open_once_and_close_with_the_plane(fake_driver):
     plane = cuda.CudaPlane(7, [arena(1, U0), arena(2, U1)], [bytearray(4096)], n_host=1)
     plane.by_pool = {1: 0, 2: 1}  # as map_arenas would on a 2-GPU node
-    assert plane._base(1) == plane._base(1) == 0x7000_0000_0000
-    assert plane._base(2) == 0x7000_0000_0001
+    assert plane.arena_base(1) == plane.arena_base(1) == 0x7000_0000_0000
+    assert plane.arena_base(2) == 0x7000_0000_0001
     assert [c[0] for c in fake_driver.calls] == ["open", "open"]
     plane.close()
     plane.close()

@@ -36,6 +36,7 @@ from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from ecd import Client, PoolFull  # noqa: E402
+from ecd.client.testing import intercept_round_trips  # noqa: E402
 from ecd.integrations.vllm.ec_connector import EcdECConnector  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -141,17 +142,16 @@ def pins(daemon, key: str) -> int:
 
 
 @pytest.fixture
-def round_trips(monkeypatch):
-    """Counts daemon round trips by request type (every Client request goes through _call_locked)."""
+def round_trips():
+    """Counts daemon round trips by request type, of every Client."""
     seen: list[str] = []
-    original = Client._call_locked
 
-    def counting(self, request, *args, **kwargs):
+    def counting(request, send):
         seen.append(type(request).__name__)
-        return original(self, request, *args, **kwargs)
+        return send(request)
 
-    monkeypatch.setattr(Client, "_call_locked", counting)
-    return seen
+    with intercept_round_trips(Client, counting):
+        yield seen
 
 
 # ---- the factory ----------------------------------------------------------------------------

@@ -1,0 +1,320 @@
+"""The put route of ecd.Client: place, copy, commit, the same three steps for every put.
+
+Every put-like entry point (put, put_many, put(persist=True), CUDA tensors, the reservation the
+previous commit left) comes in through `PutRoute.put_many`, which groups the tensors by tier (the
+host pool, or the CUDA arena of each tensor's device) and sends each group down `PutRoute.put`:
+
+1. place: decide once where the bytes go, and get that destination:
+   - INLINE: in the message itself, for a tensor of at most limits.inline_max_bytes going to the
+     host pool, and for every put of a client off the daemon's node (one message per tensor);
+   - RESERVED: the extent the daemon reserved for this client's next put (the previous Commit or
+     Publish brought it): no Alloc, so such a put is one round trip;
+   - ALLOCATED: extents an Alloc round trip asks for now.
+   An extent lies in the host pool or in a CUDA arena, the tier the group asked for.
+2. copy: the bytes into the destination, with their checksum where one is stored: a host copy
+   (ecd.client.tensors) into the pool's writable mapping, or a CUDA copy (ecd.client.cuda) for a
+   tensor on a GPU or an extent in an arena, waited for before the commit. A copy that fails gives
+   the destination back (Abort), so no extent is stranded.
+3. commit: one round trip publishes the bytes (PutInline, Publish or Commit) and brings the
+   reservation for the next put.
+
+A Publish can find its reservation gone (the daemon took it back, or restarted): nothing was
+stored, and that put goes once more the ordinary way (ALLOCATED).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING, Mapping, Sequence, cast
+
+import torch
+
+from ..errors import Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
+from ..integrity import checksum as checksum_of
+from ..memory.allocator import align_up
+from ..memory.ring import key_hash
+from ..protocol import (Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
+                        PutInline)
+from .control import _check_encodable
+from .mapping import EpochMapping
+from .tensors import copy_into, dtype_name, host_tensor
+
+if TYPE_CHECKING:
+    from .client import Client
+
+PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
+HOST = -1  # a group's arena for the host pool (Alloc.arena's value for it; cuda.HOST, without importing it)
+
+INLINE, RESERVED, ALLOCATED = "inline", "reserved", "allocated"
+
+
+class Destination:
+    """Where one commit's bytes go, as `PutRoute.place` decided: the kind, the keys and tensors,
+    and for the extent kinds their items, extents, the epoch's mapping they lie in, the ring
+    position before the reply that named them, and the time after which copying into them is no
+    longer safe."""
+
+    __slots__ = ("kind", "keys", "tensors", "items", "extents", "mapping", "ring_pos", "deadline", "data")
+
+    def __init__(self, kind: str, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem] | None = None,
+                 extents: list[Extent] | None = None, mapping: EpochMapping | None = None, ring_pos: int = -1,
+                 deadline: float = math.inf) -> None:
+        self.kind = kind
+        self.keys = keys
+        self.tensors = tensors
+        self.items = items or []
+        self.extents = extents or []
+        self.mapping = mapping
+        self.ring_pos = ring_pos
+        self.deadline = deadline
+        self.data = b""  # INLINE: the bytes, once copied
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class PutRoute:
+    """A Client's puts, and the one reservation the daemon keeps for this client's next put.
+
+    Part of the Client that owns it (ecd.client.client), split out so the route reads top to
+    bottom in one place: each step is given that client and uses its connection state (its lock,
+    request ids, round trip, mapping and location cache) as the client itself does. The client
+    is passed, not kept: a reference back would make a cycle, and an unclosed Client would then
+    be finalized (its socket closed, its session ended) only by the cyclic garbage collector."""
+
+    def __init__(self) -> None:
+        # [(extent, aligned size, use-by monotonic time, session, epoch mapping)] of the daemon's
+        # reservation for this client's next put, or []: a list, so a put claims it with one
+        # atomic pop; and whether a put is filling the one it claimed right now
+        self._reservation: list[tuple[Extent, int, float, int, EpochMapping]] = []
+        self._reservation_busy = False
+
+    def forget_reservation(self) -> None:
+        """A new daemon run: the old one's reservation went with it."""
+        self._reservation.clear()
+
+    # ---- the entry point and the route --------------------------------------------------
+
+    def put_many(self, c: Client, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool) -> None:
+        """Client.put_many: one route per tier; the whole put once more if the daemon restarted
+        between placing and committing (the bytes went with it)."""
+        if tier is not None and tier not in ("host", "cuda"):
+            raise InvalidRequest(f"tier must be None, 'host' or 'cuda', got {tier!r}")
+        if persist and not c.welcome.disk:
+            raise InvalidRequest("persist=True but the daemon has no disk tier ([pool.disk] is not configured): "
+                                 "nothing was stored")
+        _check_encodable("key", items)
+        pending = dict(items)
+        on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values())
+        for attempt in range(2):
+            epoch = c._map.epoch
+            try:
+                if on_gpu:  # one Alloc/Commit per tier: the host pool, and each arena the tensors go to
+                    groups = c._cuda_plane(cast(EpochMapping, c._map)).group_by_tier(pending, tier)
+                else:
+                    groups = {HOST: {key: host_tensor(t) for key, t in pending.items()}}
+                for arena, tensors in groups.items():
+                    if tensors:
+                        self.put(c, tensors, c._verifies(checksum), arena, persist)
+                    for key in tensors:
+                        del pending[key]
+                return
+            except StaleGeneration:
+                if attempt or c._map.epoch == epoch:
+                    raise
+
+    def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool) -> None:
+        """The one put route for one tier's tensors: place, copy, commit."""
+        for dest in self.place(c, tensors, arena):
+            digests = self.copy(c, dest, checksum)
+            if not self.commit(c, dest, digests, checksum, persist):
+                # A Publish whose reservation the daemon no longer held, or found unfit: nothing
+                # was stored. Put it the ordinary way.
+                dest = self.allocate(c, dest.keys, dest.tensors, dest.items, arena)
+                self.commit(c, dest, self.copy(c, dest, checksum), checksum, persist)
+
+    # ---- 1. place -----------------------------------------------------------------------
+
+    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int) -> list[Destination]:
+        """Where these tensors go: inline, into the reservation, or into extents allocated now."""
+        mapping = c._map
+        inline_max = c.limits.inline_max_bytes
+        if not mapping.local:  # a client off the daemon's node: only puts small enough to ride inline
+            if max(_nbytes(t) for t in tensors.values()) > inline_max:
+                mapping.require_local("a put larger than limits.inline_max_bytes", inline_max)
+            return [Destination(INLINE, [key], [t]) for key, t in tensors.items()]
+        if len(tensors) == 1 and arena < 0:
+            (key, t), = tensors.items()
+            if _nbytes(t) <= inline_max:
+                return [Destination(INLINE, [key], [t])]
+        keys, values = list(tensors), list(tensors.values())
+        items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t)) for key, t in tensors.items()]
+        if len(items) == 1:
+            reserved = self.claim_reservation(c, keys, values, items, arena)
+            if reserved is not None:
+                return [reserved]
+        return [self.allocate(c, keys, values, items, arena)]
+
+    def claim_reservation(self, c: Client, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem],
+                          arena: int) -> Destination | None:
+        """Take the reservation for this put, without the lock: list.pop is atomic, so two threads
+        never get the same one. None when there is none, or it does not fit this put."""
+        try:
+            extent, size, use_by, session, mapping = self._reservation.pop()
+        except IndexError:
+            return None
+        ring_pos = mapping.ring.next_seq
+        if (align_up(max(items[0].nbytes, 1)) != size or time.monotonic() > use_by or session != c._session
+                or mapping is not c._map or not mapping.fits(extent, arena)):
+            # Not usable (another size or tier, too old, another daemon run): hand it back if
+            # it is still ours, so the next Commit can reserve anew.
+            if session == c._session and mapping is c._map:
+                c._send_quietly(Abort(0, [extent.generation]))
+            return None
+        self._reservation_busy = True  # the daemon still holds it: asking for another is futile
+        # use_by was checked just now: the copy does not look at the clock again
+        return Destination(RESERVED, keys, tensors, items, [extent], mapping, ring_pos)
+
+    def allocate(self, c: Client, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem],
+                 arena: int) -> Destination:
+        """Alloc extents for the items (one round trip); a refused item gives the others back and
+        raises."""
+        with c._lock:
+            # Taken before the request: the daemon's write TTL starts later, when it allocates.
+            deadline = time.monotonic() + self.safe_write_window(c)
+            reply: Allocated = c._call(Alloc(next(c._ids), c.namespace, items, arena))
+            mapping, ring_pos = cast(EpochMapping, c._map), c._map.ring.next_seq
+        extents = [r for r in reply.results if not isinstance(r, Failure)]
+        dest = Destination(ALLOCATED, keys, tensors, items, extents, mapping, ring_pos, deadline)
+        failed = next((r for r in reply.results if isinstance(r, Failure)), None)
+        if failed is not None:
+            self.give_back(c, dest)
+            raise error_from_code(failed.code, failed.message)
+        return dest
+
+    def give_back(self, c: Client, dest: Destination) -> None:
+        """Hand back extents whose put will not commit: a reservation with a fire-and-forget
+        Abort (the lock may not be free: no round trip), allocated ones with a round trip."""
+        generations = [e.generation for e in dest.extents]
+        if dest.kind == RESERVED:
+            self._reservation_busy = False
+            c._send_quietly(Abort(0, generations))
+        elif generations:
+            with contextlib.suppress(EcdError):
+                c._call(Abort(next(c._ids), generations))
+
+    # ---- 2. copy ------------------------------------------------------------------------
+
+    def copy(self, c: Client, dest: Destination, checksum: bool) -> list[int]:
+        """Copy the tensors into the destination; their checksums (0 each without `checksum`).
+        A failed copy into extents gives them back."""
+        if dest.kind == INLINE:
+            t = dest.tensors[0]
+            if t.is_cuda:
+                t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
+            buf = bytearray(_nbytes(t))
+            copy_into(buf, 0, t)
+            dest.data = bytes(buf)
+            return [checksum_of(dest.data) if checksum else 0]
+        try:
+            return self._copy_into_extents(c, dest, checksum)
+        except BaseException:
+            self.give_back(c, dest)  # do not strand the extents
+            raise
+
+    def _copy_into_extents(self, c: Client, dest: Destination, checksum: bool) -> list[int]:
+        """Each tensor into its extent: host copies first, then those that run on a GPU (a tensor
+        on a device, or an extent in an arena), waited for together."""
+        mapping = cast(EpochMapping, dest.mapping)
+        digests: list[int] = []
+        on_device: list[int] = []
+        for i, (extent, t) in enumerate(zip(dest.extents, dest.tensors)):
+            if time.monotonic() > dest.deadline:
+                # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired the
+                # write and handed the extent to another entry; copying now would corrupt that
+                # entry, so give up as a commit of an expired write would.
+                raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                      "its bytes were copied: put again")
+            if t.is_cuda or mapping.is_arena(extent.pool):
+                on_device.append(i)
+                digests.append(0)
+                continue
+            digests.append(copy_into(mapping.rw_for(extent.pool, extent.offset, _nbytes(t)), extent.offset, t,
+                                     with_checksum=checksum))
+        if on_device:
+            done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
+                                                  [dest.tensors[i] for i in on_device], checksum)
+            for i, digest in zip(on_device, done):
+                digests[i] = digest
+        return digests
+
+    # ---- 3. commit ----------------------------------------------------------------------
+
+    def commit(self, c: Client, dest: Destination, digests: list[int], checksum: bool, persist: bool) -> bool:
+        """The put's last round trip, under one acquisition of the lock: ask for a reservation for
+        the next put unless this client holds one, send, keep the one that comes back and the
+        locations learnt. False when a Publish found its reservation gone or unfit (the caller
+        allocates); a failed item raises."""
+        request: PutInline | Publish | Commit
+        if dest.kind == INLINE:
+            t = dest.tensors[0]
+            request = PutInline(next(c._ids), c.namespace, dest.keys[0], dtype_name(t.dtype), list(t.shape),
+                                dest.data, digests[0], persist)
+        elif dest.kind == RESERVED:
+            item = dest.items[0]
+            request = Publish(next(c._ids), c.namespace, dest.extents[0].generation, item, item.nbytes, digests[0],
+                              persist)
+        else:
+            reserve = dest.items[0].nbytes if len(dest.items) == 1 else 0  # same-sized puts reuse it
+            request = Commit(next(c._ids), [e.generation for e in dest.extents], reserve,
+                             digests if checksum else [], persist)
+        with c._lock:
+            if dest.kind == RESERVED:
+                self._reservation_busy = False  # this put claimed it; the reply says what became of it
+            if dest.mapping is not None and dest.mapping is not c._map:
+                # Another thread reconnected to a restarted daemon while this put copied: its
+                # extents went with the old one, and their generations may name others' there.
+                if dest.kind == RESERVED:
+                    return False
+                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+            if dest.kind != INLINE and (self._reservation or self._reservation_busy):
+                request.reserve = 0  # the daemon keeps one reservation per client
+            # a persisted put is answered once the disk has it: give the write and its fsyncs time
+            reply: Acked | Committed = c._call_locked(request, PERSIST_WAIT_S if persist else 0.0)
+            if isinstance(reply, Committed):
+                self._keep_reservation(c, reply.reservation, request.reserve)
+            failure = next((r for r in reply.results if isinstance(r, Failure)), None)
+            if dest.kind == INLINE:
+                c._cache.forget(key_hash(c.namespace, dest.keys[0]))  # generation unknown: ask next time
+            elif failure is None:
+                c._remember_locked(c.namespace, dest.keys, [e.generation for e in dest.extents], dest.ring_pos)
+        if failure is not None and dest.kind == RESERVED and failure.code in (Code.STALE, Code.INVALID):
+            return False  # the reservation was gone or unfit: put it the ordinary way
+        _raise_first(reply.results)
+        return True
+
+    def safe_write_window(self, c: Client) -> float:
+        """How long after an Alloc (or reservation) this client may still start copying: half of
+        what the daemon waits before it takes the extent back — the write TTL, or for a session it
+        cannot watch by pid the session TTL (three heartbeat intervals)."""
+        window = c.limits.write_ttl_s / 2
+        if c._heartbeat_s:
+            window = min(window, 1.5 * c._heartbeat_s)
+        return window
+
+    def _keep_reservation(self, c: Client, reservation: Extent | Failure | None, nbytes: int) -> None:
+        """Under the lock, with the reply that brought it."""
+        if isinstance(reservation, Extent):
+            # Use it only well inside the time the daemon gives it: after that the extent may belong
+            # to someone else, and copying into it would corrupt their entry.
+            use_by = time.monotonic() + self.safe_write_window(c)
+            self._reservation[:] = [(reservation, align_up(max(nbytes, 1)), use_by, c._session,
+                                     cast(EpochMapping, c._map))]  # connected: set
+
+
+def _raise_first(results: Sequence[Failure | None]) -> None:
+    for result in results:
+        if isinstance(result, Failure):
+            raise error_from_code(result.code, result.message)

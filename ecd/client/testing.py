@@ -1,0 +1,75 @@
+"""Test support: the seams of a client that tests spy on or inject into, named in one place.
+
+Not for production use. Tests reach a client's inside only through these functions (or the
+client's public read-only properties: welcome, session_id, heartbeating, mapping,
+location_cache), never through its private attributes, so the client can change inside without
+breaking them.
+
+- `intercept_round_trips`: see (or stall, or fail) each request a client, or every client of a
+  class, sends and waits for, with the reply it got;
+- `acquire`: take read leases at the wire level, as get() does before it copies, and release them;
+- `replace_location_cache`: give a client a location cache of another size.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from ..protocol import Failure, Location
+from .control import ControlClient
+from .location_cache import LocationCache
+
+# interceptor(request, send) -> reply, where send(request) makes the real round trip
+Interceptor = Callable[[Any, Callable[[Any], Any]], Any]
+
+
+@contextlib.contextmanager
+def intercept_round_trips(target: ControlClient | type[ControlClient], interceptor: Interceptor) -> Iterator[None]:
+    """Inside the block, every round trip `target` makes (a client, or every client of that
+    class) goes through `interceptor(request, send)`: `send(request)` makes the real round trip
+    (with the request's own wait) and returns the reply, and what the interceptor returns is the
+    reply the client sees. It runs where the round trip runs: under the client's lock, after the
+    request was numbered. Fire-and-forget messages (Release, Abort of a reservation, Report,
+    Ping of the heartbeat) are not round trips and do not pass through it."""
+    if isinstance(target, type):
+        real_method = target._call_locked
+
+        def patched_method(self, request, wait_s: float = 0.0):
+            return interceptor(request, lambda message: real_method(self, message, wait_s))
+
+        target._call_locked = patched_method  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            target._call_locked = real_method  # type: ignore[method-assign]
+        return
+    real = target._call_locked
+    before = vars(target).get("_call_locked")  # an interception around this one, or None
+
+    def patched(request, wait_s: float = 0.0):
+        return interceptor(request, lambda message: real(message, wait_s))
+
+    target._call_locked = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if before is None:
+            del target._call_locked  # the class's method again
+        else:
+            target._call_locked = before  # type: ignore[method-assign]
+
+
+def acquire(client, keys: list[str], timeout: float | None = None
+            ) -> tuple[list[Location | Failure], Callable[[], None]]:
+    """Read leases on `keys` as get() takes them before it copies: (the daemon's answer per key,
+    a Location or a Failure; a function that releases the leases taken, fire-and-forget as get()
+    does). A lease not released is held until the client's session ends."""
+    results, session, mapping = client._acquire(list(keys), timeout)
+    held = [r.generation for r in results if isinstance(r, Location)]
+    return results, lambda: client._release(held, session, mapping.epoch)
+
+
+def replace_location_cache(client, cache: LocationCache) -> None:
+    """Give `client` this (empty) location cache instead of its own, e.g. a smaller one."""
+    with client._lock:
+        client._cache = cache
