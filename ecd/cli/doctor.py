@@ -51,7 +51,9 @@ class Finding:
         return f"{self.key}: {self.message}"
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """A byte count as the findings write it: 4 significant digits of the largest unit it
+    reaches ("300MiB", "1.5GiB", "512 bytes")."""
     for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= factor:
             return f"{n / factor:.4g}{unit}"
@@ -146,20 +148,21 @@ def memory_needed(config: Config) -> dict[str, int]:
 def check_memory(config: Config, limit: MemoryLimit | None) -> Finding:
     parts = memory_needed(config)
     need = sum(parts.values())
-    listed = " + ".join(f"{_size(n)} {name}" for name, n in parts.items())
+    listed = " + ".join(f"{format_bytes(n)} {name}" for name, n in parts.items())
     if limit is None:
-        return Finding("ok", "pool.host.size", f"no cgroup memory limit; the daemon needs {_size(need)} ({listed})")
+        return Finding("ok", "pool.host.size",
+                       f"no cgroup memory limit; the daemon needs {format_bytes(need)} ({listed})")
     if need <= limit.limit:
-        return Finding("ok", "pool.host.size", f"{_size(need)} needed ({listed}) fits the cgroup memory limit "
-                                               f"{_size(limit.limit)} ({limit.where})")
+        return Finding("ok", "pool.host.size", f"{format_bytes(need)} needed ({listed}) fits the cgroup memory limit "
+                                               f"{format_bytes(limit.limit)} ({limit.where})")
     room = limit.limit - (need - parts["host pool"])
-    fix = (f"shrink pool.host.size to at most {_size(room - room % (1 << 20))} or " if room >= 1 << 20 else "")
+    fix = (f"shrink pool.host.size to at most {format_bytes(room - room % (1 << 20))} or " if room >= 1 << 20 else "")
     return Finding("error", "pool.host.size", (
-        f"the cgroup memory limit is {_size(limit.limit)} ({limit.where}), the daemon needs {_size(need)}: "
-        f"{listed} (shared memory pages are charged to the cgroup: past the limit the kernel OOM-kills the "
-        f"daemon; the daemon's share is its interpreter and libraries, ~{_size(DAEMON_BASE_BYTES)}, and one "
-        f"request of limits.max_message_bytes); {fix}raise the limit (podman/docker --memory, Kubernetes "
-        f"resources.limits.memory, systemd MemoryMax=)"))
+        f"the cgroup memory limit is {format_bytes(limit.limit)} ({limit.where}), the daemon needs "
+        f"{format_bytes(need)}: {listed} (shared memory pages are charged to the cgroup: past the limit the "
+        f"kernel OOM-kills the daemon; the daemon's share is its interpreter and libraries, "
+        f"~{format_bytes(DAEMON_BASE_BYTES)}, and one request of limits.max_message_bytes); {fix}raise the limit "
+        f"(podman/docker --memory, Kubernetes resources.limits.memory, systemd MemoryMax=)"))
 
 
 # ---- /dev/shm -------------------------------------------------------------------------------
@@ -207,16 +210,17 @@ def check_shm(config: Config, shm_dir: str | None = None, lock_dir: str | None =
     need = int(config.pool.host.size) + ring_bytes(config.ring.slots, config.ring.presence_buckets)
     if need > free + reclaim:
         return [Finding("error", shm_dir, (
-            f"has {_size(free + reclaim)} free, backing = \"named\" needs {_size(need)} there for the pool and "
-            f"ring: shrink pool.host.size, grow {shm_dir} (podman/docker --shm-size, Kubernetes: an emptyDir "
+            f"has {format_bytes(free + reclaim)} free, backing = \"named\" needs {format_bytes(need)} there for the "
+            f"pool and ring: shrink pool.host.size, grow {shm_dir} (podman/docker --shm-size, Kubernetes: an emptyDir "
             f"with medium: Memory and a sizeLimit) or use backing = \"memfd\""))]
-    return [Finding("ok", shm_dir, f"writable, {_size(free + reclaim)} free for the {_size(need)} pool and ring")]
+    return [Finding("ok", shm_dir,
+                    f"writable, {format_bytes(free + reclaim)} free for the {format_bytes(need)} pool and ring")]
 
 
 # ---- rlimits --------------------------------------------------------------------------------
 
 def _limit_text(value: int) -> str:
-    return "unlimited" if value == resource.RLIM_INFINITY else _size(value)
+    return "unlimited" if value == resource.RLIM_INFINITY else format_bytes(value)
 
 
 def has_capability(bit: int, status: str = "/proc/self/status") -> bool:
@@ -250,10 +254,10 @@ def check_memlock(config: Config, rlimit: tuple[int, int] | None = None,
     if soft == resource.RLIM_INFINITY or soft >= pool or ipc_lock:
         why = "CAP_IPC_LOCK" if ipc_lock and not (soft == resource.RLIM_INFINITY or soft >= pool) else \
             f"RLIMIT_MEMLOCK {_limit_text(soft)}"
-        return [Finding("ok", "RLIMIT_MEMLOCK", f"{why} lets the {_size(pool)} host pool be pinned")]
+        return [Finding("ok", "RLIMIT_MEMLOCK", f"{why} lets the {format_bytes(pool)} host pool be pinned")]
     return [Finding("warning", "RLIMIT_MEMLOCK", (
-        f"{_limit_text(soft)} (hard {_limit_text(hard)}) cannot pin the {_size(pool)} host pool: "
-        f"{'; '.join(pinners)}; raise it to at least {_size(pool)} or unlimited (systemd LimitMEMLOCK=infinity, "
+        f"{_limit_text(soft)} (hard {_limit_text(hard)}) cannot pin the {format_bytes(pool)} host pool: "
+        f"{'; '.join(pinners)}; raise it to at least {format_bytes(pool)} or unlimited (systemd LimitMEMLOCK=infinity, "
         f"podman/docker --ulimit memlock=-1:-1, Kubernetes: the runtime's default ulimits) or grant CAP_IPC_LOCK"))]
 
 

@@ -4,7 +4,9 @@ shutdown, and its signals (in the spirit of uvicorn's Server).
 One asyncio loop (uvloop) owns everything. What happens to each message is elsewhere: the
 control socket's loop (control/loop.py) and one handler per request type (control/handlers.py); who is on
 the other end of each connection (control/connections.py) and each client session (control/sessions.py); the
-registry (registry/store.py). Metrics and reload read the daemon through view.DaemonView.
+registry (registry/store.py). Each part is handed what it reads of the daemon, never the daemon
+itself: the handlers a control/context.HandlerContext, the peer plane a peer/context.PeerContext,
+metrics an ops/context.MetricsSource and reload an ops/context.ReloadTarget (filled by wiring.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import signal
 import socket
 import time
 from contextlib import suppress
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -26,7 +28,7 @@ from ..memory import kernel_copy
 from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
 from ..memory.memfd import RING_SEALS, MemfdFile, MemfdPool
 from ..memory.ring import RingWriter, ring_bytes
-from ..protocol import ArenaInfo, DaemonStats
+from ..protocol import DaemonStats
 from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
 from .control.loop import ControlLoop, ServeCounters
 from .control.fd_server import FdServer
@@ -38,6 +40,12 @@ from .registry.store import Store
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
+from .wiring import handler_context, metrics_source, peer_context, reload_target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..memory.cuda import CudaArenas
+    from .control.context import HandlerContext
+    from .peer.cluster import Cluster
 
 log = logging.getLogger("ecd.daemon")
 
@@ -66,7 +74,7 @@ class Daemon:
         # the configured devices' ordinals, and the arenas allocated on them (the handle registry).
         self.cuda_driver = cuda_driver
         self._cuda_ordinals: list[int] = []
-        self.arenas: Any = None  # ecd.memory.cuda.CudaArenas
+        self.arenas: CudaArenas | None = None
         self.config_path = config_path  # re-read on SIGHUP
         self.node = config.node.name
         self.epoch = time.time_ns()
@@ -95,10 +103,11 @@ class Daemon:
         self.max_connections = 0  # limits.max_connections, or fewer if fd_limit cannot hold them
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
-        self.cluster: Any = None  # the peer plane (cluster.Cluster), with [cluster] listen
+        self.cluster: Cluster | None = None  # the peer plane, with [cluster] listen
         # the tier below the host pool: the disk tier (tiers/disk.DiskTier) with [pool.disk], else one that holds nothing
         self.disk: LowerTier = NullTier()
-        self.control = ControlLoop(self, self.counters)  # the ROUTER loop and the request handlers
+        self.control: ControlLoop | None = None  # the ROUTER loop and the request handlers (serve)
+        self.handler_context: HandlerContext | None = None  # what the handlers read of the daemon (serve)
         self._stopping: asyncio.Event | None = None
         self._force_stop = asyncio.Event()
 
@@ -177,14 +186,19 @@ class Daemon:
                         "LimitNOFILE= or ulimit -n)", wanted, cap, self.fd_limit)
         return cap
 
-    def apply_connection_limits(self) -> None:
-        """On SIGHUP: [limits] max_connections and client_queue_bytes (_bind sets them at start;
-        ZMQ_RCVHWM, derived from them, applies to connections made after it is set)."""
+    def install_config(self, new: Config) -> None:
+        """On SIGHUP (ops/reload.py decided what of the new file applies): the store's limits and
+        namespaces, the largest message, and [limits] max_connections and client_queue_bytes
+        (_bind sets them at start; ZMQ_RCVHWM, derived from them, and MAXMSGSIZE apply to
+        connections made after they are set)."""
+        self.config = new
+        self.store.set_limits(new.limits, new.leases)
+        self.store.set_namespaces(new.namespaces)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
         self.max_connections = self._connection_cap()
-        limits = self.config.limits
         self.connections.max_connections = self.max_connections
-        self.connections.queue_bytes = int(limits.client_queue_bytes)
-        self.sock.setsockopt(zmq.RCVHWM, request_hwm(limits))
+        self.connections.queue_bytes = int(new.limits.client_queue_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, request_hwm(new.limits))
 
     def _prepare_runtime_dir(self) -> None:
         path = self.config.node.runtime_dir
@@ -268,19 +282,6 @@ class Daemon:
         for arena in self.arenas:
             log.info("CUDA arena on device %d (%s): %d bytes", arena.ordinal, arena.uuid, arena.size)
 
-    def arena_infos(self) -> list[ArenaInfo]:
-        """Welcome.arenas: pool indices follow the host segments."""
-        if self.arenas is None:
-            return []
-        first = len(self.pool.segments)
-        return [ArenaInfo(first + i, a.uuid, a.size, a.handle) for i, a in enumerate(self.arenas)]
-
-    def pool_labels(self) -> list[str]:
-        """The `pool` label of each pool's metrics: host<n> for segments, cuda<ordinal> for arenas."""
-        labels = [f"host{i}" for i in range(len(self.pool.segments) if self.pool is not None else 0)]
-        if self.arenas is not None:
-            labels += [a.label for a in self.arenas]
-        return labels
 
     def _bind(self) -> None:
         self.ctx = zmq.Context(io_threads=1)
@@ -349,7 +350,7 @@ class Daemon:
             return
         from .peer.cluster import Cluster
         try:
-            self.cluster = Cluster(self)
+            self.cluster = Cluster(self.config, self.node, self.epoch)
             self.cluster.prepare()
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
@@ -373,16 +374,22 @@ class Daemon:
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
         self.store = Store(host, self.disk, self.ring, self.loop, self.config.limits, self.config.leases,
                            namespaces=self.config.namespaces)
+        # a session's end may queue replies: the control loop (made next) drains them
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
-                                 lambda: self.config.limits, self.control.schedule_drain)
+                                 lambda: self.config.limits, lambda: self.control.schedule_drain())
+        self.handler_context = handler_context(self)
+        self.control = ControlLoop(self.handler_context, self.loop, self.sock, self.connections,
+                                   lambda: self.state, self.counters)
         if self.cluster is not None:
-            self.cluster.start()
+            self.cluster.start(peer_context(self))
         if self.fd_server is not None:
             self.fd_server.start(self.loop)
         self.disk.attach(self.store, self.loop, self.pool.segments)
         if self.metrics_listener is not None:
-            self.metrics_server = MetricsServer(self.metrics_listener, make_registry(self), lambda: self.state,
+            source = metrics_source(self)
+            self.metrics_server = MetricsServer(self.metrics_listener, make_registry(source), lambda: self.state,
                                                 max_connections=self.config.metrics.max_connections)
+            source.http = self.metrics_server
             await self.metrics_server.start()
             log.info("metrics on http://%s:%d/metrics", *self.metrics_listener.getsockname()[:2])
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -424,7 +431,8 @@ class Daemon:
             self.control.schedule_drain()
 
     def stats(self) -> DaemonStats:
-        return daemon_stats(self, self.counters)
+        assert self.handler_context is not None  # serving
+        return daemon_stats(self.handler_context, self.counters)
 
     def status_line(self) -> str:
         s = self.stats()
@@ -463,7 +471,7 @@ class Daemon:
 
     def _on_reload_signal(self) -> None:
         from .ops.reload import reload_config
-        reload_config(self)
+        reload_config(reload_target(self))
 
     def _on_connection_gone(self, conn: Connection, reason: str) -> None:
         if self.sessions is not None:
@@ -496,6 +504,8 @@ class Daemon:
             self.cluster.close()
             self.cluster = None
         if self.sock is not None:
+            if self.control is not None:
+                self.control.stop()  # a drain still scheduled finds no socket
             self.connections.close_monitor()
             self.sock.close(linger=200)  # let the last replies (ShuttingDown to waiters) go out
             self.sock = None

@@ -72,7 +72,7 @@ exists() promises only what a message establishes: the daemon updates the table 
 replies, and a message is a release/acquire pair, so whoever learnt of a put from its reply reads
 a word that is not ABSENT, and whoever learnt of its removal one that is not the key's hash.)
 Each presence word is one aligned 8-byte store and load: never seen half-written. x86 keeps stores in program order and loads in program order (TSO), so there the
-barriers are skipped: `_barrier` is None (ecd.memory.fence). Elsewhere each is a full fence
+barriers are skipped: `memory_barrier` is None (ecd.memory.fence). Elsewhere each is a full fence
 (`dmb ish` on aarch64) through ctypes, ~0.15 us: two per append, two per poll that finds events,
 none per poll that finds none.
 """
@@ -86,7 +86,9 @@ import time
 
 import numpy as np
 
-from .fence import barrier as _barrier  # None where the CPU keeps the order itself (x86)
+# The barrier the writer and readers run, read at each use: None where the CPU keeps the order
+# itself (x86). Tests replace it (a counting hook, another fence strategy, none) by this name.
+from .fence import barrier as memory_barrier
 
 log = logging.getLogger("ecd.ring")
 
@@ -189,7 +191,7 @@ class RingWriter(_RingView):
         self.repairs = 0  # heartbeats that found the mapping overwritten (and rewrote it)
         self._audit_at = 0  # the next presence bucket a heartbeat compares
         h[_HEARTBEAT] = time.monotonic_ns()
-        barrier = _barrier
+        barrier = memory_barrier
         if barrier is not None:
             barrier()  # everything above before the magic
         h[_MAGIC] = MAGIC  # last: a reader that sees the magic sees a formatted ring
@@ -200,7 +202,7 @@ class RingWriter(_RingView):
     def append(self, kind: EventKind, keyhash: int, generation: int) -> None:
         """W1-W4 of "Memory ordering" in the module docstring."""
         seq = self.seq
-        barrier = _barrier
+        barrier = memory_barrier
         if barrier is not None:
             barrier()  # W1: write_seq = seq (the last append's W4) before this slot's words
         _SLOT.pack_into(self._buf, self._slot_offset + (seq & self.slot_mask) * SLOT_WORDS * 8,
@@ -281,8 +283,8 @@ class RingReader(_RingView):
     def __init__(self, buf, slots: int, buckets: int) -> None:
         super().__init__(buf, slots, buckets)
         fixed = bytes(buf[:_FIXED_BYTES])  # one copy, so the words checked are the words kept
-        if _barrier is not None:
-            _barrier()  # the magic before the rest (the writer stores it last)
+        if memory_barrier is not None:
+            memory_barrier()  # the magic before the rest (the writer stores it last)
         words = np.frombuffer(fixed, np.uint64)
         if int(words[_MAGIC]) != MAGIC or int(words[_VERSION]) != VERSION:
             raise ValueError("not an ecd event ring (bad magic or version)")
@@ -370,7 +372,7 @@ class RingReader(_RingView):
         start, end = self.next_seq, int(self.header[_WRITE_SEQ])  # R1
         if end == start:
             return np.empty((0, 3), np.uint64)
-        barrier = _barrier
+        barrier = memory_barrier
         if barrier is not None:
             barrier()  # R2: write_seq before the slots it covers
         if self._buf[:_FIXED_BYTES] != self._fixed:

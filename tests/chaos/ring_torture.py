@@ -58,12 +58,12 @@ def _map(path: str, slots: int) -> tuple[mmap.mmap, np.ndarray]:
 
 def _set_barrier(name: str) -> str:
     if name == "none":
-        ring_mod._barrier = None
+        ring_mod.memory_barrier = None
         return name
     from ecd.memory import fence
     if name != "default":
-        ring_mod._barrier = fence.make(name)
-    return "none" if ring_mod._barrier is None else name if name != "default" else fence.STRATEGY
+        ring_mod.memory_barrier = fence.make(name)
+    return "none" if ring_mod.memory_barrier is None else name if name != "default" else fence.STRATEGY
 
 
 def _wait_go(control: np.ndarray) -> None:

@@ -80,7 +80,7 @@ def test_pool_larger_than_the_limit_is_an_error_naming_the_limit_and_the_fix():
     found = check_memory(cfg, MemoryLimit(300 * MiB, "/x"))
     assert found.level == "error"
     room = 300 * MiB - sum(n for k, n in doctor.memory_needed(cfg).items() if k != "host pool")
-    assert f"shrink pool.host.size to at most {doctor._size(room - room % MiB)}" in found.message
+    assert f"shrink pool.host.size to at most {doctor.format_bytes(room - room % MiB)}" in found.message
 
 
 def test_headroom_counts_the_daemon_and_the_spill_buffer(tmp_path):

@@ -441,12 +441,12 @@ def test_presence_audit_sweeps_a_large_table_in_slices():
     assert int(w.presence[-1]) == buckets - 1 and (w.presence[:-1] == ABSENT).all()
 
 
-def test_reader_survives_any_bytes(writer, reader):
+def test_reader_survives_any_bytes(buf, writer, reader):
     """Random scribbles over header, presence and slots between the writer's and the reader's
     steps: the reader never raises and never returns more than `slots` events or an unknown
     kind; once the daemon has repaired the ring it follows it again."""
     rng = np.random.default_rng(3)
-    raw = np.frombuffer(reader._buf, np.uint8)
+    raw = np.frombuffer(buf, np.uint8)  # the mapping the reader reads
     regions = [(0, 4096), (ring_mod._WRITE_SEQ * 8, ring_mod._WRITE_SEQ * 8 + 8), (4096, 4096 + BUCKETS * 8),
                (4096 + BUCKETS * 8, raw.size), (0, raw.size)]
     for step in range(3000):
@@ -519,7 +519,7 @@ def test_attach_gives_up_in_bounded_time(buf, writer):
 # ---- memory ordering: the barriers, and slots the writer reaches while a reader copies them ---
 
 class Interleave:
-    """Stands in for ring._barrier: counts the calls and, once armed, runs `action` at the
+    """Stands in for ring.memory_barrier: counts the calls and, once armed, runs `action` at the
     reader's `at`-th barrier of a poll (1: between reading write_seq and copying the slots, 2:
     between the copy and the second look at write_seq), as the writer on another core may."""
 
@@ -540,7 +540,7 @@ class Interleave:
 
 def test_barriers_per_operation(writer, reader, monkeypatch):
     hook = Interleave()
-    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    monkeypatch.setattr(ring_mod, "memory_barrier", hook)
     writer.publish(1, 1)
     assert hook.calls == 2  # before the slot, before write_seq
     writer.unpublish(EventKind.DELETED, 1, 1)
@@ -566,7 +566,7 @@ def test_slot_rewritten_while_copied_is_an_overrun_never_a_torn_event(writer, re
         assert int(writer.slots[victim, 0]) == start  # the copy will see the stamp it expects
 
     hook = Interleave(at=1, action=lap_and_half_write)
-    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    monkeypatch.setattr(ring_mod, "memory_barrier", hook)
     hook.arm()
     assert reader.poll() is None
     assert reader.overruns == reader.late_overruns == 1 and reader.corruptions == 0
@@ -586,7 +586,7 @@ def test_lap_after_the_copy_is_an_overrun(writer, reader, monkeypatch):
             writer.publish(7, 7)
 
     hook = Interleave(at=2, action=lap)
-    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    monkeypatch.setattr(ring_mod, "memory_barrier", hook)
     hook.arm()
     assert reader.poll() is None and reader.overruns == reader.late_overruns == 1 and reader.corruptions == 0
 
@@ -594,7 +594,7 @@ def test_lap_after_the_copy_is_an_overrun(writer, reader, monkeypatch):
 def test_events_appended_during_a_poll_wait_for_the_next(writer, reader, monkeypatch):
     writer.publish(1, 1)
     hook = Interleave(at=1, action=lambda: [writer.publish(2 + i, 2 + i) for i in range(SLOTS - 2)])
-    monkeypatch.setattr(ring_mod, "_barrier", hook)
+    monkeypatch.setattr(ring_mod, "memory_barrier", hook)
     hook.arm()
     assert events(reader.poll()) == [(EventKind.PUBLISHED, 1, 1)]  # write_seq - start = SLOTS - 1: not lapped
     assert [g for _, _, g in events(reader.poll())] == list(range(2, SLOTS))
@@ -603,7 +603,7 @@ def test_events_appended_during_a_poll_wait_for_the_next(writer, reader, monkeyp
 
 @pytest.mark.parametrize("strategy", fence.STRATEGIES)
 def test_ring_through_each_barrier(buf, strategy, monkeypatch):
-    monkeypatch.setattr(ring_mod, "_barrier", fence.make(strategy))
+    monkeypatch.setattr(ring_mod, "memory_barrier", fence.make(strategy))
     w = RingWriter(buf, SLOTS, BUCKETS, epoch=3)
     r = RingReader(buf, SLOTS, BUCKETS)
     for batch in range(3):
@@ -618,7 +618,7 @@ def test_ring_through_each_barrier(buf, strategy, monkeypatch):
 def test_barrier_only_where_the_cpu_needs_one():
     assert (fence.barrier is None) == fence.STRONGLY_ORDERED
     assert fence.STRONGLY_ORDERED == (fence.MACHINE in ("x86_64", "amd64", "i386", "i686"))
-    assert ring_mod._barrier is fence.barrier
+    assert ring_mod.memory_barrier is fence.barrier
     if fence.barrier is not None:
         assert fence.STRATEGY in ("libatomic", "code")  # the lock is a last resort, not expected here
     with pytest.raises(ValueError, match="unknown"):

@@ -19,8 +19,8 @@ from .connections import Connection
 from ..registry.entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .context import HandlerContext
     from .loop import ServeCounters
-    from ..view import DaemonView
 
 log = logging.getLogger("ecd.daemon")
 
@@ -38,10 +38,10 @@ async def _first_of_both(first: asyncio.Future, second: asyncio.Future) -> Any:
 
 
 class Handlers:
-    def __init__(self, daemon: "DaemonView", counters: "ServeCounters", send: Callable[[bytes, Any], None],
+    def __init__(self, context: "HandlerContext", counters: "ServeCounters", send: Callable[[bytes, Any], None],
                  reply_error: Callable[[bytes, int, Code, str], str], count_error: Callable[[str], None],
                  count_drop: Callable[[str], None]) -> None:
-        self.d = daemon
+        self.context = context  # what the handlers read of the daemon (context.py)
         self.counters = counters
         self.send = send  # queue a reply to a routing id
         self.reply_error = reply_error  # queue a typed error, return the metrics outcome
@@ -55,7 +55,7 @@ class Handlers:
         back at the next start (the unlinks run on the disk tier's worker threads)."""
         if not isinstance(request, REMOVES_RECORDS):
             return self._dispatch(identity, session, request)
-        self._removal_mark = self.d.disk.removal_mark()
+        self._removal_mark = self.context.disk.removal_mark()
         try:
             reply = self._dispatch(identity, session, request)
             removed = self._removed() if reply is not None and request.id else None
@@ -67,7 +67,7 @@ class Handlers:
         return None
 
     def _dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
-        store = self.d.store
+        store = self.context.store
         match request:
             case Exists(id=rid, ns=ns, keys=keys, pin_s=pin_s):
                 return Flags(rid, store.exists(session, ns, keys, pin_s))
@@ -128,9 +128,9 @@ class Handlers:
             case Delete(id=rid, ns=ns, keys=keys):
                 return Flags(rid, store.delete(ns, keys))
             case Ping(id=rid):
-                return Pong(rid, self.d.epoch)
+                return Pong(rid, self.context.epoch)
             case Stats(id=rid):
-                return StatsReply(rid, daemon_stats(self.d, self.counters))
+                return StatsReply(rid, daemon_stats(self.context, self.counters))
             case Keys(id=rid, ns=ns, limit=limit, after=after):
                 return self.list_keys(rid, ns, limit, after)
             case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
@@ -153,15 +153,15 @@ class Handlers:
     def _removed(self) -> "asyncio.Future[None] | None":
         """Done once the disk records this request removed (a delete, an eviction, a put that
         replaced a key) are gone from the directory durably; None when it removed none."""
-        return self.d.disk.removals_since(self._removal_mark) if self._removal_mark >= 0 else None
+        return self.context.disk.removals_since(self._removal_mark) if self._removal_mark >= 0 else None
 
     def check_persist(self, session: Session, generations: list[int]) -> None:
         """A put asking for persist on a daemon without a disk tier is refused whole (its writes
         aborted), never stored quietly in memory alone."""
-        if self.d.disk.persists:
+        if self.context.disk.persists:
             return
         for generation in generations:
-            self.d.store.abort(session, generation)
+            self.context.store.abort(session, generation)
         raise RequestError(Code.INVALID, "persist=True but this daemon has no disk tier ([pool.disk] is not "
                                          "configured): nothing was stored")
 
@@ -177,9 +177,9 @@ class Handlers:
     def persist(self, identity: bytes, session: Session, rid: int, generations: list[int],
                 results: list[Failure | None], reply: Callable[[list[Failure | None]], Any]) -> None:
         """Answer a committed put once its entries are durable on disk (DiskTier.persist)."""
-        store = self.d.store
+        store = self.context.store
         entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
-        durable: asyncio.Future = self.d.disk.persist(entries)
+        durable: asyncio.Future = self.context.disk.persist(entries)
         removed = self._removed()
         if removed is not None:  # a replaced key's old record too (see dispatch)
             durable = asyncio.ensure_future(_first_of_both(durable, removed))
@@ -189,10 +189,10 @@ class Handlers:
     def fetch(self, identity: bytes, session: Session, rid: int, ns: str, keys: list[str], peer: str,
               timeout_s: float) -> None:
         """Answered when the peer plane is done (peer/cluster.py), within the fetch's timeout."""
-        cluster = self.d.cluster
-        if cluster is None:
+        peers = self.context.peers
+        if peers is None:
             raise RequestError(Code.INVALID, "this daemon has no peer plane ([cluster] listen is not set)")
-        task = cluster.fetch(ns, keys, peer, timeout_s)  # RequestError now for a bad peer
+        task = peers.fetch(ns, keys, peer, timeout_s)  # RequestError now for a bad peer
         self._answer_when_done(identity, session, rid, "fetch", task,
                                lambda reasons: Flags(rid, [not why for why in reasons], reasons))
 
@@ -201,10 +201,10 @@ class Handlers:
         """Answer a request whose work goes on after the handler returns (a fetch, a persist):
         with reply(result) once `task` is done, or a typed error. The session counts as busy
         meanwhile (it waits on the daemon: not a silent client to reap)."""
-        session.fetching += 1
+        session.replies_pending += 1
 
         def done(task) -> None:
-            session.fetching -= 1
+            session.replies_pending -= 1
             if rid == 0:
                 return
             if task.cancelled():
@@ -219,7 +219,7 @@ class Handlers:
     def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:
         """One page of `ecd keys`, at most LISTING_REPLY_BYTES encoded: a listing of a big index
         must not become one huge reply queued to a client that may never read it."""
-        total, entries = self.d.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
+        total, entries = self.context.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
         now = time.monotonic()
         page: list[KeyInfo] = []
         size = 0
@@ -235,7 +235,7 @@ class Handlers:
     def _key_info(self, e: Any, now: float) -> KeyInfo:
         """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
         if isinstance(e, Entry):
-            tier = "memory+disk" if self.d.disk.clean(e) else "memory"
+            tier = "memory+disk" if self.context.disk.clean(e) else "memory"
             return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                            now - e.last_access, e.readers, e.pins, tier)
         header = e.header
@@ -245,7 +245,7 @@ class Handlers:
 
     def put_inline(self, session: Session, request: PutInline) -> Failure | int:
         """The committed entry's generation, or why not."""
-        limit = int(self.d.config.limits.inline_max_bytes)
+        limit = int(self.context.config().limits.inline_max_bytes)
         if len(request.data) > limit:
             return Failure(Code.LIMIT, f"inline payload of {len(request.data)} bytes exceeds "
                                        f"limits.inline_max_bytes={limit}")
@@ -256,20 +256,20 @@ class Handlers:
                 return Failure(Code.CORRUPT, f"inline put of {request.key!r}: data checksum {describe(actual)} "
                                              f"does not match the {describe(request.checksum)} sent with it")
         item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
-        placed = self.d.store.alloc(session, request.ns, item)
+        placed = self.context.store.alloc(session, request.ns, item)
         if isinstance(placed, Failure):
             return placed
         # Small enough that copying in the daemon costs less than the round trip it saves.
         failure = self._copy_inline(session, placed, request)
         if failure is None:
-            failure = self.d.store.commit(session, placed.generation, request.checksum)
+            failure = self.context.store.commit(session, placed.generation, request.checksum)
         return placed.generation if failure is None else failure
 
     def _copy_inline(self, session: Session, placed: Extent, request: PutInline) -> Failure | None:
         """Copy an inline put into its extent. A copy cut short (another process truncated the
         pool file under it: ShmFile.write_at does not fault) restores the file and copies again
         once; a second cut refuses the put."""
-        store, segment = self.d.store, self.d.pool.segments[placed.pool]
+        store, segment = self.context.store, self.context.segments[placed.pool]
         for _ in range(2):
             if segment.write_at(placed.offset, request.data) == len(request.data):
                 return None
@@ -285,60 +285,60 @@ class Handlers:
             return self.reply_error(identity, hello.id, Code.VERSION, f"protocol version {hello.version} "
                                      f"not supported; daemon speaks {PROTOCOL_VERSION}")
         # RequestError in Welcome's place: NOT_ALLOWED (control.allowed_uids/gids), LIMIT
-        self.d.sessions.admit(conn, self.d.config.control)
-        session = self.d.sessions.open(conn, hello)
-        limits, cfg = self.d.config.limits, self.d.config
+        ctx, cfg = self.context, self.context.config()
+        ctx.sessions.admit(conn, cfg.control)
+        session = ctx.sessions.open(conn, hello)
+        limits = cfg.limits
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
         self.send(identity, Welcome(
-            hello.id, PROTOCOL_VERSION, session.id, self.d.epoch, self.d.node,
-            [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(self.d.pool.segments)],
-            RingInfo(self.d.ring_file.name, self.d.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
+            hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
+            [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(ctx.segments)],
+            RingInfo(ctx.ring_file.name, ctx.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
-            sorted(self.d.store.verify_namespaces), self.d.arena_infos(),
-            self.d.cluster.advertised if self.d.cluster is not None else "", self.d.disk.persists,
-            self.d.fd_socket_name))
+            sorted(ctx.store.verify_namespaces), ctx.arenas,
+            ctx.peers.advertised if ctx.peers is not None else "", ctx.disk.persists, ctx.fd_socket))
         return "ok"
 
 
-def daemon_stats(d: "DaemonView", counters: "ServeCounters") -> DaemonStats:
+def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> DaemonStats:
     """Stats: the store's state and the loop's counters."""
-    store = d.store
+    store = context.store
     states = store.count_states()
     leases, pins, waiters = store.lease_totals()
     reservations, reserved_bytes = store.reservation_totals()
     pools = [(a.capacity, a.used) for a in store.host.allocators]
     c = store.counters
     return DaemonStats(
-        node=d.node, epoch=d.epoch, version=__version__,
-        uptime_s=time.monotonic() - d.started,
+        node=context.node, epoch=context.epoch, version=__version__,
+        uptime_s=time.monotonic() - context.started,
         capacity_bytes=sum(p[0] for p in pools), used_bytes=sum(p[1] for p in pools), pools=pools,
         entries_ready=states[State.READY], entries_writing=store.writes_in_progress(),
         reservations=reservations, reserved_bytes=reserved_bytes,
         entries_retired=states[State.RETIRED], read_leases=leases,
         pins=pins, waiters=waiters, hits=c["hits"], misses=c["misses"], evictions=c["evictions"],
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
-        ring_events=d.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(d, counters),
+        ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=d.disk.stats(), sessions=d.sessions.listing(), **cluster_stats(d))
+        disk=context.disk.stats(), sessions=context.sessions.listing(), **cluster_stats(context))
 
 
-def cluster_stats(d: "DaemonView") -> dict[str, Any]:
+def cluster_stats(context: "HandlerContext") -> dict[str, Any]:
     """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
     peer plane's internal sessions."""
-    cluster = d.cluster
-    internal = d.disk.internal_sessions  # the disk tier's own session
-    if cluster is None:
-        return {"clients": d.store.sessions - internal}
-    return {"clients": d.store.sessions - cluster.internal_sessions - internal, "cluster_listen": cluster.listen,
-            "peers": cluster.peer_states(), "transfer_leases": cluster.transfer_leases(),
-            "fetches_in_flight": cluster.fetches_in_flight(), "fetch_failures": dict(cluster.stats.failures)}
+    peers = context.peers
+    internal = context.disk.internal_sessions  # the disk tier's own session
+    if peers is None:
+        return {"clients": context.store.sessions - internal}
+    return {"clients": context.store.sessions - peers.internal_sessions - internal, "cluster_listen": peers.listen,
+            "peers": peers.peer_states(), "transfer_leases": peers.transfer_leases(),
+            "fetches_in_flight": peers.fetches_in_flight(), "fetch_failures": dict(peers.stats.failures)}
 
 
-def error_counts(d: "DaemonView", counters: "ServeCounters") -> dict[str, int]:
+def error_counts(context: "HandlerContext", counters: "ServeCounters") -> dict[str, int]:
     errors = dict(counters.errors)
-    if d.curve is not None and d.curve.rejected:
-        errors["auth_rejected"] = d.curve.rejected  # counted on the ZAP thread
+    if context.curve is not None and context.curve.rejected:
+        errors["auth_rejected"] = context.curve.rejected  # counted on the ZAP thread
     return errors
 

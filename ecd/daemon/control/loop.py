@@ -8,6 +8,7 @@ replies (and past its budget its connection), the daemon never waits for it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,13 +20,13 @@ import zmq
 from ...errors import Code
 from ...protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInline, Release, Report, encoder,
                         request_decoder, salvage_request_id)
-from .connections import Connection
+from .connections import Connection, Connections
 from ..registry.entries import RequestError
 from .handlers import Handlers
 from ..ops.metrics import RequestStats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..view import DaemonView
+    from .context import HandlerContext
 
 log = logging.getLogger("ecd.daemon")
 
@@ -47,26 +48,41 @@ class ServeCounters:
 
 
 class ControlLoop:
-    def __init__(self, daemon: "DaemonView", counters: ServeCounters) -> None:
-        self.d = daemon
+    """The ROUTER `sock`'s loop on the daemon's event `loop`; `connections` knows who is on the
+    other end of each message, `daemon_state` says the daemon's (starting, serving, draining), the
+    handlers get `context`, what they read of the daemon."""
+
+    def __init__(self, context: "HandlerContext", loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
+                 connections: Connections, daemon_state: Callable[[], str], counters: ServeCounters) -> None:
+        self.loop = loop
+        self.sock: zmq.Socket | None = sock  # None once the daemon closed it: nothing left to drain
+        self.connections = connections
+        self.daemon_state = daemon_state
+        self.store = context.store
+        self.sessions = context.sessions
         self.counters = counters
-        self.handlers = Handlers(daemon, counters, self.send, self.reply_error, self.count_error, self.count_drop)
+        self.handlers = Handlers(context, counters, self.send, self.reply_error, self.count_error, self.count_drop)
         self._decoder = request_decoder()
         self._drain_scheduled = False
         self._draining = False
 
+    def stop(self) -> None:
+        """The daemon is closing the socket: a drain still scheduled (a reply sent at shutdown
+        schedules one) finds nothing to do."""
+        self.sock = None
+
     def schedule_drain(self) -> None:
         if not self._drain_scheduled:
             self._drain_scheduled = True
-            self.d.loop.call_soon(self.drain)
+            self.loop.call_soon(self.drain)
 
     def drain(self) -> None:
         self._drain_scheduled = False
-        sock = self.d.sock
+        sock = self.sock
         if sock is None:
             return
         self._draining = True
-        connections = self.d.connections
+        connections = self.connections
         # ZMQ_EVENTS is an int option (pyzmq's stubs say int | bytes for every option)
         monitor_events = cast("Callable[[int], int]", connections.monitor.getsockopt)
         events = cast("Callable[[int], int]", sock.getsockopt)
@@ -105,10 +121,10 @@ class ControlLoop:
         while frame.more:
             frame = sock.recv(NOBLOCK, copy=False)
             frames.append(frame.bytes)
-        return self.d.connections.of(frames[0], identity.get(SRCFD)), frames
+        return self.connections.of(frames[0], identity.get(SRCFD)), frames
 
     def send(self, identity: bytes, reply: Any) -> None:
-        failure = self.d.connections.send(identity, encoder.encode(reply))
+        failure = self.connections.send(identity, encoder.encode(reply))
         if failure is not None:  # peer gone or not reading; never block on it
             self.count_error("send_dropped")
             self.count_drop(failure)
@@ -169,7 +185,7 @@ class ControlLoop:
                 return op, self.handlers.hello(identity, conn, request)
             if isinstance(request, Bye):
                 if session is not None:
-                    self.d.sessions.end(session)
+                    self.sessions.end(session)
                 else:
                     self.count_drop("refused")
                 return op, "ok"
@@ -178,10 +194,10 @@ class ControlLoop:
                                         "unknown client: say Hello first (the daemon may have restarted)")
             if not session.watched:
                 session.last_seen = time.monotonic()
-            if self.d.state == "draining" and isinstance(request, (Alloc, PutInline, Publish, Fetch)):
+            if self.daemon_state() == "draining" and isinstance(request, (Alloc, PutInline, Publish, Fetch)):
                 return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
                                         "daemon is shutting down: no new writes")
-            refused = self.d.store.quota_refused
+            refused = self.store.quota_refused
             reply = self.handlers.dispatch(identity, session, request)
             if reply is not None:
                 if request.id != 0:
@@ -189,7 +205,7 @@ class ControlLoop:
                 elif not isinstance(request, (Release, Ping)):  # Ping(0) is a session's heartbeat
                     self.count_drop("unanswerable")  # a request that wants a reply, sent with id 0
             # an item refused for its namespace's quota labels the whole request (metrics)
-            return op, "ok" if self.d.store.quota_refused == refused else "quota_exceeded"
+            return op, "ok" if self.store.quota_refused == refused else "quota_exceeded"
         except RequestError as exc:
             return op, self._refuse(identity, request, exc.code, str(exc))
         except Exception as exc:  # a bug must cost one request, never the daemon

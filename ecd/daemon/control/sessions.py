@@ -233,14 +233,15 @@ class Sessions:
             self.end(conn.session, reclaimed=True, reason="connection_closed")
 
     def reap_silent(self, session_ttl: float) -> None:
-        """Reclaim unwatched sessions silent for session_ttl. A session with a parked get is
-        waiting on the daemon, not silent: its clock restarts."""
+        """Reclaim unwatched sessions silent for session_ttl. A session with a parked get, or a
+        request answered later (a fetch, a persist), is waiting on the daemon, not silent: its
+        clock restarts."""
         if not self.unwatched:
             return
         now = time.monotonic()
         cutoff = now - session_ttl
         for session in [s for s in self.unwatched.values() if s.last_seen < cutoff]:
-            if session.waiters or session.fetching:
+            if session.waiters or session.replies_pending:
                 session.last_seen = now
                 continue
             log.info("session %d (%s, not watchable) silent for %gs: reclaiming it", session.id,

@@ -25,7 +25,7 @@ from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..view import DaemonView
+    from .context import MetricsSource
 
 log = logging.getLogger("ecd.metrics")
 
@@ -69,11 +69,11 @@ class RequestStats:
 class DaemonCollector:
     """Reads the daemon's counters and the store's state at scrape time."""
 
-    def __init__(self, daemon: "DaemonView") -> None:
-        self.daemon = daemon
+    def __init__(self, source: "MetricsSource") -> None:
+        self.source = source  # what the daemon exports (context.py)
 
     def collect(self):
-        d = self.daemon
+        d = self.source
         store = d.store
         if store is None:
             return
@@ -118,7 +118,7 @@ class DaemonCollector:
                                  "cuda<ordinal> arenas", labels=["pool"])
         capacity = GaugeMetricFamily("ecd_pool_capacity_bytes", "Size of each pool: host<n> segments, "
                                      "cuda<ordinal> arenas", labels=["pool"])
-        for label, allocator in zip(d.pool_labels(), store.host.allocators):
+        for label, allocator in zip(d.pool_labels, store.host.allocators):
             used.add_metric([label], allocator.used)
             capacity.add_metric([label], allocator.capacity)
         yield used
@@ -192,7 +192,7 @@ class DaemonCollector:
             dropped.add_metric([reason], d.counters.dropped.get(reason, 0))
         yield dropped
 
-        http = d.metrics_server
+        http = d.http
         if http is not None:
             yield GaugeMetricFamily("ecd_http_connections", "Open connections to this HTTP endpoint",
                                     value=http.open_connections)
@@ -205,11 +205,11 @@ class DaemonCollector:
                 shed.add_metric([reason], http.shed[reason])
             yield shed
 
-        internal = d.cluster.internal_sessions if d.cluster is not None else 0
+        internal = d.peers.internal_sessions if d.peers is not None else 0
         internal += d.disk.internal_sessions
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
-        if d.cluster is not None:
-            yield from peer_metrics(d.cluster)
+        if d.peers is not None:
+            yield from peer_metrics(d.peers)
         yield from d.disk.metric_families()
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
@@ -271,9 +271,9 @@ def peer_metrics(cluster) -> Iterator:
     yield failures
 
 
-def make_registry(daemon: "DaemonView") -> CollectorRegistry:
+def make_registry(source: "MetricsSource") -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
+    registry.register(DaemonCollector(source))
     return registry
 
 
@@ -284,12 +284,12 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def connection_metrics(d: "DaemonView"):
+def connection_metrics(d: "MetricsSource"):
     """Control connections and what the daemon refused or closed to keep within its limits."""
     yield GaugeMetricFamily("ecd_connections", "Open control connections (with or without a session)",
                             value=d.connections.open)
     yield GaugeMetricFamily("ecd_connections_max", "limits.max_connections in force (lowered when the "
-                            "open-file limit cannot hold the configured value)", value=d.max_connections)
+                            "open-file limit cannot hold the configured value)", value=d.max_connections())
     closed = CounterMetricFamily("ecd_connections_closed", "Control connections the daemon closed, by "
                                  "reason: over_capacity (past limits.max_connections), client_backlog (its "
                                  "unread replies passed limits.client_queue_bytes)", labels=["reason"])

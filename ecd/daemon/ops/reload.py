@@ -21,13 +21,12 @@ import logging
 from typing import TYPE_CHECKING
 
 import msgspec
-import zmq
 
 from ...config import NamespaceSection, load_config_file
 from ...errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..view import DaemonView
+    from .context import ReloadTarget
 
 log = logging.getLogger("ecd.daemon")
 
@@ -58,38 +57,39 @@ def _keep_verify_flags(old: dict[str, NamespaceSection], new: dict[str, Namespac
             new[name] = NamespaceSection(verify=True)
 
 
-def reload_config(daemon: "DaemonView") -> None:
-    if daemon.curve is not None:
-        daemon.curve.reload()  # the allowed client keys: new handshakes see the new set
-    if daemon.config_path is None:
-        if daemon.cluster is not None and daemon.cluster.curve is not None:
-            daemon.cluster.curve.reload()
+def reload_config(target: "ReloadTarget") -> None:
+    if target.curve is not None:
+        target.curve.reload()  # the allowed client keys: new handshakes see the new set
+    if target.config_path is None:
+        if target.peers is not None and target.peers.curve is not None:
+            target.peers.curve.reload()
         log.warning("SIGHUP: no config file to reload")
         return
     try:
-        new = load_config_file(daemon.config_path)
+        new = load_config_file(target.config_path)
     except ConfigError as exc:
         log.error("SIGHUP: not reloading, the config is invalid: %s", exc)
         return
-    old_flat, new_flat = _flatten(daemon.config.to_dict()), _flatten(new.to_dict())
+    old = target.config()
+    old_flat, new_flat = _flatten(old.to_dict()), _flatten(new.to_dict())
     # both ways: a [namespaces.NAME] table can be removed
     changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
     applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS
                                       or k.startswith(RUNTIME_PREFIXES)) and not k.endswith(".verify")]
     refused = [k for k in changed if k not in applied]
-    if daemon.cluster is not None and (daemon.config.cluster.enabled == new.cluster.enabled):
-        daemon.cluster.reload(new.cluster)  # peers and peer keys; the allowed peer keys re-read
+    if target.peers is not None and (old.cluster.enabled == new.cluster.enabled):
+        target.peers.reload(new.cluster)  # peers and peer keys; the allowed peer keys re-read
     if not changed:
         log.info("SIGHUP: config unchanged")
         return
     # Keep the parts that cannot change; take the rest from the new file.
-    new.node.name, new.node.runtime_dir = daemon.config.node.name, daemon.config.node.runtime_dir
+    new.node.name, new.node.runtime_dir = old.node.name, old.node.runtime_dir
     # the allowed uids/gids apply to hellos from now on; the rest of [control] needs a restart
-    new.control = msgspec.structs.replace(daemon.config.control, allowed_uids=new.control.allowed_uids,
+    new.control = msgspec.structs.replace(old.control, allowed_uids=new.control.allowed_uids,
                                           allowed_gids=new.control.allowed_gids)
-    new.pool, new.ring, new.metrics = daemon.config.pool, daemon.config.ring, daemon.config.metrics
-    new.cluster = daemon.config.cluster  # its peers were applied above (Cluster.reload)
-    _keep_verify_flags(daemon.config.namespaces, new.namespaces)
+    new.pool, new.ring, new.metrics = old.pool, old.ring, old.metrics
+    new.cluster = old.cluster  # its peers were applied above (Cluster.reload)
+    _keep_verify_flags(old.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
         log.info("SIGHUP: applied %s", ", ".join(
@@ -97,9 +97,5 @@ def reload_config(daemon: "DaemonView") -> None:
     for key in refused:
         log.warning("SIGHUP: cannot change %s at runtime (%s -> %s): restart to apply",
                     key, old_flat.get(key), new_flat.get(key))
-    daemon.config = new
     logging.getLogger().setLevel(new.node.log_level.upper())
-    daemon.store.set_limits(new.limits, new.leases)
-    daemon.store.set_namespaces(new.namespaces)
-    daemon.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
-    daemon.apply_connection_limits()
+    target.install(new)  # the store's limits and namespaces, the control socket's limits

@@ -34,7 +34,8 @@ from ..ops.histogram import Histogram
 from ..ops.security import CurveAuth, cluster_curve, cluster_tls
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..view import DaemonView
+    from ...config import Config
+    from .context import PeerContext
 
 log = logging.getLogger("ecd.peers")
 
@@ -81,12 +82,19 @@ class PeerStats:
 
 
 class Cluster:
-    def __init__(self, daemon: "DaemonView") -> None:
-        self.d = daemon
-        self.config: ClusterSection = daemon.config.cluster
+    # what it reads of the daemon once it serves: given to start()
+    context: "PeerContext"
+
+    def __init__(self, config: "Config", node: str, epoch: int) -> None:
+        """`config`: the daemon's at start, what binds and secures the peer plane (SIGHUP
+        changes only its peers: reload); `node` and `epoch`: this daemon's, told to peers."""
+        self.startup_config = config
+        self.node = node
+        self.epoch = epoch
+        self.config: ClusterSection = config.cluster
         self.stats = PeerStats()
-        self.ctx = zmq.asyncio.Context(io_threads=1)
-        loaded = cluster_curve(daemon.config)
+        self.zmq_context = zmq.asyncio.Context(io_threads=1)  # the peer plane's own (see above)
+        loaded = cluster_curve(config)
         self.curve: CurveAuth | None = loaded[0] if loaded else None
         peer_keys = loaded[1] if loaded else {}
         self._ids = itertools.count(1)
@@ -104,11 +112,11 @@ class Cluster:
     def _make_transport(self) -> Transport:
         host, port = split_tcp_endpoint(self.config.data_listen)  # type: ignore[misc]
         name = self.config.transport
-        tls = cluster_tls(self.d.config)  # None without cluster.tls (config refuses it where it does not apply)
+        tls = cluster_tls(self.startup_config)  # None without cluster.tls (config refuses it where it does not apply)
         try:  # instance: a name no other daemon, nor this node's next run, ever had (nixl names its agent so)
             return make_transport(name, host=host, port=port, max_inflight=self.config.max_inflight,
                                   io_timeout=float(self.config.request_timeout), tls=tls,
-                                  instance=f"ecd:{self.d.node}:{self.d.epoch}")
+                                  instance=f"ecd:{self.node}:{self.epoch}")
         except TransportUnavailable as exc:
             raise ConfigError(f"cluster.transport: \"{name}\" is configured but {exc}") from None
 
@@ -123,10 +131,10 @@ class Cluster:
     def prepare(self) -> None:
         """Bind the peer ROUTER and the data listener (ConfigError naming the key on failure)."""
         if self.curve is not None:
-            self.curve.start(zmq.Context.shadow(self.ctx.underlying))  # ZAP for this context
-        sock = self.ctx.socket(zmq.ROUTER)
+            self.curve.start(zmq.Context.shadow(self.zmq_context.underlying))  # ZAP for this context
+        sock = self.zmq_context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        max_message = int(self.d.config.limits.max_message_bytes)
+        max_message = int(self.startup_config.limits.max_message_bytes)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message)
         # What one peer can make this daemon hold (see owner.py): replies by count here and by
         # bytes in PeerServer.send (ROUTER_MANDATORY: a full pipe is EAGAIN, not a silent drop);
@@ -159,12 +167,13 @@ class Cluster:
             # only names this daemon, as the key of its metadata; the control port is unique on its host.
             self.data_address = ("", split_tcp_endpoint(self.listen)[1])  # type: ignore[index]
 
-    def start(self) -> None:
-        loop = self.d.loop
+    def start(self, context: "PeerContext") -> None:
+        self.context = context
+        loop = context.loop
         self.transport.loop = loop  # completions come back here
         self.server = PeerServer(self, self._router, self.transport)
         self.fetcher = Fetcher(self)
-        self.transport.serve(lambda pool: self.d.pool.segments[pool].buf, self.server.on_sent)
+        self.transport.serve(lambda pool: context.segments[pool].buf, self.server.on_sent)
         self.links.configure(list(self.config.peers), self.links.peer_keys)
         self._tasks = [loop.create_task(self.server.run()), loop.create_task(self._reap())]
         log.info("peer plane on %s (data: %s:%d, transport %s), %d configured peer(s)", self.listen,
@@ -183,10 +192,10 @@ class Cluster:
         """Start a client's Fetch: its task's result is per key "" (local now) or why not (a
         FAILURE_REASONS label or "not_found"). RequestError now for a bad request or an unknown peer."""
         assert self.fetcher is not None
-        check_fetch(self.d.store, ns, keys)
+        check_fetch(self.context.store, ns, keys)
         links = self.links.resolve(peer)
         deadline = self.fetcher.deadline_for(timeout_s)
-        return self.d.loop.create_task(self.fetcher.fetch(ns, keys, links, deadline))
+        return self.context.loop.create_task(self.fetcher.fetch(ns, keys, links, deadline))
 
     def reload(self, new: ClusterSection) -> None:
         """SIGHUP: cluster.peers and cluster.peer_keys; the allowed peer keys are re-read."""
@@ -231,4 +240,4 @@ class Cluster:
             self._router.close(0)
         if self.curve is not None:
             self.curve.stop()
-        self.ctx.term()
+        self.zmq_context.term()

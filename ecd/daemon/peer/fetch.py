@@ -36,6 +36,7 @@ from ..registry.entries import RequestError
 from .links import PeerLink, PeerUnavailable
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..registry.store import Store
     from .cluster import Cluster
 
 log = logging.getLogger("ecd.peers")
@@ -47,17 +48,17 @@ class Fetcher:
     def __init__(self, cluster: "Cluster") -> None:
         self.cluster = cluster
         self.inflight: dict[tuple[str, str], asyncio.Future] = {}
-        self.session = cluster.d.store.open_session(cluster.internal_session_id(), 0)
+        self.session = cluster.context.store.open_session(cluster.internal_session_id(), 0)
 
     @property
-    def store(self):
-        return self.cluster.d.store
+    def store(self) -> "Store":
+        return self.cluster.context.store
 
     def deadline_for(self, timeout_s: float) -> float:
         cfg = self.cluster.config
         timeout = float(cfg.fetch_timeout) if timeout_s <= 0 else min(timeout_s, float(cfg.fetch_timeout))
         # a local extent being filled must never reach the store's write TTL
-        return time.monotonic() + min(timeout, 0.9 * float(self.cluster.d.config.leases.write_ttl))
+        return time.monotonic() + min(timeout, 0.9 * float(self.cluster.context.config().leases.write_ttl))
 
     async def fetch(self, ns: str, keys: list[str], links: list[PeerLink], deadline: float) -> list[str]:
         """Per key "" (local now) or the reason it is not."""
@@ -65,7 +66,7 @@ class Fetcher:
         result = ["timeout"] * len(keys)
         mine: list[str] = []
         waits: list[tuple[int, asyncio.Future]] = []
-        loop = self.cluster.d.loop
+        loop = self.cluster.context.loop
         for i, key in enumerate(keys):
             if self.store.is_local(ns, key):
                 result[i] = LOCAL
@@ -166,7 +167,7 @@ class Fetcher:
                 exc = task.exception()
                 take(tasks[task], None if exc is not None else task.result(), exc)
 
-        loop = self.cluster.d.loop
+        loop = self.cluster.context.loop
         tasks = {loop.create_task(link.request(Lookup(0, ns, keys, ttl), timeout)): link for link in links}
         pending = set(tasks)
         while pending and len(chosen) < len(set(keys)):
@@ -192,7 +193,7 @@ class Fetcher:
                 await link.request(message, float(self.cluster.config.request_timeout))
             except PeerUnavailable:
                 pass
-        self.cluster.d.loop.create_task(send())
+        self.cluster.context.loop.create_task(send())
 
     async def _transfer(self, link: PeerLink, ns: str, offers: list[Offer], deadline: float) -> dict[str, str]:
         got: dict[str, str] = {}
@@ -216,11 +217,11 @@ class Fetcher:
         if not placed:
             return got
         assert link.data_address is not None  # set by the hello the lookup needed
-        segments = self.cluster.d.pool.segments
+        segments = self.cluster.context.segments
         items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes, o.addr) for o, e in placed]
         host, port = link.data_address
         transport = self.cluster.transport
-        loop = self.cluster.d.loop
+        loop = self.cluster.context.loop
         future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
                                       [o.checksum for o, _ in placed], [segments[e.pool] for _, e in placed],
                                       deadline)

@@ -74,14 +74,14 @@ class PeerLink:
         self.refused_at = 0.0
         self._io_tasks: list[asyncio.Task] = []
         self._open()
-        self._tasks = [cluster.d.loop.create_task(self._ping_every(float(cluster.config.peer_ttl) / 3))]
+        self._tasks = [cluster.context.loop.create_task(self._ping_every(float(cluster.config.peer_ttl) / 3))]
 
     def _open(self) -> None:
         """A fresh DEALER (and its reader and handshake watcher). After a refused handshake
         libzmq would retry the same one forever: the link opens a new socket instead, at most
         once per REFUSED_RETRY_S, so a key allowed later (SIGHUP at the peer) is picked up."""
         cluster = self.cluster
-        sock = cluster.ctx.socket(zmq.DEALER)
+        sock = cluster.zmq_context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -93,7 +93,7 @@ class PeerLink:
         self.sock = sock
         self.refused = None
         self._welcomed = False
-        loop = cluster.d.loop
+        loop = cluster.context.loop
         self._io_tasks = [loop.create_task(self._read()), loop.create_task(self._watch_handshakes())]
 
     def _close_socket(self) -> None:
@@ -168,8 +168,8 @@ class PeerLink:
         async with self._hello_lock:
             if self._welcomed:
                 return
-            d = self.cluster.d
-            reply = await self._roundtrip(PeerHello(0, PEER_PROTOCOL_VERSION, d.node, d.epoch), deadline)
+            reply = await self._roundtrip(PeerHello(0, PEER_PROTOCOL_VERSION, self.cluster.node, self.cluster.epoch),
+                                          deadline)
             if isinstance(reply, PeerError):
                 self.state = "down"
                 raise PeerUnavailable("refused", f"peer {self.endpoint} refused the handshake: {reply.message}")
@@ -206,7 +206,7 @@ class PeerLink:
         if self.refused is not None:
             raise PeerUnavailable("refused", f"peer {self.endpoint}: {self.refused}")
         rid = next(self._ids)
-        future = self.cluster.d.loop.create_future()
+        future = self.cluster.context.loop.create_future()
         self._pending[rid] = future
         message.id = rid
         try:

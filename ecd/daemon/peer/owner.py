@@ -48,6 +48,7 @@ from ..control.connections import Connection, shut_down_socket, socket_inode
 from ..registry.entries import RequestError, Session
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..registry.store import Store
     from .cluster import Cluster
 
 log = logging.getLogger("ecd.peers")
@@ -95,8 +96,8 @@ class PeerServer:
         self._last_warning = -WARN_INTERVAL_S
 
     @property
-    def store(self):
-        return self.cluster.d.store
+    def store(self) -> "Store":
+        return self.cluster.context.store
 
     async def run(self) -> None:
         while True:
@@ -168,7 +169,7 @@ class PeerServer:
         try:
             match request:
                 case PeerPing(id=rid):
-                    return PeerPong(rid, self.cluster.d.epoch)
+                    return PeerPong(rid, self.cluster.epoch)
                 case Lookup():
                     return await self.lookup(session, request)
                 case PeerRelease(id=rid, tokens=tokens):
@@ -203,7 +204,7 @@ class PeerServer:
         self.sessions[identity] = PeerSession(identity, hello.node[:64], store_session, time.monotonic(), conn)
         log.info("peer %s (node %r) said hello", identity.hex()[:8], hello.node)
         host, port = self.cluster.data_address
-        return PeerWelcome(hello.id, PEER_PROTOCOL_VERSION, self.cluster.d.node, self.cluster.d.epoch,
+        return PeerWelcome(hello.id, PEER_PROTOCOL_VERSION, self.cluster.node, self.cluster.epoch,
                            self.transport.name, host, port, self.transport.metadata())
 
     async def lookup(self, session: PeerSession, request: Lookup) -> Leased | None:
@@ -235,7 +236,7 @@ class PeerServer:
             self._revoke_all(session, batch.tokens)
             raise
         if batch.tokens:
-            batch.timer = self.cluster.d.loop.call_later(ttl, self._expire, session, batch)
+            batch.timer = self.cluster.context.loop.call_later(ttl, self._expire, session, batch)
             session.batches.add(batch)
         return Leased(request.id, offers, ttl)
 
@@ -253,7 +254,7 @@ class PeerServer:
         # not parked for keys on the disk tier: they start coming back for the peer's next lookup
         results = self.store.acquire(session.store_session, ns, keys, 0.0, _never, park_for_disk=False)
         assert results is not None  # wait 0: answered now
-        segments = self.cluster.d.pool.segments
+        segments = self.cluster.context.segments
         offers: list[Offer | None] = []
         for key, result in zip(keys, results):
             if not isinstance(result, Location):
@@ -273,7 +274,7 @@ class PeerServer:
         """A lookup's TTL passed: its leases still pending go back, a chunk per turn of the loop."""
         session.batches.discard(batch)
         if batch.tokens and not session.ended:
-            self.cluster.d.loop.create_task(self._revoke_in_chunks(session, batch.tokens))
+            self.cluster.context.loop.create_task(self._revoke_in_chunks(session, batch.tokens))
 
     async def _revoke_in_chunks(self, session: PeerSession, tokens: list[bytes]) -> None:
         for start in range(0, len(tokens), LOOKUP_CHUNK):

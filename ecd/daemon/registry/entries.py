@@ -105,7 +105,9 @@ class Session:
     pins: dict[int, float] = field(default_factory=dict)  # generation -> deadline
     waiters: set[Waiter] = field(default_factory=set)
     parked_keys: int = 0  # keys named by `waiters` (what their memory grows with)
-    fetching: int = 0  # Fetch requests of this client in progress (it waits on the daemon: not silent)
+    # requests of this client answered later, once work goes on after their handler (a fetch, a
+    # persist, a removal): meanwhile it waits on the daemon, it is not silent
+    replies_pending: int = 0
     closed: bool = False
 
 
