@@ -25,16 +25,16 @@ FILLER_ENTRY = 64 << 10
 
 
 class EvictingKVConnector(EcdKVConnector):
-    _sabotaged = False
+    sabotaged = False
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if (not type(self)._sabotaged and isinstance(meta, EcdKVConnectorMetadata) and meta.loads):
-            type(self)._sabotaged = True
-            self._evict_planned(meta)
+        if (not type(self).sabotaged and isinstance(meta, EcdKVConnectorMetadata) and meta.loads):
+            type(self).sabotaged = True
+            self.evict_planned(meta)
         super().start_load_kv(forward_context, **kwargs)
 
-    def _evict_planned(self, meta: EcdKVConnectorMetadata) -> None:
+    def evict_planned(self, meta: EcdKVConnectorMetadata) -> None:
         keys = [k for t in meta.loads for k in t.keys if k]
         with Client(self.settings.endpoint, namespace=FILLER_NAMESPACE, timeout=5.0) as filler:
             def present() -> int:

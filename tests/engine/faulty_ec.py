@@ -23,13 +23,13 @@ from ecd.integrations.vllm.ec_connector import EcdECConnector
 class FaultyEcdECConnector(EcdECConnector):
     def __init__(self, vllm_config, role) -> None:
         super().__init__(vllm_config, role)
-        self._fault = {"mode": os.environ["ECD_TEST_FAULT_MODE"], "dir": os.environ["ECD_TEST_FAULT_DIR"]}
-        self._fault_done = False
+        self.fault = {"mode": os.environ["ECD_TEST_FAULT_MODE"], "dir": os.environ["ECD_TEST_FAULT_DIR"]}
+        self.fault_done = False
 
-    def _inject(self, keys: list[str]) -> None:
-        mode, folder = self._fault["mode"], self._fault["dir"]
+    def inject(self, keys: list[str]) -> None:
+        mode, folder = self.fault["mode"], self.fault["dir"]
         if mode == "delete":
-            self._client.call("fault", lambda c: c.delete(keys))
+            self.client.call("fault", lambda c: c.delete(keys))
         elif mode == "restart":
             open(os.path.join(folder, "paused"), "w").close()
             deadline = time.monotonic() + 60
@@ -41,13 +41,13 @@ class FaultyEcdECConnector(EcdECConnector):
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         meta = self._connector_metadata
         keys = [load.mm_hash for load in getattr(meta, "loads", ()) if load.mm_hash not in encoder_cache]
-        if keys and not self._fault_done:
-            self._fault_done = True
-            self._inject(keys)
+        if keys and not self.fault_done:
+            self.fault_done = True
+            self.inject(keys)
         super().start_load_caches(encoder_cache, **kwargs)
         if keys:
-            meta_out = self._worker_meta
-            with open(os.path.join(self._fault["dir"], "loads.jsonl"), "a") as f:
+            meta_out = self.connector_worker.pending_report
+            with open(os.path.join(self.fault["dir"], "loads.jsonl"), "a") as f:
                 f.write(json.dumps({"keys": keys, "loaded": list(meta_out.loaded),
                                     "recomputed": list(meta_out.recomputed),
                                     "failed": [list(x) for x in meta_out.failed]}) + "\n")

@@ -55,7 +55,7 @@ def holder(endpoint: str, factory: Factory) -> LazyClient:
 
 
 def expire(h: LazyClient) -> None:
-    h._retry_at = 0.0  # as if the back-off period were over
+    h.end_back_off()  # as if the back-off period were over
 
 
 def test_made_on_first_use_then_reused(daemon_socket):
@@ -80,11 +80,11 @@ def test_nothing_listening_backs_off_doubling_and_a_success_resets_it(daemon_soc
         periods = []
         for _ in range(8):
             assert h.call("lookup", lambda c: True) is None
-            periods.append(h._retry_at)
+            periods.append(h.retry_at)
             assert h.backing_off and h.call("lookup", lambda c: True) is None  # no attempt meanwhile
             expire(h)
     assert f.made == []  # never waited in a Client's hello
-    assert h._backoff == BACKOFF_MAX_S
+    assert h.next_backoff_s == BACKOFF_MAX_S
     assert [r.getMessage() for r in caplog.records].count(
         f"ecd daemon unavailable during lookup (nothing listening on {path}): treated as a miss; "
         f"next try in {BACKOFF_FIRST_S:.2g}s") == 1  # logged once per interval, not per attempt
@@ -94,7 +94,7 @@ def test_nothing_listening_backs_off_doubling_and_a_success_resets_it(daemon_soc
     again.listen(1)
     try:
         assert h.call("lookup", lambda c: 42) == 42  # back
-        assert h._backoff == BACKOFF_FIRST_S
+        assert h.next_backoff_s == BACKOFF_FIRST_S
     finally:
         again.close()
 

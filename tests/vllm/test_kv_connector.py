@@ -97,7 +97,7 @@ class Engine:
                                                           self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
         if torch_path:  # the device (non-numpy) code path, exercised on CPU tensors
-            self.worker._paged.use_numpy = False
+            self.worker.connector_worker.paged.use_numpy = False
         ids = list(range(1, NUM_BLOCKS))  # block 0 is vLLM's null block
         self.free = ids[::-1] if descending else ids
 
@@ -282,7 +282,7 @@ def test_saved_blocks_load_bit_identical_into_other_block_ids(engines, daemon, l
     a, b = engines(layout=layout, torch_path=torch_path), engines(layout=layout, descending=True,
                                                                    torch_path=torch_path)
     # vLLM's allocation puts every layer in one buffer: blocks go to ecd as strided views
-    assert (b.worker._paged.stacked is None) == (layout == "legacy")
+    assert (b.worker.connector_worker.paged.stacked is None) == (layout == "legacy")
     prompt = tokens(1, 5 * BS + 3)  # 5 full blocks and 3 tokens
     first = a.prefill(make_request("a1", prompt))
     assert first.matched == 0 and first.loaded == [] and first.errors == set()
@@ -429,8 +429,8 @@ def test_daemon_down_means_misses_and_load_errors_then_recovers(engines, daemon,
     assert b.scheduler.request_finished(make_request("b", prompt), []) == (False, None)
 
     daemon.start()
-    holders = [c._client for e in (a, b) for c in (e.scheduler, e.worker)]
-    time.sleep(max(0.0, max(h._retry_at for h in holders) - time.monotonic()) + 0.05)
+    holders = [c.client for e in (a, b) for c in (e.scheduler, e.worker)]
+    time.sleep(max(0.0, max(h.retry_at for h in holders) - time.monotonic()) + 0.05)
     fresh = tokens(12, 2 * BS + 1)  # the connectors made new clients to the new daemon
     assert len(a.prefill(make_request("up", fresh)).saved) == 2
     s = b.prefill(make_request("up2", fresh))

@@ -103,6 +103,21 @@ class LazyClient:
         self._lock = threading.Lock()
 
     @property
+    def retry_at(self) -> float:
+        """The monotonic time before which no Client is made (0.0: none is being backed off)."""
+        return self._retry_at
+
+    @property
+    def next_backoff_s(self) -> float:
+        """How long the next failure to reach the daemon backs off for."""
+        return self._backoff
+
+    def end_back_off(self) -> None:
+        """Let the next call try the daemon at once, as if the back-off period were over (for
+        tests; the doubling of later periods is kept)."""
+        self._retry_at = 0.0
+
+    @property
     def backing_off(self) -> bool:
         """No Client and none will be made yet: every call is a miss for now."""
         return self._client is None and time.monotonic() < self._retry_at

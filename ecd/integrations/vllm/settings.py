@@ -1,6 +1,7 @@
-"""The `*_connector_extra_config` keys both connectors accept, validated, plus the default
-namespace: a fingerprint of what makes bytes interchangeable, so engines that disagree on model,
-dtype or layout never read each other's entries."""
+"""The `*_connector_extra_config` keys both connectors accept, validated, plus each connector's
+namespace: the configured one, or by default a fingerprint of what makes bytes interchangeable,
+so engines that disagree on model, dtype or layout never read each other's entries. Both sides
+of a connector (scheduler and worker, in different processes) derive the same one here."""
 from __future__ import annotations
 
 import hashlib
@@ -67,3 +68,47 @@ def default_namespace(kind: str, vllm_config: Any, layout: dict[str, Any]) -> st
     }
     digest = hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=8)
     return f"vllm-{kind}-{digest.hexdigest()}"
+
+
+def kv_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
+    """The KV connector's namespace: configured, or derived from the KV block layout."""
+    return settings.namespace or default_namespace("kv", vllm_config, kv_layout_facts(vllm_config))
+
+
+def ec_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
+    """The EC connector's namespace: configured, or derived from the embeddings' width and dtype."""
+    model_config = vllm_config.model_config
+    return settings.namespace or default_namespace("ec", vllm_config, {
+        "embed_size": model_config.get_inputs_embeds_size() if model_config else None,
+        "embed_dtype": str(getattr(model_config, "dtype", None)),
+    })
+
+
+def kv_dtype_name(vllm_config: Any) -> str:
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        return str(getattr(vllm_config.model_config, "dtype", None))
+    return cache_dtype
+
+
+def kv_layout_facts(vllm_config: Any) -> dict[str, Any]:
+    """What makes two engines' KV blocks interchangeable (the default namespace hashes it)."""
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        from vllm.platforms import current_platform
+        platform = current_platform.device_type
+    except Exception:  # pragma: no cover
+        platform = None
+    attention = getattr(vllm_config, "attention_config", None)
+    return {
+        "block_size": vllm_config.cache_config.block_size,
+        "num_layers": model_config.get_total_num_hidden_layers(),
+        "num_kv_heads": model_config.get_num_kv_heads(parallel),  # per tensor-parallel rank
+        "head_size": model_config.get_head_size(),
+        "kv_cache_dtype": kv_dtype_name(vllm_config),
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "platform": platform,
+        "attention_backend": str(getattr(attention, "backend", None)),
+        "hash_algo": getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None),
+    }

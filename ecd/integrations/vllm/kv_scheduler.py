@@ -1,0 +1,281 @@
+"""The scheduler side of EcdKVConnector (kv_connector.py): which blocks of a request ecd holds,
+and, each step, which of them the workers load and which new ones they save.
+
+One batched `exists(pin_s=...)` per lookup gives the longest run of present blocks after the
+local prefix-cache hit (never the prompt's last token) and pins it until the request finishes;
+`build_connector_meta` names the blocks to load (into which block ids) and the new full prompt
+blocks to save. Across nodes (kv_peers.py): a producer asked `do_remote_decode` answers from
+`request_finished` with transfer params naming its daemon and the blocks it holds; a consumer
+given them (or with `fetch_from_peers`) has its daemon pull the blocks it lacks on a connector
+thread while the lookup answers "not decided yet", then loads them as local ones.
+
+Every failure is caught, logged (rate-limited) and becomes a miss or a skipped save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .kv_peers import PeerPulls, remote_source
+from .lazy_client import LazyClient, batches
+from .metadata import NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, block_keys, rank_keys, world_size
+from .ratelimit import RateLimitedLog, connector_logger
+from .settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = connector_logger("kv_connector")  # the connector's logger, shared by its two sides
+
+
+@dataclass
+class _RequestState:
+    request: Any  # vllm Request (the scheduler's own object; its block_hashes grow with it)
+    keys: list[str]  # one per full block of the request's tokens, at lookup time
+    present: list[bool]  # per key: in ecd at lookup time (and pinned)
+    start_block: int  # blocks below this were a local prefix-cache hit
+    pinned: set[str] = field(default_factory=set)
+    load: BlockTransfer | None = None  # planned by update_state_after_alloc, sent once
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0  # blocks below this were saved or skipped already
+
+
+class EcdKVConnectorScheduler:
+    """The scheduler-side methods of EcdKVConnector (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings, per_block: int,
+                 client: LazyClient, log: RateLimitedLog) -> None:
+        """`per_block`: vLLM's block hashes per paged block (metadata.hashes_per_block)."""
+        transfer = vllm_config.kv_transfer_config
+        self.settings = settings
+        self.client = client
+        self._log = log
+        self._block_size = vllm_config.cache_config.block_size
+        self._hashes_per_block = per_block
+        self._loads_enabled = transfer.is_kv_consumer
+        self._saves_enabled = transfer.is_kv_producer
+        self._world = world_size(vllm_config)
+        self._requests: dict[str, _RequestState] = {}
+        self._peers = PeerPulls(client, settings, log, logger)  # across nodes
+        if self._loads_enabled and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("ecd kv connector: kv_load_failure_policy is %r: a block evicted or lost "
+                           "between lookup and load fails its request instead of being recomputed; "
+                           "set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config",
+                           transfer.kv_load_failure_policy)
+
+    def _block_keys(self, request: "Request") -> list[str]:
+        return block_keys(request, self._block_size, self._hashes_per_block)
+
+    def _rank_keys(self, key: str) -> list[str]:
+        return rank_keys(key, self._world)
+
+    # ---- lookup ----
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            if self._loads_enabled and self._fetching(request, num_computed_tokens):
+                return None, False  # blocks on their way from a peer: vLLM asks again next step
+            return self._match(request, num_computed_tokens), False
+        except Exception as exc:  # never out of the connector: a miss
+            self._log.warning("lookup", "lookup for %s failed: %s: %s", request.request_id,
+                              type(exc).__name__, exc)
+            return 0, False
+
+    def _fetching(self, request: "Request", num_computed_tokens: int) -> bool:
+        """Whether this request waits for blocks being pulled from a peer. The first call starts
+        the pull (when the request names a producer on another node, or fetch_from_peers is on
+        and blocks are missing here); later calls answer until it settles (done, or its deadline
+        passed). Once settled, never again for this request."""
+        req_id = request.request_id
+        waiting = self._peers.waiting(req_id)
+        if waiting is not None:
+            return waiting
+        self._peers.settle(req_id)  # settled unless a pull starts below
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return False
+        source = remote_source(getattr(request, "kv_transfer_params", None))
+        if source is None and not self.settings.fetch_from_peers:
+            return False
+        bs = self._block_size
+        keys = self._block_keys(request)
+        loadable = min(len(keys), (request.num_tokens - 1) // bs)
+        peer: str | None = None
+        if source is not None:
+            peer, blocks, last = source
+            if blocks <= 0 or blocks > len(keys) or keys[blocks - 1] != last:
+                self._log.warning("fetch-params", "request %s: the producer's blocks (%d, last %s) are not "
+                                  "this engine's (other model, namespace or block size?): not fetched",
+                                  req_id, blocks, last[:16])
+                return False
+            loadable = min(loadable, blocks)
+            if peer in self._peers.identity():
+                return False  # the producer shares our daemon: a local lookup finds them
+        wanted = [k for key in keys[num_computed_tokens // bs:loadable] for k in self._rank_keys(key)]
+        if not wanted:
+            return False
+        local = self.client.call("exists", lambda c: c.exists(wanted))
+        missing = [k for k, hit in zip(wanted, local or [False] * len(wanted)) if not hit]
+        if local is None or not missing:
+            return False  # no daemon (a miss anyway) or all here already
+        self._peers.start(req_id, missing, peer)
+        return True
+
+    def _match(self, request: "Request", num_computed_tokens: int) -> int:
+        bs = self._block_size
+        keys = self._block_keys(request) if self._loads_enabled or self._saves_enabled else []
+        # The last token is always computed here (vLLM needs its logits): at most num_tokens - 1.
+        loadable = min(len(keys), (request.num_tokens - 1) // bs) if self._loads_enabled else 0
+        wanted = min(len(keys), max(loadable, request.num_prompt_tokens // bs))
+        keys = keys[:wanted]
+        start = num_computed_tokens // bs
+        state = self._requests.get(request.request_id)
+        pinned = state.pinned if state is not None else set()
+        present = [False] * len(keys)
+        if keys and not getattr(request, "skip_reading_prefix_cache", False):
+            present = self._lookup(keys, pinned)
+        self._requests[request.request_id] = _RequestState(request, keys, present, start, pinned)
+        end = start
+        while end < loadable and present[end]:
+            end += 1
+        return (end - start) * bs if end > start else 0
+
+    def _lookup(self, keys: list[str], pinned: set[str]) -> list[bool]:
+        """One batched exists (pinning hits) over every block's keys; False for all on failure."""
+        asked = [k for key in keys for k in self._rank_keys(key)]
+        pin_s = self.settings.pin_seconds if self._loads_enabled else 0.0
+
+        def exists(client) -> list[bool]:
+            found: list[bool] = []
+            for chunk in batches(asked, client.limits.max_batch):
+                found.extend(client.exists(chunk, pin_s=pin_s))
+            return found
+
+        found = self.client.call("exists", exists)
+        if found is None:
+            return [False] * len(keys)
+        if pin_s > 0:
+            pinned.update(k for k, hit in zip(asked, found) if hit)
+        per = len(asked) // len(keys) if keys else 1
+        return [all(found[i * per:(i + 1) * per]) for i in range(len(keys))]
+
+    # ---- planning a step ----
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        try:
+            state = self._requests.get(request.request_id)
+            if state is None:
+                return
+            state.load = None
+            if num_external_tokens <= 0 or not self._loads_enabled:
+                return
+            (block_ids, *_) = blocks.get_block_ids()
+            count = -(-num_external_tokens // self._block_size)
+            first = state.start_block
+            ids = list(block_ids[first:first + count])
+            keys = state.keys[first:first + len(ids)]
+            if len(keys) < len(ids) or len(ids) < count:
+                self._log.warning("plan", "%s: %d blocks to load from block %d, but it has %d keys and "
+                                  "%d blocks", request.request_id, count, first, len(state.keys), len(block_ids))
+                keys += [""] * (len(ids) - len(keys))  # no key: the worker reports a load error
+            state.load = BlockTransfer(request.request_id, keys, ids)
+        except Exception as exc:
+            self._log.warning("plan", "planning the load of %s failed: %s: %s", request.request_id,
+                              type(exc).__name__, exc)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdKVConnectorMetadata:
+        meta = EcdKVConnectorMetadata()
+        try:
+            self._build(scheduler_output, meta)
+        except Exception as exc:  # keep what was planned; a failure is a skipped save
+            self._log.warning("meta", "building the step's metadata failed: %s: %s", type(exc).__name__, exc)
+        return meta
+
+    def _build(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
+        scheduled: list[tuple[_RequestState, int]] = []
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                scheduled.append((state, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            scheduled.append((state, cached.num_computed_tokens[i]))
+        bs = self._block_size
+        for state, computed in scheduled:
+            req_id = state.request.request_id
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load = None
+            if not self._saves_enabled:
+                continue
+            # Blocks whose KV exists once this step ran: the prompt's full blocks only.
+            done = computed + out.num_scheduled_tokens.get(req_id, 0)
+            full = min(done, state.request.num_prompt_tokens) // bs
+            full = min(full, len(state.keys), len(state.block_ids))
+            keys, ids = [], []
+            for b in range(state.next_save, full):
+                if not state.present[b] and state.block_ids[b] != NULL_BLOCK_ID:
+                    keys.append(state.keys[b])
+                    ids.append(state.block_ids[b])
+                    state.present[b] = True
+            state.next_save = max(state.next_save, full)
+            if keys:
+                meta.saves.append(BlockTransfer(req_id, keys, ids))
+
+    # ---- after a step, and at the end ----
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
+        try:
+            invalid = getattr(connector_output, "invalid_block_ids", None)
+            if not invalid:
+                return
+            for state in self._requests.values():
+                for b, block_id in enumerate(state.block_ids[:len(state.keys)]):
+                    if block_id in invalid:
+                        state.present[b] = False
+                        state.next_save = min(state.next_save, b)
+        except Exception as exc:
+            self._log.warning("output", "handling the workers' output failed: %s: %s", type(exc).__name__, exc)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # the ignore: dict.pop takes any key at run time; a request without an id finds nothing
+        req_id = getattr(request, "request_id", None)
+        state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
+        self._peers.forget(req_id)
+        if state is not None and state.pinned:
+            pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
+            self.client.call("unpin", lambda c: c.unpin(pinned))
+        try:
+            params = self._transfer_params(request, state)
+        except Exception as exc:  # never out of the connector: the decode side recomputes
+            self._log.warning("params", "no kv_transfer_params for %s: %s: %s", req_id, type(exc).__name__, exc)
+            params = None
+        return False, params  # saves finish inside the step (wait_for_save): free the blocks now
+
+    def _transfer_params(self, request: "Request", state: _RequestState | None) -> dict[str, Any] | None:
+        """A producer's answer to `do_remote_decode`: where the request's blocks are."""
+        asked = getattr(request, "kv_transfer_params", None)
+        if not (self._saves_enabled and isinstance(asked, dict) and asked.get("do_remote_decode")):
+            return None
+        if state is None:
+            return None
+        blocks = 0
+        while blocks < min(state.next_save, len(state.keys)) and state.present[blocks]:
+            blocks += 1
+        return self._peers.transfer_params(blocks, state.keys[blocks - 1] if blocks else "")
+
+    def shutdown(self) -> None:
+        self._peers.shutdown()
+        self.client.close()

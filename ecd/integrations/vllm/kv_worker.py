@@ -1,0 +1,185 @@
+"""The worker side of EcdKVConnector (kv_connector.py): the step's blocks between the engine's
+paged KV cache (paged_kv.py) and the node's ecd pool, as the scheduler side planned them.
+
+`start_load_kv` fetches every block of the step with one `view_many` (a CPU engine: one copy,
+from the pool into its blocks) or `get_many` (a GPU engine: straight to its device) and copies it
+into the paged cache; `wait_for_save` writes the step's new blocks with one `put_many`, copying
+straight out of the paged cache. Loads are synchronous (the step that consumes them waits for
+them); a save is finished when `wait_for_save` returns. With tensor or pipeline parallelism each
+worker stores its own part of a block under the block's key plus its rank (metadata.rank_suffix).
+
+Every failure is caught, logged (rate-limited) and becomes a skipped save or a load error
+reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks with
+`kv_load_failure_policy: "recompute"`, or fails the request with the default "fail").
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .lazy_client import LazyClient, batches
+from .metadata import NULL_BLOCK_ID, EcdKVConnectorMetadata, rank_suffix, world_size
+from .paged_kv import PagedKV
+from .ratelimit import RateLimitedLog, connector_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = connector_logger("kv_connector")  # the connector's logger, shared by its two sides
+
+STAGING_MAX_BYTES = 256 << 20  # saves that must be staged (layers not in one allocation) go in
+                               # put_many batches of at most this many bytes
+
+
+def worker_rank() -> int:
+    """This worker's place among the tensor x pipeline parallel workers."""
+    try:
+        from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                                      get_tensor_model_parallel_world_size)
+        return get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + \
+            get_tensor_model_parallel_rank()
+    except Exception:  # pragma: no cover - no distributed environment (single-process tests)
+        return 0
+
+
+class EcdKVConnectorWorker:
+    """The worker-side methods of EcdKVConnector (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", client: LazyClient,
+                 log: RateLimitedLog) -> None:
+        self.client = client
+        self._log = log
+        self._kv_cache_config = kv_cache_config  # its num_blocks sizes the caches, when vLLM gives it
+        self._world = world_size(vllm_config)
+        self._paged: PagedKV | None = None
+        self._rank_suffix = ""
+        self._load_errors: set[int] = set()
+
+    @property
+    def paged(self) -> PagedKV | None:
+        """The registered KV caches as ecd copies them; None before register_kv_caches, or when
+        they could not be used (then loads fail and nothing is saved)."""
+        return self._paged
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._paged = PagedKV(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
+        except Exception as exc:
+            self._paged = None
+            logger.error("ecd kv connector: cannot use these KV caches (%s); loads will be reported "
+                         "as failed and nothing will be saved", exc)
+            return
+        if self._world > 1:
+            self._rank_suffix = rank_suffix(worker_rank(), self._world)
+        logger.info("ecd kv connector: %d layers, entry %s %s (%.1f KiB per block), %s", len(self._paged.names),
+                    list(self._paged.entry_shape), self._paged.dtype, self._paged.entry_nbytes / 1024,
+                    "zero-staging strided copies" if self._paged.stacked is not None else "staged copies")
+
+    # ---- loads ----
+
+    def start_load_kv(self, meta: Any) -> None:
+        """Load the step's planned blocks (`meta`: the step's bound metadata, or None)."""
+        if not isinstance(meta, EcdKVConnectorMetadata) or not meta.loads:
+            return
+        try:
+            self._load(meta)
+        except Exception as exc:  # never out of the connector: every planned block failed
+            self._load_errors.update(b for t in meta.loads for b in t.block_ids if b != NULL_BLOCK_ID)
+            self._log.warning("load", "loading failed: %s: %s", type(exc).__name__, exc)
+
+    def _load(self, meta: EcdKVConnectorMetadata) -> None:
+        keys: list[str] = []
+        ids: list[int] = []
+        for transfer in meta.loads:
+            for key, block_id in zip(transfer.keys, transfer.block_ids):
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                if not key:  # the scheduler could not name this block's entry
+                    self._load_errors.add(block_id)
+                    continue
+                keys.append(key + self._rank_suffix)
+                ids.append(block_id)
+        if not keys:
+            return
+        paged = self._paged
+        client = self.client.get("get_many") if paged is not None else None
+        if paged is None or client is None:
+            self._load_errors.update(ids)
+            self._log.warning("load", "cannot load %d blocks: %s", len(ids),
+                              "no usable KV caches" if paged is None else "the daemon is unavailable")
+            return
+        device = None if paged.use_numpy else paged.device
+        missing = 0
+        for key_chunk, id_chunk in zip(batches(keys, client.limits.max_batch),
+                                       batches(ids, client.limits.max_batch)):
+            if paged.use_numpy:  # a CPU engine: one copy, out of the pool straight into its blocks
+                def load(c, keys=key_chunk, ids=id_chunk):
+                    with c.view_many(keys, missing_ok=True) as views:
+                        return self._scatter_found(paged, ids, views)
+            else:  # a GPU engine: straight onto the cache's device, complete when get_many returns
+                def load(c, keys=key_chunk, ids=id_chunk):
+                    return self._scatter_found(paged, ids, c.get_many(keys, missing_ok=True, device=device))
+            done = self.client.call("get_many", load)
+            if done is None:
+                self._load_errors.update(id_chunk)
+                continue
+            missing += done[0]
+            self._load_errors.update(done[1])
+        if missing:
+            self._log.warning("load-miss", "%d of %d pinned blocks could not be read (evicted, deleted "
+                              "or of another layout); vLLM recomputes them", missing, len(ids))
+
+    def _scatter_found(self, paged: PagedKV, ids: list[int], got: list[torch.Tensor | None]) -> tuple[int, list[int]]:
+        """PagedKV.scatter_found, its failure logged: (missing, block ids that did not load)."""
+        missing, failed, error = paged.scatter_found(ids, got)
+        if error is not None:
+            self._log.warning("scatter", "copying %d blocks into the KV cache failed: %s: %s",
+                              len(ids) - missing, type(error).__name__, error)
+        return missing, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ----
+
+    def wait_for_save(self, meta: Any) -> None:
+        """Save the step's new blocks (`meta`: the step's bound metadata, or None)."""
+        if not isinstance(meta, EcdKVConnectorMetadata) or not meta.saves or self._paged is None:
+            return
+        try:
+            self._save(meta, self._paged)
+        except Exception as exc:  # never out of the connector: a skipped save is a later miss
+            self._log.warning("save", "saving failed: %s: %s", type(exc).__name__, exc)
+
+    def _save(self, meta: EcdKVConnectorMetadata, paged: PagedKV) -> None:
+        items: list[tuple[str, int]] = []
+        for transfer in meta.saves:
+            items.extend((k + self._rank_suffix, b) for k, b in zip(transfer.keys, transfer.block_ids)
+                         if b != NULL_BLOCK_ID)
+        if not items:
+            return
+        client = self.client.get("put_many")
+        if client is None:
+            self._log.warning("save", "skipped saving %d blocks: the daemon is unavailable", len(items))
+            return
+        # One put_many (one allocation, one commit) for all of them, unless there are more
+        # than the daemon takes in one batch or they must be staged through a bounded buffer.
+        per_put = client.limits.max_batch
+        if paged.stacked is None or not paged.use_numpy:
+            per_put = min(per_put, max(1, STAGING_MAX_BYTES // paged.entry_nbytes))
+        for chunk in batches(items, per_put):
+            if self.client.backing_off:
+                return  # the daemon went away during this save: the rest would be misses too
+            try:
+                tensors = paged.gather([b for _, b in chunk])
+            except Exception as exc:
+                self._log.warning("gather", "staging %d blocks to save failed: %s: %s", len(chunk),
+                                  type(exc).__name__, exc)
+                continue
+            self.client.call("put_many", lambda c: c.put_many({key: t for (key, _), t in zip(chunk, tensors)}))
+
+    def shutdown(self) -> None:
+        self.client.close()
