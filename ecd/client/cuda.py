@@ -115,7 +115,7 @@ def cai_dict(ptr: int, offset: int, nbytes: int) -> dict:
             "version": 3, "stream": None}
 
 
-class _DeviceBytes:
+class DeviceBytes:
     """What torch.as_tensor reads a device range from; the tensor keeps it alive."""
 
     __slots__ = ("__cuda_array_interface__",)
@@ -226,7 +226,7 @@ class CudaPlane:
         ordinal = self.ordinal_of(pool)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", ordinal))
-        flat = torch.as_tensor(_DeviceBytes(self.arena_base(pool), offset, nbytes),
+        flat = torch.as_tensor(DeviceBytes(self.arena_base(pool), offset, nbytes),
                                device=torch.device("cuda", ordinal))
         return flat
 

@@ -98,7 +98,7 @@ def test_cai_dict_describes_a_flat_byte_range():
     cai = cuda.cai_dict(0x7F0000000000, 4096, 1 << 20)
     assert cai == {"shape": (1 << 20,), "typestr": "|u1", "data": (0x7F0000001000, False),
                    "strides": None, "version": 3, "stream": None}
-    holder = cuda._DeviceBytes(0x1000, 16, 32)
+    holder = cuda.DeviceBytes(0x1000, 16, 32)
     assert holder.__cuda_array_interface__["data"] == (0x1010, False)
     for bad in [(0, 0, 1), (0x1000, -1, 1), (0x1000, 0, 0)]:
         with pytest.raises(ValueError):

@@ -148,3 +148,30 @@ def test_no_package_has_more_than_12_modules():
         if count > MAX_PACKAGE_MODULES:
             crowded[str(package.relative_to(ROOT))] = count
     assert not crowded, f"packages with more than {MAX_PACKAGE_MODULES} modules: {crowded}"
+
+
+# Private names of other projects that tests may read (they are not ecd's to open up).
+FOREIGN_PRIVATES = {"_vllm_config", "_sleep", "_connector_metadata", "_exit", "_getframe", "_replace", "_asdict",
+                    "_fields", "_make", "_batch_mm_inputs_from_scheduler"}
+
+
+def test_tests_reach_ecd_objects_only_through_public_names():
+    """Tests see inside a daemon, client or connector object only through its public names or a
+    named test-support hook (ecd/client/testing.py): never `obj._private` (a test helper's own
+    attributes, `self._x`, are its business; a module's private layout constants, such as the
+    ring's header offsets that its corruption tests write, are not an object's state)."""
+    reaching = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.attr not in FOREIGN_PRIVATES):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr == "_copy":  # ecd._copy: the C extension's module name, not a private attribute
+                continue
+            if node.attr.isupper():  # a module's layout constant (the ring's header offsets), not an object's state
+                continue
+            reaching.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not reaching, "tests reading private attributes:\n" + "\n".join(reaching)
