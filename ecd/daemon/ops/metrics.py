@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 import sys
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -31,6 +31,14 @@ log = logging.getLogger("ecd.metrics")
 
 # Why a request or a reply went nowhere (ServeCounters.dropped); every reason is exported, 0 or not.
 DROP_REASONS = ("refused", "unanswerable", "send_failed", "client_backlog")
+
+
+def counter_by(name: str, documentation: str, label: str, counts: Iterable[tuple[str, float]]) -> CounterMetricFamily:
+    """A counter family with one label: a sample per (label value, count), in the order given."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, n in counts:
+        family.add_metric([value], n)
+    return family
 
 # Why the HTTP endpoint closed a connection to stay under its cap (MetricsServer.shed).
 SHED_REASONS = ("oldest_closed", "refused")
@@ -106,13 +114,10 @@ class DaemonCollector:
         yield entries
         yield GaugeMetricFamily("ecd_reserved_bytes", "Bytes held by clients' reservations for their next "
                                 "put (one per client; never evicted, never evicting)", value=reserved_bytes)
-        outcomes = CounterMetricFamily("ecd_reservations", "Reservations for a client's next put, by "
-                                       "outcome: granted or refused (quota or no free extent: the put "
-                                       "takes Alloc), then published, aborted, expired or reclaimed "
-                                       "(its client went)", labels=["outcome"])
-        for outcome in RESERVATION_OUTCOMES:
-            outcomes.add_metric([outcome], c[f"reservations_{outcome}"])
-        yield outcomes
+        yield counter_by("ecd_reservations", "Reservations for a client's next put, by outcome: granted or "
+                         "refused (quota or no free extent: the put takes Alloc), then published, aborted, "
+                         "expired or reclaimed (its client went)", "outcome",
+                         ((outcome, c[f"reservations_{outcome}"]) for outcome in RESERVATION_OUTCOMES))
 
         used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool: host<n> segments, "
                                  "cuda<ordinal> arenas", labels=["pool"])
@@ -131,12 +136,10 @@ class DaemonCollector:
                 arenas.add_metric([arena.label, arena.uuid], 1)
             yield arenas
 
-        evictions = CounterMetricFamily("ecd_evictions", "Entries removed, by reason", labels=["reason"])
-        for reason, key in (("capacity", "evictions"), ("quota", "evicted_quota"),
-                            ("deleted", "evicted_deleted"), ("replaced", "evicted_replaced"),
-                            ("truncated", "evicted_truncated")):
-            evictions.add_metric([reason], c[key])
-        yield evictions
+        yield counter_by("ecd_evictions", "Entries removed, by reason", "reason",
+                         ((reason, c[key]) for reason, key in (
+                             ("capacity", "evictions"), ("quota", "evicted_quota"), ("deleted", "evicted_deleted"),
+                             ("replaced", "evicted_replaced"), ("truncated", "evicted_truncated"))))
         yield CounterMetricFamily("ecd_pool_truncations", "Times a host pool file was found truncated by another "
                                   "process (restored; the entries it cut: ecd_evictions_total{reason=\"truncated\"})",
                                   value=c["pool_truncations"])
@@ -177,20 +180,14 @@ class DaemonCollector:
             leases.add_metric([kind], n)
         yield leases
 
-        reclaimed = CounterMetricFamily("ecd_leases_reclaimed", "Leases taken back from clients",
-                                        labels=["reason"])
-        for reason in ("client_exit", "connection_closed", "session_ttl", "write_ttl", "pin_expired"):
-            reclaimed.add_metric([reason], c[f"reclaimed_{reason}"])
-        yield reclaimed
-
-        dropped = CounterMetricFamily("ecd_frames_dropped", "Requests and replies dropped unanswered, by "
-                                      "reason: refused (a fire-and-forget request, id 0, was refused), "
-                                      "unanswerable (id 0 on a request that wants a reply), send_failed "
-                                      "(the reply could not be queued to its peer), client_backlog (its peer was closed for not "
-                                      "reading its replies)", labels=["reason"])
-        for reason in DROP_REASONS:
-            dropped.add_metric([reason], d.counters.dropped.get(reason, 0))
-        yield dropped
+        yield counter_by("ecd_leases_reclaimed", "Leases taken back from clients", "reason",
+                         ((reason, c[f"reclaimed_{reason}"]) for reason in
+                          ("client_exit", "connection_closed", "session_ttl", "write_ttl", "pin_expired")))
+        yield counter_by("ecd_frames_dropped", "Requests and replies dropped unanswered, by reason: refused (a "
+                         "fire-and-forget request, id 0, was refused), unanswerable (id 0 on a request that "
+                         "wants a reply), send_failed (the reply could not be queued to its peer), client_backlog "
+                         "(its peer was closed for not reading its replies)", "reason",
+                         ((reason, d.counters.dropped.get(reason, 0)) for reason in DROP_REASONS))
 
         http = d.http
         if http is not None:
@@ -261,14 +258,12 @@ def peer_metrics(cluster) -> Iterator:
     yield up
     yield GaugeMetricFamily("ecd_transfer_leases", "Entries held leased for peers' fetches",
                             value=cluster.transfer_leases())
-    failures = CounterMetricFamily("ecd_transfer_failures", "Fetches that failed, by reason; serve_*: the "
-                                   "owner's side (sends to peers that failed, serve_backlog: peers cut off for "
-                                   "unread replies, serve_lease_limit and serve_lookup_invalid: lookups "
-                                   "refused)", labels=["reason"])
     from ..peer.cluster import FAILURE_REASONS
-    for reason in sorted(set(FAILURE_REASONS) | set(stats.failures)):
-        failures.add_metric([reason], stats.failures.get(reason, 0))
-    yield failures
+    yield counter_by("ecd_transfer_failures", "Fetches that failed, by reason; serve_*: the owner's side (sends "
+                     "to peers that failed, serve_backlog: peers cut off for unread replies, serve_lease_limit "
+                     "and serve_lookup_invalid: lookups refused)", "reason",
+                     ((reason, stats.failures.get(reason, 0))
+                      for reason in sorted(set(FAILURE_REASONS) | set(stats.failures))))
 
 
 def make_registry(source: "MetricsSource") -> CollectorRegistry:
@@ -290,12 +285,10 @@ def connection_metrics(d: "MetricsSource"):
                             value=d.connections.open)
     yield GaugeMetricFamily("ecd_connections_max", "limits.max_connections in force (lowered when the "
                             "open-file limit cannot hold the configured value)", value=d.max_connections())
-    closed = CounterMetricFamily("ecd_connections_closed", "Control connections the daemon closed, by "
-                                 "reason: over_capacity (past limits.max_connections), client_backlog (its "
-                                 "unread replies passed limits.client_queue_bytes)", labels=["reason"])
-    for reason in ("over_capacity", "client_backlog"):
-        closed.add_metric([reason], d.connections.closed.get(reason, 0))
-    yield closed
+    yield counter_by("ecd_connections_closed", "Control connections the daemon closed, by reason: over_capacity "
+                     "(past limits.max_connections), client_backlog (its unread replies passed "
+                     "limits.client_queue_bytes)", "reason",
+                     ((reason, d.connections.closed.get(reason, 0)) for reason in ("over_capacity", "client_backlog")))
     refused = CounterMetricFamily("ecd_sessions_refused", "Hellos refused by a session limit (max_clients, "
                                   "max_clients_per_pid: LIMIT) or because control.allowed_uids / allowed_gids "
                                   "do not admit the client's uid (allowed_uids: NOT_ALLOWED)", labels=["limit"])

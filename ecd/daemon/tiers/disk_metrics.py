@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ..ops.metrics import counter_by
 from .disk_records import SPILL_DROP_REASONS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,13 +29,10 @@ def disk_metrics(disk: "DiskTier") -> Iterator[Any]:
     c = disk.counters
     yield CounterMetricFamily("ecd_disk_spills", "Entries evicted from the host pool and written to disk",
                               value=c["spills"])
-    dropped = CounterMetricFamily("ecd_disk_spills_dropped", "Evicted entries not spilled, by reason: too_small "
-                                  "(min_spill_size), too_large, disk_full (persisted records fill it), backlog "
-                                  "(spill_buffer full), disabled (spill = false), failed (the write failed)",
-                                  labels=["reason"])
-    for reason in SPILL_DROP_REASONS:
-        dropped.add_metric([reason], disk.dropped[reason])
-    yield dropped
+    yield counter_by("ecd_disk_spills_dropped", "Evicted entries not spilled, by reason: too_small "
+                     "(min_spill_size), too_large, disk_full (persisted records fill it), backlog (spill_buffer "
+                     "full), disabled (spill = false), failed (the write failed)", "reason",
+                     ((reason, disk.dropped[reason]) for reason in SPILL_DROP_REASONS))
     yield CounterMetricFamily("ecd_disk_promotions", "Entries read back from disk into the host pool",
                               value=c["promotions"])
     yield CounterMetricFamily("ecd_disk_promotion_failures", "Reads of disk records that failed (see "
