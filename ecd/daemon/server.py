@@ -30,10 +30,10 @@ from ..memory.memfd import RING_SEALS, MemfdFile, MemfdPool
 from ..memory.ring import RingWriter, ring_bytes
 from ..protocol import DaemonStats
 from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
-from .control.loop import ControlLoop, ServeCounters
+from .control.loop import ControlLoop
 from .control.fd_server import FdServer
 from .control.handlers import daemon_stats
-from .ops.metrics import MetricsServer, bind_listener, make_registry
+from .ops.metrics import MetricsServer, ServeCounters, bind_listener, make_registry
 from .ops.security import CurveAuth, check_security
 from .control.sessions import Sessions
 from .registry.store import Store

@@ -20,7 +20,7 @@ from ..registry.entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import HandlerContext
-    from .loop import ServeCounters
+    from ..ops.metrics import ServeCounters
 
 log = logging.getLogger("ecd.daemon")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import msgspec
@@ -23,7 +22,7 @@ from ...protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInli
 from .connections import Connection, Connections
 from ..registry.entries import RequestError
 from .handlers import Handlers
-from ..ops.metrics import RequestStats
+from ..ops.metrics import ServeCounters
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import HandlerContext
@@ -33,18 +32,6 @@ log = logging.getLogger("ecd.daemon")
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 # zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
 ZMQ_EVENTS, POLLIN, SRCFD, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD), int(zmq.NOBLOCK)
-
-
-@dataclass
-class ServeCounters:
-    """What the loop counts for /metrics and Stats."""
-    requests: RequestStats = field(default_factory=RequestStats)
-    errors: dict[str, int] = field(default_factory=dict)  # error replies by code, and send failures
-    dropped: dict[str, int] = field(default_factory=dict)  # requests and replies nobody could be told about
-    ring_overruns: int = 0  # reported by clients
-    # reads that did not match their stored checksum (reported by clients), and inline puts
-    # whose data did not match the checksum sent with it (seen here)
-    integrity_failures: dict[str, int] = field(default_factory=lambda: {"read": 0, "inline_put": 0})
 
 
 class ControlLoop:

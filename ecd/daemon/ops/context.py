@@ -18,12 +18,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...memory.ring import RingWriter
     from ..control.connections import Connections
     from ..control.fd_server import FdServer
-    from ..control.loop import ServeCounters
     from ..control.sessions import Sessions
     from ..peer.cluster import Cluster
     from ..registry.store import Store
     from ..tiers.base import LowerTier
-    from .metrics import MetricsServer
+    from .metrics import MetricsServer, ServeCounters
     from .security import CurveAuth
 
 

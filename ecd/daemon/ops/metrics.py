@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import sys
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -72,6 +73,18 @@ class RequestStats:
     def histograms(self) -> Iterator[tuple[str, list[tuple[str, int]], float]]:
         for op, hist in self._hist.items():
             yield op, hist.buckets(), hist.sum
+
+
+@dataclass
+class ServeCounters:
+    """What the control loop (control/loop.py) and the handlers count, for /metrics and Stats."""
+    requests: RequestStats = field(default_factory=RequestStats)
+    errors: dict[str, int] = field(default_factory=dict)  # error replies by code, and send failures
+    dropped: dict[str, int] = field(default_factory=dict)  # requests and replies nobody could be told about
+    ring_overruns: int = 0  # reported by clients
+    # reads that did not match their stored checksum (reported by clients), and inline puts
+    # whose data did not match the checksum sent with it (seen here)
+    integrity_failures: dict[str, int] = field(default_factory=lambda: {"read": 0, "inline_put": 0})
 
 
 class DaemonCollector:
