@@ -104,8 +104,8 @@ class Daemon:
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
         self.cluster: Cluster | None = None  # the peer plane, with [cluster] listen
-        # the tier below the host pool: the disk tier (tiers/disk.DiskTier) with [pool.disk], else one that holds nothing
-        self.disk: LowerTier = NullTier()
+        # the tier below the host pool: the disk tier (tiers/disk.DiskTier) with [pool.disk], else the null tier
+        self.lower_tier: LowerTier = NullTier()
         self.control: ControlLoop | None = None  # the ROUTER loop and the request handlers (serve)
         self.handler_context: HandlerContext | None = None  # what the handlers read of the daemon (serve)
         self._stopping: asyncio.Event | None = None
@@ -174,7 +174,7 @@ class Daemon:
             disk.open()
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
-        self.disk = disk
+        self.lower_tier = disk
 
     def _connection_cap(self) -> int:
         """limits.max_connections, or fewer when the open-file limit cannot hold them."""
@@ -372,7 +372,7 @@ class Daemon:
         host = HostTier([seg.size for seg in self.pool.segments],
                         [a.size for a in self.arenas] if self.arenas is not None else [],
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
-        self.store = Store(host, self.disk, self.ring, self.loop, self.config.limits, self.config.leases,
+        self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
                            namespaces=self.config.namespaces)
         # a session's end may queue replies: the control loop (made next) drains them
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
@@ -384,7 +384,7 @@ class Daemon:
             self.cluster.start(peer_context(self))
         if self.fd_server is not None:
             self.fd_server.start(self.loop)
-        self.disk.attach(self.store, self.loop, self.pool.segments)
+        self.lower_tier.attach(self.store, self.loop, self.pool.segments)
         if self.metrics_listener is not None:
             source = metrics_source(self)
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(source), lambda: self.state,
@@ -463,7 +463,7 @@ class Daemon:
         while self.loop.time() < deadline and not self._force_stop.is_set():
             # cheap checks (no full stats): this runs every DRAIN_POLL_S
             if (not self.store.writes_in_progress() and not self.store.waiters
-                    and not self.disk.writes):
+                    and not self.lower_tier.writes):
                 return
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._force_stop.wait(), DRAIN_POLL_S)
@@ -518,8 +518,8 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        self.disk.close()  # its threads stop touching the pools before those are unmapped
-        self.disk = NullTier()
+        self.lower_tier.close()  # its threads stop touching the pools before those are unmapped
+        self.lower_tier = NullTier()
         if self.fd_server is not None:
             self.fd_server.close()
             self.fd_server = None

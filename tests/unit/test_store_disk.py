@@ -674,7 +674,7 @@ def test_a_delete_request_is_answered_only_once_a_read_record_is_removed(tier_di
 
         def reply_error(*args):
             raise AssertionError(f"error reply {args}")
-        handlers = Handlers(SimpleNamespace(disk=env.disk, store=env.store), None, send, reply_error,
+        handlers = Handlers(SimpleNamespace(lower_tier=env.disk, store=env.store), None, send, reply_error,
                             lambda _: None, lambda _: None)
         assert handlers.dispatch(b"client", env.session(), Delete(1, "ns", ["k0"])) is None  # answered later
         await asyncio.sleep(0.1)

@@ -36,6 +36,6 @@ class HandlerContext:
     ring: "RingWriter"  # its writer (Stats counts the events written)
     arenas: list["ArenaInfo"]  # Welcome.arenas: the CUDA arenas, numbered after the host segments
     fd_socket: str  # Welcome.fd_socket: where a memfd pool's descriptors are handed out ("": named files)
-    disk: "LowerTier"  # the tier below the host pool: the disk tier ([pool.disk]) or the null tier
+    lower_tier: "LowerTier"  # the tier below the host pool: the disk tier ([pool.disk]) or the null tier
     peers: "Cluster | None"  # the peer plane ([cluster] listen): Fetch goes to it; None without one
     curve: "CurveAuth | None"  # the control socket's CURVE authenticator (Stats counts its refusals)

@@ -55,7 +55,7 @@ class Handlers:
         back at the next start (the unlinks run on the disk tier's worker threads)."""
         if not isinstance(request, REMOVES_RECORDS):
             return self._dispatch(identity, session, request)
-        self._removal_mark = self.context.disk.removal_mark()
+        self._removal_mark = self.context.lower_tier.removal_mark()
         try:
             reply = self._dispatch(identity, session, request)
             removed = self._removed() if reply is not None and request.id else None
@@ -153,12 +153,12 @@ class Handlers:
     def _removed(self) -> "asyncio.Future[None] | None":
         """Done once the disk records this request removed (a delete, an eviction, a put that
         replaced a key) are gone from the directory durably; None when it removed none."""
-        return self.context.disk.removals_since(self._removal_mark) if self._removal_mark >= 0 else None
+        return self.context.lower_tier.removals_since(self._removal_mark) if self._removal_mark >= 0 else None
 
     def check_persist(self, session: Session, generations: list[int]) -> None:
         """A put asking for persist on a daemon without a disk tier is refused whole (its writes
         aborted), never stored quietly in memory alone."""
-        if self.context.disk.persists:
+        if self.context.lower_tier.persists:
             return
         for generation in generations:
             self.context.store.abort(session, generation)
@@ -179,7 +179,7 @@ class Handlers:
         """Answer a committed put once its entries are durable on disk (DiskTier.persist)."""
         store = self.context.store
         entries = [store.by_generation.get(g) if r is None else None for g, r in zip(generations, results)]
-        durable: asyncio.Future = self.context.disk.persist(entries)
+        durable: asyncio.Future = self.context.lower_tier.persist(entries)
         removed = self._removed()
         if removed is not None:  # a replaced key's old record too (see dispatch)
             durable = asyncio.ensure_future(_first_of_both(durable, removed))
@@ -235,7 +235,7 @@ class Handlers:
     def _key_info(self, e: Any, now: float) -> KeyInfo:
         """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
         if isinstance(e, Entry):
-            tier = "memory+disk" if self.context.disk.clean(e) else "memory"
+            tier = "memory+disk" if self.context.lower_tier.clean(e) else "memory"
             return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                            now - e.last_access, e.readers, e.pins, tier)
         header = e.header
@@ -298,7 +298,7 @@ class Handlers:
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
             sorted(ctx.store.verify_namespaces), ctx.arenas,
-            ctx.peers.advertised if ctx.peers is not None else "", ctx.disk.persists, ctx.fd_socket))
+            ctx.peers.advertised if ctx.peers is not None else "", ctx.lower_tier.persists, ctx.fd_socket))
         return "ok"
 
 
@@ -321,14 +321,14 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=context.disk.stats(), sessions=context.sessions.listing(), **cluster_stats(context))
+        disk=context.lower_tier.stats(), sessions=context.sessions.listing(), **cluster_stats(context))
 
 
 def cluster_stats(context: "HandlerContext") -> dict[str, Any]:
     """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
     peer plane's internal sessions."""
     peers = context.peers
-    internal = context.disk.internal_sessions  # the disk tier's own session
+    internal = context.lower_tier.internal_sessions  # the disk tier's own session
     if peers is None:
         return {"clients": context.store.sessions - internal}
     return {"clients": context.store.sessions - peers.internal_sessions - internal, "cluster_listen": peers.listen,

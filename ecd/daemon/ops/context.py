@@ -40,7 +40,7 @@ class MetricsSource:
     max_connections: Callable[[], int]  # limits.max_connections in force (SIGHUP, the fd limit)
     sessions: "Sessions"  # sessions by watch, hellos refused
     fd_server: "FdServer | None"  # backing = "memfd": the fd socket's handouts
-    disk: "LowerTier"  # the tier below the host pool (its metrics, its own sessions)
+    lower_tier: "LowerTier"  # the tier below the host pool (its metrics, its own sessions)
     peers: "Cluster | None"  # [cluster] listen: the peer plane's metrics
     curve: "CurveAuth | None"  # the control socket's CURVE handshakes refused
     http: "MetricsServer | None" = None  # the endpoint serving these (made with them: set once it exists)

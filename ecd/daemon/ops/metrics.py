@@ -216,11 +216,11 @@ class DaemonCollector:
             yield shed
 
         internal = d.peers.internal_sessions if d.peers is not None else 0
-        internal += d.disk.internal_sessions
+        internal += d.lower_tier.internal_sessions
         yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
         if d.peers is not None:
             yield from peer_metrics(d.peers)
-        yield from d.disk.metric_families()
+        yield from d.lower_tier.metric_families()
         yield from connection_metrics(d)
         yield GaugeMetricFamily("ecd_waiters", "Requests parked waiting for a key", value=waiters)
         yield CounterMetricFamily("ecd_ring_events", "Events written to the event ring",
@@ -235,7 +235,7 @@ class DaemonCollector:
                                         labels=["where"])
         for where, n in sorted(d.counters.integrity_failures.items()):
             integrity.add_metric([where], n)
-        for where, n in d.disk.integrity_failures().items():  # the lower tier's records found corrupt
+        for where, n in d.lower_tier.integrity_failures().items():  # the lower tier's records found corrupt
             integrity.add_metric([where], n)
         yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
