@@ -137,14 +137,8 @@ class Client(ControlClient):
     def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
         was out: one of them may have been this entry's eviction, read before it was cached."""
-        ring = self._map.ring
-        if ring.next_seq != ring_pos:
-            return
-        cache = self._cache
-        for key, generation in zip(keys, generations):
-            cache.remember(key_hash(ns, key), ns, key, generation)
-        if self._map.local:
-            cache.catch_up(ring)
+        self._cache.remember_reply(self._map.ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
+                                   catch_up=self._map.local)
 
     # ---- get / view ---------------------------------------------------------------------
 

@@ -62,6 +62,19 @@ class LocationCache:
         if len(entries) > self.capacity:
             entries.popitem(last=False)
 
+    def remember_reply(self, ring, ring_pos: int, namespace: str, keys: list[str], keyhashes: list[int],
+                       generations: list[int], *, catch_up: bool) -> None:
+        """Locations a reply brought, unless ring events were consumed while its request was out
+        (`ring.next_seq` moved on from `ring_pos`, where it stood before the request): one of
+        them may have been this entry's eviction, read before it was cached. Then, with
+        `catch_up` (a ring that is mapped), `catch_up` on it."""
+        if ring.next_seq != ring_pos:
+            return
+        for keyhash, key, generation in zip(keyhashes, keys, generations):
+            self.remember(keyhash, namespace, key, generation)
+        if catch_up:
+            self.catch_up(ring)
+
     def known(self, keyhash: int, namespace: str, key: str) -> bool:
         """Whether a location of exactly (namespace, key) is cached (a 64-bit hash collision with
         another key is not); a hit becomes the most recent entry."""

@@ -4,7 +4,8 @@ Every put-like entry point (put, put_many, put(persist=True), CUDA tensors, the 
 previous commit left) comes in through `PutRoute.put_many`, which groups the tensors by tier (the
 host pool, or the CUDA arena of each tensor's device) and sends each group down `PutRoute.put`:
 
-1. place: decide once where the bytes go, and get that destination:
+1. place: describe each tensor once (dtype name, shape, size, key hash: what copy and commit
+   need), decide once where the bytes go, and get that destination:
    - INLINE: in the message itself, for a tensor of at most limits.inline_max_bytes going to the
      host pool, and for every put of a client off the daemon's node (one message per tensor);
    - RESERVED: the extent the daemon reserved for this client's next put (the previous Commit or
@@ -12,11 +13,12 @@ host pool, or the CUDA arena of each tensor's device) and sends each group down 
    - ALLOCATED: extents an Alloc round trip asks for now.
    An extent lies in the host pool or in a CUDA arena, the tier the group asked for.
 2. copy: the bytes into the destination, with their checksum where one is stored: a host copy
-   (ecd.client.tensors) into the pool's writable mapping, or a CUDA copy (ecd.client.cuda) for a
-   tensor on a GPU or an extent in an arena, waited for before the commit. A copy that fails gives
+   (ecd.client.tensors, one call for both) into the message's bytes or the pool's writable
+   mapping, or a CUDA copy (ecd.client.cuda) for a tensor on a GPU going into extents or an
+   extent in an arena, waited for before the commit. A copy that fails gives
    the destination back (Abort), so no extent is stranded.
 3. commit: one round trip publishes the bytes (PutInline, Publish or Commit) and brings the
-   reservation for the next put.
+   reservation for the next put; the locations learnt go to the client's location_cache.
 
 A Publish can find its reservation gone (the daemon took it back, or restarted): nothing was
 stored, and that put goes once more the ordinary way (ALLOCATED).
@@ -26,12 +28,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, cast
 
 import torch
 
 from ..errors import Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
-from ..integrity import checksum as checksum_of
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
 from ..protocol import (Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
@@ -50,25 +51,32 @@ INLINE, RESERVED, ALLOCATED = "inline", "reserved", "allocated"
 
 
 class Destination:
-    """Where one commit's bytes go, as `PutRoute.place` decided: the kind, the keys and tensors,
-    and for the extent kinds their items, extents, the epoch's mapping they lie in, the ring
-    position before the reply that named them, and the time after which copying into them is no
-    longer safe."""
+    """One commit's tensors, described once for every step after (`items`: the key, dtype name,
+    shape and size of each, as Alloc, Publish and PutInline send them; `keyhashes`, for the
+    location cache), and where `PutRoute.place` decided their bytes go: INLINE until `into`
+    names extents, with the epoch's mapping they lie in, the ring position before the reply that
+    named them, and the time after which copying into them is no longer safe."""
 
-    __slots__ = ("kind", "keys", "tensors", "items", "extents", "mapping", "ring_pos", "deadline", "data")
+    __slots__ = ("kind", "keys", "tensors", "items", "keyhashes", "extents", "mapping", "ring_pos", "deadline",
+                 "data")
 
-    def __init__(self, kind: str, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem] | None = None,
-                 extents: list[Extent] | None = None, mapping: EpochMapping | None = None, ring_pos: int = -1,
-                 deadline: float = math.inf) -> None:
-        self.kind = kind
-        self.keys = keys
-        self.tensors = tensors
-        self.items = items or []
-        self.extents = extents or []
-        self.mapping = mapping
-        self.ring_pos = ring_pos
-        self.deadline = deadline
-        self.data = b""  # INLINE: the bytes, once copied
+    def __init__(self, namespace: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.kind = INLINE
+        self.keys = list(tensors)
+        self.tensors = list(tensors.values())
+        self.items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t)) for key, t in tensors.items()]
+        self.keyhashes = [key_hash(namespace, key) for key in self.keys]
+        self.extents: list[Extent] = []
+        self.mapping: EpochMapping | None = None
+        self.ring_pos = -1
+        self.deadline = math.inf
+        self.data: bytes | bytearray = b""  # INLINE: the bytes, once copied
+
+    def into(self, kind: str, extents: list[Extent], mapping: EpochMapping, ring_pos: int,
+             deadline: float = math.inf) -> Destination:
+        """Into these extents (the reservation, or extents allocated now)."""
+        self.kind, self.extents, self.mapping, self.ring_pos, self.deadline = kind, extents, mapping, ring_pos, deadline
+        return self
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -131,34 +139,33 @@ class PutRoute:
             digests = self.copy(c, dest, checksum)
             if not self.commit(c, dest, digests, checksum, persist):
                 # A Publish whose reservation the daemon no longer held, or found unfit: nothing
-                # was stored. Put it the ordinary way.
-                dest = self.allocate(c, dest.keys, dest.tensors, dest.items, arena)
+                # was stored. The same tensors once more, the ordinary way.
+                dest = self.allocate(c, dest, arena)
                 self.commit(c, dest, self.copy(c, dest, checksum), checksum, persist)
 
     # ---- 1. place -----------------------------------------------------------------------
 
-    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int) -> list[Destination]:
-        """Where these tensors go: inline, into the reservation, or into extents allocated now."""
-        mapping = c._map
+    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int) -> Iterator[Destination]:
+        """Where these tensors go: inline (one at a time: each is committed before the next is
+        described), into the reservation, or into extents allocated now."""
+        mapping, ns = c._map, c.namespace
         inline_max = c.limits.inline_max_bytes
         if not mapping.local:  # a client off the daemon's node: only puts small enough to ride inline
             if max(_nbytes(t) for t in tensors.values()) > inline_max:
                 mapping.require_local("a put larger than limits.inline_max_bytes", inline_max)
-            return [Destination(INLINE, [key], [t]) for key, t in tensors.items()]
-        if len(tensors) == 1 and arena < 0:
-            (key, t), = tensors.items()
-            if _nbytes(t) <= inline_max:
-                return [Destination(INLINE, [key], [t])]
-        keys, values = list(tensors), list(tensors.values())
-        items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t)) for key, t in tensors.items()]
-        if len(items) == 1:
-            reserved = self.claim_reservation(c, keys, values, items, arena)
-            if reserved is not None:
-                return [reserved]
-        return [self.allocate(c, keys, values, items, arena)]
+            for key, t in tensors.items():
+                yield Destination(ns, {key: t})
+            return
+        dest = Destination(ns, tensors)
+        if len(dest.items) == 1:
+            if arena < 0 and dest.items[0].nbytes <= inline_max:
+                yield dest  # INLINE
+            else:
+                yield self.claim_reservation(c, dest, arena) or self.allocate(c, dest, arena)
+        else:
+            yield self.allocate(c, dest, arena)
 
-    def claim_reservation(self, c: Client, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem],
-                          arena: int) -> Destination | None:
+    def claim_reservation(self, c: Client, dest: Destination, arena: int) -> Destination | None:
         """Take the reservation for this put, without the lock: list.pop is atomic, so two threads
         never get the same one. None when there is none, or it does not fit this put."""
         try:
@@ -166,7 +173,7 @@ class PutRoute:
         except IndexError:
             return None
         ring_pos = mapping.ring.next_seq
-        if (align_up(max(items[0].nbytes, 1)) != size or time.monotonic() > use_by or session != c._session
+        if (align_up(max(dest.items[0].nbytes, 1)) != size or time.monotonic() > use_by or session != c._session
                 or mapping is not c._map or not mapping.fits(extent, arena)):
             # Not usable (another size or tier, too old, another daemon run): hand it back if
             # it is still ours, so the next Commit can reserve anew.
@@ -175,19 +182,18 @@ class PutRoute:
             return None
         self._reservation_busy = True  # the daemon still holds it: asking for another is futile
         # use_by was checked just now: the copy does not look at the clock again
-        return Destination(RESERVED, keys, tensors, items, [extent], mapping, ring_pos)
+        return dest.into(RESERVED, [extent], mapping, ring_pos)
 
-    def allocate(self, c: Client, keys: list[str], tensors: list[torch.Tensor], items: list[AllocItem],
-                 arena: int) -> Destination:
-        """Alloc extents for the items (one round trip); a refused item gives the others back and
-        raises."""
+    def allocate(self, c: Client, dest: Destination, arena: int) -> Destination:
+        """Alloc extents for the destination's items (one round trip); a refused item gives the
+        others back and raises."""
         with c._lock:
             # Taken before the request: the daemon's write TTL starts later, when it allocates.
             deadline = time.monotonic() + self.safe_write_window(c)
-            reply: Allocated = c._call(Alloc(next(c._ids), c.namespace, items, arena))
+            reply: Allocated = c._call(Alloc(next(c._ids), c.namespace, dest.items, arena))
             mapping, ring_pos = cast(EpochMapping, c._map), c._map.ring.next_seq
         extents = [r for r in reply.results if not isinstance(r, Failure)]
-        dest = Destination(ALLOCATED, keys, tensors, items, extents, mapping, ring_pos, deadline)
+        dest.into(ALLOCATED, extents, mapping, ring_pos, deadline)
         failed = next((r for r in reply.results if isinstance(r, Failure)), None)
         if failed is not None:
             self.give_back(c, dest)
@@ -208,46 +214,42 @@ class PutRoute:
     # ---- 2. copy ------------------------------------------------------------------------
 
     def copy(self, c: Client, dest: Destination, checksum: bool) -> list[int]:
-        """Copy the tensors into the destination; their checksums (0 each without `checksum`).
-        A failed copy into extents gives them back."""
-        if dest.kind == INLINE:
-            t = dest.tensors[0]
-            if t.is_cuda:
-                t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
-            buf = bytearray(_nbytes(t))
-            copy_into(buf, 0, t)
-            dest.data = bytes(buf)
-            return [checksum_of(dest.data) if checksum else 0]
-        try:
-            return self._copy_into_extents(c, dest, checksum)
-        except BaseException:
-            self.give_back(c, dest)  # do not strand the extents
-            raise
-
-    def _copy_into_extents(self, c: Client, dest: Destination, checksum: bool) -> list[int]:
-        """Each tensor into its extent: host copies first, then those that run on a GPU (a tensor
-        on a device, or an extent in an arena), waited for together."""
+        """Copy each tensor into its place, with its checksum (0 without `checksum`): a host copy
+        into the message's bytes or the pool's writable mapping, and those that run on a GPU (a
+        tensor on a device going into extents, or an extent in an arena) afterwards, started
+        together and waited for together. A failed copy gives the extents back."""
         mapping = cast(EpochMapping, dest.mapping)
-        digests: list[int] = []
+        digests = [0] * len(dest.tensors)
         on_device: list[int] = []
-        for i, (extent, t) in enumerate(zip(dest.extents, dest.tensors)):
-            if time.monotonic() > dest.deadline:
-                # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired the
-                # write and handed the extent to another entry; copying now would corrupt that
-                # entry, so give up as a commit of an expired write would.
-                raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
-                                      "its bytes were copied: put again")
-            if t.is_cuda or mapping.is_arena(extent.pool):
-                on_device.append(i)
-                digests.append(0)
-                continue
-            digests.append(copy_into(mapping.rw_for(extent.pool, extent.offset, _nbytes(t)), extent.offset, t,
-                                     with_checksum=checksum))
-        if on_device:
-            done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
-                                                  [dest.tensors[i] for i in on_device], checksum)
-            for i, digest in zip(on_device, done):
-                digests[i] = digest
+        try:
+            for i, t in enumerate(dest.tensors):
+                nbytes = dest.items[i].nbytes
+                if dest.kind == INLINE:
+                    if t.is_cuda:
+                        t = t.cpu()  # small enough to ride in the message: a synchronous copy is the cheapest
+                    dest.data = buf = bytearray(nbytes)  # the message's bytes
+                    offset = 0
+                else:
+                    extent = dest.extents[i]
+                    if time.monotonic() > dest.deadline:
+                        # Stalled (stopped, swapped out) since the Alloc: the daemon may have expired
+                        # the write and handed the extent to another entry; copying now would corrupt
+                        # that entry, so give up as a commit of an expired write would.
+                        raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                              "its bytes were copied: put again")
+                    if t.is_cuda or mapping.is_arena(extent.pool):
+                        on_device.append(i)
+                        continue
+                    buf, offset = mapping.rw_for(extent.pool, extent.offset, nbytes), extent.offset
+                digests[i] = copy_into(buf, offset, t, with_checksum=checksum)
+            if on_device:
+                done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
+                                                      [dest.tensors[i] for i in on_device], checksum)
+                for i, digest in zip(on_device, done):
+                    digests[i] = digest
+        except BaseException:
+            self.give_back(c, dest)  # do not strand the extents (an inline put holds none)
+            raise
         return digests
 
     # ---- 3. commit ----------------------------------------------------------------------
@@ -258,16 +260,15 @@ class PutRoute:
         locations learnt. False when a Publish found its reservation gone or unfit (the caller
         allocates); a failed item raises."""
         request: PutInline | Publish | Commit
+        item = dest.items[0]
         if dest.kind == INLINE:
-            t = dest.tensors[0]
-            request = PutInline(next(c._ids), c.namespace, dest.keys[0], dtype_name(t.dtype), list(t.shape),
-                                dest.data, digests[0], persist)
+            request = PutInline(next(c._ids), c.namespace, item.key, item.dtype, item.shape, bytes(dest.data), digests[0],
+                                persist)
         elif dest.kind == RESERVED:
-            item = dest.items[0]
             request = Publish(next(c._ids), c.namespace, dest.extents[0].generation, item, item.nbytes, digests[0],
                               persist)
         else:
-            reserve = dest.items[0].nbytes if len(dest.items) == 1 else 0  # same-sized puts reuse it
+            reserve = item.nbytes if len(dest.items) == 1 else 0  # same-sized puts reuse it
             request = Commit(next(c._ids), [e.generation for e in dest.extents], reserve,
                              digests if checksum else [], persist)
         with c._lock:
@@ -286,10 +287,12 @@ class PutRoute:
             if isinstance(reply, Committed):
                 self._keep_reservation(c, reply.reservation, request.reserve)
             failure = next((r for r in reply.results if isinstance(r, Failure)), None)
+            cache = c.location_cache
             if dest.kind == INLINE:
-                c._cache.forget(key_hash(c.namespace, dest.keys[0]))  # generation unknown: ask next time
+                cache.forget(dest.keyhashes[0])  # generation unknown: ask next time
             elif failure is None:
-                c._remember_locked(c.namespace, dest.keys, [e.generation for e in dest.extents], dest.ring_pos)
+                cache.remember_reply(c.mapping.ring, dest.ring_pos, c.namespace, dest.keys, dest.keyhashes,
+                                     [e.generation for e in dest.extents], catch_up=c.mapping.local)
         if failure is not None and dest.kind == RESERVED and failure.code in (Code.STALE, Code.INVALID):
             return False  # the reservation was gone or unfit: put it the ordinary way
         _raise_first(reply.results)
