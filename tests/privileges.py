@@ -12,3 +12,12 @@ def drop_to(uid: int) -> None:
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
+
+
+def drop_if_asked(argv: list[str]) -> list[str]:
+    """A helper process's arguments: a leading `--uid UID` drops to that user (drop_to) and is
+    taken off; the rest is returned."""
+    if argv and argv[0] == "--uid":
+        drop_to(int(argv[1]))
+        return argv[2:]
+    return argv

@@ -30,7 +30,7 @@ from ecd.peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, PeerHello,
                                peer_reply_decoder)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: privileges.py
-from privileges import drop_to  # noqa: E402
+from privileges import drop_if_asked  # noqa: E402
 
 REPLY_WAIT_MS = 3000
 REQUEST_HEAD = struct.Struct("!4sI")  # ecd/transport/tcp.py's data wire
@@ -100,11 +100,7 @@ def steal(endpoint: str, ns: str, key: str, server_key: str = "") -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if argv[0] == "--uid":
-        drop_to(int(argv[1]))
-        argv = argv[2:]
-    mode, *args = argv
+    mode, *args = drop_if_asked(sys.argv[1:])
     if mode == "steal":
         result = steal(*args)
     elif mode == "guess":

@@ -13,13 +13,16 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401 - looked up lazily; after the drop it may not be readable
 import json
 import os
-import pwd
 import sys
 import time
+from pathlib import Path
 
 import zmq.utils.monitor  # noqa: F401 - the client imports it lazily on a timeout
 
 from ecd.client.control import ControlClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: privileges.py
+from privileges import drop_if_asked  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -27,13 +30,7 @@ def main(argv: list[str]) -> None:
         import torch
 
         from ecd import Client
-    if argv[0] == "--uid":
-        uid = int(argv[1])
-        os.setgroups([])
-        os.setgid(pwd.getpwuid(uid).pw_gid)
-        os.setuid(uid)
-        argv = argv[2:]
-    what, endpoint = argv
+    what, endpoint = drop_if_asked(argv)
     out: dict = {"uid": os.getuid()}
     started = time.monotonic()
     try:

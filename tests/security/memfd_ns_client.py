@@ -31,7 +31,7 @@ from ecd import Client
 from ecd.fd_passing import receive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: privileges.py
-from privileges import drop_to  # noqa: E402
+from privileges import drop_if_asked  # noqa: E402
 
 
 def pattern(nbytes: int, mul: int, mod: int) -> torch.Tensor:
@@ -108,11 +108,7 @@ def attack(fd_socket: str) -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if argv[0] == "--uid":
-        drop_to(int(argv[1]))
-        argv = argv[2:]
-    mode, *args = argv
+    mode, *args = drop_if_asked(sys.argv[1:])
     try:
         result = roundtrip(*args) if mode == "roundtrip" else attack(*args)
     except Exception as exc:  # the verdict says what failed, with the reason
