@@ -16,6 +16,7 @@ from ...protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Allo
                         KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
+from ..ops.metrics import client_sessions
 from ..registry.entries import Entry, RequestError, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -325,13 +326,12 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
 
 
 def cluster_stats(context: "HandlerContext") -> dict[str, Any]:
-    """The peer plane's part of Stats (DaemonStats' trailing fields), and clients without the
-    peer plane's internal sessions."""
+    """The peer plane's part of Stats (DaemonStats' trailing fields), and the connected clients."""
     peers = context.peers
-    internal = context.lower_tier.internal_sessions  # the disk tier's own session
+    clients = client_sessions(context.store, peers, context.lower_tier)
     if peers is None:
-        return {"clients": context.store.sessions - internal}
-    return {"clients": context.store.sessions - peers.internal_sessions - internal, "cluster_listen": peers.listen,
+        return {"clients": clients}
+    return {"clients": clients, "cluster_listen": peers.listen,
             "peers": peers.peer_states(), "transfer_leases": peers.transfer_leases(),
             "fetches_in_flight": peers.fetches_in_flight(), "fetch_failures": dict(peers.stats.failures)}
 

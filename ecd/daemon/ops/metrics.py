@@ -26,12 +26,21 @@ from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..peer.cluster import Cluster
+    from ..registry.store import Store
+    from ..tiers.base import LowerTier
     from .context import MetricsSource
 
 log = logging.getLogger("ecd.metrics")
 
 # Why a request or a reply went nowhere (ServeCounters.dropped); every reason is exported, 0 or not.
 DROP_REASONS = ("refused", "unanswerable", "send_failed", "client_backlog")
+
+
+def client_sessions(store: "Store", peers: "Cluster | None", lower_tier: "LowerTier") -> int:
+    """Connected clients (ecd_clients, Stats.clients): the store's sessions less those the peer
+    plane and the lower tier opened for themselves."""
+    return store.sessions - (peers.internal_sessions if peers is not None else 0) - lower_tier.internal_sessions
 
 
 def counter_by(name: str, documentation: str, label: str, counts: Iterable[tuple[str, float]]) -> CounterMetricFamily:
@@ -215,9 +224,8 @@ class DaemonCollector:
                 shed.add_metric([reason], http.shed[reason])
             yield shed
 
-        internal = d.peers.internal_sessions if d.peers is not None else 0
-        internal += d.lower_tier.internal_sessions
-        yield GaugeMetricFamily("ecd_clients", "Connected client sessions", value=store.sessions - internal)
+        yield GaugeMetricFamily("ecd_clients", "Connected client sessions",
+                                value=client_sessions(store, d.peers, d.lower_tier))
         if d.peers is not None:
             yield from peer_metrics(d.peers)
         yield from d.lower_tier.metric_families()

@@ -127,6 +127,8 @@ class HostTier:
     def check_fresh(self, placed: Iterable[Any]) -> None:
         """After an Alloc, before its answer: the segments of its extents. A cut found now came
         before any byte of them was written, and the file is whole again: they stay usable."""
+        if not self.segments:
+            return  # sealed memfds: no cut to look for, and none recorded (cut_writes stays empty)
         fresh = [extent for extent in placed if isinstance(extent, Extent)]
         self.check_pools(extent.pool for extent in fresh)
         if self.cut_writes:
