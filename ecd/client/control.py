@@ -373,6 +373,35 @@ class ControlClient:
         reply: Flags = self._call(Unpin(next(self._ids), self.namespace, keys))
         return reply.values[0] if single else reply.values
 
+    def send_pin(self, keys: Sequence[str], pin_s: float) -> None:
+        """exists(keys, pin_s) without waiting for the answer (a message the daemon never
+        answers): the present ones among `keys` stay for pin_s seconds or until unpinned. For a
+        caller that knows already (an unpinned exists: the event ring) what is present and only
+        wants it kept until it loads it: a key evicted before the pin lands is not pinned, so
+        that load must take a miss as it takes any other (vLLM's connectors recompute it)."""
+        if not pin_s > 0:
+            raise InvalidRequest(f"pin_s must be > 0, got {pin_s!r}")
+        self._send_batches(list(keys), lambda chunk: Exists(0, self.namespace, chunk, float(pin_s)))
+
+    def send_unpin(self, keys: Sequence[str]) -> None:
+        """unpin(keys) without waiting for the answer: nothing a caller does next depends on it,
+        and a pin whose message is lost (a daemon restart) runs out at its deadline."""
+        self._send_batches(list(keys), lambda chunk: Unpin(0, self.namespace, chunk))
+
+    def _send_batches(self, keys: list[str], message: typing.Callable[[list[str]], object]) -> None:
+        """Fire-and-forget messages (id 0, never answered) over `keys`, limits.max_batch at a
+        time; connects first if need be. They go in order on this client's one socket, so the
+        daemon handles them before any later request of this client."""
+        _check_encodable("key", keys)
+        with self._lock:
+            if self._closed:
+                raise EcdError("client is closed")
+            if self._res.sock is None:
+                self._connect()
+            size = self.limits.max_batch
+            for start in range(0, len(keys), size):
+                self._send_quietly(message(keys[start:start + size]))
+
     def delete(self, keys: str | Sequence[str]) -> bool | list[bool]:
         """Remove entries; readers holding a view keep their bytes until they release."""
         keys, single = _key_list(keys)

@@ -30,7 +30,7 @@ def intercept_round_trips(target: ControlClient | type[ControlClient], intercept
     (with the request's own wait) and returns the reply, and what the interceptor returns is the
     reply the client sees. It runs where the round trip runs: under the client's lock, after the
     request was numbered. Fire-and-forget messages (Release, Abort of a reservation, Report,
-    Ping of the heartbeat) are not round trips and do not pass through it."""
+    Ping of the heartbeat, send_pin, send_unpin) are not round trips and do not pass through it."""
     if isinstance(target, type):
         real_method = target._call_locked
 

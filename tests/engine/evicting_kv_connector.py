@@ -3,7 +3,7 @@ lookup and the worker's load, deterministically.
 
 In a deployment that window is a few milliseconds and the scheduler's pins hold LRU eviction off,
 so an engine test cannot hit it by timing. Here the worker, just before the real connector's
-`start_load_kv` (unchanged, called right after), waits until the pins taken at lookup have
+`start_load_kv` (unchanged, called right after), waits until the pins the scheduler took have
 expired (pin_seconds is set tiny) and then fills the (small) pool with another tenant's entries
 until the daemon has LRU-evicted every block the step is about to load: exactly what a pool too
 small for its traffic does. Only the first step with loads is sabotaged, so the engine's later
@@ -43,7 +43,7 @@ class EvictingKVConnector(EcdKVConnector):
                 names = {e["key"] for e in entries}
                 return sum(k in names for k in keys)
 
-            # Let the lookup's pins lapse: the daemon drops expired pins in a periodic sweep.
+            # Let the step's pins lapse: the daemon drops expired pins in a periodic sweep.
             deadline = time.monotonic() + 10.0
             while filler.stats()["pins"] and time.monotonic() < deadline:
                 time.sleep(0.05)

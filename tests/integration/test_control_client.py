@@ -16,7 +16,7 @@ from ecd import ControlClient, KeyNotFound, LimitExceeded, StaleGeneration
 from ecd.protocol import (Acked, Acquire, Acquired, Alloc, AllocItem, Allocated, Bye, Commit, Exists, Failure,
                           Flags, Hello, Location, Ping, Pong, Release, Report, Stats, StatsReply)
 
-from conftest import REPO
+from conftest import REPO, metric_by_label, scrape_metrics
 
 
 def test_control_client_does_every_control_operation(daemon):
@@ -44,6 +44,34 @@ def test_control_client_does_every_control_operation(daemon):
                 cc.exists(["k"] * (cc.limits.max_batch + 1))
         with pytest.raises(ecd.EcdError, match="closed"):
             cc.ping()
+
+
+def test_pins_sent_without_waiting_hold_and_are_dropped_in_order(daemon):
+    """send_pin / send_unpin: exists(pin_s) and unpin as messages nobody waits for (the vLLM
+    schedulers' pins). They are handled in order before the client's next request, pin only
+    what is present, and are not counted as requests that wanted an answer."""
+    with daemon.client() as c, ControlClient(daemon.endpoint, timeout=5.0) as cc:
+        c.put("a", torch.ones(8))
+        c.put("b", torch.ones(8))
+        cc.send_pin(["a", "b", "absent"], 30.0)
+        assert cc.exists("a") is True  # a round trip after the pin: the daemon handled it first
+        assert cc.stats()["pins"] == 2  # absent keys are not pinned, nor made
+        assert {e["key"]: e["pins"] for e in cc.keys()[1]} == {"a": 1, "b": 1}
+        cc.send_pin(["a"], 30.0)  # again: extends the same pin, still one
+        cc.send_unpin(["b", "absent"])
+        assert cc.stats()["pins"] == 1
+        cc.send_unpin(["a"])
+        assert cc.stats()["pins"] == 0
+        with pytest.raises(ecd.InvalidRequest, match="pin_s"):
+            cc.send_pin(["a"], 0)
+        with pytest.raises(ecd.InvalidRequest, match="UTF-8"):
+            cc.send_pin(["bad\udc80"], 1.0)
+        many = [f"k{i}" for i in range(cc.limits.max_batch + 3)]  # split at max_batch, not refused
+        cc.send_pin(many, 1.0)
+        cc.send_unpin(many)
+        assert cc.ping() == cc.epoch
+    dropped = metric_by_label(scrape_metrics(daemon.metrics_port), "ecd_frames_dropped_total", "reason")
+    assert dropped.get("unanswerable", 0) == 0, dropped
 
 
 def test_control_client_loads_neither_torch_nor_numpy(daemon):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_env import SKIP_REASON, make_vllm_config, tiny_model_dir  # noqa: F401 (fixture)
+from vllm_env import SKIP_REASON, make_vllm_config, round_trips, tiny_model_dir  # noqa: F401 (fixtures)
 
 vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
 if getattr(vllm, "__file__", None) is None:
@@ -357,15 +357,44 @@ def test_chunked_prefill_saves_blocks_as_they_fill(engines, daemon):
     assert_same_blocks(a, step1.block_ids[:5], b, s.block_ids[:5])
 
 
-def test_pins_hold_until_request_finished(engines, daemon):
+def pin_counts_become(daemon, namespace: str, counts: dict[str, int], timeout_s: float = 10.0) -> dict[str, int]:
+    """The pin count of each key once they all equal `counts`, or as they are at timeout_s: the
+    scheduler sends its pins and unpins without waiting, so another client sees them a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {e["key"]: e["pins"] for e in keys_in(daemon, namespace) if e["key"] in counts}
+        if seen == counts or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.01)
+
+
+def test_pins_hold_until_the_last_request_loading_them_finishes(engines, daemon, round_trips):
     a, b = engines(), engines(descending=True)
     prompt = tokens(8, 3 * BS + 1)
     a.prefill(make_request("a", prompt))
-    req = make_request("b", prompt)
-    assert b.scheduler.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
-    assert all(e["pins"] == 1 for e in keys_in(daemon, a.scheduler.namespace))
-    assert b.scheduler.request_finished(req, []) == (False, None)
-    assert all(e["pins"] == 0 for e in keys_in(daemon, a.scheduler.namespace))
+    ns = a.scheduler.namespace
+    keys = {e["key"] for e in keys_in(daemon, ns)}
+    assert len(keys) == 3
+    first, second = make_request("b1", prompt), make_request("b2", prompt[:2 * BS + 1])
+    assert b.scheduler.get_num_new_matched_tokens(first, 0) == (3 * BS, False)  # the client says hello
+    round_trips.clear()
+    assert b.scheduler.get_num_new_matched_tokens(second, 0) == (2 * BS, False)
+    assert round_trips == []  # the event ring answered: the scheduler did not wait on the daemon
+    # Looked up, not scheduled: nothing pinned (a request vLLM does not schedule needs no pin).
+    assert pin_counts_become(daemon, ns, dict.fromkeys(keys, 0)) == dict.fromkeys(keys, 0)
+    one = b.prefill(first)
+    assert one.matched == 3 * BS and not one.errors
+    two = b.prefill(second)
+    assert two.matched == 2 * BS and not two.errors
+    assert pin_counts_become(daemon, ns, dict.fromkeys(keys, 1)) == dict.fromkeys(keys, 1)
+    # The first request's end keeps the blocks the second still loads from pinned.
+    assert b.scheduler.request_finished(first, []) == (False, None)
+    shared = {h.hex() for h in second.block_hashes[:2]}
+    want = {k: int(k in shared) for k in keys}
+    assert pin_counts_become(daemon, ns, want) == want
+    assert b.scheduler.request_finished(second, []) == (False, None)
+    assert pin_counts_become(daemon, ns, dict.fromkeys(keys, 0)) == dict.fromkeys(keys, 0)
+    assert round_trips.count("Exists") == 0 and round_trips.count("Unpin") == 0
 
 
 def test_block_gone_after_the_pin_is_a_load_error_not_an_exception(engines, daemon):
@@ -424,7 +453,10 @@ def test_daemon_down_means_misses_and_load_errors_then_recovers(engines, daemon,
     t0 = time.monotonic()
     for i in range(4):  # misses, nothing raised, and no timeout paid on every call (backoff)
         s = a.prefill(make_request(f"down{i}", prompt))
-        assert s.matched == 0 and s.errors == set()
+        # A killed daemon's event ring still vouches for its blocks until its heartbeat is a
+        # second old (RING_SILENCE_S): a block found there fails its load and is recomputed.
+        assert s.errors == set(s.block_ids[:s.matched // BS])
+        assert s.matched == 0 or sig == signal.SIGKILL
     assert time.monotonic() - t0 < (4.0 if sig == signal.SIGKILL else 1.0)
     assert b.scheduler.request_finished(make_request("b", prompt), []) == (False, None)
 

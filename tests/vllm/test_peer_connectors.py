@@ -148,5 +148,6 @@ def test_ec_consumer_finds_an_item_encoded_on_another_node(cluster, tiny_model_d
     assert peer_totals(b)["fetched_entries"] == 1
     with b.client(namespace=on.namespace) as cb:  # the worker's load then reads it locally
         assert cb.get("h-remote").view(-1).equal(embedding.view(-1))
-        assert cb.stats()["pins"] >= 1  # pinned for the worker, as a local hit is
+        # found, not scheduled yet: a hit is pinned by the step that schedules its load
+        assert cb.stats()["pins"] == 0
     on.shutdown()

@@ -63,3 +63,19 @@ def tiny_model_dir(tmp_path_factory) -> str:
     here, not in a tests/vllm/conftest.py: a second module named `conftest` would shadow
     tests/conftest.py for the `from conftest import ...` lines of other test directories."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny-paligemma"))
+
+
+@pytest.fixture
+def round_trips():
+    """Counts daemon round trips by request type, of every ecd.Client (fire-and-forget messages
+    are not round trips and are not counted)."""
+    from ecd import Client
+    from ecd.client.testing import intercept_round_trips
+    seen: list[str] = []
+
+    def counting(request, send):
+        seen.append(type(request).__name__)
+        return send(request)
+
+    with intercept_round_trips(Client, counting):
+        yield seen

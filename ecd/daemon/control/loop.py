@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from ...errors import Code
-from ...protocol import (Alloc, Bye, Error, Fetch, Hello, Ping, Publish, PutInline, Release, Report, encoder,
+from ...protocol import (Alloc, Bye, Error, Exists, Fetch, Hello, Ping, Publish, PutInline, Release, Report, Unpin, encoder,
                         request_decoder, salvage_request_id)
 from .connections import Connection, Connections
 from ..registry.entries import RequestError
@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("ecd.daemon")
 
+# Requests a client may send with id 0 and no reply wanted: a read lease given back, a heartbeat,
+# and the pins a vLLM scheduler takes and drops off its critical path (Client.send_pin/send_unpin).
+_FIRE_AND_FORGET = (Release, Ping, Exists, Unpin)
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 # zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
 ZMQ_EVENTS, POLLIN, SRCFD, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD), int(zmq.NOBLOCK)
@@ -189,7 +192,7 @@ class ControlLoop:
             if reply is not None:
                 if request.id != 0:
                     self.send(identity, reply)
-                elif not isinstance(request, (Release, Ping)):  # Ping(0) is a session's heartbeat
+                elif not isinstance(request, _FIRE_AND_FORGET):
                     self.count_drop("unanswerable")  # a request that wants a reply, sent with id 0
             # an item refused for its namespace's quota labels the whole request (metrics)
             return op, "ok" if self.store.quota_refused == refused else "quota_exceeded"

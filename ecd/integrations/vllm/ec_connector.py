@@ -8,16 +8,21 @@ Data path (one engine step of a consumer):
 
   scheduler process                                   worker process
   ensure_cache_available(req)  items the engine
-      cannot encode itself: present? (pins hits)
-  has_cache_item(h)            exists(h, pin_s): one round trip at most (ring answers
-                               misses with none); a hit is pinned so LRU eviction cannot
-                               take it before the worker reads it
-  update_state_after_alloc     (h, num_embeds, req, index) queued
+      cannot encode itself: present?
+  has_cache_item(h)            exists(h) answered from the client's event ring and
+                               location cache: no round trip for a key the ring names
+                               (present or absent), one only for a key it cannot vouch for
+  update_state_after_alloc     (h, num_embeds, req, index) queued; its pin taken
   build_connector_meta ------- EcdECConnectorMetadata ---->  start_load_caches: ONE get_many
-                                                             for every item of the step
+      the step's pins: ONE message, not waited for           for every item of the step
+      (LRU eviction cannot take them before the worker reads them)
   update_connector_output <--- EcdECWorkerMetadata <-------  build_connector_worker_meta
   take_unavailable_requests    requests that cannot get an embedding (failed, retryable)
-  request_finished             unpin
+  request_finished             unpin: one message, not waited for
+
+So the scheduler, whose time is every request's time to first token, waits on the daemon only
+for a key the ring cannot answer. The price is a window: an item evicted between the lookup and
+its pin (the rest of that scheduling pass) is a miss at load, handled as below.
 
 How a load failure reaches the scheduler, and why it is not only reported: vLLM 0.33's channel
 back is `build_connector_worker_meta` -> ECConnectorOutput -> `update_connector_output`, and the
@@ -25,7 +30,7 @@ scheduler fails the requests `take_unavailable_requests` names with a retryable 
 report arrives after the step, while the model runner (V1 and V2 alike) raises "Encoder cache
 miss" within the step if an item scheduled for an external load is not in `encoder_cache` after
 `start_load_caches`: vLLM has no way to withdraw a scheduled load. So a worker whose load failed
-(entry deleted despite the pin, daemon restarted or down) has the item recomputed in the same
+(entry deleted despite the pin, evicted before its pin landed, daemon restarted or down) has the item recomputed in the same
 step: the metadata carries a reference to this step's `SchedulerOutput.scheduled_encoder_inputs`
 (still the same dict object in the worker: the executor pickles the SchedulerOutput as one
 object, or passes it in-process), and adding (req_id, input_id) to it makes the model runner,
@@ -36,13 +41,13 @@ tensor-parallel rank (the vision tower is a collective; ranks must not decide di
 failure that cannot be recomputed is reported (`failed`) and the scheduler defers, then fails,
 the request (retryable); in vLLM 0.33 the model runner has raised for that step already, so this
 is the one case the connector cannot save. Requests without media (metadata-only EPD requests)
-are therefore checked before they are scheduled: ensure_cache_available pins what they need, or
-defers them while it is missing, up to load_timeout_s, then fails them (retryable).
+are therefore checked before they are scheduled: ensure_cache_available finds (and the step pins)
+what they need, or defers them while it is missing, up to load_timeout_s, then fails them (retryable).
 
 Across nodes (`"fetch_from_peers": true`, off by default): an item encoded on another node. A
 lookup that misses asks the local daemon once to pull the missing items from its configured
 peers (`fetch`: the daemon asks them in parallel, first holder wins, within fetch_timeout_s),
-then pins what arrived: one peer round trip at most per lookup, and the worker's load then reads
+then looks up what arrived: one peer round trip at most per lookup, and the worker's load then reads
 the bytes from the local pool as usual. An item a fetch did not find is not asked for again for
 FETCH_RETRY_S (a request deferred for its embedding checks every step).
 

@@ -37,12 +37,13 @@ class EcdECConnectorScheduler:
         self._model_config = vllm_config.model_config
         self._is_producer = is_producer
         self._is_consumer = is_consumer
-        self._step_hits: set[str] = set()  # present and pinned, answered this step
+        self._step_hits: set[str] = set()  # present (the event ring said so), answered this step
         self._pending: dict[str, EcdLoad] = {}  # loads queued this step, by mm_hash
         self._allocated_now: set[str] = set()  # allocated in the engine's encoder cache this step
         self._local: set[str] = set()  # in the engine's encoder cache (allocated, not yet freed)
         self._req_pins: dict[str, set[str]] = {}  # req_id -> mm_hashes pinned for it
         self._pin_refs: Counter[str] = Counter()  # mm_hash -> requests holding its pin
+        self._to_pin: set[str] = set()  # pins taken this step, sent with its metadata
         self._waiting_since: dict[tuple[str, str], float] = {}  # (req_id, mm_hash) -> first miss
         self._unavailable: set[str] = set()  # req_ids for take_unavailable_requests
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first need
@@ -51,9 +52,10 @@ class EcdECConnectorScheduler:
     # ---- lookups ----
 
     def _present(self, keys: list[str]) -> list[bool]:
-        """Which keys ecd holds, pinning the hits for pin_seconds: one round trip at most
-        (absent keys are answered from the event ring). Any failure: all absent."""
-        found = self.client.call("lookup", lambda c: c.exists(keys, pin_s=self.settings.pin_seconds))
+        """Which keys ecd holds: answered from the client's event ring and location cache, a
+        round trip only for a key they cannot vouch for. Nothing is pinned here: the hits that
+        are scheduled are pinned once per step (build_connector_meta). Any failure: all absent."""
+        found = self.client.call("lookup", lambda c: c.exists(keys))
         if found is None:
             return [False] * len(keys)
         if self.settings.fetch_from_peers and not all(found):
@@ -81,8 +83,8 @@ class EcdECConnectorScheduler:
         self._fetch_missed.update((k, now) for k, ok in zip(ask, got) if not ok)
         if not arrived:
             return found
-        pinned = self.client.call("lookup", lambda c: c.exists(arrived, pin_s=self.settings.pin_seconds))
-        here = {k for k, hit in zip(arrived, pinned or ()) if hit}
+        local = self.client.call("lookup", lambda c: c.exists(arrived))
+        here = {k for k, hit in zip(arrived, local or ()) if hit}
         logger.debug("EcdECConnector: %d of %d missing items fetched from peers", len(here), len(ask))
         return [hit or k in here for k, hit in zip(keys, found)]
 
@@ -90,7 +92,7 @@ class EcdECConnectorScheduler:
         if not self._is_consumer:
             return False
         if identifier in self._step_hits:
-            return True  # present and pinned earlier in this scheduling pass
+            return True  # found earlier in this scheduling pass
         return self._present([identifier])[0]
 
     def _metadata_resolver(self):
@@ -160,15 +162,21 @@ class EcdECConnectorScheduler:
         if h not in pins:
             pins.add(h)
             self._pin_refs[h] += 1
+            if self._pin_refs[h] == 1:
+                self._to_pin.add(h)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdECConnectorMetadata:
         meta = EcdECConnectorMetadata(list(self._pending.values()),
                                       scheduler_output.scheduled_encoder_inputs)
         self._local.difference_update(set(scheduler_output.free_encoder_mm_hashes) - self._allocated_now)
-        # Hits that were not scheduled after all (budget, preemption): nothing will load them.
-        orphans = [h for h in self._step_hits if not self._pin_refs.get(h)]
-        if orphans:
-            self.client.call("unpin", lambda c: c.unpin(orphans))
+        if self._to_pin:
+            # One message for the step's loads, not waited for: it reaches the daemon before the
+            # worker asks for the bytes, and an item evicted in between is a miss the worker
+            # handles (recomputed, or the request failed as retryable). Hits that were not
+            # scheduled (budget, preemption) were never pinned.
+            pin = sorted(self._to_pin)
+            self.client.call("pin", lambda c: c.send_pin(pin, self.settings.pin_seconds))
+            self._to_pin = set()
         self._pending = {}
         self._step_hits = set()
         self._allocated_now = set()
@@ -201,9 +209,12 @@ class EcdECConnectorScheduler:
             self._pin_refs[h] -= 1
             if self._pin_refs[h] <= 0:
                 del self._pin_refs[h]
-                release.append(h)
-        if release:
-            self.client.call("unpin", lambda c: c.unpin(release))
+                if h in self._to_pin:
+                    self._to_pin.discard(h)  # finished before its pin was sent
+                else:
+                    release.append(h)
+        if release:  # not waited for: the engine's step does not depend on it
+            self.client.call("unpin", lambda c: c.send_unpin(release))
         if not (self._is_producer and request.mm_features):
             return False, None
         from vllm.distributed.ec_transfer.ec_connector.utils import collect_ec_item_metadata

@@ -1,8 +1,14 @@
 """The scheduler side of EcdKVConnector (kv_connector.py): which blocks of a request ecd holds,
 and, each step, which of them the workers load and which new ones they save.
 
-One batched `exists(pin_s=...)` per lookup gives the longest run of present blocks after the
-local prefix-cache hit (never the prompt's last token) and pins it until the request finishes;
+One batched `exists` per lookup gives the longest run of present blocks after the local
+prefix-cache hit (never the prompt's last token), answered from the client's event ring and
+location cache (a round trip only for keys the ring cannot vouch for). The blocks a step loads are
+pinned until their request finishes, with ONE message per step that nobody waits for, sent from
+`build_connector_meta`, and unpinned the same way from `request_finished`: the scheduler, whose
+time is every request's time to first token, waits on the daemon only for what the ring cannot
+answer. A block evicted between the lookup and its pin (the rest of that scheduling pass) fails its
+load and is recomputed (kv_load_failure_policy "recompute"), as any lost block is.
 `build_connector_meta` names the blocks to load (into which block ids) and the new full prompt
 blocks to save. Across nodes (kv_peers.py): a producer asked `do_remote_decode` answers from
 `request_finished` with transfer params naming its daemon and the blocks it holds; a consumer
@@ -13,6 +19,7 @@ Every failure is caught, logged (rate-limited) and becomes a miss or a skipped s
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +42,9 @@ logger = connector_logger("kv_connector")  # the connector's logger, shared by i
 class _RequestState:
     request: Any  # vllm Request (the scheduler's own object; its block_hashes grow with it)
     keys: list[str]  # one per full block of the request's tokens, at lookup time
-    present: list[bool]  # per key: in ecd at lookup time (and pinned)
+    present: list[bool]  # per key: in ecd at lookup time
     start_block: int  # blocks below this were a local prefix-cache hit
-    pinned: set[str] = field(default_factory=set)
+    pinned: set[str] = field(default_factory=set)  # the rank keys of its planned loads
     load: BlockTransfer | None = None  # planned by update_state_after_alloc, sent once
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # blocks below this were saved or skipped already
@@ -59,6 +66,8 @@ class EcdKVConnectorScheduler:
         self._saves_enabled = transfer.is_kv_producer
         self._world = world_size(vllm_config)
         self._requests: dict[str, _RequestState] = {}
+        self._pin_refs: Counter[str] = Counter()  # rank key -> requests whose loads pin it
+        self._to_pin: set[str] = set()  # pins taken this step, sent with its metadata
         self._peers = PeerPulls(client, settings, log, logger)  # across nodes
         if self._loads_enabled and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("ecd kv connector: kv_load_failure_policy is %r: a block evicted or lost "
@@ -135,29 +144,27 @@ class EcdKVConnectorScheduler:
         pinned = state.pinned if state is not None else set()
         present = [False] * len(keys)
         if keys and not getattr(request, "skip_reading_prefix_cache", False):
-            present = self._lookup(keys, pinned)
+            present = self._lookup(keys)
         self._requests[request.request_id] = _RequestState(request, keys, present, start, pinned)
         end = start
         while end < loadable and present[end]:
             end += 1
         return (end - start) * bs if end > start else 0
 
-    def _lookup(self, keys: list[str], pinned: set[str]) -> list[bool]:
-        """One batched exists (pinning hits) over every block's keys; False for all on failure."""
+    def _lookup(self, keys: list[str]) -> list[bool]:
+        """One batched exists over every block's keys (the ring answers most); False for all on
+        failure."""
         asked = [k for key in keys for k in self._rank_keys(key)]
-        pin_s = self.settings.pin_seconds if self._loads_enabled else 0.0
 
         def exists(client) -> list[bool]:
             found: list[bool] = []
             for chunk in batches(asked, client.limits.max_batch):
-                found.extend(client.exists(chunk, pin_s=pin_s))
+                found.extend(client.exists(chunk))
             return found
 
         found = self.client.call("exists", exists)
         if found is None:
             return [False] * len(keys)
-        if pin_s > 0:
-            pinned.update(k for k, hit in zip(asked, found) if hit)
         per = len(asked) // len(keys) if keys else 1
         return [all(found[i * per:(i + 1) * per]) for i in range(len(keys))]
 
@@ -181,9 +188,37 @@ class EcdKVConnectorScheduler:
                                   "%d blocks", request.request_id, count, first, len(state.keys), len(block_ids))
                 keys += [""] * (len(ids) - len(keys))  # no key: the worker reports a load error
             state.load = BlockTransfer(request.request_id, keys, ids)
+            self._pin(state, keys)
         except Exception as exc:
             self._log.warning("plan", "planning the load of %s failed: %s: %s", request.request_id,
                               type(exc).__name__, exc)
+
+    def _pin(self, state: _RequestState, keys: list[str]) -> None:
+        """Take the pins of a planned load (sent with the step's metadata); a key several
+        requests load is pinned once and unpinned when the last of them finishes."""
+        for key in keys:
+            if not key:
+                continue
+            for k in self._rank_keys(key):
+                if k not in state.pinned:
+                    state.pinned.add(k)
+                    self._pin_refs[k] += 1
+                    if self._pin_refs[k] == 1:
+                        self._to_pin.add(k)
+
+    def _unpin(self, state: _RequestState) -> list[str]:
+        """Drop a finished request's pins: those no other request holds, and that were sent."""
+        release = []
+        for k in state.pinned:
+            self._pin_refs[k] -= 1
+            if self._pin_refs[k] <= 0:
+                del self._pin_refs[k]
+                if k in self._to_pin:
+                    self._to_pin.discard(k)  # finished before its pin was sent
+                else:
+                    release.append(k)
+        state.pinned = set()
+        return sorted(release)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdKVConnectorMetadata:
         meta = EcdKVConnectorMetadata()
@@ -191,6 +226,12 @@ class EcdKVConnectorScheduler:
             self._build(scheduler_output, meta)
         except Exception as exc:  # keep what was planned; a failure is a skipped save
             self._log.warning("meta", "building the step's metadata failed: %s: %s", type(exc).__name__, exc)
+        if self._to_pin:
+            # One message for the step's loads, not waited for: it reaches the daemon before the
+            # workers ask for the blocks (and their read leases hold them while they copy).
+            pin = sorted(self._to_pin)
+            self._to_pin = set()
+            self.client.call("pin", lambda c: c.send_pin(pin, self.settings.pin_seconds))
         return meta
 
     def _build(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
@@ -254,9 +295,9 @@ class EcdKVConnectorScheduler:
         req_id = getattr(request, "request_id", None)
         state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
         self._peers.forget(req_id)
-        if state is not None and state.pinned:
-            pinned = sorted(state.pinned)  # on failure, the pins run out by themselves after pin_seconds
-            self.client.call("unpin", lambda c: c.unpin(pinned))
+        release = self._unpin(state) if state is not None else []
+        if release:  # not waited for; if it is lost, the pins run out by themselves after pin_seconds
+            self.client.call("unpin", lambda c: c.send_unpin(release))
         try:
             params = self._transfer_params(request, state)
         except Exception as exc:  # never out of the connector: the decode side recomputes
