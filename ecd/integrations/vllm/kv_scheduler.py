@@ -122,7 +122,7 @@ class EcdKVConnectorScheduler:
             loadable = min(loadable, blocks)
             if peer in self._peers.identity():
                 return False  # the producer shares our daemon: a local lookup finds them
-        wanted = [k for key in keys[num_computed_tokens // bs:loadable] for k in self._rank_keys(key)]
+        wanted = self._all_rank_keys(keys[num_computed_tokens // bs:loadable])
         if not wanted:
             return False
         local = self.client.call("exists", lambda c: c.exists(wanted))
@@ -154,7 +154,7 @@ class EcdKVConnectorScheduler:
     def _lookup(self, keys: list[str]) -> list[bool]:
         """One batched exists over every block's keys (the ring answers most); False for all on
         failure."""
-        asked = [k for key in keys for k in self._rank_keys(key)]
+        asked = self._all_rank_keys(keys)
 
         def exists(client) -> list[bool]:
             found: list[bool] = []
@@ -193,32 +193,34 @@ class EcdKVConnectorScheduler:
             self._log.warning("plan", "planning the load of %s failed: %s: %s", request.request_id,
                               type(exc).__name__, exc)
 
+    def _all_rank_keys(self, keys: list[str]) -> list[str]:
+        """Every worker's entry of each block (the keys themselves with one worker)."""
+        if self._world == 1:
+            return keys
+        return [k for key in keys for k in self._rank_keys(key)]
+
     def _pin(self, state: _RequestState, keys: list[str]) -> None:
         """Take the pins of a planned load (sent with the step's metadata); a key several
         requests load is pinned once and unpinned when the last of them finishes."""
-        for key in keys:
-            if not key:
-                continue
-            for k in self._rank_keys(key):
-                if k not in state.pinned:
-                    state.pinned.add(k)
-                    self._pin_refs[k] += 1
-                    if self._pin_refs[k] == 1:
-                        self._to_pin.add(k)
+        new = set(self._all_rank_keys([key for key in keys if key])) - state.pinned
+        if not new:
+            return
+        state.pinned |= new
+        refs = self._pin_refs
+        refs.update(new)
+        self._to_pin.update(k for k in new if refs[k] == 1)
 
     def _unpin(self, state: _RequestState) -> list[str]:
         """Drop a finished request's pins: those no other request holds, and that were sent."""
-        release = []
-        for k in state.pinned:
-            self._pin_refs[k] -= 1
-            if self._pin_refs[k] <= 0:
-                del self._pin_refs[k]
-                if k in self._to_pin:
-                    self._to_pin.discard(k)  # finished before its pin was sent
-                else:
-                    release.append(k)
+        refs = self._pin_refs
+        refs.subtract(state.pinned)
+        free = [k for k in state.pinned if refs[k] <= 0]
+        for k in free:
+            del refs[k]
         state.pinned = set()
-        return sorted(release)
+        unsent = self._to_pin.intersection(free)  # finished before its pin was sent
+        self._to_pin -= unsent
+        return [k for k in free if k not in unsent]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdKVConnectorMetadata:
         meta = EcdKVConnectorMetadata()
@@ -229,7 +231,7 @@ class EcdKVConnectorScheduler:
         if self._to_pin:
             # One message for the step's loads, not waited for: it reaches the daemon before the
             # workers ask for the blocks (and their read leases hold them while they copy).
-            pin = sorted(self._to_pin)
+            pin = list(self._to_pin)
             self._to_pin = set()
             self.client.call("pin", lambda c: c.send_pin(pin, self.settings.pin_seconds))
         return meta
