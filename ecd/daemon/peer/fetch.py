@@ -221,13 +221,9 @@ class Fetcher:
         items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes, o.addr) for o, e in placed]
         host, port = link.data_address
         transport = self.cluster.transport
-        loop = self.cluster.context.loop
-        future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
-                                      [o.checksum for o, _ in placed], [segments[e.pool] for _, e in placed],
-                                      deadline)
         try:
-            # shield: even if this task is cancelled, the extents stay until the thread is done
-            verdicts = await asyncio.shield(future)
+            verdicts = await self._receive(transport, host, port, items, [o.checksum for o, _ in placed],
+                                          [segments[e.pool] for _, e in placed], deadline)
         except TransferError as exc:
             log.warning("fetch of %d entr%s from %s failed: %s", len(placed), "y" if len(placed) == 1 else "ies",
                         link.label, exc)
@@ -259,6 +255,23 @@ class Fetcher:
                     self.cluster.stats.fetched(link, offer.nbytes)
         return got
 
+    async def _receive(self, transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],
+                       files: list[Any], deadline: float) -> list[bool]:
+        """The bytes into the extents, then each checked against its owner's checksum: per item
+        whether it matched. On the loop where the transport can (tcp over a pooled connection: no
+        hand-off to a thread and back, the larger part of a small fetch's own cost), else on a
+        transport thread; the checksums on a thread either way (a hash of MiBs would stall the loop)."""
+        loop = self.cluster.context.loop
+        if await transport.pull_on_loop(host, port, items, deadline) is not None:
+            if not any(checksums):
+                return [True] * len(items)
+            future = loop.run_in_executor(transport.executor, _verify, items, checksums, files)
+        else:
+            future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
+                                          checksums, files, deadline)
+        # shield: even if this task is cancelled, the extents stay until the thread is done
+        return await asyncio.shield(future)
+
     def close(self) -> None:
         for future in self.inflight.values():
             if not future.done():
@@ -272,6 +285,11 @@ def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem]
     its size is looked at first (one fstat); the commit's own check then drops what the cut took
     (tiers/host.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
     transport.pull(host, port, items, deadline)
+    return _verify(items, checksums, files)
+
+
+def _verify(items: list[PullItem], checksums: list[int], files: list[Any]) -> list[bool]:
+    """On a transport thread: each pulled entry against its owner's checksum (see above)."""
     return [not want or (file.current_size() >= item.offset + item.nbytes
                          and checksum_of(item.buf, item.offset, item.nbytes) == want)
             for item, want, file in zip(items, checksums, files)]
