@@ -16,6 +16,10 @@ does the same with a pair of daemons on `[cluster] transport = "nixl"` (NIXL, UC
 lo); since UCX may use any interface it finds, the whole run then happens in a network namespace
 with only `lo` (the script re-executes itself under `unshare -n`, as root, with
 UCX_TLS=tcp UCX_NET_DEVICES=lo) and refuses to run otherwise.
+`--breakdown` adds, beside each sample, what a fetch cannot avoid: a Fetch of a key already local
+(the client's round trip to its daemon) and one of a key no peer holds (that plus one round trip
+to the owner's control plane, "not_found"); their median plus the bare socket's is the floor of a
+fetch that asks, then moves the bytes, and tcp / floor the best ratio that design can reach.
 """
 from __future__ import annotations
 
@@ -104,6 +108,8 @@ def main() -> int:
     parser.add_argument("--tls", action="store_true", help="also measure a pair of daemons with [cluster] tls = true")
     parser.add_argument("--nixl", action="store_true",
                         help="also measure a pair with [cluster] transport = \"nixl\" (in a namespace with only lo)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time a Fetch of a local key and of an absent one: the floor of a fetch")
     parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
     args = parser.parse_args()
     if args.nixl:
@@ -179,7 +185,18 @@ def main() -> int:
                 cf.delete(key)
             reference(port, memoryview(dest), n)
             ratios, fetch_s, ref_s = [], [], []
+            local_s: list[float] = []
+            absent_s: list[float] = []
+            if args.breakdown:
+                cb.put("local", torch.zeros(16, dtype=torch.uint8))
             for _ in range(args.reps):
+                if args.breakdown:
+                    started = time.perf_counter()
+                    assert cb.fetch("local", peer=ea, timeout=60) is True
+                    local_s.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    assert cb.fetch("absent", peer=ea, timeout=60) is False
+                    absent_s.append(time.perf_counter() - started)
                 if cd is not None:
                     started = time.perf_counter()
                     assert cd.fetch(key, peer=ec, timeout=60) is True
@@ -212,11 +229,21 @@ def main() -> int:
                 row["nixl_ms_median"] = statistics.median(nixl_s) * 1e3
                 row["nixl_ratio_to_tcp"] = statistics.median([r / t for r, t in zip(ref_s, nixl_s)])
                 row["nixl_ratio_to_fetch"] = statistics.median([f / t for f, t in zip(fetch_s, nixl_s)])
+            if absent_s:
+                row["local_fetch_ms_median"] = statistics.median(local_s) * 1e3
+                row["absent_fetch_ms_median"] = statistics.median(absent_s) * 1e3
+                floor = [a + r for a, r in zip(absent_s, ref_s)]
+                row["floor_ms_median"] = statistics.median(floor) * 1e3
+                row["floor_ratio_median"] = statistics.median([r / f for r, f in zip(ref_s, floor)])
             results["sizes"][f"{n >> 20}MiB"] = row
             verdict = "PASS" if row["ratio_median"] >= GOAL else "MISS"
             print(f"{n >> 20:5d} MiB: fetch {row['fetch_ms_median']:8.1f} ms ({row['fetch_GBps_median']:.2f} GB/s)  "
                   f"bare tcp {row['tcp_ms_median']:8.1f} ms ({row['tcp_GBps_median']:.2f} GB/s)  "
                   f"ratio {row['ratio_median']:.2f} (goal >= {GOAL}) {verdict}")
+            if absent_s:
+                print(f"{'':9s}floor: local fetch {row['local_fetch_ms_median']:.2f} ms, absent (+ owner round trip) "
+                      f"{row['absent_fetch_ms_median']:.2f} ms; absent + bare tcp {row['floor_ms_median']:.2f} ms: "
+                      f"best ratio {row['floor_ratio_median']:.2f}")
             if tls_s:
                 print(f"{'':9s}tls fetch {row['tls_ms_median']:8.1f} ms ({n / statistics.median(tls_s) / 1e9:.2f} GB/s)  "
                       f"ratio to bare tcp {row['tls_ratio_to_tcp']:.2f}, to plain fetch {row['tls_ratio_to_fetch']:.2f}")

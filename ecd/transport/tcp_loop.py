@@ -10,10 +10,13 @@ never blocks, so a slow or dead owner costs the loop nothing but a timer. The lo
 extent only inside that callback: once pull_on_loop returns or raises (cancelled too), nothing
 writes into the items any more.
 
-Only where nothing would block: a plain (not TLS) connection already in the pool. Otherwise
-(none pooled, TLS, the daemon stopping, or a pooled connection that turns out closed before the
-owner answered a byte) it returns None and the caller pulls on a thread (TcpTransport.pull),
-which connects, handshakes and retries. Timeouts as on the thread: no byte for `io_timeout`,
+Only where nothing would block and the loop stays free: a plain (not TLS) connection already in
+the pool, and at most LOOP_MAX_BYTES in all (where a fixed cost matters; a large transfer's copy
+is better spent on a thread than on the loop that serves every client), read at most
+READ_PER_TURN bytes per turn of the loop. Otherwise (none pooled, TLS, larger, the daemon
+stopping, or a pooled connection that turns out closed before the owner answered a byte) it
+returns None and the caller pulls on a thread (TcpTransport.pull), which connects, handshakes
+and retries. Timeouts as on the thread: no byte for `io_timeout`,
 or the transfer's deadline, is TransferError("timeout").
 """
 from __future__ import annotations
@@ -29,11 +32,14 @@ from .tcp_gate import ITEM_HEAD, MAGIC, REQUEST_HEAD, STATUS_BAD_TOKEN, STATUS_O
 if TYPE_CHECKING:  # pragma: no cover
     from .tcp import TcpTransport
 
+LOOP_MAX_BYTES = 4 << 20  # larger transfers go to a thread: their fixed cost is noise, their copy is not
+READ_PER_TURN = 1 << 20  # bytes one reader callback takes before letting the loop's other work run
+
 
 async def pull_on_loop(transport: "TcpTransport", host: str, port: int, items: list[PullItem],
                        deadline: float) -> int | None:
     """Bytes received into every item, TransferError, or None: pull on a thread instead."""
-    if transport.tls is not None or transport.stopping:
+    if transport.tls is not None or transport.stopping or sum(i.nbytes for i in items) > LOOP_MAX_BYTES:
         return None
     where = (host, port)
     sock = transport.checkout_pooled(where)
@@ -102,8 +108,9 @@ class _Reader:
         return self.future
 
     def on_readable(self) -> None:
+        budget = self.answered + READ_PER_TURN  # then the fd, still readable, brings us back
         try:
-            while not self.future.done():
+            while not self.future.done() and self.answered < budget:
                 try:
                     n = self.sock.recv_into(self.view[self.got:])
                 except (BlockingIOError, InterruptedError):

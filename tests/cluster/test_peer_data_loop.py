@@ -18,6 +18,7 @@ from test_peer_data import DirectLoop
 from conftest import wait_for
 from ecd.transport import Grant, PullItem, TransferError
 from ecd.transport.tcp import ITEM_HEAD, REQUEST_HEAD, STATUS_OK, TcpTransport
+from ecd.transport.tcp_loop import LOOP_MAX_BYTES
 
 SIZE = 3 << 20
 
@@ -65,6 +66,11 @@ def test_only_over_a_pooled_connection_then_many_transfers_on_it(pair):
     assert dest == segment[:1000] + segment[5000:7000]
     dest.extend(b"x")  # no view of it is left exported (a mapping could not be unmapped)
     assert puller.connections_opened == 1 and owner.serving_threads == 1
+    # more than LOOP_MAX_BYTES in one transfer: left to a thread, nothing sent
+    tokens = [grant(), grant()]
+    assert 2 * SIZE > LOOP_MAX_BYTES
+    assert _on_loop(puller, port, [PullItem(t, bytearray(SIZE), 0, SIZE) for t in tokens]) is None
+    assert all(t in owner.grants for t in tokens)
 
 
 def test_a_token_is_never_used_twice(pair):

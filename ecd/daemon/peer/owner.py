@@ -16,9 +16,10 @@ gets the bytes once. A lease ends, whichever comes first:
   stay until the send ends: the transport thread is reading that extent.
 
 What one peer can make the owner hold or do is bounded (a peer is a neighbour, not a friend):
-- unread replies: every reply is a tracked zero-copy frame, so the bytes queued to a peer's
-  connection are known; past `cluster.peer_queue_bytes` (or PEER_SNDHWM replies) the connection
-  is shut down (libzmq frees what it queued) and the session ends, its leases going back;
+- unread replies: a reply is a tracked zero-copy frame when large or once per CHECKPOINT_BYTES
+  (as for clients), so the bytes queued to a peer's connection are known, never under-counted;
+  past `cluster.peer_queue_bytes` (or PEER_SNDHWM replies) the connection is shut down (libzmq
+  frees what it queued) and the session ends, its leases going back;
 - requests read ahead: ZMQ_RCVHWM (set by Cluster.prepare) holds what libzmq takes from one peer
   before the owner handles it to about the same bytes;
 - leases: a lookup that could take a session past `cluster.max_leases_per_peer` pending leases
@@ -44,7 +45,8 @@ from ...peer_protocol import (PEER_PROTOCOL_VERSION, Leased, Lookup, Offer, Peer
                              peer_request_decoder)
 from ...protocol import Location
 from ...transport import Grant, Transport
-from ..control.connections import Connection, shut_down_socket, socket_inode
+from ..control.connections import (CHECKPOINT_BYTES, TRACK_ALWAYS_BYTES, Connection, shut_down_socket,
+                                   socket_inode)
 from ..registry.entries import RequestError, Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,10 +131,19 @@ class PeerServer:
             if session is None:  # an error to a peer without a session: small, bounded by count
                 self.sock.send(payload, NOBLOCK).result()
                 return
-            # Zero-copy and tracked, whatever its size: its tracker says when libzmq is done with
-            # it, and so with every reply queued before it (a connection drains in order)
-            frame = zmq.Frame(payload, track=True, copy=False)
-            tracker = self.sock.send(frame, NOBLOCK, copy=False, track=True).result()
+            # As the control plane does (connections.py): a reply is tracked (zero-copy, its tracker
+            # says when libzmq is done with it, and so with every reply queued before it: a
+            # connection drains in order) when large or once per CHECKPOINT_BYTES; the rest are
+            # copied and count as queued until a later checkpoint drains, so queued_bytes() never
+            # under-counts. A tracked frame per small reply cost the lookup's answer its time.
+            conn = session.conn
+            track = len(payload) >= TRACK_ALWAYS_BYTES or conn.sent_bytes + len(payload) >= conn.next_checkpoint
+            tracker = None
+            if track:
+                frame = zmq.Frame(payload, track=True, copy=False)
+                tracker = self.sock.send(frame, NOBLOCK, copy=False, track=True).result()
+            else:
+                self.sock.send(payload, NOBLOCK).result()
         except zmq.Again:  # ROUTER_MANDATORY: its pipe holds PEER_SNDHWM unread replies
             if session is not None:
                 self.cut_off(session, f"{PEER_SNDHWM} replies unread")
@@ -142,8 +153,10 @@ class PeerServer:
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; it will time out
             self.cluster.stats.count_failure("reply_dropped")
             return
-        session.conn.sent_bytes += len(payload)
-        session.conn.checkpoints.append((tracker, session.conn.sent_bytes))
+        conn.sent_bytes += len(payload)
+        if tracker is not None:
+            conn.checkpoints.append((tracker, conn.sent_bytes))
+            conn.next_checkpoint = conn.sent_bytes + CHECKPOINT_BYTES
 
     def cut_off(self, session: PeerSession, detail: str) -> None:
         """Close a peer's connection (shutdown(2): libzmq frees what it queued for it) and end its
