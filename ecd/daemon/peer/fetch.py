@@ -258,17 +258,14 @@ class Fetcher:
     async def _receive(self, transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],
                        files: list[Any], deadline: float) -> list[bool]:
         """The bytes into the extents, then each checked against its owner's checksum: per item
-        whether it matched. On the loop where the transport can (tcp over a pooled connection: no
-        hand-off to a thread and back, the larger part of a small fetch's own cost), else on a
-        transport thread; the checksums on a thread either way (a hash of MiBs would stall the loop)."""
-        loop = self.cluster.context.loop
-        if await transport.pull_on_loop(host, port, items, deadline) is not None:
-            if not any(checksums):
-                return [True] * len(items)
-            future = loop.run_in_executor(transport.executor, _verify, items, checksums, files)
-        else:
-            future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
-                                          checksums, files, deadline)
+        whether it matched. Without checksums, on the loop where the transport can (tcp over a
+        pooled connection: no hand-off to a thread and back, a good part of a small fetch's own
+        cost); else on a transport thread, which pulls and hashes in one hand-off (a hash of MiBs
+        would stall the loop)."""
+        if not any(checksums) and await transport.pull_on_loop(host, port, items, deadline) is not None:
+            return [True] * len(items)
+        future = self.cluster.context.loop.run_in_executor(transport.executor, _pull_and_verify, transport, host,
+                                                           port, items, checksums, files, deadline)
         # shield: even if this task is cancelled, the extents stay until the thread is done
         return await asyncio.shield(future)
 
@@ -285,11 +282,6 @@ def _pull_and_verify(transport: Any, host: str, port: int, items: list[PullItem]
     its size is looked at first (one fstat); the commit's own check then drops what the cut took
     (tiers/host.py). The pull itself cannot fault: the kernel's recv into a cut page is EFAULT."""
     transport.pull(host, port, items, deadline)
-    return _verify(items, checksums, files)
-
-
-def _verify(items: list[PullItem], checksums: list[int], files: list[Any]) -> list[bool]:
-    """On a transport thread: each pulled entry against its owner's checksum (see above)."""
     return [not want or (file.current_size() >= item.offset + item.nbytes
                          and checksum_of(item.buf, item.offset, item.nbytes) == want)
             for item, want, file in zip(items, checksums, files)]
