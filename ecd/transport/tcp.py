@@ -36,9 +36,10 @@ serve_handshake_timeout, serve_refused, serve_protocol, serve_shed, serve_busy).
 Threads: the gate (accepts too), one thread per data connection served, which lives as long as
 the connection and so serves all its transfers (at most `max_conns` at once; past it an idle
 connection is closed to make room, else the new one is: pullers retry through the control
-plane), and an executor of `max_inflight` threads for pulls that connect (or use TLS); a pull over
-a pooled plain connection runs on the daemon's event loop instead (tcp_loop.py). close() shuts every socket down and
-joins them, so no thread touches a pool mapping after it returns.
+plane), and an executor of `max_inflight` threads for pulls that connect, use TLS or are large; a
+small pull over a pooled plain connection runs on the daemon's event loop instead (tcp_loop.py).
+close() shuts every socket down and joins them, so no thread touches a pool mapping after it
+returns.
 """
 from __future__ import annotations
 
