@@ -16,6 +16,12 @@ does the same with a pair of daemons on `[cluster] transport = "nixl"` (NIXL, UC
 lo); since UCX may use any interface it finds, the whole run then happens in a network namespace
 with only `lo` (the script re-executes itself under `unshare -n`, as root, with
 UCX_TLS=tcp UCX_NET_DEVICES=lo) and refuses to run otherwise.
+`--breakdown` adds, beside each sample, what a fetch cannot avoid: a Fetch of a key already local
+(the client's round trip to its daemon), one of a key no peer holds (that plus one round trip to
+the owner's control plane, "not_found"), and the same bytes over an open socket (warm: the
+transport reuses its data connections). absent + warm is the floor of a fetch that asks, then
+moves the bytes, and tcp / floor the best ratio that design can reach; tcp / (local + warm) the
+best of any design that still asks its own daemon (the lookup folded into the data round trip).
 """
 from __future__ import annotations
 
@@ -83,17 +89,45 @@ def _sender(port_q, sizes: list[int]) -> None:
         conn.close()
 
 
+def _warm_sender(port_q, sizes: list[int]) -> None:
+    """--breakdown's other owner: one connection, many requests (until it closes)."""
+    buf = np.ones(max(sizes), dtype=np.uint8)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port_q.put(listener.getsockname()[1])
+    view = memoryview(buf)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        conn.sendall(view[:int.from_bytes(head, "big")])
+
+
 def reference(port: int, dest: memoryview, n: int) -> float:
     started = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(n.to_bytes(8, "big"))
-        got = 0
-        while got < n:
-            k = s.recv_into(dest[got:n])
-            if not k:
-                raise RuntimeError("reference sender closed early")
-            got += k
+        _ask(s, dest, n)
     return time.perf_counter() - started
+
+
+def warm_reference(s: socket.socket, dest: memoryview, n: int) -> float:
+    """The same bytes on a connection that is already open (as the transport's pooled ones)."""
+    started = time.perf_counter()
+    _ask(s, dest, n)
+    return time.perf_counter() - started
+
+
+def _ask(s: socket.socket, dest: memoryview, n: int) -> None:
+    s.sendall(n.to_bytes(8, "big"))
+    got = 0
+    while got < n:
+        k = s.recv_into(dest[got:n])
+        if not k:
+            raise RuntimeError("reference sender closed early")
+        got += k
 
 
 def main() -> int:
@@ -104,6 +138,8 @@ def main() -> int:
     parser.add_argument("--tls", action="store_true", help="also measure a pair of daemons with [cluster] tls = true")
     parser.add_argument("--nixl", action="store_true",
                         help="also measure a pair with [cluster] transport = \"nixl\" (in a namespace with only lo)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time a Fetch of a local key and of an absent one: the floor of a fetch")
     parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
     args = parser.parse_args()
     if args.nixl:
@@ -179,7 +215,26 @@ def main() -> int:
                 cf.delete(key)
             reference(port, memoryview(dest), n)
             ratios, fetch_s, ref_s = [], [], []
+            local_s: list[float] = []
+            absent_s: list[float] = []
+            warm_s: list[float] = []
+            warm = None
+            if args.breakdown:
+                cb.put("local", torch.zeros(16, dtype=torch.uint8))
+                warm_q = ctx.Queue()
+                ctx.Process(target=_warm_sender, args=(warm_q, sizes), daemon=True).start()
+                warm = socket.create_connection(("127.0.0.1", warm_q.get(timeout=30)))
+                warm.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                warm_reference(warm, memoryview(dest), n)
             for _ in range(args.reps):
+                if warm is not None:
+                    warm_s.append(warm_reference(warm, memoryview(dest), n))
+                    started = time.perf_counter()
+                    assert cb.fetch("local", peer=ea, timeout=60) is True
+                    local_s.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    assert cb.fetch("absent", peer=ea, timeout=60) is False
+                    absent_s.append(time.perf_counter() - started)
                 if cd is not None:
                     started = time.perf_counter()
                     assert cd.fetch(key, peer=ec, timeout=60) is True
@@ -199,6 +254,8 @@ def main() -> int:
                 fetch_s.append(f)
                 ref_s.append(r)
                 ratios.append(r / f)
+            if warm is not None:
+                warm.close()  # its sender exits
             row = {"bytes": n, "fetch_ms_median": statistics.median(fetch_s) * 1e3,
                    "tcp_ms_median": statistics.median(ref_s) * 1e3,
                    "fetch_GBps_median": n / statistics.median(fetch_s) / 1e9,
@@ -212,11 +269,26 @@ def main() -> int:
                 row["nixl_ms_median"] = statistics.median(nixl_s) * 1e3
                 row["nixl_ratio_to_tcp"] = statistics.median([r / t for r, t in zip(ref_s, nixl_s)])
                 row["nixl_ratio_to_fetch"] = statistics.median([f / t for f, t in zip(fetch_s, nixl_s)])
+            if absent_s:
+                row["local_fetch_ms_median"] = statistics.median(local_s) * 1e3
+                row["absent_fetch_ms_median"] = statistics.median(absent_s) * 1e3
+                row["warm_tcp_ms_median"] = statistics.median(warm_s) * 1e3
+                floor = [a + w for a, w in zip(absent_s, warm_s)]
+                row["floor_ms_median"] = statistics.median(floor) * 1e3
+                row["floor_ratio_median"] = statistics.median([r / f for r, f in zip(ref_s, floor)])
+                row["one_round_trip_ratio_median"] = statistics.median([r / (w + x) for r, w, x
+                                                                        in zip(ref_s, warm_s, local_s)])
             results["sizes"][f"{n >> 20}MiB"] = row
             verdict = "PASS" if row["ratio_median"] >= GOAL else "MISS"
             print(f"{n >> 20:5d} MiB: fetch {row['fetch_ms_median']:8.1f} ms ({row['fetch_GBps_median']:.2f} GB/s)  "
                   f"bare tcp {row['tcp_ms_median']:8.1f} ms ({row['tcp_GBps_median']:.2f} GB/s)  "
                   f"ratio {row['ratio_median']:.2f} (goal >= {GOAL}) {verdict}")
+            if absent_s:
+                print(f"{'':9s}floor: local fetch {row['local_fetch_ms_median']:.2f} ms, absent (+ owner round trip) "
+                      f"{row['absent_fetch_ms_median']:.2f} ms, warm tcp {row['warm_tcp_ms_median']:.2f} ms; "
+                      f"absent + warm tcp {row['floor_ms_median']:.2f} ms: "
+                      f"best ratio {row['floor_ratio_median']:.2f} (asking the owner inside the data round "
+                      f"trip: {row['one_round_trip_ratio_median']:.2f})")
             if tls_s:
                 print(f"{'':9s}tls fetch {row['tls_ms_median']:8.1f} ms ({n / statistics.median(tls_s) / 1e9:.2f} GB/s)  "
                       f"ratio to bare tcp {row['tls_ratio_to_tcp']:.2f}, to plain fetch {row['tls_ratio_to_fetch']:.2f}")

@@ -167,6 +167,12 @@ class Transport(abc.ABC):
         `deadline` (time.monotonic()); returns bytes received; TransferError otherwise. Never
         returns while a byte may still be written into an item's extent."""
 
+    async def pull_on_loop(self, host: str, port: int, items: list[PullItem], deadline: float) -> int | None:
+        """A pull() done on the event loop without ever blocking it, where the transport can (tcp:
+        over a pooled plain connection): bytes received, TransferError, or None when it cannot
+        here (then pull() on `executor`). Once it returns or raises, nothing writes into the items."""
+        return None
+
     def metadata(self) -> bytes:
         """What the owner's peer_welcome carries for this transport (nixl: its agent metadata)."""
         return b""

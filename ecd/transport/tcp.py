@@ -36,8 +36,10 @@ serve_handshake_timeout, serve_refused, serve_protocol, serve_shed, serve_busy).
 Threads: the gate (accepts too), one thread per data connection served, which lives as long as
 the connection and so serves all its transfers (at most `max_conns` at once; past it an idle
 connection is closed to make room, else the new one is: pullers retry through the control
-plane), and an executor of `max_inflight` threads for pulls. close() shuts every socket down and
-joins them, so no thread touches a pool mapping after it returns.
+plane), and an executor of `max_inflight` threads for pulls that connect, use TLS or are large; a
+small pull over a pooled plain connection runs on the daemon's event loop instead (tcp_loop.py).
+close() shuts every socket down and joins them, so no thread touches a pool mapping after it
+returns.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from ..listeners import bind_tcp_listener
 from ..peer_protocol import TOKEN_BYTES
 from .base import Grant, GrantTable, OnSent, PullItem, Transport, TransferError
 from .tcp_gate import ITEM_HEAD, MAGIC, MAX_TOKENS, REQUEST_HEAD, STATUS_BAD_TOKEN, STATUS_OK, DataGate, tune
+from .tcp_loop import pull_on_loop
 from .tls import TlsConfig, raw_shutdown
 
 log = logging.getLogger("ecd.transport")
@@ -308,7 +311,10 @@ class TcpTransport(Transport):
                 if grant is None:
                     conn.sendall(ITEM_HEAD.pack(STATUS_BAD_TOKEN, 0))
                     continue
-                conn.sendall(ITEM_HEAD.pack(STATUS_OK, grant.nbytes))
+                # MSG_MORE: the head leaves with the entry's first bytes, one segment, so the puller
+                # wakes once for both, not once for 9 bytes and again for the data (TLS: flags refused)
+                more = socket.MSG_MORE if grant.nbytes and not isinstance(conn, ssl.SSLSocket) else 0
+                conn.sendall(ITEM_HEAD.pack(STATUS_OK, grant.nbytes), more)
                 assert self._segments is not None
                 with memoryview(self._segments(grant.pool)) as seg:
                     with seg[grant.offset:grant.offset + grant.nbytes] as src:
@@ -357,19 +363,40 @@ class TcpTransport(Transport):
             return received
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def pull_on_loop(self, host: str, port: int, items: list[PullItem], deadline: float) -> int | None:
+        """On the event loop, over a pooled plain connection (tcp_loop.py); None: use pull()."""
+        return await pull_on_loop(self, host, port, items, deadline)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def _checkout(self, where: tuple[str, int], deadline: float) -> tuple[socket.socket, bool]:
         """An idle pooled connection to `where` that is still open, else a new one."""
+        sock = self.checkout_pooled(where)
+        if sock is not None:
+            return sock, True
+        return self._connect(*where, deadline), False
+
+    def checkout_pooled(self, where: tuple[str, int]) -> socket.socket | None:
+        """An idle pooled connection to `where` that is still open, or None."""
         now = time.monotonic()
         while True:
             with self._lock:
                 idle = self._pool.get(where)
                 if not idle:
-                    break
+                    return None
                 sock, since = idle.pop()
             if now - since < self.pool_idle and not self.connection_is_stale(sock):
-                return sock, True
+                return sock
             self._drop(sock)
-        return self._connect(*where, deadline), False
+
+    def checkin(self, where: tuple[str, int], sock: socket.socket) -> None:
+        """Back to the pool after a transfer that went through whole (else drop it)."""
+        self._checkin(where, sock)
+
+    def drop(self, sock: socket.socket) -> None:
+        self._drop(sock)
 
     def _checkin(self, where: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ raw DEALER (no PeerLink, none of the puller's manners).
 says peer_hello, then sends MESSAGES lookups, each naming the keys flood_key(0..DISTINCT-1),
 the list repeated REPEAT times. READ 0: it never reads a reply (they back up into the owner);
 and sends a peer_ping after each, so its session stays alive (a puller's pings would);
-READ 1: it reads each and prints one line per reply ("leased N", "error CODE MESSAGE", "none").
+READ 1: it reads each and prints one line per reply ("leased N", "error CODE MESSAGE", "none");
+READ 2: the same, but it sends all its lookups first and then reads the replies (pipelined).
 It prints "hello" once welcomed and "sent N" once its sends are done (a send the owner does not
 take within SEND_TIMEOUT_MS ends them), then waits to be killed, holding its socket and pinging
 every second (its session, and any leases it holds, stay until their TTL_S, default 60).
@@ -30,7 +31,8 @@ def flood_key(i: int) -> str:
     return f"flood-{i:06d}-".ljust(KEY_BYTES, "x")
 
 
-def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, read: bool, ttl_s: float):
+def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, read: bool, ttl_s: float,
+            pipelined: bool = False):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -58,19 +60,26 @@ def lookups(endpoint: str, ns: str, messages: int, distinct: int, repeat: int, r
                 sock.send(encoder.encode(PeerPing(3)))
             except zmq.Again:
                 break
-        if read:
-            if not sock.poll(30_000):
-                print("none", flush=True)
-                continue
-            reply = decoder.decode(sock.recv())
-            if isinstance(reply, Leased):
-                print(f"leased {sum(o is not None for o in reply.offers)}", flush=True)
-            elif isinstance(reply, PeerError):
-                print(f"error {reply.code} {reply.message}", flush=True)
-            else:
-                print(f"other {type(reply).__name__}", flush=True)
+        if read and not pipelined:
+            print_reply(sock, decoder)
+    if pipelined:
+        for _ in range(sent):
+            print_reply(sock, decoder)
     print(f"sent {sent}", flush=True)
     return ctx, sock
+
+
+def print_reply(sock: zmq.Socket, decoder) -> None:
+    if not sock.poll(30_000):
+        print("none", flush=True)
+        return
+    reply = decoder.decode(sock.recv())
+    if isinstance(reply, Leased):
+        print(f"leased {sum(o is not None for o in reply.offers)}", flush=True)
+    elif isinstance(reply, PeerError):
+        print(f"error {reply.code} {reply.message}", flush=True)
+    else:
+        print(f"other {type(reply).__name__}", flush=True)
 
 
 def hold(sock: zmq.Socket, read: bool) -> None:
@@ -89,9 +98,9 @@ def main() -> None:
     if what != "lookups":
         raise SystemExit(f"unknown attack {what}")
     ns, messages, distinct, repeat, read, *ttl = rest
-    _ctx, sock = lookups(endpoint, ns, int(messages), int(distinct), int(repeat), read == "1",
-                         float(ttl[0]) if ttl else 60.0)
-    hold(sock, read == "1")
+    _ctx, sock = lookups(endpoint, ns, int(messages), int(distinct), int(repeat), read != "0",
+                         float(ttl[0]) if ttl else 60.0, pipelined=read == "2")
+    hold(sock, read != "0")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ and counts what it does; the parts are siblings:
 - owner.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
 - links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
 - fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
-- ../transport/  the bulk bytes, on their own threads (one interface, transports registered by name)
+- ../transport/  the bulk bytes, on their own threads or, for small pulls over a pooled tcp
+                 connection, on the loop (one interface, transports registered by name)
 
 Everything ZeroMQ here lives in its own context (zmq.asyncio, on the daemon's event loop) with
 its own ZAP handler, so `[control]` and `[cluster]` keys never mix. prepare() binds (start-up

@@ -221,13 +221,9 @@ class Fetcher:
         items = [PullItem(o.token, segments[e.pool].buf, e.offset, o.nbytes, o.addr) for o, e in placed]
         host, port = link.data_address
         transport = self.cluster.transport
-        loop = self.cluster.context.loop
-        future = loop.run_in_executor(transport.executor, _pull_and_verify, transport, host, port, items,
-                                      [o.checksum for o, _ in placed], [segments[e.pool] for _, e in placed],
-                                      deadline)
         try:
-            # shield: even if this task is cancelled, the extents stay until the thread is done
-            verdicts = await asyncio.shield(future)
+            verdicts = await self._receive(transport, host, port, items, [o.checksum for o, _ in placed],
+                                          [segments[e.pool] for _, e in placed], deadline)
         except TransferError as exc:
             log.warning("fetch of %d entr%s from %s failed: %s", len(placed), "y" if len(placed) == 1 else "ies",
                         link.label, exc)
@@ -258,6 +254,20 @@ class Fetcher:
                 else:
                     self.cluster.stats.fetched(link, offer.nbytes)
         return got
+
+    async def _receive(self, transport: Any, host: str, port: int, items: list[PullItem], checksums: list[int],
+                       files: list[Any], deadline: float) -> list[bool]:
+        """The bytes into the extents, then each checked against its owner's checksum: per item
+        whether it matched. Without checksums, on the loop where the transport can (tcp over a
+        pooled connection: no hand-off to a thread and back, a good part of a small fetch's own
+        cost); else on a transport thread, which pulls and hashes in one hand-off (a hash of MiBs
+        would stall the loop)."""
+        if not any(checksums) and await transport.pull_on_loop(host, port, items, deadline) is not None:
+            return [True] * len(items)
+        future = self.cluster.context.loop.run_in_executor(transport.executor, _pull_and_verify, transport, host,
+                                                           port, items, checksums, files, deadline)
+        # shield: even if this task is cancelled, the extents stay until the thread is done
+        return await asyncio.shield(future)
 
     def close(self) -> None:
         for future in self.inflight.values():
