@@ -5,12 +5,14 @@ Starts its own daemon (`python -m ecd serve`, benchmarks/bench_daemon.py) and, f
 N x S (N entries of S bytes; defaults 252 x 32 KiB, a KV block of every layer for a batch, and
 64 x 8 KiB, embeddings), measures in alternating reps:
 
-  put_many   Client.put_many({key: tensor}) of all N in one call (rows of one contiguous tensor)
-  get_many   Client.get_many(keys): copies out of the pool into new tensors
-  view_many  Client.view_many(keys) and one copy of each view into a preallocated buffer
-  kv_save    what EcdKVConnector's worker saves: PagedKV.gather (strided views of a paged cache
-             whose layers share one allocation, vLLM's own) + put_many
-  kv_load    what it loads on a CPU engine: view_many + PagedKV.scatter_found into that cache
+  put_many          Client.put_many({key: tensor}) of all N new keys in one call (rows of one
+                    contiguous tensor; deleted again after each rep, outside the timing)
+  put_many_replace  the same keys again: each commit also retires the entry it replaces
+  get_many          Client.get_many(keys): copies out of the pool into new tensors
+  view_many         Client.view_many(keys) and one copy of each view into a preallocated buffer
+  kv_save           what EcdKVConnector's worker saves: PagedKV.gather (strided views of a paged
+                    cache whose layers share one allocation, vLLM's own) + put_many, new keys
+  kv_load           what it loads on a CPU engine: view_many + PagedKV.scatter_found into it
 
 each paired with its reference taken right beside it: one memcpy (np.copyto) of the same N x S
 bytes between two pre-faulted buffers. Reported: the per-entry overhead (op - memcpy) / N in us
@@ -96,9 +98,12 @@ def bench_shape(c: Client, n: int, size: int, reps: int, warmup: int, tag: str) 
     src = torch.from_numpy(prefaulted(total)).view(n, size)
     ref_src, ref_dst = prefaulted(total), prefaulted(total)
     sink = prefaulted(total).reshape(n, size) if size else prefaulted(0)
-    keys = [f"{tag}/{i}" for i in range(n)]
-    kv_keys = [f"{tag}/kv/{i}" for i in range(n)]  # the paged cache's layout, not put_many's rows
+    keys = [f"{tag}/{i}" for i in range(n)]  # put once: what get_many and view_many read
+    new_keys = [f"{tag}/new/{i}" for i in range(n)]  # put and deleted again each rep
+    kv_keys = [f"{tag}/kv/{i}" for i in range(n)]  # the paged cache's layout, for kv_load
+    kv_new = [f"{tag}/kvnew/{i}" for i in range(n)]
     items = {k: src[i] for i, k in enumerate(keys)}
+    new_items = {k: src[i] for i, k in enumerate(new_keys)}
     cache = PagedCache(size, blocks=n) if size else None
     block_ids = list(range(n))
 
@@ -106,6 +111,9 @@ def bench_shape(c: Client, n: int, size: int, reps: int, warmup: int, tag: str) 
         np.copyto(ref_dst, ref_src)
 
     def put_many() -> None:
+        c.put_many(new_items)
+
+    def put_many_replace() -> None:
         c.put_many(items)
 
     def get_many() -> None:
@@ -116,9 +124,9 @@ def bench_shape(c: Client, n: int, size: int, reps: int, warmup: int, tag: str) 
             for row, v in zip(sink, views):
                 np.copyto(row, v.numpy().view(np.uint8).reshape(-1))
 
-    def kv_save() -> None:
+    def kv_save(keys=kv_new) -> None:
         paged = cache.paged
-        c.put_many(dict(zip(kv_keys, paged.gather(block_ids))))
+        c.put_many(dict(zip(keys, paged.gather(block_ids))))
 
     def kv_load() -> None:
         with c.view_many(kv_keys, missing_ok=True) as views:
@@ -126,13 +134,15 @@ def bench_shape(c: Client, n: int, size: int, reps: int, warmup: int, tag: str) 
         if missing or failed or error:
             raise RuntimeError(f"kv_load: {missing} missing, {failed[:3]} failed, {error!r}")
 
-    ops = {"put_many": put_many, "get_many": get_many, "view_many": view_many}
+    ops = {"put_many": put_many, "put_many_replace": put_many_replace, "get_many": get_many,
+           "view_many": view_many}
     if cache is not None:
         ops.update(kv_save=kv_save, kv_load=kv_load)
+    after = {"put_many": lambda: c.delete(new_keys), "kv_save": lambda: c.delete(kv_new)}  # untimed
     samples: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in ops}
-    put_many()
+    put_many_replace()
     if cache is not None:
-        kv_save()
+        kv_save(kv_keys)
     for i in range(warmup + reps):
         for name, fn in (ops.items() if i % 2 else reversed(list(ops.items()))):
             first_ref = (i // 2) % 2 == 0  # the reference before, then after, the op
@@ -150,6 +160,8 @@ def bench_shape(c: Client, n: int, size: int, reps: int, warmup: int, tag: str) 
             if i >= warmup:
                 samples[name][0].append(t3 - t2)
                 samples[name][1].append(t1 - t0)
+            if name in after:
+                after[name]()
     c.delete(keys + kv_keys)
     return {name: _ratios(op, ref, n) for name, (op, ref) in samples.items()}
 

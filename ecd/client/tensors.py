@@ -135,6 +135,95 @@ def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = F
     return 0
 
 
+def contiguous_pieces(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(address, piece bytes, stride bytes) of a host tensor whose bytes lie in equal contiguous
+    pieces: one piece for a contiguous tensor, one per row of the outermost dimension for a
+    tensor contiguous below it (a KV block of every layer, viewed in a paged cache whose layers
+    share one allocation). None for any other layout (numpy copies those)."""
+    if tensor.is_contiguous() or tensor.numel() == 0:
+        nbytes = tensor.numel() * tensor.element_size()
+        return tensor.data_ptr(), nbytes, nbytes
+    if tensor.dim() < 2 or not tensor[0].is_contiguous():
+        return None  # rows overlapping in the source (a stride below a row, even 0) still read right
+    item = tensor.element_size()
+    return tensor.data_ptr(), tensor[0].numel() * item, tensor.stride(0) * item
+
+
+def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor]) -> list[int]:
+    """copy_into (no checksum) of many host tensors in one call of the compiled copy: what makes a
+    put_many of hundreds of small entries cost little more than its memcpy. Tensors of another
+    layout, or every tensor without ecd._copy, go one by one. Returns the indices copied one by
+    one (none, in the common case) for callers that count them."""
+    one_by_one: list[int] = []
+    if compiled_copy is None:
+        for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
+            copy_into(buf, offset, tensor)
+            one_by_one.append(i)
+        return one_by_one
+    dst: list[int] = []
+    src: list[int] = []
+    sizes: list[int] = []
+    for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
+        pieces = contiguous_pieces(tensor)
+        if pieces is None:
+            copy_into(buf, offset, tensor)
+            one_by_one.append(i)
+            continue
+        address, piece, stride = pieces
+        if piece == stride:  # one contiguous piece
+            dst.append(offset)
+            src.append(address)
+            sizes.append(piece)
+            continue
+        for row in range(tensor.shape[0]):
+            dst.append(offset + row * piece)
+            src.append(address + row * stride)
+            sizes.append(piece)
+    compiled_copy.copy_many_in(buf, dst, src, sizes)
+    return one_by_one
+
+
+def copy_many_out(buf, offsets: list[int], nbytes: list[int], dtypes: list[str],
+                  shapes: list[list[int]]) -> list[torch.Tensor]:
+    """copy_out of many entries of one pool mapping: new tensors, filled by one call of the
+    compiled copy (numpy, one by one, without it)."""
+    if compiled_copy is None:
+        return [copy_out(buf, o, n, d, s) for o, n, d, s in zip(offsets, nbytes, dtypes, shapes)]
+    dtype_of = TORCH_DTYPES.get
+    out = []
+    for dtype, shape in zip(dtypes, shapes):
+        tdtype = dtype_of(dtype)
+        out.append(torch.empty(shape, dtype=tdtype if tdtype is not None else torch_dtype(dtype)))
+    compiled_copy.copy_many_out(buf, offsets, [t.data_ptr() for t in out], nbytes)
+    return out
+
+
+class PoolViews:
+    """Zero-copy tensors over entries of pool mappings, for view_many: one typed tensor over each
+    whole mapping (per dtype, made on first use) and an as_strided of it per entry, about half
+    what a torch.frombuffer per entry costs. Each view keeps its mapping alive, as view_of's do."""
+
+    __slots__ = ("bufs", "_whole")
+
+    def __init__(self, bufs: list) -> None:
+        self.bufs = bufs
+        self._whole: dict[tuple[int, str], torch.Tensor] = {}
+
+    def view(self, pool: int, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
+        itemsize = DTYPE_ITEMSIZE[dtype]
+        if nbytes == 0 or offset % itemsize:  # (pool offsets are aligned: not for an entry of a pool)
+            return view_of(self.bufs[pool], offset, nbytes, dtype, shape)
+        whole = self._whole.get((pool, dtype))
+        if whole is None:
+            buf = self.bufs[pool]
+            whole = self._whole[pool, dtype] = torch.frombuffer(buf, dtype=torch_dtype(dtype),
+                                                                count=len(buf) // itemsize)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 1, 0, -1):
+            strides[d - 1] = strides[d] * shape[d]
+        return whole.as_strided(shape, strides, offset // itemsize)
+
+
 def copy_out(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
     """A new tensor holding a copy of buf[offset:offset + nbytes]."""
     return copy_out_checked(buf, offset, nbytes, dtype, shape, with_checksum=False)[0]

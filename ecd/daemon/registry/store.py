@@ -208,14 +208,12 @@ class Store:
 
     def alloc(self, session: Session, ns: str, item: AllocItem,
               pools: tuple[int, ...] | None = None, clean_first: bool = False) -> Extent | Failure:
-        """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`:
-        see Placement.place."""
+        """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`: see Placement.place."""
         pools = self.host.host_pools if pools is None else pools
-        failure = self.checks.item(ns, item, pools)
+        placement, failure = self.placement, self.checks.item(ns, item, pools)
         if failure is not None:
             self.counters["alloc_refused"] += 1
             return failure
-        placement = self.placement
         victims = placement.quota_victims(ns, align_up(max(item.nbytes, 1)))
         if isinstance(victims, Failure):
             return victims
@@ -223,6 +221,10 @@ class Store:
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, placement.pool_full_message(item.nbytes, pools))
+        return self.open_write(session, ns, item, placed)
+
+    def open_write(self, session: Session, ns: str, item: AllocItem, placed: tuple[int, int]) -> Extent:
+        """A WRITING entry for a checked item at `placed` (pool, offset), owned by `session`."""
         generation = self.take_generation()
         now = self.clock()
         # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
@@ -292,8 +294,9 @@ class Store:
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
         self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
         old = self.index.get((entry.ns, entry.key))
+        keyhash = entry.keyhash  # hashed once for both events of a replace
         if old is not None:  # an atomic replace: current readers keep the old bytes
-            self.unindex(old, EventKind.DELETED)
+            self.unindex(old, EventKind.DELETED, keyhash)
             self.counters["evicted_replaced"] += 1
             if old.pins:
                 self.deadlines.move_pins(old, entry)
@@ -303,7 +306,7 @@ class Store:
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self.placement.make_evictable(entry)
-        self._announce(EventKind.PUBLISHED, entry)
+        self._announce(EventKind.PUBLISHED, entry, keyhash)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
@@ -483,24 +486,25 @@ class Store:
         elif entry.state is State.READY and not entry.readers and not entry.pins:
             self.placement.make_evictable(entry)
 
-    def unindex(self, entry: Entry, kind: EventKind) -> None:
+    def unindex(self, entry: Entry, kind: EventKind, keyhash: int | None = None) -> None:
         """A READY entry leaves the index (evicted, deleted, replaced): a ring event says so."""
         del self.index[(entry.ns, entry.key)]
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
-        self._announce(kind, entry)
+        self._announce(kind, entry, keyhash)
 
-    def _announce(self, kind: EventKind, entry: Entry) -> None:
-        """The ring event of `entry` being published, evicted or deleted. While the lower tier
-        holds the key (spilled, or promoted from it), its record keeps the key present: only the
-        event is written, the presence table stays as it is."""
+    def _announce(self, kind: EventKind, entry: Entry, keyhash: int | None = None) -> None:
+        """The ring event of `entry` being published, evicted or deleted (`keyhash`: its key's, if
+        known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
+        the key present: only the event is written, the presence table stays as it is."""
+        keyhash = entry.keyhash if keyhash is None else keyhash
         if self.lower_tier.holds(entry.ns, entry.key):
-            self.ring.append(kind, entry.keyhash, entry.generation)
+            self.ring.append(kind, keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
-            self.ring.publish(entry.keyhash, entry.generation)
+            self.ring.publish(keyhash, entry.generation)
         else:
-            self.ring.unpublish(kind, entry.keyhash, entry.generation)
+            self.ring.unpublish(kind, keyhash, entry.generation)
 
     def retire_or_free(self, entry: Entry) -> None:
         """An unindexed entry: kept (RETIRED) while readers hold it, else freed."""
