@@ -278,6 +278,70 @@ static PyObject *copy_many_out(PyObject *self, PyObject *args)
     return copy_many(args, 0);
 }
 
+/* copy_many_between(dst_addresses, src_addresses, sizes): for each i, the sizes[i] bytes at
+ * src_addresses[i] to dst_addresses[i], memory of live tensors the caller holds and has checked
+ * (PagedKV.scatter: pool views into the blocks of a paged KV cache, a row per layer). */
+static PyObject *copy_many_between(PyObject *self, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj, *sizes_obj, *dsts = NULL, *srcs = NULL, *sizes = NULL, *result = NULL;
+    many_args m;
+    (void)self;
+    memset(&m, 0, sizeof(m));
+    if (!PyArg_ParseTuple(args, "OOO:copy_many_between", &dst_obj, &src_obj, &sizes_obj))
+        return NULL;
+    dsts = PySequence_Fast(dst_obj, "dst_addresses must be a sequence of ints");
+    srcs = dsts ? PySequence_Fast(src_obj, "src_addresses must be a sequence of ints") : NULL;
+    sizes = srcs ? PySequence_Fast(sizes_obj, "sizes must be a sequence of ints") : NULL;
+    if (sizes == NULL)
+        goto done;
+    m.n = PySequence_Fast_GET_SIZE(dsts);
+    if (PySequence_Fast_GET_SIZE(srcs) != m.n || PySequence_Fast_GET_SIZE(sizes) != m.n) {
+        PyErr_SetString(PyExc_ValueError, "dst_addresses, src_addresses and sizes must have the same length");
+        goto done;
+    }
+    m.offsets = PyMem_New(Py_ssize_t, m.n + 1); /* unused here */
+    m.sizes = PyMem_New(Py_ssize_t, m.n + 1);
+    m.addresses = PyMem_New(char *, 2 * m.n + 1); /* sources, then destinations */
+    if (m.offsets == NULL || m.sizes == NULL || m.addresses == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m.n; i++) {
+        void *dst = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(dsts, i));
+        void *src = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(srcs, i));
+        Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (size < 0 || (size > 0 && (dst == NULL || src == NULL))) {
+            PyErr_Format(PyExc_ValueError, "copy %zd: %zd bytes between addresses %p and %p", i, size, src, dst);
+            goto done;
+        }
+        m.sizes[i] = size;
+        m.addresses[i] = (char *)src;
+        m.addresses[m.n + i] = (char *)dst;
+        m.total += size;
+    }
+    if (m.total >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < m.n; i++)
+            if (m.sizes[i])
+                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < m.n; i++)
+            if (m.sizes[i])
+                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    Py_XDECREF(sizes);
+    many_free(&m);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_VARARGS | METH_KEYWORDS,
      "copy(dst, dst_offset, src, stream_min=STREAM_MIN, isa=None)\n--\n\n"
@@ -288,6 +352,9 @@ static PyMethodDef methods[] = {
      "copy_many_in(dst, offsets, addresses, sizes)\n--\n\n"
      "dst[offsets[i]:offsets[i] + sizes[i]] = the sizes[i] bytes at address addresses[i], for every i\n"
      "(every range is checked before anything is copied)."},
+    {"copy_many_between", copy_many_between, METH_VARARGS,
+     "copy_many_between(dst_addresses, src_addresses, sizes)\n--\n\n"
+     "the sizes[i] bytes at src_addresses[i] to dst_addresses[i], for every i (addresses the caller checked)."},
     {"copy_many_out", copy_many_out, METH_VARARGS,
      "copy_many_out(src, offsets, addresses, sizes)\n--\n\n"
      "the sizes[i] bytes at address addresses[i] = src[offsets[i]:offsets[i] + sizes[i]], for every i\n"

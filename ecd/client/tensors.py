@@ -86,8 +86,9 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequest(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
+    if tensor.requires_grad:  # (a new tensor object per put otherwise: it shows at hundreds a put_many)
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
         tensor = tensor.cpu()  # GPU arenas come with the CUDA data plane; stage through host
     if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
         raise InvalidRequest("only dense strided tensors can be stored")
@@ -164,6 +165,11 @@ def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor]) -> list
     src: list[int] = []
     sizes: list[int] = []
     for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
+        if tensor.is_contiguous():  # the common case, without contiguous_pieces' call
+            dst.append(offset)
+            src.append(tensor.data_ptr())
+            sizes.append(tensor.numel() * tensor.element_size())
+            continue
         pieces = contiguous_pieces(tensor)
         if pieces is None:
             copy_into(buf, offset, tensor)
@@ -196,6 +202,15 @@ def copy_many_out(buf, offsets: list[int], nbytes: list[int], dtypes: list[str],
         out.append(torch.empty(shape, dtype=tdtype if tdtype is not None else torch_dtype(dtype)))
     compiled_copy.copy_many_out(buf, offsets, [t.data_ptr() for t in out], nbytes)
     return out
+
+
+def copy_rows_between(dst_addresses: list[int], src_addresses: list[int], sizes: list[int]) -> bool:
+    """Many copies between memory the caller holds and has bounds-checked, in one call of the
+    compiled copy; False (nothing copied) without it: the caller copies its own way."""
+    if compiled_copy is None:
+        return False
+    compiled_copy.copy_many_between(dst_addresses, src_addresses, sizes)
+    return True
 
 
 class PoolViews:

@@ -259,10 +259,9 @@ class Store:
     def _stamp(self) -> float:
         """The clock for last_access and publication stamps, to STAMP_RESOLUTION_S."""
         now = self.clock()
-        if now - self._last_stamp < STAMP_RESOLUTION_S:
-            return self._last_stamp
-        self._last_stamp = now
-        return now
+        if now - self._last_stamp >= STAMP_RESOLUTION_S:
+            self._last_stamp = now
+        return self._last_stamp
 
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
@@ -340,8 +339,9 @@ class Store:
         and start coming back for the next ask."""
         self.checks.get(session, ns, keys)
         # entries a pool truncation cut are dropped before they could be leased
-        self.host.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
-        missing = {key for key in keys if (ns, key) not in self.index}
+        ready = self.index.namespace(ns)
+        self.host.check_pools(entry.pool for key in keys if (entry := ready.get(key)) is not None)
+        missing = {key for key in keys if key not in ready}
         # keys the lower tier holds come back into the host pool first (LowerTier.promote): the
         # request parks until they are READY, however short its wait (a promotion failure
         # answers it at once)
@@ -359,21 +359,21 @@ class Store:
     def lease_all(self, session: Session, ns: str, keys: list[str]) -> list[Location | Failure]:
         """Read-lease the keys that are READY now; the others are KEY_NOT_FOUND."""
         results: list[Location | Failure] = []
-        now = self._stamp()
-        make_unevictable = self.placement.make_unevictable
+        now, ready, leases, placement = self._stamp(), self.index.namespace(ns), session.leases, self.placement
+        hits = read_bytes = 0  # counted once for the batch
         for key in keys:
-            entry = self.index.get((ns, key))
+            entry = ready.get(key)
             if entry is None:
-                self.counters["misses"] += 1
                 results.append(Failure(Code.KEY_NOT_FOUND, f"no entry {key!r} in namespace {ns!r}"))
                 continue
-            self.counters["hits"] += 1
-            self.counters["read_bytes"] += entry.nbytes
+            hits += 1
+            read_bytes += entry.nbytes
             entry.readers += 1
             entry.last_access = now
-            make_unevictable(entry)
-            session.leases[entry.generation] += 1
+            placement.make_unevictable(entry)
+            leases[entry.generation] += 1
             results.append(entry.location())
+        self.counters.update(hits=hits, misses=len(keys) - hits, read_bytes=read_bytes)
         return results
 
     def release(self, session: Session, generation: int) -> Failure | None:
