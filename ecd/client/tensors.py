@@ -136,6 +136,10 @@ def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = F
     return 0
 
 
+# (shape, strides) -> whether a tensor of that layout is contiguous below its outermost dimension
+_ROWS_CONTIGUOUS: dict[tuple[torch.Size, tuple[int, ...]], bool] = {}
+
+
 def contiguous_pieces(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     """(address, piece bytes, stride bytes) of a host tensor whose bytes lie in equal contiguous
     pieces: one piece for a contiguous tensor, one per row of the outermost dimension for a
@@ -144,7 +148,15 @@ def contiguous_pieces(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     if tensor.is_contiguous() or tensor.numel() == 0:
         nbytes = tensor.numel() * tensor.element_size()
         return tensor.data_ptr(), nbytes, nbytes
-    if tensor.dim() < 2 or not tensor[0].is_contiguous():
+    if tensor.dim() < 2:
+        return None
+    layout = (tensor.shape, tensor.stride())
+    rows = _ROWS_CONTIGUOUS.get(layout)
+    if rows is None:  # asked once per layout: a KV save's hundreds of blocks share one
+        rows = tensor[0].is_contiguous()
+        if len(_ROWS_CONTIGUOUS) < 1024:
+            _ROWS_CONTIGUOUS[layout] = rows
+    if not rows:
         return None  # rows overlapping in the source (a stride below a row, even 0) still read right
     item = tensor.element_size()
     return tensor.data_ptr(), tensor[0].numel() * item, tensor.stride(0) * item
