@@ -138,8 +138,10 @@ class Client(ControlClient):
     def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
         was out: one of them may have been this entry's eviction, read before it was cached."""
-        self._cache.remember_reply(self._map.ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
-                                   catch_up=self._map.local)
+        ring = self._map.ring
+        if ring.next_seq == ring_pos:  # else remember_reply keeps nothing: no key hashed for it
+            self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
+                                       catch_up=self._map.local)
 
     # ---- get / view ---------------------------------------------------------------------
 

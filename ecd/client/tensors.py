@@ -11,6 +11,7 @@ evicts what the client and daemon use next), else numpy's copy (memcpy).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -225,6 +226,14 @@ def copy_rows_between(dst_addresses: list[int], src_addresses: list[int], sizes:
     return True
 
 
+@functools.lru_cache(maxsize=256)  # entries come in a few shapes (KV blocks, embeddings)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    return tuple(strides)
+
+
 class PoolViews:
     """Zero-copy tensors over entries of pool mappings, for view_many: one typed tensor over each
     whole mapping (per dtype, made on first use) and an as_strided of it per entry, about half
@@ -245,10 +254,7 @@ class PoolViews:
             buf = self.bufs[pool]
             whole = self._whole[pool, dtype] = torch.frombuffer(buf, dtype=torch_dtype(dtype),
                                                                 count=len(buf) // itemsize)
-        strides = [1] * len(shape)
-        for d in range(len(shape) - 1, 0, -1):
-            strides[d - 1] = strides[d] * shape[d]
-        return whole.as_strided(shape, strides, offset // itemsize)
+        return whole.as_strided(shape, _contiguous_strides(tuple(shape)), offset // itemsize)
 
 
 def copy_out(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
