@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 
 import numpy as np
 import torch
 import xxhash
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ProtocolError
 from ..integrity import EMPTY_CHECKSUM, checksum, finish
 from ..protocol import DTYPE_ITEMSIZE
 
@@ -210,9 +211,12 @@ def copy_many_out(buf, offsets: list[int], nbytes: list[int], dtypes: list[str],
         return [copy_out(buf, o, n, d, s) for o, n, d, s in zip(offsets, nbytes, dtypes, shapes)]
     dtype_of = TORCH_DTYPES.get
     out = []
-    for dtype, shape in zip(dtypes, shapes):
+    for dtype, shape, size in zip(dtypes, shapes, nbytes):
         tdtype = dtype_of(dtype)
-        out.append(torch.empty(shape, dtype=tdtype if tdtype is not None else torch_dtype(dtype)))
+        tensor = torch.empty(shape, dtype=tdtype if tdtype is not None else torch_dtype(dtype))
+        if tensor.numel() * tensor.element_size() != size:  # copied by address: never past its end
+            raise ProtocolError(f"daemon sent a location of {size} bytes for a {dtype} tensor of shape {shape}")
+        out.append(tensor)
     compiled_copy.copy_many_out(buf, offsets, [t.data_ptr() for t in out], nbytes)
     return out
 
@@ -254,6 +258,8 @@ class PoolViews:
             buf = self.bufs[pool]
             whole = self._whole[pool, dtype] = torch.frombuffer(buf, dtype=torch_dtype(dtype),
                                                                 count=len(buf) // itemsize)
+        if math.prod(shape) * itemsize != nbytes:  # a view of exactly the entry's bytes, as view_of's
+            raise ProtocolError(f"daemon sent a location of {nbytes} bytes for a {dtype} tensor of shape {shape}")
         return whole.as_strided(shape, _contiguous_strides(tuple(shape)), offset // itemsize)
 
 

@@ -211,3 +211,15 @@ def test_pool_views_are_zero_copy_and_take_odd_offsets_the_slow_way():
     odd = views.view(0, 6, 8, "float32", [2])  # not a multiple of the itemsize: torch.frombuffer instead
     assert odd.shape == (2,)
     assert views.view(0, 0, 4, "float32", []).shape == ()  # a scalar
+
+
+def test_a_location_whose_size_does_not_match_its_shape_is_refused_not_copied_past_the_tensor():
+    """copy_many_out copies by address and PoolViews strides over the whole pool: a location that
+    names more bytes than its shape holds must raise, not write past a tensor or read another
+    entry's bytes (view_of and numpy refused it by their own checks)."""
+    from ecd.errors import ProtocolError
+    buf = mmap.mmap(-1, 8192)
+    with pytest.raises(ProtocolError):
+        tensors.copy_many_out(buf, [0, 64], [16, 4096], ["float32", "float32"], [[4], [8]])
+    with pytest.raises(ProtocolError):
+        tensors.PoolViews([buf]).view(0, 256, 4096, "float32", [8])
