@@ -16,7 +16,11 @@ N x S (N entries of S bytes; defaults 252 x 32 KiB, a KV block of every layer fo
 
 each paired with its reference taken right beside it: one memcpy (np.copyto) of the same N x S
 bytes between two pre-faulted buffers. Reported: the per-entry overhead (op - memcpy) / N in us
-and op / memcpy, medians over the reps; the target is <= 10 us per 32 KiB entry.
+and op / memcpy, medians over the reps; the target is <= 10 us per 32 KiB entry. Beside wall time,
+CPU per entry: the client process's (all threads) + the daemon's (all threads, from
+/proc/PID/task/*/schedstat) CPU for the op, minus the memcpy, split into client and daemon. On a
+small machine shared with other work, wall medians move 2-3x between runs; CPU per entry does not
+count what the other processes ran, so before/after comparisons read it first.
 
 Also put + get of ONE 64 KiB entry against a bare pyzmq REQ/REP round trip over ipc to an echo
 process (as bench_core's), alternating: target put+get <= 2 bare round trips.
@@ -95,13 +99,16 @@ def daemon_cpu_ns(pid: int) -> int:
     return total
 
 
-def _ratios(op_ns: list[int], ref_ns: list[int], n: int, cpu_ns: list[int]) -> dict:
+def _ratios(op_ns: list[int], ref_ns: list[int], n: int, cpu_ns: list[int], daemon_ns: list[int]) -> dict:
     op, ref = np.array(op_ns, float), np.array(ref_ns, float)
     per_entry = (op - ref) / n / 1e3
     # CPU (client process, all its threads, + daemon, all its threads) per entry above the
     # memcpy's: what other processes do on a loaded machine does not count in it, unlike wall time
     cpu = (np.array(cpu_ns, float) - ref) / n / 1e3
+    daemon = np.array(daemon_ns, float) / n / 1e3
     return {"cpu_per_entry_over_memcpy_us_p50": float(np.median(cpu)),
+            "daemon_cpu_per_entry_us_p50": float(np.median(daemon)),  # the rest of it is the client's
+            "client_cpu_per_entry_over_memcpy_us_p50": float(np.median(cpu - daemon)),
             "cpu_per_entry_over_memcpy_us_p10": float(np.percentile(cpu, 10)),
             "op_us_p50": float(np.median(op) / 1e3), "memcpy_us_p50": float(np.median(ref) / 1e3),
             "per_entry_overhead_us_p50": float(np.median(per_entry)),
@@ -156,7 +163,7 @@ def bench_shape(c: Client, daemon_pid: int, n: int, size: int, reps: int, warmup
     if cache is not None:
         ops.update(kv_save=kv_save, kv_load=kv_load)
     after = {"put_many": lambda: c.delete(new_keys), "kv_save": lambda: c.delete(kv_new)}  # untimed
-    samples: dict[str, tuple[list[int], list[int], list[int]]] = {name: ([], [], []) for name in ops}
+    samples: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {name: ([], [], [], []) for name in ops}
     put_many_replace()
     if cache is not None:
         kv_save(kv_keys)
@@ -180,10 +187,11 @@ def bench_shape(c: Client, daemon_pid: int, n: int, size: int, reps: int, warmup
                 samples[name][0].append(t3 - t2)
                 samples[name][1].append(t1 - t0)
                 samples[name][2].append(c3 - c2 + d3 - d2)
+                samples[name][3].append(d3 - d2)
             if name in after:
                 after[name]()
     c.delete(keys + kv_keys)
-    return {name: _ratios(op, ref, n, cpu) for name, (op, ref, cpu) in samples.items()}
+    return {name: _ratios(op, ref, n, cpu, daemon) for name, (op, ref, cpu, daemon) in samples.items()}
 
 
 def bench_small(c: Client, echo_endpoint: str, reps: int, warmup: int) -> dict:
@@ -222,14 +230,15 @@ def report(res: dict) -> None:
     print(f"\nload average {res['env']['loadavg_start']} -> {res['env']['loadavg_end']}; "
           f"{res['env']['cpus']} CPUs")
     print("\n| shape | op | op p50 us | memcpy p50 us | per-entry over memcpy us (p10-p90) | op/memcpy "
-          "| CPU per entry over memcpy us (p10) |")
-    print("|---|---|---:|---:|---|---:|---:|")
+          "| CPU per entry over memcpy us (p10) | of it: client + daemon |")
+    print("|---|---|---:|---:|---|---:|---:|---|")
     for shape, ops in res["shapes"].items():
         for name, r in ops.items():
             print(f"| {shape} | {name} | {r['op_us_p50']:.0f} | {r['memcpy_us_p50']:.0f} | "
                   f"{r['per_entry_overhead_us_p50']:.1f} ({r['per_entry_overhead_us_p10']:.1f}-"
                   f"{r['per_entry_overhead_us_p90']:.1f}) | {r['ratio_to_memcpy_p50']:.2f} | "
-                  f"{r['cpu_per_entry_over_memcpy_us_p50']:.1f} ({r['cpu_per_entry_over_memcpy_us_p10']:.1f}) |")
+                  f"{r['cpu_per_entry_over_memcpy_us_p50']:.1f} ({r['cpu_per_entry_over_memcpy_us_p10']:.1f}) | "
+                  f"{r['client_cpu_per_entry_over_memcpy_us_p50']:.1f} + {r['daemon_cpu_per_entry_us_p50']:.1f} |")
     s = res["small"]
     print(f"\nput+get of one 64 KiB entry: {s['put_get_us_p50']:.0f} us, bare ZeroMQ round trip "
           f"{s['bare_rtt_us_p50']:.0f} us: {s['ratio_to_rtt_p50']:.2f} round trips (paired median)")

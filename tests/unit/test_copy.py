@@ -223,3 +223,16 @@ def test_a_location_whose_size_does_not_match_its_shape_is_refused_not_copied_pa
         tensors.copy_many_out(buf, [0, 64], [16, 4096], ["float32", "float32"], [[4], [8]])
     with pytest.raises(ProtocolError):
         tensors.PoolViews([buf]).view(0, 256, 4096, "float32", [8])
+
+
+@needs_ext
+def test_copy_many_in_streams_a_large_piece_exactly():
+    """A piece of at least STREAM_MIN goes with non-temporal stores, the small ones with memcpy."""
+    big, small = torch.from_numpy(pattern(_copy.STREAM_MIN + 77, 9)), torch.from_numpy(pattern(100, 10))
+    buf = mmap.mmap(-1, GUARD + _copy.STREAM_MIN + 77 + 3 + 100 + GUARD)
+    buf[:] = bytes([FILL]) * len(buf)
+    at_big, at_small = GUARD + 3, GUARD + 3 + big.numel()
+    _copy.copy_many_in(buf, [at_big, at_small], [big.data_ptr(), small.data_ptr()], [big.numel(), 100])
+    view = np.frombuffer(buf, np.uint8)
+    assert (view[at_big:at_small] == big.numpy()).all() and (view[at_small:at_small + 100] == small.numpy()).all()
+    assert (view[:at_big] == FILL).all() and (view[at_small + 100:] == FILL).all()
