@@ -223,16 +223,17 @@ class PutRoute:
         on_device: list[int] = []
         # Several host tensors without checksums: one compiled copy per pool segment for all of
         # them, not one numpy copy each (a put_many of a step's KV blocks: hundreds of entries).
-        batched: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        batched: dict[int, tuple[list[int], list[torch.Tensor], list[int]]] = {}  # pool -> offsets, tensors, sizes
         batch = dest.kind != INLINE and not checksum and len(dest.tensors) > 1
         try:
             for i, t in enumerate(dest.tensors):
                 if batch and not t.is_cuda:
                     extent = dest.extents[i]
                     if not mapping.is_arena(extent.pool):
-                        offsets, tensors = batched.setdefault(extent.pool, ([], []))
+                        offsets, tensors, sizes = batched.setdefault(extent.pool, ([], [], []))
                         offsets.append(extent.offset)
                         tensors.append(t)
+                        sizes.append(dest.items[i].nbytes)
                         continue
                 nbytes = dest.items[i].nbytes
                 if dest.kind == INLINE:
@@ -257,9 +258,9 @@ class PutRoute:
                 if time.monotonic() > dest.deadline:  # as above: the extents may be someone else's now
                     raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
                                           "its bytes were copied: put again")
-                for pool, (offsets, tensors) in batched.items():
-                    end = max(o + _nbytes(t) for o, t in zip(offsets, tensors))
-                    copy_many_into(mapping.rw_for(pool, end, 0), offsets, tensors)
+                for pool, (offsets, tensors, sizes) in batched.items():
+                    end = max(map(sum, zip(offsets, sizes)))
+                    copy_many_into(mapping.rw_for(pool, end, 0), offsets, tensors, sizes)
             if on_device:
                 done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
                                                       [dest.tensors[i] for i in on_device], checksum)

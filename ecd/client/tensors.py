@@ -164,11 +164,11 @@ def contiguous_pieces(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     return tensor.data_ptr(), tensor[0].numel() * item, tensor.stride(0) * item
 
 
-def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor]) -> list[int]:
+def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor], nbytes: list[int] | None = None) -> list[int]:
     """copy_into (no checksum) of many host tensors in one call of the compiled copy: what makes a
     put_many of hundreds of small entries cost little more than its memcpy. Tensors of another
-    layout, or every tensor without ecd._copy, go one by one. Returns the indices copied one by
-    one (none, in the common case) for callers that count them."""
+    layout, or every tensor without ecd._copy, go one by one. `nbytes`: each tensor's size, where
+    the caller has it. Returns the indices copied one by one (none, in the common case)."""
     one_by_one: list[int] = []
     if compiled_copy is None:
         for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
@@ -182,7 +182,7 @@ def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor]) -> list
         if tensor.is_contiguous():  # the common case, without contiguous_pieces' call
             dst.append(offset)
             src.append(tensor.data_ptr())
-            sizes.append(tensor.numel() * tensor.element_size())
+            sizes.append(nbytes[i] if nbytes is not None else tensor.numel() * tensor.element_size())
             continue
         pieces = contiguous_pieces(tensor)
         if pieces is None:
