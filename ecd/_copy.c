@@ -147,12 +147,218 @@ static PyObject *copy(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+/* ---- many small copies in one call (issue 26: per-entry cost) ----------------------------------
+ *
+ * copy_many_in(dst, offsets, addresses, sizes): for each i, dst[offsets[i]:offsets[i] + sizes[i]]
+ * = the sizes[i] bytes at memory address addresses[i]; copy_many_out(src, offsets, addresses,
+ * sizes): the sizes[i] bytes at addresses[i] = src[offsets[i]:offsets[i] + sizes[i]]. `dst`/`src`
+ * is a buffer (the pool mapping), the addresses are those of live contiguous tensors the caller
+ * holds (tensor.data_ptr()): what a put_many or get_many of hundreds of KV blocks does with one
+ * call instead of one Python-level copy (and its buffer and tensor objects) per entry. Every range
+ * is checked against the buffer before anything is copied: a bad one raises ValueError with
+ * nothing written. Pieces of at least STREAM_MIN go into the buffer with non-temporal stores, as
+ * copy() does. The GIL is released while the copies run if they add up to NOGIL_MIN. */
+typedef struct {
+    Py_ssize_t *offsets, *sizes;
+    char **addresses;
+    Py_ssize_t n, total;
+} many_args;
+
+static void many_free(many_args *m)
+{
+    PyMem_Free(m->offsets);
+    PyMem_Free(m->sizes);
+    PyMem_Free(m->addresses);
+}
+
+static int many_parse(PyObject *offsets_obj, PyObject *addresses_obj, PyObject *sizes_obj, Py_ssize_t buf_len,
+                      many_args *m)
+{
+    PyObject *offs = NULL, *addrs = NULL, *sizes = NULL;
+    int rc = -1;
+    memset(m, 0, sizeof(*m));
+    offs = PySequence_Fast(offsets_obj, "offsets must be a sequence of ints");
+    addrs = offs ? PySequence_Fast(addresses_obj, "addresses must be a sequence of ints") : NULL;
+    sizes = addrs ? PySequence_Fast(sizes_obj, "sizes must be a sequence of ints") : NULL;
+    if (sizes == NULL)
+        goto done;
+    m->n = PySequence_Fast_GET_SIZE(offs);
+    if (PySequence_Fast_GET_SIZE(addrs) != m->n || PySequence_Fast_GET_SIZE(sizes) != m->n) {
+        PyErr_SetString(PyExc_ValueError, "offsets, addresses and sizes must have the same length");
+        goto done;
+    }
+    m->offsets = PyMem_New(Py_ssize_t, m->n + 1);
+    m->sizes = PyMem_New(Py_ssize_t, m->n + 1);
+    m->addresses = PyMem_New(char *, m->n + 1);
+    if (m->offsets == NULL || m->sizes == NULL || m->addresses == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m->n; i++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offs, i));
+        Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
+        void *addr = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(addrs, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (off < 0 || size < 0 || off > buf_len || size > buf_len - off) {
+            PyErr_Format(PyExc_ValueError, "copy %zd of %zd bytes at offset %zd does not fit a buffer of %zd bytes",
+                         i, size, off, buf_len);
+            goto done;
+        }
+        if (size > 0 && addr == NULL) {
+            PyErr_Format(PyExc_ValueError, "copy %zd: address 0 for %zd bytes", i, size);
+            goto done;
+        }
+        m->offsets[i] = off;
+        m->sizes[i] = size;
+        m->addresses[i] = (char *)addr;
+        m->total += size;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(offs);
+    Py_XDECREF(addrs);
+    Py_XDECREF(sizes);
+    if (rc < 0)
+        many_free(m);
+    return rc;
+}
+
+static void many_run(char *base, many_args *m, int into)
+{
+    for (Py_ssize_t i = 0; i < m->n; i++) {
+        size_t n = (size_t)m->sizes[i];
+        if (n == 0)
+            continue;
+        char *pool = base + m->offsets[i];
+        if (!into)
+            memcpy(m->addresses[i], pool, n);
+        else if (stream != NULL && m->sizes[i] >= STREAM_MIN_DEFAULT)
+            stream(pool, m->addresses[i], n);
+        else
+            memcpy(pool, m->addresses[i], n);
+    }
+}
+
+static PyObject *copy_many(PyObject *args, int into)
+{
+    PyObject *buf_obj, *offsets, *addresses, *sizes;
+    Py_buffer buf;
+    many_args m;
+    if (!PyArg_ParseTuple(args, into ? "OOOO:copy_many_in" : "OOOO:copy_many_out", &buf_obj, &offsets,
+                          &addresses, &sizes))
+        return NULL;
+    if (PyObject_GetBuffer(buf_obj, &buf, into ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (many_parse(offsets, addresses, sizes, buf.len, &m) < 0) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    if (m.total >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        many_run((char *)buf.buf, &m, into);
+        Py_END_ALLOW_THREADS
+    } else {
+        many_run((char *)buf.buf, &m, into);
+    }
+    many_free(&m);
+    PyBuffer_Release(&buf);
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_many_in(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return copy_many(args, 1);
+}
+
+static PyObject *copy_many_out(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return copy_many(args, 0);
+}
+
+/* copy_many_between(dst_addresses, src_addresses, sizes): for each i, the sizes[i] bytes at
+ * src_addresses[i] to dst_addresses[i], memory of live tensors the caller holds and has checked
+ * (PagedKV.scatter: pool views into the blocks of a paged KV cache, a row per layer). */
+static PyObject *copy_many_between(PyObject *self, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj, *sizes_obj, *dsts = NULL, *srcs = NULL, *sizes = NULL, *result = NULL;
+    many_args m;
+    (void)self;
+    memset(&m, 0, sizeof(m));
+    if (!PyArg_ParseTuple(args, "OOO:copy_many_between", &dst_obj, &src_obj, &sizes_obj))
+        return NULL;
+    dsts = PySequence_Fast(dst_obj, "dst_addresses must be a sequence of ints");
+    srcs = dsts ? PySequence_Fast(src_obj, "src_addresses must be a sequence of ints") : NULL;
+    sizes = srcs ? PySequence_Fast(sizes_obj, "sizes must be a sequence of ints") : NULL;
+    if (sizes == NULL)
+        goto done;
+    m.n = PySequence_Fast_GET_SIZE(dsts);
+    if (PySequence_Fast_GET_SIZE(srcs) != m.n || PySequence_Fast_GET_SIZE(sizes) != m.n) {
+        PyErr_SetString(PyExc_ValueError, "dst_addresses, src_addresses and sizes must have the same length");
+        goto done;
+    }
+    m.offsets = PyMem_New(Py_ssize_t, m.n + 1); /* unused here */
+    m.sizes = PyMem_New(Py_ssize_t, m.n + 1);
+    m.addresses = PyMem_New(char *, 2 * m.n + 1); /* sources, then destinations */
+    if (m.offsets == NULL || m.sizes == NULL || m.addresses == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m.n; i++) {
+        void *dst = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(dsts, i));
+        void *src = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(srcs, i));
+        Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (size < 0 || (size > 0 && (dst == NULL || src == NULL))) {
+            PyErr_Format(PyExc_ValueError, "copy %zd: %zd bytes between addresses %p and %p", i, size, src, dst);
+            goto done;
+        }
+        m.sizes[i] = size;
+        m.addresses[i] = (char *)src;
+        m.addresses[m.n + i] = (char *)dst;
+        m.total += size;
+    }
+    if (m.total >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < m.n; i++)
+            if (m.sizes[i])
+                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < m.n; i++)
+            if (m.sizes[i])
+                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    Py_XDECREF(sizes);
+    many_free(&m);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_VARARGS | METH_KEYWORDS,
      "copy(dst, dst_offset, src, stream_min=STREAM_MIN, isa=None)\n--\n\n"
      "dst[dst_offset:dst_offset + len(src)] = src (contiguous buffers, not overlapping), with\n"
      "non-temporal stores when len(src) >= stream_min and the CPU has them (ISA: the routine\n"
      "used; isa: one of ISAS instead)."},
+    {"copy_many_in", copy_many_in, METH_VARARGS,
+     "copy_many_in(dst, offsets, addresses, sizes)\n--\n\n"
+     "dst[offsets[i]:offsets[i] + sizes[i]] = the sizes[i] bytes at address addresses[i], for every i\n"
+     "(every range is checked before anything is copied)."},
+    {"copy_many_between", copy_many_between, METH_VARARGS,
+     "copy_many_between(dst_addresses, src_addresses, sizes)\n--\n\n"
+     "the sizes[i] bytes at src_addresses[i] to dst_addresses[i], for every i (addresses the caller checked)."},
+    {"copy_many_out", copy_many_out, METH_VARARGS,
+     "copy_many_out(src, offsets, addresses, sizes)\n--\n\n"
+     "the sizes[i] bytes at address addresses[i] = src[offsets[i]:offsets[i] + sizes[i]], for every i\n"
+     "(every range is checked before anything is copied)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,7 +38,7 @@ from .control import ControlClient, _check_encodable, _key_list
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
-from .tensors import copy_out, copy_out_checked, parse_device, view_of
+from .tensors import PoolViews, copy_many_out, copy_out_checked, parse_device
 
 
 class Client(ControlClient):
@@ -72,6 +72,7 @@ class Client(ControlClient):
                 self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
             raise
         self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
+        mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()
         self._puts.forget_reservation()
@@ -137,8 +138,10 @@ class Client(ControlClient):
     def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
         was out: one of them may have been this entry's eviction, read before it was cached."""
-        self._cache.remember_reply(self._map.ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
-                                   catch_up=self._map.local)
+        ring = self._map.ring
+        if ring.next_seq == ring_pos:  # else remember_reply keeps nothing: no key hashed for it
+            self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
+                                       catch_up=self._map.local)
 
     # ---- get / view ---------------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class Client(ControlClient):
         try:
             out: list[torch.Tensor | None] = []
             checks: list[tuple[int, str, Location]] = []  # copies made on a GPU, verified after the wait
+            host: dict[int, list[tuple[int, Location]]] = {}  # pool -> (place in out, location): copied together
             for key, result in zip(keys, results):
                 if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
                     out.append(None)
@@ -247,8 +251,15 @@ class Client(ControlClient):
                         raise self._corrupt(key, loc, actual)
                     out.append(tensor)
                 else:
-                    src = mapping.rw_for(loc.pool, loc.offset, loc.nbytes)
-                    out.append(copy_out(src, loc.offset, loc.nbytes, loc.dtype, loc.shape))
+                    host.setdefault(loc.pool, []).append((len(out), loc))
+                    out.append(None)
+            for pool, located in host.items():  # one compiled copy per pool segment, not one per entry
+                locs = [loc for _, loc in located]
+                src = mapping.rw_for(pool, max(loc.offset + loc.nbytes for loc in locs), 0)
+                copies = copy_many_out(src, [loc.offset for loc in locs], [loc.nbytes for loc in locs],
+                                       [loc.dtype for loc in locs], [loc.shape for loc in locs])
+                for (i, _), tensor in zip(located, copies):
+                    out[i] = tensor
             if batch is not None:
                 batch.wait()
                 from .cuda import tensor_checksum
@@ -291,6 +302,14 @@ class Client(ControlClient):
         on_gpu: list[torch.Tensor] = []
         try:
             views: list[torch.Tensor | None] = []
+            pool_views: PoolViews = mapping.views
+            if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
+                ends: dict[int, int] = {}
+                for r in results:
+                    if isinstance(r, Location) and not mapping.is_arena(r.pool):
+                        ends[r.pool] = max(ends.get(r.pool, 0), r.offset + r.nbytes)
+                for pool, end in ends.items():
+                    mapping.ro_for(pool, end, 0)
             for key, result in zip(keys, results):
                 if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
                     views.append(None)
@@ -310,8 +329,7 @@ class Client(ControlClient):
                         actual = checksum_of(mapping.ro_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes)
                         if actual != loc.checksum:
                             raise self._corrupt(key, loc, actual)
-                    src = mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
-                    tensor = view_of(src, loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                    tensor = pool_views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
                 views.append(tensor)
             yield views
         finally:

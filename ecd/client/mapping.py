@@ -82,6 +82,7 @@ class EpochMapping:
         it); `timeout`: for fetching the descriptors."""
         self.epoch = welcome.epoch
         self.node = welcome.node
+        self.views: Any = None  # the Client's tensors.PoolViews of `ro` (this module stays torch-free)
         self.sizes = [p.size for p in welcome.pools]
         # `[pool.cuda]` arenas: pool numbers after the host segments' (ecd.client.cuda opens them)
         self.arenas = list(welcome.arenas)

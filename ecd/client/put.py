@@ -39,7 +39,7 @@ from ..protocol import (Abort, Acked, Alloc, Allocated, AllocItem, Commit, Commi
                         PutInline)
 from .control import _check_encodable
 from .mapping import EpochMapping
-from .tensors import copy_into, dtype_name, host_tensor
+from .tensors import copy_into, copy_many_into, dtype_name, host_tensor
 
 if TYPE_CHECKING:
     from .client import Client
@@ -221,8 +221,20 @@ class PutRoute:
         mapping = cast(EpochMapping, dest.mapping)
         digests = [0] * len(dest.tensors)
         on_device: list[int] = []
+        # Several host tensors without checksums: one compiled copy per pool segment for all of
+        # them, not one numpy copy each (a put_many of a step's KV blocks: hundreds of entries).
+        batched: dict[int, tuple[list[int], list[torch.Tensor], list[int]]] = {}  # pool -> offsets, tensors, sizes
+        batch = dest.kind != INLINE and not checksum and len(dest.tensors) > 1
         try:
             for i, t in enumerate(dest.tensors):
+                if batch and not t.is_cuda:
+                    extent = dest.extents[i]
+                    if not mapping.is_arena(extent.pool):
+                        offsets, tensors, sizes = batched.setdefault(extent.pool, ([], [], []))
+                        offsets.append(extent.offset)
+                        tensors.append(t)
+                        sizes.append(dest.items[i].nbytes)
+                        continue
                 nbytes = dest.items[i].nbytes
                 if dest.kind == INLINE:
                     if t.is_cuda:
@@ -242,6 +254,13 @@ class PutRoute:
                         continue
                     buf, offset = mapping.rw_for(extent.pool, extent.offset, nbytes), extent.offset
                 digests[i] = copy_into(buf, offset, t, with_checksum=checksum)
+            if batched:
+                if time.monotonic() > dest.deadline:  # as above: the extents may be someone else's now
+                    raise StaleGeneration("the write lease may have expired (leases.write_ttl) before "
+                                          "its bytes were copied: put again")
+                for pool, (offsets, tensors, sizes) in batched.items():
+                    end = max(map(sum, zip(offsets, sizes)))
+                    copy_many_into(mapping.rw_for(pool, end, 0), offsets, tensors, sizes)
             if on_device:
                 done = c._cuda_plane(mapping).copy_in([dest.extents[i] for i in on_device],
                                                       [dest.tensors[i] for i in on_device], checksum)

@@ -11,14 +11,16 @@ evicts what the client and daemon use next), else numpy's copy (memcpy).
 """
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import warnings
 
 import numpy as np
 import torch
 import xxhash
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ProtocolError
 from ..integrity import EMPTY_CHECKSUM, checksum, finish
 from ..protocol import DTYPE_ITEMSIZE
 
@@ -86,8 +88,9 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequest(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
+    if tensor.requires_grad:  # (a new tensor object per put otherwise: it shows at hundreds a put_many)
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
         tensor = tensor.cpu()  # GPU arenas come with the CUDA data plane; stage through host
     if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
         raise InvalidRequest("only dense strided tensors can be stored")
@@ -133,6 +136,131 @@ def copy_into(buf, offset: int, tensor: torch.Tensor, *, with_checksum: bool = F
         if with_checksum:
             return checksum(buf, offset, nbytes)
     return 0
+
+
+# (shape, strides) -> whether a tensor of that layout is contiguous below its outermost dimension
+_ROWS_CONTIGUOUS: dict[tuple[torch.Size, tuple[int, ...]], bool] = {}
+
+
+def contiguous_pieces(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(address, piece bytes, stride bytes) of a host tensor whose bytes lie in equal contiguous
+    pieces: one piece for a contiguous tensor, one per row of the outermost dimension for a
+    tensor contiguous below it (a KV block of every layer, viewed in a paged cache whose layers
+    share one allocation). None for any other layout (numpy copies those)."""
+    if tensor.is_contiguous() or tensor.numel() == 0:
+        nbytes = tensor.numel() * tensor.element_size()
+        return tensor.data_ptr(), nbytes, nbytes
+    if tensor.dim() < 2:
+        return None
+    layout = (tensor.shape, tensor.stride())
+    rows = _ROWS_CONTIGUOUS.get(layout)
+    if rows is None:  # asked once per layout: a KV save's hundreds of blocks share one
+        rows = tensor[0].is_contiguous()
+        if len(_ROWS_CONTIGUOUS) < 1024:
+            _ROWS_CONTIGUOUS[layout] = rows
+    if not rows:
+        return None  # rows overlapping in the source (a stride below a row, even 0) still read right
+    item = tensor.element_size()
+    return tensor.data_ptr(), tensor[0].numel() * item, tensor.stride(0) * item
+
+
+def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor], nbytes: list[int] | None = None) -> list[int]:
+    """copy_into (no checksum) of many host tensors in one call of the compiled copy: what makes a
+    put_many of hundreds of small entries cost little more than its memcpy. Tensors of another
+    layout, or every tensor without ecd._copy, go one by one. `nbytes`: each tensor's size, where
+    the caller has it. Returns the indices copied one by one (none, in the common case)."""
+    one_by_one: list[int] = []
+    if compiled_copy is None:
+        for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
+            copy_into(buf, offset, tensor)
+            one_by_one.append(i)
+        return one_by_one
+    dst: list[int] = []
+    src: list[int] = []
+    sizes: list[int] = []
+    for i, (offset, tensor) in enumerate(zip(offsets, tensors)):
+        if tensor.is_contiguous():  # the common case, without contiguous_pieces' call
+            dst.append(offset)
+            src.append(tensor.data_ptr())
+            sizes.append(nbytes[i] if nbytes is not None else tensor.numel() * tensor.element_size())
+            continue
+        pieces = contiguous_pieces(tensor)
+        if pieces is None:
+            copy_into(buf, offset, tensor)
+            one_by_one.append(i)
+            continue
+        address, piece, stride = pieces
+        if piece == stride:  # one contiguous piece
+            dst.append(offset)
+            src.append(address)
+            sizes.append(piece)
+            continue
+        for row in range(tensor.shape[0]):
+            dst.append(offset + row * piece)
+            src.append(address + row * stride)
+            sizes.append(piece)
+    compiled_copy.copy_many_in(buf, dst, src, sizes)
+    return one_by_one
+
+
+def copy_many_out(buf, offsets: list[int], nbytes: list[int], dtypes: list[str],
+                  shapes: list[list[int]]) -> list[torch.Tensor]:
+    """copy_out of many entries of one pool mapping: new tensors, filled by one call of the
+    compiled copy (numpy, one by one, without it)."""
+    if compiled_copy is None:
+        return [copy_out(buf, o, n, d, s) for o, n, d, s in zip(offsets, nbytes, dtypes, shapes)]
+    dtype_of = TORCH_DTYPES.get
+    out = []
+    for dtype, shape, size in zip(dtypes, shapes, nbytes):
+        tdtype = dtype_of(dtype)
+        tensor = torch.empty(shape, dtype=tdtype if tdtype is not None else torch_dtype(dtype))
+        if tensor.numel() * tensor.element_size() != size:  # copied by address: never past its end
+            raise ProtocolError(f"daemon sent a location of {size} bytes for a {dtype} tensor of shape {shape}")
+        out.append(tensor)
+    compiled_copy.copy_many_out(buf, offsets, [t.data_ptr() for t in out], nbytes)
+    return out
+
+
+def copy_rows_between(dst_addresses: list[int], src_addresses: list[int], sizes: list[int]) -> bool:
+    """Many copies between memory the caller holds and has bounds-checked, in one call of the
+    compiled copy; False (nothing copied) without it: the caller copies its own way."""
+    if compiled_copy is None:
+        return False
+    compiled_copy.copy_many_between(dst_addresses, src_addresses, sizes)
+    return True
+
+
+@functools.lru_cache(maxsize=256)  # entries come in a few shapes (KV blocks, embeddings)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    return tuple(strides)
+
+
+class PoolViews:
+    """Zero-copy tensors over entries of pool mappings, for view_many: one typed tensor over each
+    whole mapping (per dtype, made on first use) and an as_strided of it per entry, about half
+    what a torch.frombuffer per entry costs. Each view keeps its mapping alive, as view_of's do."""
+
+    __slots__ = ("bufs", "_whole")
+
+    def __init__(self, bufs: list) -> None:
+        self.bufs = bufs
+        self._whole: dict[tuple[int, str], torch.Tensor] = {}
+
+    def view(self, pool: int, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:
+        itemsize = DTYPE_ITEMSIZE[dtype]
+        if nbytes == 0 or offset % itemsize:  # (pool offsets are aligned: not for an entry of a pool)
+            return view_of(self.bufs[pool], offset, nbytes, dtype, shape)
+        whole = self._whole.get((pool, dtype))
+        if whole is None:
+            buf = self.bufs[pool]
+            whole = self._whole[pool, dtype] = torch.frombuffer(buf, dtype=torch_dtype(dtype),
+                                                                count=len(buf) // itemsize)
+        if math.prod(shape) * itemsize != nbytes:  # a view of exactly the entry's bytes, as view_of's
+            raise ProtocolError(f"daemon sent a location of {nbytes} bytes for a {dtype} tensor of shape {shape}")
+        return whole.as_strided(shape, _contiguous_strides(tuple(shape)), offset // itemsize)
 
 
 def copy_out(buf, offset: int, nbytes: int, dtype: str, shape: list[int]) -> torch.Tensor:

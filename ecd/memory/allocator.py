@@ -59,6 +59,30 @@ class ExtentAllocator:
         self.used += size
         return offset
 
+    def alloc_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of new extents of `sizes` (aligned) bytes, one after the other in the best-fitting
+        free extent that holds them all: one search for a batch instead of one per extent. Each is
+        an extent of its own (freed, and coalesced, by free_extent like any other); None when no
+        free extent is big enough for the run."""
+        total = sum(sizes)
+        i = self._by_size.bisect_left((total, -1))
+        if i == len(self._by_size) or not sizes:
+            return None
+        block_size, offset = self._by_size.pop(i)
+        del self._free_start[offset]
+        del self._free_end[offset + block_size]
+        if block_size > total:
+            self._add_free(offset + total, block_size - total)
+        offsets = []
+        starts = self._starts
+        for size in sizes:
+            slot = offset // ALIGNMENT
+            starts[slot >> 3] |= 1 << (slot & 7)
+            offsets.append(offset)
+            offset += size
+        self.used += total
+        return offsets
+
     def free_extent(self, offset: int, nbytes: int) -> None:
         """Give back the extent `alloc(nbytes)` returned at `offset`."""
         size = align_up(max(nbytes, 1))

@@ -243,3 +243,23 @@ def test_random_alloc_free_keeps_invariants(sequence):
         check_invariants(alloc, live)
     assert alloc.free_extents() == [(0, CAPACITY)]
     assert alloc.used == 0
+
+
+def test_alloc_run_places_extents_back_to_back_each_freed_on_its_own():
+    """alloc_run: one search for a batch; each extent is an ordinary one afterwards (freed and
+    coalesced one by one), and a run that fits nowhere takes nothing."""
+    a = ExtentAllocator(64 * ALIGNMENT)
+    first = a.alloc(2 * ALIGNMENT)  # something before the run
+    sizes = [ALIGNMENT, 3 * ALIGNMENT, ALIGNMENT]
+    offsets = a.alloc_run(sizes)
+    assert offsets == [first + 2 * ALIGNMENT, first + 3 * ALIGNMENT, first + 6 * ALIGNMENT]
+    assert a.used == 7 * ALIGNMENT
+    assert a.alloc_run([64 * ALIGNMENT]) is None and a.used == 7 * ALIGNMENT  # no room: nothing taken
+    assert a.alloc_run([]) is None
+    a.free_extent(offsets[1], 3 * ALIGNMENT)  # the middle one alone: a hole between its neighbours
+    assert (offsets[1], 3 * ALIGNMENT) in a.free_extents()
+    with pytest.raises(ValueError):
+        a.free_extent(offsets[0], 2 * ALIGNMENT)  # not its size: the next extent does not start there
+    for offset, size in [(offsets[0], ALIGNMENT), (offsets[2], ALIGNMENT), (first, 2 * ALIGNMENT)]:
+        a.free_extent(offset, size)
+    assert a.used == 0 and a.free_extents() == [(0, 64 * ALIGNMENT)]

@@ -134,3 +134,105 @@ def test_views_of_read_only_pool_memory_warn_nothing_and_leave_the_filters_alone
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", str(script)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ---- many entries in one call (issue 26: put_many / get_many of hundreds of KV blocks) ----------
+
+@needs_ext
+def test_copy_many_in_and_out_copy_every_range_and_refuse_a_bad_one_before_copying():
+    src = [torch.from_numpy(pattern(n, n + 1)) for n in (0, 1, 255, 4096, 4097)]
+    offsets = [0, 7, 300, 1024, 9000]
+    buf = mmap.mmap(-1, 16384)
+    buf[:] = bytes([FILL]) * len(buf)
+    _copy.copy_many_in(buf, offsets, [t.data_ptr() for t in src], [t.numel() for t in src])
+    view = np.frombuffer(buf, np.uint8)
+    for off, t in zip(offsets, src):
+        assert (view[off:off + t.numel()] == t.numpy()).all()
+    assert view[9000 + 4097] == FILL and view[6] == FILL  # nothing outside the ranges
+    back = [torch.empty(t.numel(), dtype=torch.uint8) for t in src]
+    _copy.copy_many_out(buf, offsets, [t.data_ptr() for t in back], [t.numel() for t in back])
+    assert all(torch.equal(a, b) for a, b in zip(src, back))
+    before = bytes(buf)
+    ok = torch.from_numpy(pattern(16, 3))
+    for offsets_, sizes in [([0, 16380], [16, 16]), ([0, -1], [16, 1]), ([0, 0], [16, -5])]:
+        with pytest.raises(ValueError):
+            _copy.copy_many_in(buf, offsets_, [ok.data_ptr()] * 2, sizes)
+    assert bytes(buf) == before  # the first (good) range was not copied either
+    with pytest.raises(ValueError, match="same length"):
+        _copy.copy_many_in(buf, [0], [ok.data_ptr(), ok.data_ptr()], [16])
+    with pytest.raises(ValueError, match="address 0"):
+        _copy.copy_many_out(buf, [0], [0], [16])
+
+
+def _many_sources() -> list[torch.Tensor]:
+    """Contiguous, empty, bf16, rows of a paged cache (strided below the outermost dimension, as
+    PagedKV.gather hands them) and a transposed tensor (no contiguous rows: numpy copies it)."""
+    g = torch.Generator().manual_seed(5)
+    paged = torch.randn(3, 8, 4, 16, generator=g).to(torch.float16)  # [layers, blocks, ...]
+    stacked = paged.permute(1, 0, 2, 3)  # [blocks, layers, ...]: each block's layers are apart
+    return [torch.randn(33, generator=g), torch.empty(0, 5), torch.randn(4, 7, generator=g).to(torch.bfloat16),
+            stacked[2], stacked[5], torch.randn(6, 5, generator=g).t(), torch.arange(3, dtype=torch.int64)]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_copy_many_into_and_out_round_trip_every_layout(monkeypatch, compiled):
+    if compiled and _copy is None:
+        pytest.skip("ecd._copy is not built")
+    if not compiled:
+        monkeypatch.setattr(tensors, "compiled_copy", None)
+    sources = _many_sources()
+    assert tensors.contiguous_pieces(sources[3])[1:] == (4 * 16 * 2, 8 * 4 * 16 * 2)  # a row per layer
+    assert tensors.contiguous_pieces(sources[5]) is None
+    sizes = [t.numel() * t.element_size() for t in sources]
+    offsets, at = [], 512
+    for size in sizes:
+        offsets.append(at)
+        at += size + 256
+    buf = mmap.mmap(-1, at)
+    one_by_one = tensors.copy_many_into(buf, offsets, sources)
+    assert one_by_one == ([5] if compiled else list(range(len(sources))))
+    dtypes = [tensors.dtype_name(t.dtype) for t in sources]
+    shapes = [list(t.shape) for t in sources]
+    copies = tensors.copy_many_out(buf, offsets, sizes, dtypes, shapes)
+    views = tensors.PoolViews([buf])
+    for t, copy, off, size, dtype, shape in zip(sources, copies, offsets, sizes, dtypes, shapes):
+        assert copy.dtype == t.dtype and copy.shape == t.shape and torch.equal(copy, t)
+        view = views.view(0, off, size, dtype, shape)
+        assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
+        assert torch.equal(view, tensors.view_of(buf, off, size, dtype, shape))
+
+
+def test_pool_views_are_zero_copy_and_take_odd_offsets_the_slow_way():
+    buf = mmap.mmap(-1, 8192)
+    views = tensors.PoolViews([buf])
+    v = views.view(0, 4096, 64, "float32", [4, 4])
+    np.frombuffer(buf, np.float32)[1024] = 7.5  # the first element of the view, written through the buffer
+    assert v[0, 0].item() == 7.5
+    odd = views.view(0, 6, 8, "float32", [2])  # not a multiple of the itemsize: torch.frombuffer instead
+    assert odd.shape == (2,)
+    assert views.view(0, 0, 4, "float32", []).shape == ()  # a scalar
+
+
+def test_a_location_whose_size_does_not_match_its_shape_is_refused_not_copied_past_the_tensor():
+    """copy_many_out copies by address and PoolViews strides over the whole pool: a location that
+    names more bytes than its shape holds must raise, not write past a tensor or read another
+    entry's bytes (view_of and numpy refused it by their own checks)."""
+    from ecd.errors import ProtocolError
+    buf = mmap.mmap(-1, 8192)
+    with pytest.raises(ProtocolError):
+        tensors.copy_many_out(buf, [0, 64], [16, 4096], ["float32", "float32"], [[4], [8]])
+    with pytest.raises(ProtocolError):
+        tensors.PoolViews([buf]).view(0, 256, 4096, "float32", [8])
+
+
+@needs_ext
+def test_copy_many_in_streams_a_large_piece_exactly():
+    """A piece of at least STREAM_MIN goes with non-temporal stores, the small ones with memcpy."""
+    big, small = torch.from_numpy(pattern(_copy.STREAM_MIN + 77, 9)), torch.from_numpy(pattern(100, 10))
+    buf = mmap.mmap(-1, GUARD + _copy.STREAM_MIN + 77 + 3 + 100 + GUARD)
+    buf[:] = bytes([FILL]) * len(buf)
+    at_big, at_small = GUARD + 3, GUARD + 3 + big.numel()
+    _copy.copy_many_in(buf, [at_big, at_small], [big.data_ptr(), small.data_ptr()], [big.numel(), 100])
+    view = np.frombuffer(buf, np.uint8)
+    assert (view[at_big:at_small] == big.numpy()).all() and (view[at_small:at_small + 100] == small.numpy()).all()
+    assert (view[:at_big] == FILL).all() and (view[at_small + 100:] == FILL).all()

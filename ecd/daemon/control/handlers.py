@@ -87,7 +87,10 @@ class Handlers:
             case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
                 pools = store.tier(arena)
-                extents = [store.alloc(session, ns, item, pools) for item in items]
+                run = store.placement.place_run(ns, items, pools)  # one allocator search for them all
+                extents: list[Extent | Failure] = (
+                    [store.open_write(session, ns, item, placed) for item, placed in zip(items, run)]
+                    if run is not None else [store.alloc(session, ns, item, pools) for item in items])
                 store.host.check_fresh(extents)  # a truncated pool file is whole again before the client copies
                 return Allocated(rid, extents)
             case Commit(id=rid, generations=generations, reserve=reserve, checksums=checksums, persist=persist):

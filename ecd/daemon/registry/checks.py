@@ -27,9 +27,11 @@ class RequestChecks:
         limit = self.r.limits.max_key_bytes
         if len(key) == 0:
             return Failure(Code.INVALID, "empty key")
-        if len(key) > limit or len(key.encode()) > limit:
+        # UTF-8 takes at most 4 bytes a character: a name this short needs no encoding to measure
+        # (one encode per item was a tenth of a batched Alloc's checks)
+        if 4 * len(key) > limit and (len(key) > limit or len(key.encode()) > limit):
             return Failure(Code.LIMIT, f"key of {len(key.encode())} bytes exceeds limits.max_key_bytes={limit}")
-        if len(ns) > limit or len(ns.encode()) > limit:
+        if 4 * len(ns) > limit and (len(ns) > limit or len(ns.encode()) > limit):
             return Failure(Code.LIMIT, f"namespace longer than limits.max_key_bytes={limit}")
         return None
 

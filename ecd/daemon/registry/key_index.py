@@ -5,9 +5,12 @@ items, len) but does not keep such a tuple per entry: a flat dict would hold one
 every entry, where this holds one dict per namespace (a few)."""
 from __future__ import annotations
 
-from typing import Iterator
+from types import MappingProxyType
+from typing import Iterator, Mapping
 
 from .entries import Entry
+
+_NONE: Mapping[str, Entry] = MappingProxyType({})
 
 
 class KeyIndex:
@@ -20,6 +23,10 @@ class KeyIndex:
     def get(self, ns_key: tuple[str, str], default: Entry | None = None) -> Entry | None:
         keys = self._by_ns.get(ns_key[0])
         return default if keys is None else keys.get(ns_key[1], default)
+
+    def namespace(self, ns: str) -> Mapping[str, Entry]:
+        """The READY entries of `ns` by key (read only): a batch's lookups without a tuple each."""
+        return self._by_ns.get(ns, _NONE)
 
     def __contains__(self, ns_key: tuple[str, str]) -> bool:
         keys = self._by_ns.get(ns_key[0])

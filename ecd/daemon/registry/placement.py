@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from ...errors import Code
 from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.ring import EventKind
-from ...protocol import Failure
+from ...protocol import AllocItem, Failure
 from .entries import Entry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +104,26 @@ class Placement:
             if over <= 0:
                 break
         return victims
+
+    def place_run(self, ns: str, items: list[AllocItem], pools: tuple[int, ...]) -> list[tuple[int, int]] | None:
+        """(pool, offset) of each of an Alloc's items, one after the other in a single free extent
+        of one of `pools` (ExtentAllocator.alloc_run: one search for the batch), when every item
+        passes its checks, the namespace has no quota, and a hole holds them all without evicting
+        anything; else None (nothing taken), and the items go one by one (Store.alloc)."""
+        r = self.r
+        if len(items) < 2 or ns in r.quotas:
+            return None
+        item_failure = r.checks.item
+        sizes = []
+        for item in items:
+            if item_failure(ns, item, pools) is not None:
+                return None  # refused in its own slot, one by one
+            sizes.append(align_up(max(item.nbytes, 1)))
+        for pool in pools:
+            offsets = r.host.allocators[pool].alloc_run(sizes)
+            if offsets is not None:
+                return [(pool, offset) for offset in offsets]
+        return None
 
     def place(self, nbytes: int, ns: str | None, required: list[Entry] | tuple = (),
                evict: bool = True, pools: tuple[int, ...] | None = None,

@@ -208,14 +208,12 @@ class Store:
 
     def alloc(self, session: Session, ns: str, item: AllocItem,
               pools: tuple[int, ...] | None = None, clean_first: bool = False) -> Extent | Failure:
-        """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`:
-        see Placement.place."""
+        """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`: see Placement.place."""
         pools = self.host.host_pools if pools is None else pools
-        failure = self.checks.item(ns, item, pools)
+        placement, failure = self.placement, self.checks.item(ns, item, pools)
         if failure is not None:
             self.counters["alloc_refused"] += 1
             return failure
-        placement = self.placement
         victims = placement.quota_victims(ns, align_up(max(item.nbytes, 1)))
         if isinstance(victims, Failure):
             return victims
@@ -223,6 +221,10 @@ class Store:
         if placed is None:
             self.counters["pool_full"] += 1
             return Failure(Code.POOL_FULL, placement.pool_full_message(item.nbytes, pools))
+        return self.open_write(session, ns, item, placed)
+
+    def open_write(self, session: Session, ns: str, item: AllocItem, placed: tuple[int, int]) -> Extent:
+        """A WRITING entry for a checked item at `placed` (pool, offset), owned by `session`."""
         generation = self.take_generation()
         now = self.clock()
         # Namespaces and dtypes interned (they repeat across entries; the interpreter drops an
@@ -257,10 +259,9 @@ class Store:
     def _stamp(self) -> float:
         """The clock for last_access and publication stamps, to STAMP_RESOLUTION_S."""
         now = self.clock()
-        if now - self._last_stamp < STAMP_RESOLUTION_S:
-            return self._last_stamp
-        self._last_stamp = now
-        return now
+        if now - self._last_stamp >= STAMP_RESOLUTION_S:
+            self._last_stamp = now
+        return self._last_stamp
 
     def commit(self, session: Session, generation: int, checksum: int = 0) -> Failure | None:
         """Publish a written entry; `checksum` (0: none) is stored with it and handed to readers."""
@@ -292,8 +293,9 @@ class Store:
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
         self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
         old = self.index.get((entry.ns, entry.key))
+        keyhash = entry.keyhash  # hashed once for both events of a replace
         if old is not None:  # an atomic replace: current readers keep the old bytes
-            self.unindex(old, EventKind.DELETED)
+            self.unindex(old, EventKind.DELETED, keyhash)
             self.counters["evicted_replaced"] += 1
             if old.pins:
                 self.deadlines.move_pins(old, entry)
@@ -303,7 +305,7 @@ class Store:
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self.placement.make_evictable(entry)
-        self._announce(EventKind.PUBLISHED, entry)
+        self._announce(EventKind.PUBLISHED, entry, keyhash)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
@@ -337,8 +339,9 @@ class Store:
         and start coming back for the next ask."""
         self.checks.get(session, ns, keys)
         # entries a pool truncation cut are dropped before they could be leased
-        self.host.check_pools(entry.pool for key in keys if (entry := self.index.get((ns, key))) is not None)
-        missing = {key for key in keys if (ns, key) not in self.index}
+        ready = self.index.namespace(ns)
+        self.host.check_pools(entry.pool for key in keys if (entry := ready.get(key)) is not None)
+        missing = {key for key in keys if key not in ready}
         # keys the lower tier holds come back into the host pool first (LowerTier.promote): the
         # request parks until they are READY, however short its wait (a promotion failure
         # answers it at once)
@@ -356,21 +359,21 @@ class Store:
     def lease_all(self, session: Session, ns: str, keys: list[str]) -> list[Location | Failure]:
         """Read-lease the keys that are READY now; the others are KEY_NOT_FOUND."""
         results: list[Location | Failure] = []
-        now = self._stamp()
-        make_unevictable = self.placement.make_unevictable
+        now, ready, leases, placement = self._stamp(), self.index.namespace(ns), session.leases, self.placement
+        hits = read_bytes = 0  # counted once for the batch
         for key in keys:
-            entry = self.index.get((ns, key))
+            entry = ready.get(key)
             if entry is None:
-                self.counters["misses"] += 1
                 results.append(Failure(Code.KEY_NOT_FOUND, f"no entry {key!r} in namespace {ns!r}"))
                 continue
-            self.counters["hits"] += 1
-            self.counters["read_bytes"] += entry.nbytes
+            hits += 1
+            read_bytes += entry.nbytes
             entry.readers += 1
             entry.last_access = now
-            make_unevictable(entry)
-            session.leases[entry.generation] += 1
+            placement.make_unevictable(entry)
+            leases[entry.generation] += 1
             results.append(entry.location())
+        self.counters.update(hits=hits, misses=len(keys) - hits, read_bytes=read_bytes)
         return results
 
     def release(self, session: Session, generation: int) -> Failure | None:
@@ -483,24 +486,25 @@ class Store:
         elif entry.state is State.READY and not entry.readers and not entry.pins:
             self.placement.make_evictable(entry)
 
-    def unindex(self, entry: Entry, kind: EventKind) -> None:
+    def unindex(self, entry: Entry, kind: EventKind, keyhash: int | None = None) -> None:
         """A READY entry leaves the index (evicted, deleted, replaced): a ring event says so."""
         del self.index[(entry.ns, entry.key)]
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
-        self._announce(kind, entry)
+        self._announce(kind, entry, keyhash)
 
-    def _announce(self, kind: EventKind, entry: Entry) -> None:
-        """The ring event of `entry` being published, evicted or deleted. While the lower tier
-        holds the key (spilled, or promoted from it), its record keeps the key present: only the
-        event is written, the presence table stays as it is."""
+    def _announce(self, kind: EventKind, entry: Entry, keyhash: int | None = None) -> None:
+        """The ring event of `entry` being published, evicted or deleted (`keyhash`: its key's, if
+        known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
+        the key present: only the event is written, the presence table stays as it is."""
+        keyhash = entry.keyhash if keyhash is None else keyhash
         if self.lower_tier.holds(entry.ns, entry.key):
-            self.ring.append(kind, entry.keyhash, entry.generation)
+            self.ring.append(kind, keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
-            self.ring.publish(entry.keyhash, entry.generation)
+            self.ring.publish(keyhash, entry.generation)
         else:
-            self.ring.unpublish(kind, entry.keyhash, entry.generation)
+            self.ring.unpublish(kind, keyhash, entry.generation)
 
     def retire_or_free(self, entry: Entry) -> None:
         """An unindexed entry: kept (RETIRED) while readers hold it, else freed."""

@@ -10,6 +10,8 @@ from typing import cast
 import numpy as np
 import torch
 
+from ...client.tensors import copy_rows_between
+
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -57,6 +59,9 @@ class PagedKV:
         self.use_numpy = self.device.type == "cpu"
         self._np_layers = [_np(t) for t in layers] if self.use_numpy else None
         self._np_stacked = _np(self.stacked) if self.use_numpy and self.stacked is not None else None
+        # one layer's block is one contiguous row (what _scatter_rows copies by address)
+        self._rows_contiguous = (self.stacked is not None and self.num_blocks > 0
+                                 and self.stacked[0, 0].is_contiguous())
         self._staging_buf: torch.Tensor | None = None
 
     @staticmethod
@@ -151,8 +156,34 @@ class PagedKV:
             return missing, failed + good_ids, exc
         return missing, failed, None
 
+    def _scatter_rows(self, block_ids: list[int], entries: list[torch.Tensor]) -> bool:
+        """A CPU engine's load into the stacked cache as one compiled copy of every layer's row
+        of every block (ecd.client.tensors.copy_rows_between), not a numpy copy per block: for
+        a step's hundreds of KV blocks that per-block work was most of the load's cost. False
+        (nothing copied) where the layout or the build does not allow it."""
+        stacked = self.stacked
+        if stacked is None or not self._rows_contiguous:
+            return False
+        layers = stacked.shape[1]
+        item = stacked.element_size()
+        row = stacked[0, 0].numel() * item
+        block_step, layer_step, base = stacked.stride(0) * item, stacked.stride(1) * item, stacked.data_ptr()
+        dst: list[int] = []
+        src: list[int] = []
+        for b, t in zip(block_ids, entries):
+            if (not 0 <= b < self.num_blocks or tuple(t.shape) != self.entry_shape or t.dtype != self.dtype
+                    or not t.is_cpu or not t.is_contiguous()):
+                return False  # raw addresses: anything unchecked goes the numpy way (which raises)
+            at, start = base + b * block_step, t.data_ptr()
+            for layer in range(layers):
+                dst.append(at + layer * layer_step)
+                src.append(start + layer * row)
+        return copy_rows_between(dst, src, [row] * len(dst))
+
     def scatter(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
         if not block_ids:
+            return
+        if self.use_numpy and self._scatter_rows(block_ids, entries):
             return
         if self.use_numpy:
             for b, t in zip(block_ids, entries):
