@@ -7,7 +7,7 @@ when get_many returns), made with one copy: one buffer of the entry's size alloc
 copy on the way (a contiguous(), a bytes object, a numpy array). tests/copy_count.py counts the
 buffers the allocators saw; the controls below show it sees the copies a load must not make.
 The CUDA path (device="cuda": one host-to-device copy out of the registered pool, straight into
-device memory) is tests/gpu/test_one_copy.py.
+device memory) is tests/gpu/test_gpu_one_copy.py.
 """
 from __future__ import annotations
 

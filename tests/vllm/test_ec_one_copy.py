@@ -5,7 +5,7 @@ step (tests/vllm/test_ec_connector.py's Step), on a CPU build: each tensor put i
 cache must hold the encoder output's bits, lie outside the daemon's pool (the load's lease ends
 with the call), and be the only buffer of its size the load allocated (tests/copy_count.py: torch's
 allocations and Python's, seen by the allocators). The client-level test of the same path, and
-its controls, are tests/integration/test_one_copy.py; on a GPU, tests/gpu/test_one_copy.py.
+its controls, are tests/integration/test_one_copy.py; on a GPU, tests/gpu/test_gpu_one_copy.py.
 """
 from __future__ import annotations
 
