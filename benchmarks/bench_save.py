@@ -19,7 +19,8 @@ divided by the memcpy taken in the same rep (paired ratios); the table gives the
 the median of the per-rep ecd / ECExampleConnector ratios. It starts its own daemon
 (benchmarks/bench_daemon.py) and stops it with SIGTERM.
 
-  python benchmarks/bench_save.py [--reps N] [--sizes 576,2304] [--json PATH]
+  make bench-save, or: .venv-vllm/bin/python benchmarks/bench_save.py [--reps N] [--sizes 576,2304]
+  [--json PATH] (safetensors, which vLLM brings, is needed: the vLLM venv has it)
 """
 from __future__ import annotations
 
