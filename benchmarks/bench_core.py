@@ -38,7 +38,7 @@ from ecd.client.client import Client
 from ecd.client.tensors import write_bytes
 from ecd.memory.host import ShmFile
 
-from bench_daemon import BenchDaemon, write_results
+from bench_daemon import BenchDaemon, pool_prefaulted, write_results
 
 MIB = 1 << 20
 SIZES_MIB = (1, 16, 64)
@@ -130,7 +130,7 @@ def _echo_server(endpoint: str, socket_type: str, conn) -> None:
 
 def _consumer(endpoint: str, conn) -> None:
     """Process B of the hand-off. Also puts the key that process A's exists() looks up."""
-    c = Client(endpoint, name="bench-consumer")
+    c = pool_prefaulted(Client(endpoint, name="bench-consumer"))
     c.put("present/exists", torch.zeros(16))
     conn.send("ready")
     while True:
@@ -175,7 +175,7 @@ def _bare_round_trips(endpoint: str, start_at: int, duration_s: float) -> tuple[
 
 def _ops_worker(endpoint: str, wid: int, conn) -> None:
     """One of the throughput clients: round-robin exists of a present key (unpinned) / small put / small get."""
-    c = Client(endpoint, name=f"bench-ops-{wid}")
+    c = pool_prefaulted(Client(endpoint, name=f"bench-ops-{wid}"))
     small = torch.from_numpy(prefaulted(OPS_SMALL_ELEMS * 4))
     ex_keys = [f"ops/ex/{j}" for j in range(OPS_KEYS)]  # put by the main process, never by us
     get_keys = [f"ops/get/{j}" for j in range(OPS_KEYS)]

@@ -7,8 +7,11 @@
  * round trip after a 16 MiB copy cost ~400 us instead of ~100 us). Nobody on this core reads the
  * pool extent right after a put, so for copies of at least `stream_min` bytes the stores bypass
  * the cache (SSE2 `movntdq`, AVX2 `vmovntdq` where the CPU has it, chosen once at import).
+ * The streaming loops also prefetch the source non-temporally a little ahead (PREFETCH_AHEAD).
  * Smaller copies, and every CPU that is not x86, use memcpy. An sfence at the end orders the
  * streamed bytes before any later store (the Publish that makes them visible to readers).
+ * A get's copy out of the pool into a new tensor goes through here too: the same reasons hold
+ * for a destination of several MiB (a 16 MiB get: ~0.6-0.7x the time of numpy's copy).
  *
  * copy(dst, dst_offset, src, stream_min=STREAM_MIN, isa=None): dst[dst_offset:dst_offset + len(src)]
  * = src. `dst`: a writable contiguous buffer; `src`: a contiguous buffer (bytes, numpy array,
@@ -32,11 +35,18 @@
 #define STREAM_MIN_DEFAULT (4 << 20)
 /* Copies this small keep the GIL: releasing and taking it back costs more than they do. */
 #define NOGIL_MIN (64 << 10)
+/* How far ahead of the loads the source is prefetched, non-temporally (PREFETCHNTA): the loads
+ * find their lines already on the way instead of waiting for DRAM one miss at a time, and the
+ * source, read once, does not push the daemon's and the client's working sets out of the caches
+ * (a 16 MiB put from a source the caches had let go of: 12-19% faster than without, on the
+ * development VM; distances of 512-2048 bytes did about as well). */
+#define PREFETCH_AHEAD 1024
 
 typedef void (*stream_fn)(char *dst, const char *src, size_t n);
 
 #ifdef ECD_X86
-/* Aligns dst to 16 bytes with memcpy, streams 64-byte blocks, memcpys the tail. */
+/* Aligns dst to 16 bytes with memcpy, streams 64-byte blocks, memcpys the tail. A prefetch past
+ * the end of src is harmless: prefetches never fault. */
 __attribute__((target("sse2"))) static void stream_sse2(char *dst, const char *src, size_t n)
 {
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -47,6 +57,7 @@ __attribute__((target("sse2"))) static void stream_sse2(char *dst, const char *s
     src += head;
     n -= head;
     for (; n >= 64; n -= 64, src += 64, dst += 64) {
+        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
         __m128i a = _mm_loadu_si128((const __m128i *)src);
         __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
@@ -71,6 +82,8 @@ __attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *s
     src += head;
     n -= head;
     for (; n >= 128; n -= 128, src += 128, dst += 128) {
+        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
+        _mm_prefetch(src + PREFETCH_AHEAD + 64, _MM_HINT_NTA);
         __m256i a = _mm256_loadu_si256((const __m256i *)src);
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
         __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));

@@ -50,7 +50,8 @@ class Client(ControlClient):
         """`curve_secret_key`: this client's key file (NAME.key_secret from `ecd keygen`) and
         `curve_server_key`: the daemon's public key (its .key file, or the 40-character Z85
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
-        prefault the pool mappings when they are made (MAP_POPULATE) rather than on first use."""
+        prefault the pool mappings ahead of first use: in a background thread where the kernel
+        can (ecd.memory.prefault; `mapping.prefaulting`), else when they are made (MAP_POPULATE)."""
         self.populate = populate
         self._puts = PutRoute()  # the put route, and the reservation for this client's next put
         self._map: EpochMapping | None = None

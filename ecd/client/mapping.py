@@ -13,12 +13,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 from typing import Any
 
 from .. import fd_passing
 from ..errors import Code, DaemonUnavailable, EcdError, InvalidRequest, ProtocolError, error_from_code
 from ..memory.host import ShmError, ShmFile, shm_path
+from ..memory import prefault
 from ..memory.memfd import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SHRINK, map_fd
 from ..memory.ring import ASK, RingReader
 from ..protocol import Extent, Location, Welcome
@@ -89,9 +91,21 @@ class EpochMapping:
         self.arena_sizes = {a.index: a.size for a in welcome.arenas}
         self.local = True
         self.sealed = bool(welcome.fd_socket)  # memfds: their size cannot change
+        # `populate`: the pools' page tables built ahead of the first copies, in the background
+        # where the kernel can (ecd.memory.prefault), else by MAP_POPULATE while mapping
+        self.prefaulting: threading.Thread | None = None
+        in_background = populate and prefault.supported()
+        if in_background:
+            populate = False
         if self.sealed:
             self._map_passed(welcome, populate, endpoint, timeout)
-            return
+        else:
+            self._map_named(welcome, populate)
+        if in_background and self.rw:
+            self.prefaulting = prefault.start(self.rw, self.ro)
+
+    def _map_named(self, welcome: Welcome, populate: bool) -> None:
+        """The pools and ring as /dev/shm files of the names the Welcome gives."""
         try:
             # The ring first: missing, or another daemon's (its epoch differs), means the daemon
             # is on another host and its pools are out of reach.

@@ -111,6 +111,47 @@ def test_copy_into_other_dtypes_and_layouts(monkeypatch, compiled):
 
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy-fallback"])
+@pytest.mark.parametrize("size", [1, 4095, 4 * MIB - 1, 4 * MIB, 4 * MIB + 3, 16 * MIB + 7])
+def test_copy_out_gives_the_pool_bytes(monkeypatch, compiled, size):
+    """copy_out (get's copy into a new tensor) through ecd._copy (streaming from STREAM_MIN) and
+    through numpy, from unaligned pool offsets."""
+    if compiled and _copy is None:
+        pytest.skip("ecd._copy is not built")
+    if not compiled:
+        monkeypatch.setattr(tensors, "compiled_copy", None)
+    for offset in (0, 1, 4099):
+        src = pattern(offset + size, size + offset)
+        out = tensors.copy_out(src, offset, size, "uint8", [size])
+        assert np.array_equal(out.numpy(), src[offset:])
+
+
+@needs_ext
+def test_streaming_copy_reads_nothing_past_its_source():
+    """The streaming loops prefetch ahead of the source: at the very end of a mapping, with an
+    inaccessible page right after, the copy must neither fault nor read it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    size = 4 * MIB
+    region = mmap.mmap(-1, size + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(base + size, page, 0) == 0, ctypes.get_errno()  # PROT_NONE after the source
+    try:
+        src = np.frombuffer(region, np.uint8, count=size)
+        src[:] = pattern(size, 11)
+        for isa in _copy.ISAS:
+            for length in (size, size - 1, size - 100):  # ending at, or just before, the guard page
+                dst = bytearray(length)
+                _copy.copy(dst, 0, src[size - length:], stream_min=0, isa=isa)
+                assert np.array_equal(np.frombuffer(dst, np.uint8), src[size - length:])
+        del src
+    finally:
+        libc.mprotect(base + size, page, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+
 
 def test_views_of_read_only_pool_memory_warn_nothing_and_leave_the_filters_alone(tmp_path):
     """torch warns (once per process) that it cannot enforce a read-only buffer. Views of the
