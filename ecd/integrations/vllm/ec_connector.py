@@ -18,7 +18,8 @@ Data path (one engine step of a consumer):
       (LRU eviction cannot take them before the worker reads them)
   update_connector_output <--- EcdECWorkerMetadata <-------  build_connector_worker_meta
   take_unavailable_requests    requests that cannot get an embedding (failed, retryable)
-  request_finished             unpin: one message, not waited for
+  request_finished             unpin: sent with the next step's pins, or 50 ms later if
+                               no step comes (lazy_client.StepPins), not waited for
 
 So the scheduler, whose time is every request's time to first token, waits on the daemon only
 for a key the ring cannot answer. The price is a window: an item evicted between the lookup and

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from .lazy_client import LazyClient
+from .lazy_client import LazyClient, StepPins
 from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings
@@ -41,9 +40,7 @@ class EcdECConnectorScheduler:
         self._pending: dict[str, EcdLoad] = {}  # loads queued this step, by mm_hash
         self._allocated_now: set[str] = set()  # allocated in the engine's encoder cache this step
         self._local: set[str] = set()  # in the engine's encoder cache (allocated, not yet freed)
-        self._req_pins: dict[str, set[str]] = {}  # req_id -> mm_hashes pinned for it
-        self._pin_refs: Counter[str] = Counter()  # mm_hash -> requests holding its pin
-        self._to_pin: set[str] = set()  # pins taken this step, sent with its metadata
+        self._pins = StepPins(client, settings.pin_seconds)  # req_id -> the mm_hashes it loads
         self._waiting_since: dict[tuple[str, str], float] = {}  # (req_id, mm_hash) -> first miss
         self._unavailable: set[str] = set()  # req_ids for take_unavailable_requests
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first need
@@ -158,25 +155,17 @@ class EcdECConnectorScheduler:
         if h not in self._pending:
             self._pending[h] = EcdLoad(h, request.get_num_encoder_embeds(index), request.request_id,
                                        index, self._has_local_input(feature))
-        pins = self._req_pins.setdefault(request.request_id, set())
-        if h not in pins:
-            pins.add(h)
-            self._pin_refs[h] += 1
-            if self._pin_refs[h] == 1:
-                self._to_pin.add(h)
+        self._pins.hold(request.request_id, (h,))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdECConnectorMetadata:
         meta = EcdECConnectorMetadata(list(self._pending.values()),
                                       scheduler_output.scheduled_encoder_inputs)
         self._local.difference_update(set(scheduler_output.free_encoder_mm_hashes) - self._allocated_now)
-        if self._to_pin:
-            # One message for the step's loads, not waited for: it reaches the daemon before the
-            # worker asks for the bytes, and an item evicted in between is a miss the worker
-            # handles (recomputed, or the request failed as retryable). Hits that were not
-            # scheduled (budget, preemption) were never pinned.
-            pin = sorted(self._to_pin)
-            self.client.call("pin", lambda c: c.send_pin(pin, self.settings.pin_seconds))
-            self._to_pin = set()
+        # The step's pins in one message, not waited for: it reaches the daemon before the
+        # worker asks for the bytes, and an item evicted in between is a miss the worker handles
+        # (recomputed, or the request failed as retryable). Hits that were not scheduled
+        # (budget, preemption) are never pinned.
+        self._pins.flush()
         self._pending = {}
         self._step_hits = set()
         self._allocated_now = set()
@@ -204,17 +193,7 @@ class EcdECConnectorScheduler:
         req_id = request.request_id
         for feature in request.mm_features or ():
             self._waiting_since.pop((req_id, feature.identifier), None)
-        release = []
-        for h in self._req_pins.pop(req_id, ()):
-            self._pin_refs[h] -= 1
-            if self._pin_refs[h] <= 0:
-                del self._pin_refs[h]
-                if h in self._to_pin:
-                    self._to_pin.discard(h)  # finished before its pin was sent
-                else:
-                    release.append(h)
-        if release:  # not waited for: the engine's step does not depend on it
-            self.client.call("unpin", lambda c: c.send_unpin(release))
+        self._pins.release(req_id)  # sent with the next step: the engine does not wait for it
         if not (self._is_producer and request.mm_features):
             return False, None
         from vllm.distributed.ec_transfer.ec_connector.utils import collect_ec_item_metadata
@@ -232,4 +211,5 @@ class EcdECConnectorScheduler:
 
     def shutdown(self) -> None:
         # Closing ends the daemon session, which releases every pin it still holds.
+        self._pins.close()
         self.client.close()

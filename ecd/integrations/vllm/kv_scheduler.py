@@ -4,10 +4,10 @@ and, each step, which of them the workers load and which new ones they save.
 One batched `exists` per lookup gives the longest run of present blocks after the local
 prefix-cache hit (never the prompt's last token), answered from the client's event ring and
 location cache (a round trip only for keys the ring cannot vouch for). The blocks a step loads are
-pinned until their request finishes, with ONE message per step that nobody waits for, sent from
-`build_connector_meta`, and unpinned the same way from `request_finished`: the scheduler, whose
-time is every request's time to first token, waits on the daemon only for what the ring cannot
-answer. A block evicted between the lookup and its pin (the rest of that scheduling pass) fails its
+pinned until their request finishes (lazy_client.StepPins: one message per step that nobody
+waits for, sent from `build_connector_meta`, the unpins of finished requests with it): the
+scheduler, whose time is every request's time to first token, waits on the daemon only for what
+the ring cannot answer. A block evicted between the lookup and its pin (the rest of that scheduling pass) fails its
 load and is recomputed (kv_load_failure_policy "recompute"), as any lost block is.
 `build_connector_meta` names the blocks to load (into which block ids) and the new full prompt
 blocks to save. Across nodes (kv_peers.py): a producer asked `do_remote_decode` answers from
@@ -19,12 +19,11 @@ Every failure is caught, logged (rate-limited) and becomes a miss or a skipped s
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .kv_peers import PeerPulls, remote_source
-from .lazy_client import LazyClient, batches
+from .lazy_client import LazyClient, StepPins, batches
 from .metadata import NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, block_keys, rank_keys, world_size
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings
@@ -44,7 +43,6 @@ class _RequestState:
     keys: list[str]  # one per full block of the request's tokens, at lookup time
     present: list[bool]  # per key: in ecd at lookup time
     start_block: int  # blocks below this were a local prefix-cache hit
-    pinned: set[str] = field(default_factory=set)  # the rank keys of its planned loads
     load: BlockTransfer | None = None  # planned by update_state_after_alloc, sent once
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # blocks below this were saved or skipped already
@@ -66,8 +64,7 @@ class EcdKVConnectorScheduler:
         self._saves_enabled = transfer.is_kv_producer
         self._world = world_size(vllm_config)
         self._requests: dict[str, _RequestState] = {}
-        self._pin_refs: Counter[str] = Counter()  # rank key -> requests whose loads pin it
-        self._to_pin: set[str] = set()  # pins taken this step, sent with its metadata
+        self._pins = StepPins(client, settings.pin_seconds)  # req_id -> rank keys its loads pin
         self._peers = PeerPulls(client, settings, log, logger)  # across nodes
         if self._loads_enabled and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning("ecd kv connector: kv_load_failure_policy is %r: a block evicted or lost "
@@ -140,12 +137,10 @@ class EcdKVConnectorScheduler:
         wanted = min(len(keys), max(loadable, request.num_prompt_tokens // bs))
         keys = keys[:wanted]
         start = num_computed_tokens // bs
-        state = self._requests.get(request.request_id)
-        pinned = state.pinned if state is not None else set()
         present = [False] * len(keys)
         if keys and not getattr(request, "skip_reading_prefix_cache", False):
             present = self._lookup(keys)
-        self._requests[request.request_id] = _RequestState(request, keys, present, start, pinned)
+        self._requests[request.request_id] = _RequestState(request, keys, present, start)
         end = start
         while end < loadable and present[end]:
             end += 1
@@ -188,7 +183,7 @@ class EcdKVConnectorScheduler:
                                   "%d blocks", request.request_id, count, first, len(state.keys), len(block_ids))
                 keys += [""] * (len(ids) - len(keys))  # no key: the worker reports a load error
             state.load = BlockTransfer(request.request_id, keys, ids)
-            self._pin(state, keys)
+            self._pins.hold(request.request_id, self._all_rank_keys([key for key in keys if key]))
         except Exception as exc:
             self._log.warning("plan", "planning the load of %s failed: %s: %s", request.request_id,
                               type(exc).__name__, exc)
@@ -199,41 +194,15 @@ class EcdKVConnectorScheduler:
             return keys
         return [k for key in keys for k in self._rank_keys(key)]
 
-    def _pin(self, state: _RequestState, keys: list[str]) -> None:
-        """Take the pins of a planned load (sent with the step's metadata); a key several
-        requests load is pinned once and unpinned when the last of them finishes."""
-        new = set(self._all_rank_keys([key for key in keys if key])) - state.pinned
-        if not new:
-            return
-        state.pinned |= new
-        refs = self._pin_refs
-        refs.update(new)
-        self._to_pin.update(k for k in new if refs[k] == 1)
-
-    def _unpin(self, state: _RequestState) -> list[str]:
-        """Drop a finished request's pins: those no other request holds, and that were sent."""
-        refs = self._pin_refs
-        refs.subtract(state.pinned)
-        free = [k for k in state.pinned if refs[k] <= 0]
-        for k in free:
-            del refs[k]
-        state.pinned = set()
-        unsent = self._to_pin.intersection(free)  # finished before its pin was sent
-        self._to_pin -= unsent
-        return [k for k in free if k not in unsent]
-
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdKVConnectorMetadata:
         meta = EcdKVConnectorMetadata()
         try:
             self._build(scheduler_output, meta)
         except Exception as exc:  # keep what was planned; a failure is a skipped save
             self._log.warning("meta", "building the step's metadata failed: %s: %s", type(exc).__name__, exc)
-        if self._to_pin:
-            # One message for the step's loads, not waited for: it reaches the daemon before the
-            # workers ask for the blocks (and their read leases hold them while they copy).
-            pin = list(self._to_pin)
-            self._to_pin = set()
-            self.client.call("pin", lambda c: c.send_pin(pin, self.settings.pin_seconds))
+        # The step's pins in one message, not waited for: it reaches the daemon before the
+        # workers ask for the blocks (and their read leases hold them while they copy).
+        self._pins.flush()
         return meta
 
     def _build(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
@@ -297,9 +266,8 @@ class EcdKVConnectorScheduler:
         req_id = getattr(request, "request_id", None)
         state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
         self._peers.forget(req_id)
-        release = self._unpin(state) if state is not None else []
-        if release:  # not waited for; if it is lost, the pins run out by themselves after pin_seconds
-            self.client.call("unpin", lambda c: c.send_unpin(release))
+        if req_id is not None:
+            self._pins.release(req_id)  # sent with the next step, or by itself if none comes soon
         try:
             params = self._transfer_params(request, state)
         except Exception as exc:  # never out of the connector: the decode side recomputes
@@ -321,4 +289,5 @@ class EcdKVConnectorScheduler:
 
     def shutdown(self) -> None:
         self._peers.shutdown()
+        self._pins.close()
         self.client.close()

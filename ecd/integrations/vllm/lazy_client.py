@@ -208,3 +208,96 @@ class LazyClient:
             client.close()  # says bye: the daemon drops this session's pins and leases
         except Exception:  # pragma: no cover - closing never matters more than serving
             pass
+
+
+IDLE_FLUSH_S = 0.05  # unpins no step has sent by then go on their own (an engine gone idle)
+
+
+class StepPins:
+    """The pins a scheduler takes for the loads it plans, kept off the engine's critical path.
+
+    Counted per key across requests: a key several requests load is pinned once and unpinned when
+    the last of them finishes. Nothing is waited for: the step's new pins go with its metadata
+    (`flush` from build_connector_meta, ONE fire-and-forget message), and so do the unpins of the
+    requests that finished since, before them, so a key unpinned and pinned again ends pinned.
+    Unpins no step sends within IDLE_FLUSH_S (the engine went idle) are sent by a small thread,
+    started on first need; a pin whose message is lost (daemon restarted) runs out by itself."""
+
+    def __init__(self, client: LazyClient, pin_s: float) -> None:
+        self.client = client
+        self.pin_s = pin_s
+        self._held: dict[str, set[str]] = {}  # owner (request id) -> keys it holds pinned
+        self._refs: dict[str, int] = {}  # key -> owners holding it
+        self._to_pin: set[str] = set()
+        self._to_unpin: set[str] = set()
+        self._lock = threading.Lock()  # the scheduler's thread and the idle flusher
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._closed = False
+
+    def hold(self, owner: str, keys) -> None:
+        """`owner` loads `keys`: keep them pinned until release(owner)."""
+        with self._lock:
+            held = self._held.setdefault(owner, set())
+            refs = self._refs
+            for k in keys:
+                if k in held:
+                    continue
+                held.add(k)
+                refs[k] = refs.get(k, 0) + 1
+                if refs[k] == 1:
+                    self._to_unpin.discard(k)
+                    self._to_pin.add(k)
+
+    def release(self, owner: str) -> None:
+        """`owner` finished: its keys no other owner holds are unpinned (or never pinned, when
+        their pin was not sent yet)."""
+        with self._lock:
+            refs = self._refs
+            for k in self._held.pop(owner, ()):
+                refs[k] -= 1
+                if refs[k] > 0:
+                    continue
+                del refs[k]
+                if k in self._to_pin:
+                    self._to_pin.discard(k)  # finished before its pin was sent
+                else:
+                    self._to_unpin.add(k)
+            if not self._to_unpin or self._closed:
+                return
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_when_idle, name="ecd-unpin", daemon=True)
+                self._flusher.start()
+        self._wake.set()
+
+    def holds(self, owner: str) -> frozenset[str]:
+        """The keys `owner` holds pinned (sent or about to be)."""
+        with self._lock:
+            return frozenset(self._held.get(owner, ()))
+
+    def flush(self) -> None:
+        """Send what is queued: the unpins, then the pins (one message each, not waited for)."""
+        with self._lock:  # held while sending: a flush from the other thread cannot reorder them
+            unpin, self._to_unpin = list(self._to_unpin), set()
+            pin, self._to_pin = list(self._to_pin), set()
+            if unpin:
+                self.client.call("unpin", lambda c: c.send_unpin(unpin))
+            if pin:
+                self.client.call("pin", lambda c: c.send_pin(pin, self.pin_s))
+
+    def _flush_when_idle(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            time.sleep(IDLE_FLUSH_S)  # a step usually sends them first
+            self._wake.clear()
+            self.flush()
+            if self._closed:
+                return
+
+    def close(self) -> None:
+        """Send what is queued and stop the idle flusher (the connector shuts down)."""
+        self.flush()
+        self._closed = True
+        self._wake.set()
