@@ -113,6 +113,22 @@ def bare_socket(socket_type: str, endpoint: str, *, bind: bool = False):
 
 # ---- child processes (multiprocessing 'spawn': they import this file as __mp_main__) ----------
 
+def child_starter(procs: list, conns: list | None = None):
+    """start(target, *args) -> the parent's end of a pipe to a new 'spawn' child running
+    target(*args, child_end); the child goes into `procs` (and the pipe into `conns`)."""
+    spawn = mp.get_context("spawn")
+
+    def start(target, *a):
+        parent, child = spawn.Pipe()
+        pr = spawn.Process(target=target, args=(*a, child), daemon=True)
+        pr.start()
+        procs.append(pr)
+        if conns is not None:
+            conns.append(parent)
+        return parent
+    return start
+
+
 def _echo_server(endpoint: str, socket_type: str, conn) -> None:
     """A bare echo of every message: REP, the round-trip reference of exists and of the hand-off
     floor; ROUTER, the ops/s floor (what ecd's daemon is, minus all its work), served by the
@@ -728,19 +744,13 @@ def main() -> int:
     t_start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="ecd-bench-")
     daemon = BenchDaemon(workdir)
-    spawn = mp.get_context("spawn")
-    procs, conns = [], []
+    procs: list = []
+    conns: list = []
     ok_exit = False
     try:
         c = daemon.connect(timeout=0.5)
 
-        def start(target, *a):
-            parent, child = spawn.Pipe()
-            pr = spawn.Process(target=target, args=(*a, child), daemon=True)
-            pr.start()
-            procs.append(pr)
-            conns.append(parent)
-            return parent
+        start = child_starter(procs, conns)
 
         echo_endpoint = f"ipc://{daemon.runtime_dir}/echo.sock"
         start(_echo_server, echo_endpoint, "REP")

@@ -13,7 +13,6 @@ round trip) and the p50s they come from. Starts its own daemon, stops it with SI
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -41,19 +40,13 @@ def main() -> int:
             core.REPS[mib] = args.reps
     workdir = tempfile.mkdtemp(prefix="ecd-bench-handoff-")
     daemon = BenchDaemon(workdir)
-    spawn = mp.get_context("spawn")
-    procs = []
+    procs: list = []
     res: dict = {"env": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "copy": {}}
     bad = 0
     try:
         c = daemon.connect(timeout=0.5)
 
-        def start(target, *a):
-            parent, child = spawn.Pipe()
-            pr = spawn.Process(target=target, args=(*a, child), daemon=True)
-            pr.start()
-            procs.append(pr)
-            return parent
+        start = core.child_starter(procs)
 
         echo_endpoint = f"ipc://{daemon.runtime_dir}/echo.sock"
         echo = start(core._echo_server, echo_endpoint, "REP")
