@@ -184,7 +184,11 @@ def run_kv(args: argparse.Namespace, workdir: Path, failures: list[str]) -> dict
     prompts = [kv_prompts(r, args) for r in range(total)]
     # float32 as written (vLLM's CPU default would be bf16): 32 KiB of KV per token
     llm = {"dtype": "float32", "max_model_len": args.max_len + args.output_len + BLOCK,
-           "max_num_seqs": args.concurrency, "block_size": BLOCK, "enable_prefix_caching": True}
+           "max_num_seqs": args.concurrency, "block_size": BLOCK, "enable_prefix_caching": True,
+           # a whole batch's prefill in one step: ExampleConnector saves a chunked prefill's last
+           # chunk only (its decode engine then fails on a shape mismatch), and one step is what
+           # TTFT should measure here
+           "max_num_batched_tokens": args.concurrency * (args.max_len + args.output_len + BLOCK)}
     prefill = [{"prompts": p, "sampling": {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
                 "reset_prefix_cache": True} for p in prompts]
     decode_sampling = {"max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
