@@ -9,7 +9,8 @@ KV P->D: per connector a prefill engine (kv_producer, max_tokens 1) and a decode
 (kv_consumer), on a Llama of 8 layers whose KV is hundreds of MiB per batch:
   ecd        EcdKVConnector through `ecd serve`
   example    vLLM's ExampleConnector, safetensors files under /dev/shm
-  nixl       vLLM's NixlConnector, CPU buffers (only where NIXL imports in the engine venv)
+  nixl       vLLM's NixlConnector, CPU buffers, UCX over TCP: only on request (`--kv
+             ecd,example,nixl,recompute`): it did not complete here (README, "At the engine")
   recompute  a decode engine with no connector: computes every prompt; the reference tokens
 E->PD: per connector an encoder engine (ec_producer) and a consumer (ec_consumer) on the tiny
 PaliGemma: EcdECConnector vs ECExampleConnector; `mono` (no connector) is the reference.
@@ -47,7 +48,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:0] = [str(HERE), str(REPO / "tests" / "engine"), str(REPO / "tests")]
+sys.path[:0] = [str(HERE), str(REPO / "tests" / "engine"), str(REPO / "tests"), str(REPO)]
+# `ecd serve` and the engines run this checkout's ecd (engine_runner puts REPO first for engines)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 from checkpoints import build_tiny_llama  # noqa: E402
 from engine_hooks import read_hooks  # noqa: E402
