@@ -30,8 +30,13 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ecd.daemon")
 
 # Requests a client may send with id 0 and no reply wanted: a read lease given back, a heartbeat,
-# and the pins a vLLM scheduler takes and drops off its critical path (Client.send_pin/send_unpin).
+# and the pins a vLLM scheduler takes and drops off its critical path (Client.send_pin/send_unpin;
+# an Exists with id 0 means something only with a pin).
 _FIRE_AND_FORGET = (Release, Ping, Exists, Unpin)
+
+
+def _fire_and_forget(request: Any) -> bool:
+    return isinstance(request, _FIRE_AND_FORGET) and not (isinstance(request, Exists) and not request.pin_s > 0)
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 # zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
 ZMQ_EVENTS, POLLIN, SRCFD, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD), int(zmq.NOBLOCK)
@@ -192,7 +197,7 @@ class ControlLoop:
             if reply is not None:
                 if request.id != 0:
                     self.send(identity, reply)
-                elif not isinstance(request, _FIRE_AND_FORGET):
+                elif not _fire_and_forget(request):
                     self.count_drop("unanswerable")  # a request that wants a reply, sent with id 0
             # an item refused for its namespace's quota labels the whole request (metrics)
             return op, "ok" if self.store.quota_refused == refused else "quota_exceeded"
