@@ -69,6 +69,24 @@ EC_CONNECTORS = ("ecd", "example", "mono")
 HOOKS_MODULE = "engine_hooks"
 
 
+def run_reps(engines: dict, names: list[str], total: int, what: str, after_producer=None) -> None:
+    """Each rep's batch on every (producer or None, consumer) pair of `engines`, the order of
+    `names` reversed every other rep (paired: the machine's drift hits every row alike);
+    after_producer(name, producer, rep) runs between a pair's two batches."""
+    t0 = time.monotonic()
+    for rep in range(total):
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            producer, consumer = engines[name]
+            if producer is not None:
+                producer.run_batch(rep)
+            if after_producer is not None:
+                after_producer(name, producer, rep)
+            consumer.run_batch(rep)
+        print(f"  {what} batch {rep + 1}/{total} done ({' '.join(order)}) at {time.monotonic() - t0:.0f}s",
+              file=sys.stderr, flush=True)
+
+
 def monotonic_ns() -> int:
     return time.monotonic_ns()
 
@@ -223,21 +241,14 @@ def run_kv(args: argparse.Namespace, workdir: Path, failures: list[str]) -> dict
             if name == "nixl":
                 env = {**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
             engines[name] = (producer, launch(f"kv-{name}-D", model, decode, consumer_kwargs, workdir, env))
-        t0 = time.monotonic()
-        for rep in range(total):
-            order = names if rep % 2 == 0 else names[::-1]
-            for name in order:
-                producer, consumer = engines[name]
-                if producer is not None:
-                    producer.run_batch(rep)
-                if name == "nixl":
-                    assert producer is not None
-                    published = json.loads(Path(f"{producer.proc.out_path}.batch.{rep}.json").read_text())
-                    (workdir / f"nixl-params-{rep}.json").write_text(
-                        json.dumps([o["kv_transfer_params"] for o in published]))
-                consumer.run_batch(rep)
-            print(f"  kv batch {rep + 1}/{total} done ({' '.join(order)}) at {time.monotonic() - t0:.0f}s",
-                  file=sys.stderr, flush=True)
+        def hand_nixl_params(name: str, producer: Engine | None, rep: int) -> None:
+            if name == "nixl":
+                assert producer is not None
+                published = json.loads(Path(f"{producer.proc.out_path}.batch.{rep}.json").read_text())
+                (workdir / f"nixl-params-{rep}.json").write_text(
+                    json.dumps([o["kv_transfer_params"] for o in published]))
+
+        run_reps(engines, names, total, "kv", hand_nixl_params)
         written = metric(scrape_metrics(daemon.metrics_port), "ecd_written_bytes_total")
     finally:
         for producer, consumer in engines.values():
@@ -333,16 +344,7 @@ def run_ec(args: argparse.Namespace, workdir: Path, failures: list[str]) -> dict
             consumer = launch(f"ec-{name}-PD", model, generate, {**llm, **({"ec_transfer_config": cfg} if cfg else {})},
                               workdir)
             engines[name] = (producer, consumer)
-        t0 = time.monotonic()
-        for rep in range(total):
-            order = names if rep % 2 == 0 else names[::-1]
-            for name in order:
-                producer, consumer = engines[name]
-                if producer is not None:
-                    producer.run_batch(rep)
-                consumer.run_batch(rep)
-            print(f"  ec batch {rep + 1}/{total} done ({' '.join(order)}) at {time.monotonic() - t0:.0f}s",
-                  file=sys.stderr, flush=True)
+        run_reps(engines, names, total, "ec")
     finally:
         for pair in engines.values():
             for engine in pair:
