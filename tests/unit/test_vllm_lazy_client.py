@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import pytest
 
@@ -139,6 +140,28 @@ def test_a_removed_socket_drops_the_live_client_without_a_call(daemon_socket):
     called = []
     assert h.call("op", called.append) is None
     assert called == [] and f.made[0].closed and h.backing_off
+
+
+def test_a_daemon_restarted_on_the_same_socket_gets_a_new_client_at_once(daemon_socket):
+    """A killed daemon leaves its socket file; the new one binds a new file there. The Client of
+    the old one is dropped on its next use (another inode, one stat) and a new one made at once,
+    without a back-off: the old daemon's event ring must not answer for the new daemon."""
+    path, sock = daemon_socket
+    f = Factory()
+    h = holder(f"ipc://{path}", f)
+    assert h.get("op") is f.made[0]
+    sock.close()  # killed: the file stays
+    assert h.get("op") is f.made[0]  # the same socket file: nothing seen yet (round trips fail)
+    time.sleep(0.02)  # a restart takes far longer than the file times' clock tick (a few ms)
+    os.unlink(path)  # the new daemon replaces the file with its own socket
+    new = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        new.bind(path)
+        new.listen(16)
+        assert h.get("op") is f.made[1] and f.made[0].closed and not h.backing_off
+        assert h.get("op") is f.made[1]  # and kept
+    finally:
+        new.close()
 
 
 def test_a_failed_connect_backs_off(daemon_socket):

@@ -10,7 +10,9 @@ there. A missing daemon has to cost a cache miss, not a client timeout on every 
   stopped daemon removed its socket, a killed one left it refusing connections; either way the
   attempt fails at once instead of waiting out `load_timeout_s` in the Client's hello.
 - Before each use of a live Client, the socket file is checked (one stat): a daemon that stopped
-  unlinked it, so the Client is dropped without a round trip. (Abstract `ipc://@name` sockets
+  unlinked it, so the Client is dropped without a round trip; a socket file that is not the one
+  the Client connected to (another inode: the daemon restarted, after a kill too) drops it and
+  makes a new one at once, so nothing is answered from the old daemon's event ring. (Abstract `ipc://@name` sockets
   and tcp endpoints have no file: neither check applies; failures then show as timeouts.)
 - After a failure to reach the daemon (DaemonUnavailable, a failed connect) or an error that is
   not ecd's (the Client's state is then unknown), the Client is closed (its session ends, the
@@ -98,6 +100,7 @@ class LazyClient:
         self._factory = factory
         self._socket_path = socket_path(settings.endpoint)
         self._client: Client | None = None
+        self._client_socket_id: tuple[int, int, int] | None = None  # the socket file it connected to
         self._retry_at = 0.0  # monotonic time before which no Client is made
         self._backoff = BACKOFF_FIRST_S  # the next back-off period
         self._lock = threading.Lock()
@@ -126,29 +129,50 @@ class LazyClient:
         """The Client, made now if needed; None while backing off or when the daemon cannot be
         reached (logged under `op`)."""
         dropped = None
+        why: BaseException | None = None
         with self._lock:
             client = self._client
             if client is not None:
-                if self._socket_path is None or os.path.exists(self._socket_path):
+                socket_id = self._socket_id()
+                if socket_id == self._client_socket_id:
                     return client
-                dropped, self._client = client, None  # the daemon stopped: its socket is gone
-                self._back_off()
-                why: BaseException = DaemonUnavailable(f"its socket {self._socket_path} is gone (daemon stopped?)")
-            elif time.monotonic() < self._retry_at:
-                return None
-            else:
+                dropped, self._client = client, None
+                if socket_id is None:  # the daemon stopped: its socket is gone
+                    self._back_off()
+                    why = DaemonUnavailable(f"its socket {self._socket_path} is gone (daemon stopped?)")
+                # else: another daemon bound the socket (a restart, after a kill too): this
+                # Client's session and mappings are the old daemon's, whose ring may still look
+                # alive for a moment; a new Client now, before anything is answered from them.
+            if why is None and time.monotonic() < self._retry_at:
+                pass  # backing off: a miss, quietly
+            elif why is None:
                 try:
                     if self._socket_path is not None and not listening(self._socket_path):
                         raise DaemonUnavailable(f"nothing listening on {self._socket_path}")
+                    socket_id = self._socket_id()
                     self._client = self._factory(self.settings, self.namespace, self.name, self.populate)
-                    return self._client
+                    self._client_socket_id = socket_id
                 except Exception as exc:  # DaemonUnavailable, a pool it cannot map, ...
                     self._back_off()
                     why = exc
+            client = self._client
         if dropped is not None:
             self._close(dropped)
-        self._report(op, why)
-        return None
+        if why is not None:
+            self._report(op, why)
+        return client
+
+    def _socket_id(self) -> tuple[int, int, int] | None:
+        """(device, inode, change time) of the daemon's socket file, None if it is gone; zeros
+        for endpoints without one (tcp, abstract ipc), which cannot be checked this way. The
+        change time because tmpfs hands a freed inode number to the next file at once. One stat."""
+        if self._socket_path is None:
+            return (0, 0, 0)
+        try:
+            st = os.stat(self._socket_path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
     def call(self, op: str, fn: Callable[[Client], T]) -> T | None:
         """fn(client), or None when there is no Client or fn raised (logged, rate-limited, by
