@@ -47,6 +47,16 @@ class ExtentAllocator:
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new extent of at least `nbytes`, or None when no free extent is big enough."""
         size = align_up(max(nbytes, 1))  # a zero-byte tensor still gets a distinct extent
+        offset = self._take(size)
+        if offset is None:
+            return None
+        self._mark_start(offset, True)
+        self.used += size
+        return offset
+
+    def _take(self, size: int) -> int | None:
+        """Cut `size` bytes from the start of the smallest free extent that holds them (best
+        fit), the rest staying free; None when none does."""
         i = self._by_size.bisect_left((size, -1))
         if i == len(self._by_size):
             return None
@@ -55,8 +65,6 @@ class ExtentAllocator:
         del self._free_end[offset + block_size]
         if block_size > size:
             self._add_free(offset + size, block_size - size)
-        self._mark_start(offset, True)
-        self.used += size
         return offset
 
     def alloc_run(self, sizes: list[int]) -> list[int] | None:
@@ -64,15 +72,12 @@ class ExtentAllocator:
         free extent that holds them all: one search for a batch instead of one per extent. Each is
         an extent of its own (freed, and coalesced, by free_extent like any other); None when no
         free extent is big enough for the run."""
-        total = sum(sizes)
-        i = self._by_size.bisect_left((total, -1))
-        if i == len(self._by_size) or not sizes:
+        if not sizes:
             return None
-        block_size, offset = self._by_size.pop(i)
-        del self._free_start[offset]
-        del self._free_end[offset + block_size]
-        if block_size > total:
-            self._add_free(offset + total, block_size - total)
+        total = sum(sizes)
+        offset = self._take(total)
+        if offset is None:
+            return None
         offsets = []
         starts = self._starts
         for size in sizes:

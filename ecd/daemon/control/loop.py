@@ -36,7 +36,11 @@ _FIRE_AND_FORGET = (Release, Ping, Exists, Unpin)
 
 
 def _fire_and_forget(request: Any) -> bool:
-    return isinstance(request, _FIRE_AND_FORGET) and not (isinstance(request, Exists) and not request.pin_s > 0)
+    if isinstance(request, Exists):
+        return request.pin_s > 0
+    return isinstance(request, _FIRE_AND_FORGET)
+
+
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
 # zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
 ZMQ_EVENTS, POLLIN, SRCFD, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD), int(zmq.NOBLOCK)

@@ -7,8 +7,9 @@ location cache (a round trip only for keys the ring cannot vouch for). The block
 pinned until their request finishes (lazy_client.StepPins: one message per step that nobody
 waits for, sent from `build_connector_meta`, the unpins of finished requests with it): the
 scheduler, whose time is every request's time to first token, waits on the daemon only for what
-the ring cannot answer. A block evicted between the lookup and its pin (the rest of that scheduling pass) fails its
-load and is recomputed (kv_load_failure_policy "recompute"), as any lost block is.
+the ring cannot answer. A block evicted between the lookup and its pin (the rest of that
+scheduling pass) fails its load and is recomputed (kv_load_failure_policy "recompute"), as any
+lost block is.
 `build_connector_meta` names the blocks to load (into which block ids) and the new full prompt
 blocks to save. Across nodes (kv_peers.py): a producer asked `do_remote_decode` answers from
 `request_finished` with transfer params naming its daemon and the blocks it holds; a consumer
@@ -74,9 +75,6 @@ class EcdKVConnectorScheduler:
 
     def _block_keys(self, request: "Request") -> list[str]:
         return block_keys(request, self._block_size, self._hashes_per_block)
-
-    def _rank_keys(self, key: str) -> list[str]:
-        return rank_keys(key, self._world)
 
     # ---- lookup ----
 
@@ -192,7 +190,7 @@ class EcdKVConnectorScheduler:
         """Every worker's entry of each block (the keys themselves with one worker)."""
         if self._world == 1:
             return keys
-        return [k for key in keys for k in self._rank_keys(key)]
+        return [k for key in keys for k in rank_keys(key, self._world)]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdKVConnectorMetadata:
         meta = EcdKVConnectorMetadata()

@@ -11,9 +11,10 @@ there. A missing daemon has to cost a cache miss, not a client timeout on every 
   attempt fails at once instead of waiting out `load_timeout_s` in the Client's hello.
 - Before each use of a live Client, the socket file is checked (one stat): a daemon that stopped
   unlinked it, so the Client is dropped without a round trip; a socket file that is not the one
-  the Client connected to (another inode: the daemon restarted, after a kill too) drops it and
-  makes a new one at once, so nothing is answered from the old daemon's event ring. (Abstract `ipc://@name` sockets
-  and tcp endpoints have no file: neither check applies; failures then show as timeouts.)
+  the Client connected to (another inode or change time: the daemon restarted, after a kill too)
+  drops it and makes a new one at once, so nothing is answered from the old daemon's event ring.
+  (Abstract `ipc://@name` sockets and tcp endpoints have no file: neither check applies; failures
+  then show as timeouts.)
 - After a failure to reach the daemon (DaemonUnavailable, a failed connect) or an error that is
   not ecd's (the Client's state is then unknown), the Client is closed (its session ends, the
   daemon drops its pins and leases) and no call is made for BACKOFF_FIRST_S, doubling with each
