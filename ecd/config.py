@@ -167,6 +167,31 @@ class RingSection(Section):
                    f"must be a power of two between 64 and 2^26, got {value}")
 
 
+class RestartSection(Section):
+    """`[restart]`: what outlives the daemon's process (ecd/daemon/restart/): the host pool and the
+    journal of its committed entries, held by a keeper between two runs, adopted by the next."""
+
+    adopt: bool = True  # keep the host pool's entries across a restart (false: every start is cold)
+    # Who holds the pool while no daemon runs: "auto" (systemd's file descriptor store under
+    # systemd with FileDescriptorStoreMax=, else a holder process the daemon spawns), "systemd",
+    # "spawn" (a holder the daemon spawns), "holder" (an `ecd hold` someone else runs: a sidecar
+    # container, a DaemonSet, a unit of its own).
+    keeper: str = "auto"
+    # How long a holder keeps the pool once no daemon holds it (a crash, a stop): a daemon that
+    # starts within it adopts; after it, the pool's memory returns to the machine.
+    hold: Duration = Duration(300.0)
+    # Bytes of shared memory for the journal of committed entries (0: pool.host.size / 256, at
+    # least 16 MiB). A full journal still stores entries, it just cannot adopt them after a restart.
+    journal_size: ByteSize = ByteSize(0)
+
+    def __post_init__(self) -> None:
+        check_field(self.keeper in ("auto", "systemd", "spawn", "holder"), "keeper",
+                    f'must be "auto", "systemd", "spawn" or "holder", got {self.keeper!r}')
+        check_field(0 <= self.hold <= 7 * 86400, "hold", f"must be between 0 and 7 days, got {float(self.hold)}")
+        check_field(self.journal_size == 0 or 1 << 20 <= self.journal_size <= 16 << 30, "journal_size",
+                    f"must be 0 (automatic) or between 1MiB and 16GiB, got {int(self.journal_size)}")
+
+
 class LeasesSection(Section):
     write_ttl: Duration = Duration(60.0)  # an uncommitted put is aborted after this
     max_pin: Duration = Duration(600.0)  # longest pin exists(pin_s=...) may ask for
@@ -262,6 +287,7 @@ class Config(Section):
     pool: PoolSection = msgspec.field(default_factory=PoolSection)
     ring: RingSection = msgspec.field(default_factory=RingSection)
     leases: LeasesSection = msgspec.field(default_factory=LeasesSection)
+    restart: RestartSection = msgspec.field(default_factory=RestartSection)
     limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
