@@ -166,6 +166,20 @@ class DiskStats(Struct):
     degraded_s: float = 0.0  # for how long
 
 
+class RestartStats(Struct):
+    """How the daemon's start went ([restart], ecd/daemon/restart/): the pool it adopted, or why not."""
+    keeper: str = "none"  # who holds the pool between runs: "systemd", "holder" or "none"
+    adopted: bool = False  # the pool and its entries were adopted (False: a cold start)
+    entries: int = 0  # entries adopted
+    bytes: int = 0  # their bytes
+    seconds: float = 0.0  # from taking the pool back to serving its entries
+    quarantined: int = 0  # extents of unfinished writes kept out of use for a write TTL
+    skipped_records: int = 0  # journal records that failed their checks or lost to a newer one
+    refused: str = ""  # why a kept pool was not adopted ("": none was kept, or it was)
+    journal_records: int = 0  # records in the journal now
+    journal_full: int = 0  # entries not recorded for want of journal space (not adoptable)
+
+
 class DaemonStats(Struct):
     node: str
     epoch: int
@@ -201,6 +215,7 @@ class DaemonStats(Struct):
     # The disk tier ([pool.disk]); empty and 0 without it.
     disk: "DiskStats | None" = None
     sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
+    restart: RestartStats | None = None  # the start: adopted or cold ([restart])
 
 
 # ---- requests -------------------------------------------------------------------------------

@@ -24,10 +24,9 @@ import zmq
 
 from ..config import Config
 from ..errors import Code, ConfigError
-from ..memory import kernel_copy
-from ..memory.host import RING_FILE_MODE, HostPool, NodeLock, ShmError, ShmFile, remove_stale, ring_name
-from ..memory.memfd import RING_SEALS, MemfdFile, MemfdPool
-from ..memory.ring import RingWriter, ring_bytes
+from ..memory.host import HostPool, NodeLock, ShmError, ShmFile
+from ..memory.memfd import MemfdFile
+from ..memory.ring import RingWriter
 from ..protocol import DaemonStats
 from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
 from .control.loop import ControlLoop
@@ -37,6 +36,7 @@ from .ops.metrics import MetricsServer, ServeCounters, bind_listener, make_regis
 from .ops.security import CurveAuth, check_security
 from .control.sessions import Sessions
 from .registry.store import Store
+from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
@@ -92,6 +92,8 @@ class Daemon:
         self.fd_server: FdServer | None = None  # backing = "memfd": hands the pool to clients
         self.fd_socket_name = ""  # Welcome.fd_socket
         self.ring_file: ShmFile | None = None
+        # the pool, its journal and keeper ([restart]) and the ring: restart/memory.py
+        self.memory: Memory | None = None
         self.ring: RingWriter | None = None
         self.store: Store | None = None
         self.ctx: zmq.Context | None = None
@@ -138,9 +140,6 @@ class Daemon:
         try:
             self._check_endpoint_free()
             self._open_disk()
-            stale = remove_stale(self.node)
-            if stale:
-                log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
             self._create_memory()
             self._create_arenas()
             self._bind()
@@ -242,23 +241,13 @@ class Daemon:
         raise StartupError(f"control.endpoint: {self.endpoint} is already in use by another process")
 
     def _create_memory(self) -> None:
-        host = self.config.pool.host
-        ring_cfg = self.config.ring
-        ring_size = ring_bytes(ring_cfg.slots, ring_cfg.presence_buckets)
+        """The host pool (adopted from the keeper, else new), its journal and the event ring."""
         try:
-            if host.backing == "memfd":  # sealed: no one can truncate them (memory/memfd.py)
-                self.pool = MemfdPool(self.node, int(host.size), int(host.segment_size))
-                self.ring_file = MemfdFile.create_sealed(ring_name(self.node), ring_size, seals=RING_SEALS)
-            else:
-                self.pool = HostPool(self.node, int(host.size), int(host.segment_size), self.gid)
-                # 0640: clients map the ring read-only, so no engine in the group can write into it
-                self.ring_file = ShmFile.create(ring_name(self.node), ring_size, self.gid, mode=RING_FILE_MODE)
+            memory = open_memory(self.config, self.gid, self.epoch)
         except ShmError as exc:
             raise StartupError(f"pool.host.size: {exc}") from None
-        self.ring = RingWriter(self.ring_file.buf, ring_cfg.slots, ring_cfg.presence_buckets, self.epoch)
-        if host.backing == "named" and not kernel_copy.available():
-            log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
-                        "after a size check, and a pool file truncated in between would crash the daemon")
+        self.memory = memory
+        self.pool, self.ring_file, self.ring = memory.pool, memory.ring_file, memory.ring
 
     def _open_cuda(self) -> None:
         """Load the CUDA driver and map `[pool.cuda] devices` to this process's ordinals."""
@@ -374,6 +363,7 @@ class Daemon:
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
         self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
                            namespaces=self.config.namespaces)
+        self.memory.adopt_entries(self.store, float(self.config.leases.write_ttl))
         # a session's end may queue replies: the control loop (made next) drains them
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, lambda: self.control.schedule_drain())
@@ -523,14 +513,10 @@ class Daemon:
         if self.fd_server is not None:
             self.fd_server.close()
             self.fd_server = None
-        if self.ring is not None:
-            self.ring.close()
-        if self.ring_file is not None:
-            self.ring_file.unlink()
-            self.ring_file = None
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        if self.memory is not None:  # the ring and the pool; the keeper goes on holding the pool
+            self.memory.close()
+            self.memory = None
+            self.pool = self.ring_file = None
         if self.arenas is not None:
             self.arenas.close()
             self.arenas = None

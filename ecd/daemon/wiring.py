@@ -38,10 +38,12 @@ def pool_labels(d: "Daemon") -> list[str]:
 
 def handler_context(d: "Daemon") -> HandlerContext:
     assert d.store is not None and d.sessions is not None and d.ring is not None and d.ring_file is not None
+    assert d.memory is not None
     return HandlerContext(
         node=d.node, epoch=d.epoch, started=d.started, config=lambda: d.config, store=d.store,
         sessions=d.sessions, segments=d.pool.segments, ring_file=d.ring_file, ring=d.ring, arenas=arena_infos(d),
-        fd_socket=d.fd_socket_name, lower_tier=d.lower_tier, peers=d.cluster, curve=d.curve)
+        fd_socket=d.fd_socket_name, lower_tier=d.lower_tier, peers=d.cluster, curve=d.curve,
+        restart=d.memory.stats)
 
 
 def peer_context(d: "Daemon") -> PeerContext:

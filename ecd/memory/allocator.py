@@ -88,6 +88,41 @@ class ExtentAllocator:
         self.used += total
         return offsets
 
+    def claim(self, extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A fresh allocator takes `extents` (offset, bytes) as allocated, in one pass (an adopted
+        pool: ecd/daemon/restart/adopt.py): the gaps between them are its free extents. Those
+        that do not fit (past the end, misaligned, overlapping one before them in offset order)
+        are not taken and are returned."""
+        if self.used or len(self._free_start) != 1:
+            raise ValueError("claim() is for a fresh allocator")
+        refused: list[tuple[int, int]] = []
+        taken: list[tuple[int, int]] = []
+        position = 0
+        for offset, nbytes in sorted(extents):
+            size = align_up(max(nbytes, 1))
+            if offset % ALIGNMENT or offset < position or offset + size > self.capacity:
+                refused.append((offset, nbytes))
+                continue
+            taken.append((offset, size))
+            position = offset + size
+        self._by_size.clear()
+        self._free_start.clear()
+        self._free_end.clear()
+        free, position = [], 0
+        for offset, size in taken:
+            if offset > position:
+                free.append((offset - position, position))
+            self._mark_start(offset, True)
+            self.used += size
+            position = offset + size
+        if position < self.capacity:
+            free.append((self.capacity - position, position))
+        self._by_size.update(free)
+        for size, offset in free:
+            self._free_start[offset] = size
+            self._free_end[offset + size] = offset
+        return refused
+
     def free_extent(self, offset: int, nbytes: int) -> None:
         """Give back the extent `alloc(nbytes)` returned at `offset`."""
         size = align_up(max(nbytes, 1))

@@ -193,12 +193,13 @@ def _shm_free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def remove_stale(node: str) -> list[str]:
-    """Unlink every shm file a previous run of this node left behind (not the lock)."""
-    prefix, keep = f"ecd.{node}.", lock_name(node)
+def remove_stale(node: str, keep: frozenset[str] = frozenset()) -> list[str]:
+    """Unlink every shm file a previous run of this node left behind (not the lock, nor `keep`:
+    the files of a pool being adopted)."""
+    prefix, lock = f"ecd.{node}.", lock_name(node)
     removed = []
     for name in os.listdir(SHM_DIR):
-        if name.startswith(prefix) and name != keep:
+        if name.startswith(prefix) and name != lock and name not in keep:
             _unlink_quietly(shm_path(name))
             removed.append(name)
     return sorted(removed)
@@ -253,6 +254,13 @@ class HostPool:
             self.close()
             raise
 
+    @classmethod
+    def from_segments(cls, segments: list[ShmFile]) -> "HostPool":
+        """A pool over segments that already exist (adopted after a restart: ecd/daemon/restart/)."""
+        pool = cls.__new__(cls)
+        pool.segments = segments
+        return pool
+
     def check_room(self, size: int) -> None:
         free = _shm_free_bytes()
         if free is not None and size > free:
@@ -262,7 +270,13 @@ class HostPool:
     def create_segment(self, name: str, size: int, group: int) -> ShmFile:
         return ShmFile.create(name, size, group)
 
-    def close(self) -> None:
+    def close(self, keep_names: bool = False) -> None:
+        """Unmap nothing (the mappings go with their last user); close the descriptors and remove
+        the named files, or, with `keep_names`, leave the files for the next daemon to adopt."""
         for seg in self.segments:
-            seg.unlink()
+            if keep_names and seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
+            else:
+                seg.unlink()
         self.segments.clear()

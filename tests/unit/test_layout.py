@@ -25,6 +25,8 @@ DAEMON_LAYERS = {
     "tiers": {"tiers", "registry", "ops"},
     "control": {"control", "registry", "tiers", "ops"},
     "peer": {"peer", "control", "registry", "tiers", "ops"},
+    # what outlives the process: the keepers of the pool and the adoption of its journal
+    "restart": {"restart", "registry", "tiers", "ops"},
 }
 
 

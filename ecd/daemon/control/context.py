@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...config import Config
     from ...memory.host import ShmFile
     from ...memory.ring import RingWriter
-    from ...protocol import ArenaInfo
+    from ...protocol import ArenaInfo, RestartStats
     from ..ops.security import CurveAuth
     from ..peer.cluster import Cluster
     from ..registry.store import Store
@@ -39,3 +39,4 @@ class HandlerContext:
     lower_tier: "LowerTier"  # the tier below the host pool: the disk tier ([pool.disk]) or the null tier
     peers: "Cluster | None"  # the peer plane ([cluster] listen): Fetch goes to it; None without one
     curve: "CurveAuth | None"  # the control socket's CURVE authenticator (Stats counts its refusals)
+    restart: Callable[[], "RestartStats"]  # how this start went: adopted or cold (Stats.restart)

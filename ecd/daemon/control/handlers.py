@@ -325,7 +325,8 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=context.lower_tier.stats(), sessions=context.sessions.listing(), **cluster_stats(context))
+        disk=context.lower_tier.stats(), sessions=context.sessions.listing(), restart=context.restart(),
+        **cluster_stats(context))
 
 
 def cluster_stats(context: "HandlerContext") -> dict[str, Any]:

@@ -40,6 +40,7 @@ class Entry:
     # for the two (8 B per entry): no entry needs both at once.
     when: float = 0.0
     checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
+    journal: int = -1  # its record in the restart journal (memory/journal.py): intent, then entry
 
     @property
     def write_deadline(self) -> float:
@@ -73,6 +74,7 @@ class Reservation:
     ns: str
     owner: "Session"
     deadline: float  # the write TTL (a watched client's reservation outlives it)
+    journal: int = -1  # its intent record in the restart journal (memory/journal.py)
 
 
 @dataclass(eq=False)

@@ -61,6 +61,7 @@ class Reserving:
         pool, offset = placed
         reservation = Reservation(r.take_generation(), pool, offset, size, ns, session,
                                   r.clock() + r.leases.write_ttl)
+        reservation.journal = r.journal.intent(reservation.generation, pool, offset, size)
         r.reservations[reservation.generation] = reservation
         r.reserved_bytes += size
         r.charge(ns, size)
@@ -100,7 +101,8 @@ class Reserving:
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
                       r.shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
-                      last_access=r.clock(), when=reservation.deadline)
+                      last_access=r.clock(), when=reservation.deadline, journal=reservation.journal)
+        reservation.journal = -1  # the entry's now
         r.by_generation[generation] = entry
         session.writes[generation] = entry
         return r.commit(session, generation, checksum)
@@ -108,6 +110,7 @@ class Reserving:
     def end(self, reservation: Reservation, outcome: str) -> None:
         """Free a reservation's extent and give its bytes back to its namespace."""
         self._forget(reservation, outcome)
+        self.r.journal.forget(reservation.journal)
         self.r.host.free(reservation.pool, reservation.offset, reservation.size)
         self.r.uncharge(reservation.ns, reservation.size)
 

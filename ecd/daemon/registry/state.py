@@ -15,6 +15,7 @@ from .key_index import KeyIndex
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...config import LeasesSection, LimitsSection
+    from ...memory.journal import Journal, NullJournal
     from ..tiers.base import LowerTier
     from ..tiers.host import HostTier
     from .checks import RequestChecks
@@ -40,6 +41,7 @@ class RecordSet(Protocol):
     evictable_bytes: list[int]  # per pool, kept with `evictable`
     waiters: dict[tuple[str, str], set[Waiter]]  # parked gets by the keys they wait for
     counters: collections.Counter[str]
+    journal: "Journal | NullJournal"  # the restart journal (memory/journal.py)
     ns_used: dict[str, int]
     quotas: dict[str, int]
     guarantees: dict[str, int]

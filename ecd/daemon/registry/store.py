@@ -39,17 +39,20 @@ from ...errors import Code
 from ...memory.allocator import align_up
 from ...memory.ring import EventKind, RingWriter
 from ...protocol import (AllocItem, Extent, Failure, Location)
+from ...memory.journal import NullJournal
 from .entries import Entry, Reservation, Scheduler, Session, State, Waiter
 from .checks import RequestChecks
 from .deadlines import Deadlines
 from .key_index import KeyIndex
 from .operator import OperatorRequests
+from .reclaim import reclaim
 from .placement import Placement
 from .reservations import Reserving
 from .waiting import Waiting
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...config import LeasesSection, LimitsSection
+    from ...memory.journal import Journal
     from ..tiers.base import LowerTier
     from ..tiers.host import HostTier
 
@@ -109,6 +112,8 @@ class Store:
         self.waiting = Waiting(self)
         self.deadlines = Deadlines(self)
         self.operator = OperatorRequests(self)
+        # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
+        self.journal: "Journal | NullJournal" = NullJournal()
         host.attach(self)
         self.set_namespaces(namespaces or {})
 
@@ -143,36 +148,10 @@ class Store:
         return self._sessions.get(session_id)
 
     def close_session(self, session: Session, reclaimed: bool = False, reason: str = "client_exit") -> None:
-        """Reclaim everything a departed client held: writes, read leases, pins, waiters.
-        `reclaimed`: the client died (`reason` client_exit) or went silent (session_ttl) rather
-        than said goodbye (counted for operators by reason)."""
-        if session.closed:
-            return
-        session.closed = True
-        if reclaimed:
-            self.counters["reclaimed_sessions"] += 1
-            self.counters[f"reclaimed_{reason}"] += (sum(session.leases.values()) + len(session.pins)
-                                                     + len(session.writes))
-        self._sessions.pop(session.id, None)
-        for waiter in list(session.waiters):
-            self.waiting.drop(waiter)
-        for written in list(session.writes.values()):
-            self.free(written)
-        session.writes.clear()
-        if session.reservation is not None:
-            self.reserving.end(session.reservation, "reclaimed")
-        for generation, count in session.leases.items():
-            entry = self.by_generation.get(generation)
-            if entry is not None:
-                entry.readers -= count
-                self.after_unhold(entry)
-        session.leases.clear()
-        for generation in session.pins:
-            entry = self.by_generation.get(generation)
-            if entry is not None:
-                entry.pins -= 1
-                self.after_unhold(entry)
-        session.pins.clear()
+        """Reclaim everything a departed client held (reclaim.py)."""
+        if not session.closed:
+            self._sessions.pop(session.id, None)
+        reclaim(self, session, reclaimed, reason)
 
     @property
     def sessions(self) -> int:
@@ -233,11 +212,16 @@ class Store:
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype), self.shared_shape(item.shape),
                       item.nbytes, placed[0], placed[1], owner=session, last_access=now,
                       when=now + self.leases.write_ttl)
+        entry.journal = self.journal.intent(generation, placed[0], placed[1], align_up(max(item.nbytes, 1)))
         self.by_generation[generation] = entry
         self.charge(ns, align_up(max(item.nbytes, 1)))
         session.writes[generation] = entry
         self.deadlines.push(entry.write_deadline, generation, 0)
         return Extent(generation, entry.pool, entry.offset)
+
+    def generations_after(self, generation: int) -> None:
+        """Generations from now on are above `generation` (an adopted pool's: restart/adopt.py)."""
+        self._next_generation = max(self._next_generation, generation + 1)
 
     def take_generation(self) -> int:
         """The next generation (entries and reservations share the counter)."""
@@ -289,6 +273,7 @@ class Store:
         entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
+        self._journal_commit(entry)
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
         self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
@@ -310,6 +295,15 @@ class Store:
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
         return None
+
+    def _journal_commit(self, entry: Entry) -> None:
+        """The entry's record replaces its write's intent, before the commit is answered: a put
+        that returned is adopted after a restart (and a kill in between leaves both: adoption
+        keeps the entry)."""
+        intent = entry.journal
+        entry.journal = self.journal.entry(entry.generation, entry.pool, entry.offset, entry.nbytes, entry.checksum,
+                                           entry.dtype, entry.shape, entry.ns, entry.key)
+        self.journal.forget(intent)
 
     def abort(self, session: Session, generation: int) -> Failure | None:
         """Give back a write (or this client's reservation) before it is committed."""
@@ -489,6 +483,8 @@ class Store:
     def unindex(self, entry: Entry, kind: EventKind, keyhash: int | None = None) -> None:
         """A READY entry leaves the index (evicted, deleted, replaced): a ring event says so."""
         del self.index[(entry.ns, entry.key)]
+        self.journal.forget(entry.journal)  # not adopted any more: its extent may be reused
+        entry.journal = -1
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
@@ -515,6 +511,8 @@ class Store:
 
     def free(self, entry: Entry) -> None:
         """Give an entry's extent back to its pool and its bytes back to its namespace."""
+        if entry.journal >= 0:  # a write's intent (an unindexed entry has none left)
+            self.journal.forget(entry.journal)
         self.host.free(entry.pool, entry.offset, entry.nbytes)
         del self.by_generation[entry.generation]
         self.uncharge(entry.ns, align_up(max(entry.nbytes, 1)))

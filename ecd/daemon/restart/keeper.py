@@ -1,7 +1,7 @@
 """Who holds the host pool while no daemon runs: the keeper's interface.
 
 A daemon that adopts (`[restart] adopt = true`) hands the descriptors of its host pool's
-segments and of its journal (ecd/daemon/restart/journal.py) to a keeper as soon as they exist,
+segments and of its journal (ecd/memory/journal.py) to a keeper as soon as they exist,
 and the next daemon of the node takes them back at its start. Descriptors travel by name:
 "pool.<n>" for segment n, "journal" for the journal. Implementations: systemd's file descriptor
 store (restart/fdstore.py) and a holder process (restart/holder.py); `NoKeeper` where nothing
@@ -9,7 +9,7 @@ outlives the process.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 
 class PoolKeeper(Protocol):
@@ -48,3 +48,8 @@ class NoKeeper:
 
     def close(self) -> None:
         pass
+
+
+def choose_keeper(restart: Any, node: str, runtime_dir: str) -> PoolKeeper:
+    """The keeper `[restart]` asks for (placeholder until the holder and systemd keepers land)."""
+    return NoKeeper()

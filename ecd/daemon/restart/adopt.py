@@ -1,0 +1,235 @@
+"""A restarted daemon adopts the host pool its predecessor left with the keeper (keeper.py):
+the same memory, mapped again, and the registry rebuilt from the journal (ecd/memory/journal.py),
+without copying a byte. Anything that does not check out starts the daemon cold, with one log
+line saying why: no pool kept, another layout (node, backing, segment sizes), another journal
+format, a descriptor that is not what it claims.
+
+What is adopted: every entry whose commit the journal recorded (the newest generation of a key,
+where a kill between a replace's two records left two), READY, evictable, in the index and on
+the event ring, with its namespace, generation, size, dtype, shape and checksum. What is not:
+writes in progress (their extents are kept out of use for a write TTL, since the old daemon's
+client may still be copying into them, then freed), reservations, leases and pins (their
+sessions died with the old daemon), CUDA arenas (device memory dies with its process).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ...memory.allocator import align_up
+from ...memory.host import HostPool, ShmFile, segment_name, shm_path
+from ...memory.journal import EntryRecord, IntentRecord, Journal, JournalRefused, Layout, default_size
+from ...memory.memfd import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, POOL_SEALS, MemfdFile
+from ...memory.ring import EventKind
+from ...protocol import RestartStats
+from ..registry.entries import Entry, State
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...config import Config
+    from ..registry.store import Store
+
+log = logging.getLogger("ecd.daemon")
+
+JOURNAL_FD = "journal"
+
+
+def pool_fd_name(index: int) -> str:
+    return f"pool.{index}"
+
+
+def journal_name(node: str) -> str:
+    return f"ecd.{node}.journal"
+
+
+def segment_sizes(config: "Config") -> tuple[int, ...]:
+    """The host pool's segment sizes as HostPool cuts them."""
+    size, segment = int(config.pool.host.size), int(config.pool.host.segment_size)
+    return tuple(min(segment, size - start) for start in range(0, size, segment))
+
+
+def layout_of(config: "Config") -> Layout:
+    return Layout(config.node.name, config.pool.host.backing, segment_sizes(config))
+
+
+def journal_size(config: "Config") -> int:
+    return int(config.restart.journal_size) or default_size(int(config.pool.host.size))
+
+
+@dataclass
+class Kept:
+    """The pool and journal a previous run left, mapped, and the journal's valid records."""
+
+    pool: HostPool
+    journal_file: ShmFile
+    journal: Journal
+    entries: list[EntryRecord]
+    intents: list[IntentRecord]
+    skipped: int  # records that failed their checks (torn, stray)
+    opened_s: float  # mapping the memory and reading the journal
+
+
+@dataclass
+class Restart:
+    """How this daemon's start went (`ecd status`, metrics): what it adopted or why it did not."""
+
+    keeper: str
+    stats: RestartStats = field(default_factory=RestartStats)
+
+
+def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
+    """Map what the keeper handed back. JournalRefused (with the reason) when it is not this
+    config's pool; the caller then closes `fds` and starts cold. Takes ownership of `fds` on
+    success (the pool's files and the journal keep them)."""
+    began = time.perf_counter()
+    layout = layout_of(config)
+    if JOURNAL_FD not in fds:
+        raise JournalRefused("the keeper holds no journal")
+    wanted = [pool_fd_name(i) for i in range(len(layout.segments))]
+    missing = [name for name in wanted if name not in fds]
+    if missing or len(fds) != len(wanted) + 1:
+        raise JournalRefused(f"the keeper holds {len(fds) - 1} pool segment(s), the config gives "
+                             f"{len(layout.segments)}")
+    size = journal_size(config)
+    journal_file = _map(fds[JOURNAL_FD], journal_name(config.node.name), size, config.pool.host.backing,
+                        pool=False)
+    try:
+        journal, entries, intents, skipped = Journal.open(journal_file.buf, size, layout)
+        segments = [_map(fds[pool_fd_name(i)], segment_name(config.node.name, i), seg_size, config.pool.host.backing)
+                    for i, seg_size in enumerate(layout.segments)]
+    except BaseException:
+        journal_file.buf.close()
+        raise
+    return Kept(HostPool.from_segments(segments), journal_file, journal, entries, intents, skipped,
+                time.perf_counter() - began)
+
+
+def _map(fd: int, name: str, size: int, backing: str, *, pool: bool = True) -> ShmFile:
+    """A ShmFile (MemfdFile for memfds) over a kept descriptor, after checking it is what it
+    should be: its size, a pool memfd's seals, a named pool file's path still naming it (clients
+    open it by name)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        raise JournalRefused(f"{name}: the kept descriptor is {st.st_size} bytes, {size} expected")
+    if backing == "memfd" and pool:
+        try:
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & POOL_SEALS != POOL_SEALS:
+            raise JournalRefused(f"{name}: the kept descriptor is not a sealed memfd")
+    if backing == "named" and pool:
+        try:
+            on_disk = os.stat(shm_path(name))
+        except OSError:
+            raise JournalRefused(f"{shm_path(name)} is gone: clients could not open it") from None
+        if (on_disk.st_dev, on_disk.st_ino) != (st.st_dev, st.st_ino):
+            raise JournalRefused(f"{shm_path(name)} is another file than the one kept")
+    buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    cls: Any = MemfdFile if backing == "memfd" else ShmFile
+    return cls(name, size, buf, fd)
+
+
+def create_journal(config: "Config") -> tuple[ShmFile, Journal]:
+    """A new, empty journal (a cold start): a memfd, or /dev/shm/ecd.<node>.journal 0600 (only
+    the daemon's user: clients never map it)."""
+    size = journal_size(config)
+    name = journal_name(config.node.name)
+    if config.pool.host.backing == "memfd":
+        journal_file: ShmFile = MemfdFile.create_sealed(name, size, seals=F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+    else:
+        journal_file = ShmFile.create(name, size, mode=0o600)
+    return journal_file, Journal.create(journal_file.buf, size, layout_of(config))
+
+
+def kept_fds(pool: HostPool, journal_file: ShmFile) -> dict[str, int]:
+    fds = {pool_fd_name(i): seg.fd for i, seg in enumerate(pool.segments)}
+    fds[JOURNAL_FD] = journal_file.fd
+    return fds
+
+
+# ---- the registry -----------------------------------------------------------------------
+
+def adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartStats:
+    """Rebuild the registry from the journal's records (before the daemon serves)."""
+    began = time.perf_counter()
+    journal, host = kept.journal, store.host
+    host_pools = set(host.host_pools)
+    newest: dict[tuple[str, str], EntryRecord] = {}
+    dropped = 0
+    for record in kept.entries:
+        if record.pool not in host_pools or store.check_key(record.ns, record.key) is not None:
+            journal.forget(record.at)
+            dropped += 1
+            continue
+        key = (record.ns, record.key)
+        other = newest.get(key)
+        if other is not None and other.generation > record.generation:
+            journal.forget(record.at)  # a replace killed between its two records: the newer wins
+            continue
+        if other is not None:
+            journal.forget(other.at)
+        newest[key] = record
+    by_extent: dict[tuple[int, int], EntryRecord | IntentRecord] = {(r.pool, r.offset): r for r in newest.values()}
+    for intent in kept.intents:  # an intent beside its own entry: the commit happened
+        if intent.pool not in host_pools or (intent.pool, intent.offset) in by_extent:
+            journal.forget(intent.at)
+        else:
+            by_extent[(intent.pool, intent.offset)] = intent
+    for pool in host.host_pools:
+        mine = [(offset, _extent_bytes(r)) for (p, offset), r in by_extent.items() if p == pool]
+        for offset, _ in host.allocators[pool].claim(mine):
+            journal.forget(by_extent.pop((pool, offset)).at)  # overlaps another or lies outside
+            dropped += 1
+    now = store.clock()
+    adopted = adopted_bytes = 0
+    quarantined: list[IntentRecord] = []
+    for held in sorted(by_extent.values(), key=lambda r: r.generation):  # LRU order: oldest first
+        store.generations_after(held.generation)
+        if isinstance(held, IntentRecord):
+            quarantined.append(held)
+            continue
+        _insert(store, held, now)
+        adopted += 1
+        adopted_bytes += held.nbytes
+    if quarantined:
+        store.scheduler.call_later(quarantine_s, lambda: _end_quarantine(store, journal, quarantined))
+    return RestartStats(
+        adopted=True, entries=adopted, bytes=adopted_bytes, quarantined=len(quarantined), skipped_records=kept.skipped + dropped,
+        seconds=kept.opened_s + time.perf_counter() - began)
+
+
+def _extent_bytes(record: EntryRecord | IntentRecord) -> int:
+    return record.nbytes if isinstance(record, EntryRecord) else record.size
+
+
+def _insert(store: "Store", record: EntryRecord, now: float) -> None:
+    ns = sys.intern(record.ns)
+    entry = Entry(record.generation, ns, record.key, sys.intern(record.dtype), store.shared_shape(record.shape),
+                  record.nbytes, record.pool, record.offset, state=State.READY, last_access=now, when=now,
+                  checksum=record.checksum, journal=record.at)
+    store.by_generation[entry.generation] = entry
+    store.index[(ns, entry.key)] = entry
+    size = align_up(max(entry.nbytes, 1))
+    store.charge(ns, size)
+    if ns in store.guaranteed_ready:
+        store.guaranteed_ready[ns] += size
+    store.placement.make_evictable(entry)
+    if store.lower_tier.holds(ns, entry.key):  # the disk tier's record keeps the key present
+        store.ring.append(EventKind.PUBLISHED, entry.keyhash, entry.generation)
+    else:
+        store.ring.publish(entry.keyhash, entry.generation)
+
+
+def _end_quarantine(store: "Store", journal: Journal, intents: list[IntentRecord]) -> None:
+    """The old daemon's writes can no longer be in progress: their extents go back to the pool."""
+    for intent in intents:
+        journal.forget(intent.at)
+        store.host.free(intent.pool, intent.offset, intent.size)
+    log.info("restart: %d extent(s) of writes the previous run left unfinished are free again", len(intents))

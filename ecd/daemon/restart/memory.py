@@ -1,0 +1,160 @@
+"""The daemon's shared memory at start and at exit: the host pool (adopted from the keeper, or
+new), the journal of its entries, the keeper that holds both between runs, and the event ring
+(always new: its epoch is this run's).
+
+At exit the keeper goes on holding the pool and the journal (keeper.py says until when), so the
+daemon closes its own descriptors and leaves named files in place; without a keeper
+(`[restart] adopt = false`, or none could be had) the memory goes with the process, as it always did.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ...memory import kernel_copy
+from ...memory.host import RING_FILE_MODE, HostPool, ShmFile, remove_stale, ring_name, shm_path
+from ...memory.journal import Journal, JournalRefused, NullJournal
+from ...memory.memfd import RING_SEALS, MemfdFile, MemfdPool
+from ...memory.ring import RingWriter, ring_bytes
+from ...protocol import RestartStats
+from .adopt import Kept, adopt_entries, create_journal, kept_fds, open_kept
+from .keeper import NoKeeper, PoolKeeper, choose_keeper
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...config import Config
+    from ..registry.store import Store
+
+log = logging.getLogger("ecd.daemon")
+
+
+@dataclass(eq=False)
+class Memory:
+    pool: HostPool
+    ring_file: ShmFile
+    ring: RingWriter
+    keeper: PoolKeeper = field(default_factory=NoKeeper)
+    journal: Journal | NullJournal = field(default_factory=NullJournal)
+    journal_file: ShmFile | None = None
+    kept: Kept | None = None  # the previous run's pool, until adopt_entries
+    restart: RestartStats = field(default_factory=RestartStats)
+
+    def adopt_entries(self, store: "Store", quarantine_s: float) -> None:
+        """Give the store the journal and, for an adopted pool, its entries (before serving)."""
+        store.journal = self.journal
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return
+        stats = adopt_entries(store, kept, quarantine_s)
+        self.restart = msgspec.structs.replace(stats, keeper=self.restart.keeper)
+        log.info("restart: adopted %d entries (%d bytes) of the previous run's pool in %.3fs; %d unfinished "
+                 "write(s) kept out of use for %gs, %d journal record(s) skipped", stats.entries, stats.bytes,
+                 stats.seconds, stats.quarantined, quarantine_s, stats.skipped_records)
+
+    def stats(self) -> RestartStats:
+        return msgspec.structs.replace(self.restart, journal_records=self.journal.records,
+                                       journal_full=self.journal.full)
+
+    def close(self) -> None:
+        """This process lets go of the memory; a keeper holds on to the pool and the journal."""
+        self.ring.close()
+        self.ring_file.unlink()
+        keeping = self.keeper.kind != "none"
+        if self.journal_file is not None:
+            if keeping:
+                _close_fd(self.journal_file)
+            else:
+                self.journal_file.unlink()
+        self.pool.close(keep_names=keeping)
+        self.keeper.close()
+
+
+def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
+    """The memory of this run (ShmError when it cannot be had: nothing is left behind then)."""
+    host, node = config.pool.host, config.node.name
+    restart = RestartStats()
+    keeper, kept = _take_kept(config, restart)
+    keep = frozenset() if kept is None else frozenset([s.name for s in kept.pool.segments] + [kept.journal_file.name])
+    stale = remove_stale(node, keep)
+    if stale:
+        log.info("removed %d stale shm file(s) of a previous run: %s", len(stale), ", ".join(stale))
+    pool: HostPool | None = None
+    journal_file: ShmFile | None = None
+    journal: Journal | NullJournal = NullJournal()
+    try:
+        if kept is not None:
+            pool, journal_file, journal = kept.pool, kept.journal_file, kept.journal
+        elif host.backing == "memfd":  # sealed: no one can truncate them (memory/memfd.py)
+            pool = MemfdPool(node, int(host.size), int(host.segment_size))
+        else:
+            pool = HostPool(node, int(host.size), int(host.segment_size), gid)
+        if kept is None and keeper.kind != "none":
+            journal_file, journal = create_journal(config)
+        ring_size = ring_bytes(config.ring.slots, config.ring.presence_buckets)
+        if host.backing == "memfd":
+            ring_file: ShmFile = MemfdFile.create_sealed(ring_name(node), ring_size, seals=RING_SEALS)
+        else:
+            # 0640: clients map the ring read-only, so no engine in the group can write into it
+            ring_file = ShmFile.create(ring_name(node), ring_size, gid, mode=RING_FILE_MODE)
+    except BaseException:
+        if journal_file is not None:
+            journal_file.unlink()
+        if pool is not None:
+            pool.close()
+        keeper.close()
+        raise
+    if host.backing == "named" and not kernel_copy.available():
+        log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
+                    "after a size check, and a pool file truncated in between would crash the daemon")
+    ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch)
+    memory = Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart)
+    _hand_to_keeper(memory, host.backing)
+    return memory
+
+
+def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kept | None]:
+    """The keeper, and what the previous run left with it when that is this config's pool (None,
+    with one log line saying why when something was kept, for a cold start)."""
+    if not config.restart.adopt:
+        return NoKeeper(), None
+    try:
+        keeper = choose_keeper(config.restart, config.node.name, config.node.runtime_dir)
+        fds = keeper.take()
+    except Exception as exc:  # KeeperUnavailable and the like: serve anyway, cold
+        log.warning("restart: no keeper for the pool (%s): this start is cold and the pool will not be "
+                    "adopted after the next restart", exc)
+        return NoKeeper(), None
+    restart.keeper = keeper.kind
+    if not fds:
+        return keeper, None
+    try:
+        return keeper, open_kept(config, fds)
+    except (JournalRefused, OSError, ValueError) as exc:
+        for fd in fds.values():
+            os.close(fd)
+        restart.refused = str(exc)
+        log.warning("restart: the pool the previous run left was not adopted: %s; starting cold", exc)
+        return keeper, None
+
+
+def _hand_to_keeper(memory: Memory, backing: str) -> None:
+    if memory.journal_file is None:
+        return
+    named = [] if backing == "memfd" else [shm_path(s.name) for s in memory.pool.segments] + [
+        shm_path(memory.journal_file.name)]
+    try:
+        memory.keeper.keep(kept_fds(memory.pool, memory.journal_file), named)
+    except Exception as exc:
+        log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
+                    "restart", memory.keeper.kind, exc)
+        memory.keeper = NoKeeper()
+        memory.restart.keeper = "none"
+
+
+def _close_fd(shm: ShmFile) -> None:
+    if shm.fd >= 0:
+        os.close(shm.fd)
+        shm.fd = -1

@@ -1,0 +1,293 @@
+"""The journal: what the host pool holds, written as it changes, in shared memory that outlives the
+daemon (a memfd or /dev/shm file the keeper holds, ecd/daemon/restart/keeper.py), so that the
+next daemon of the node adopts the pool instead of starting cold (ecd/daemon/restart/adopt.py).
+
+One record per extent in use. An extent being written (an Alloc's, a reservation's) has an
+INTENT record (generation, pool, offset, size): after a restart its extent is kept out of use for
+a write TTL, because the old daemon's client may still be copying into it. A committed entry has
+an ENTRY record (generation, pool, offset, nbytes, checksum, dtype, shape, namespace, key),
+written before the commit is answered, so every put that returned is in the journal. A record is
+zeroed when its extent stops holding it (the entry leaves the index, the write is aborted):
+before the extent can be handed out again, since the daemon is single-threaded.
+
+Trust: every record carries a MAC (keyed BLAKE2b-64, the key a random salt in the journal's
+header, which only the daemon maps: clients never get this memory). A record torn by a kill in
+the middle of its write, or bytes a bug left behind, fail it and are skipped, never adopted; a
+client-chosen key cannot smuggle a record in. The header names the layout (node, backing, the
+segments' sizes, the format): a journal of another layout is refused as a whole.
+
+Space: records start on 64-byte granules and take a power-of-two number of them; freed runs go
+to a free list per size, fresh space comes from a bump pointer, a bigger free run is split when
+a size has none. O(1) per record. A full journal refuses the record (-1): the entry is stored as
+usual, it just is not adopted after a restart (counted).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+GRANULE = 64
+HEADER_BYTES = 4096
+FORMAT = 1  # the records' layout: a daemon that reads another refuses the journal (a cold start)
+MAGIC = b"ECDJRNL\x00"
+_PREFIX = b"\xecJ\x01"  # records start with _PREFIX + a kind byte
+ENTRY_MAGIC = _PREFIX + b"E"
+INTENT_MAGIC = _PREFIX + b"I"
+_HEAD = struct.Struct("<4sHH")  # magic, granules, payload bytes (the MAC follows: 8 bytes)
+_ENTRY = struct.Struct("<QIQQQBBHH")  # generation, pool, offset, nbytes, checksum, ndim, dtype, ns, key lengths
+_INTENT = struct.Struct("<QIQQ")  # generation, pool, offset, size
+_HEADER = struct.Struct("<8sII32sQ8s")  # magic, format, layout bytes, salt, size, MAC
+MAX_CLASS = 8  # records of up to 2**8 granules (16 KiB): a 1 KiB namespace and a 1 KiB key fit easily
+PAYLOAD_AT = _HEAD.size + 8
+
+
+class JournalRefused(Exception):
+    """The journal cannot be adopted as a whole; the message is the log line's reason."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a journal's records mean only together with: refused when it differs."""
+
+    node: str
+    backing: str
+    segments: tuple[int, ...]  # the host pool's segment sizes, in order
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": FORMAT, "node": self.node, "backing": self.backing,
+                           "segments": list(self.segments)}, sort_keys=True).encode()
+
+
+@dataclass(slots=True)
+class EntryRecord:
+    at: int  # the record's offset in the journal
+    generation: int
+    pool: int
+    offset: int
+    nbytes: int
+    checksum: int
+    dtype: str
+    shape: tuple[int, ...]
+    ns: str
+    key: str
+
+
+@dataclass(slots=True)
+class IntentRecord:
+    at: int
+    generation: int
+    pool: int
+    offset: int
+    size: int
+
+
+class Journal:
+    """Records in `buf` (a writable mapping of `size` bytes); `salt` keys their MACs."""
+
+    def __init__(self, buf: Any, size: int, salt: bytes) -> None:
+        if size < HEADER_BYTES + GRANULE << MAX_CLASS:
+            raise ValueError(f"a journal needs at least {HEADER_BYTES + (GRANULE << MAX_CLASS)} bytes, got {size}")
+        self.buf = buf
+        self.size = size
+        self.salt = salt
+        self._free: list[list[int]] = [[] for _ in range(MAX_CLASS + 1)]  # per class: offsets of free runs
+        self._top = HEADER_BYTES  # fresh space starts here
+        self.records = 0
+        self.full = 0  # records refused for want of space (their entries are not adopted)
+
+    # ---- creating and opening -----------------------------------------------------------
+
+    @classmethod
+    def create(cls, buf: Any, size: int, layout: Layout) -> "Journal":
+        """A new journal for `layout` in fresh (zeroed) memory: its header written."""
+        salt = os.urandom(32)
+        layout_bytes = layout.encode()
+        if _HEADER.size + len(layout_bytes) > HEADER_BYTES:
+            raise ValueError("the pool has too many segments for the journal's header")
+        head = _HEADER.pack(MAGIC, FORMAT, len(layout_bytes), salt, size, b"\0" * 8)
+        mac = _mac(salt, head[:-8] + layout_bytes)
+        buf[:_HEADER.size] = head[:-8] + mac
+        buf[_HEADER.size:_HEADER.size + len(layout_bytes)] = layout_bytes
+        return cls(buf, size, salt)
+
+    @classmethod
+    def open(cls, buf: Any, size: int, layout: Layout) -> "tuple[Journal, list[EntryRecord], list[IntentRecord], int]":
+        """Adopt the journal in `buf`: its valid records, and how many were skipped (torn or
+        stray). JournalRefused when the header is not a journal of `layout`."""
+        head = bytes(buf[:_HEADER.size])
+        magic, fmt, layout_len, salt, recorded_size, mac = _HEADER.unpack(head)
+        if magic != MAGIC:
+            raise JournalRefused("the journal has no valid header")
+        if fmt != FORMAT:
+            raise JournalRefused(f"the journal is of format {fmt}, this ecd reads format {FORMAT} "
+                                 "(an incompatible version of ecd wrote it)")
+        if recorded_size != size or _HEADER.size + layout_len > HEADER_BYTES:
+            raise JournalRefused(f"the journal is {size} bytes, its header says {recorded_size}")
+        layout_bytes = bytes(buf[_HEADER.size:_HEADER.size + layout_len])
+        if _mac(salt, head[:-8] + layout_bytes) != mac:
+            raise JournalRefused("the journal's header fails its checksum")
+        theirs, ours = json.loads(layout_bytes), json.loads(layout.encode())
+        for field in ("node", "backing", "segments"):
+            if theirs.get(field) != ours[field]:
+                raise JournalRefused(f"the pool was made with {field} = {theirs.get(field)!r}, the config now "
+                                     f"gives {ours[field]!r}")
+        journal = cls(buf, size, salt)
+        entries, intents, skipped = journal._scan()
+        return journal, entries, intents, skipped
+
+    def _scan(self) -> tuple[list[EntryRecord], list[IntentRecord], int]:
+        """Every valid record; the space between them zeroed and made free again."""
+        buf, end = self.buf, self.size
+        entries: list[EntryRecord] = []
+        intents: list[IntentRecord] = []
+        used: list[tuple[int, int]] = []  # (offset, bytes) of the valid records, in order
+        skipped = 0
+        at = buf.find(_PREFIX, HEADER_BYTES)
+        while 0 <= at < end:
+            if at % GRANULE:
+                at = buf.find(_PREFIX, at + 1)
+                continue
+            record = self._parse(at)
+            if record is None:
+                skipped += 1
+                at = buf.find(_PREFIX, at + GRANULE)
+                continue
+            run = GRANULE * _HEAD.unpack_from(buf, at)[1]
+            if isinstance(record, EntryRecord):
+                entries.append(record)
+            else:
+                intents.append(record)
+            used.append((at, run))
+            at = buf.find(_PREFIX, at + run)
+        self._rebuild_free(used)
+        self.records = len(used)
+        return entries, intents, skipped
+
+    def _parse(self, at: int) -> "EntryRecord | IntentRecord | None":
+        buf = self.buf
+        magic, granules, payload = _HEAD.unpack_from(buf, at)
+        run = GRANULE * granules
+        if (magic not in (ENTRY_MAGIC, INTENT_MAGIC) or granules == 0 or granules & (granules - 1)
+                or granules > 1 << MAX_CLASS or at + run > self.size or PAYLOAD_AT + payload > run):
+            return None
+        body = bytes(buf[at + PAYLOAD_AT:at + PAYLOAD_AT + payload])
+        if _mac(self.salt, bytes(buf[at:at + _HEAD.size]) + body) != bytes(buf[at + _HEAD.size:at + PAYLOAD_AT]):
+            return None
+        try:
+            if magic == INTENT_MAGIC:
+                return IntentRecord(at, *_INTENT.unpack(body))
+            generation, pool, offset, nbytes, checksum, ndim, dtype_len, ns_len, key_len = _ENTRY.unpack_from(body)
+            pos = _ENTRY.size
+            shape = struct.unpack_from(f"<{ndim}q", body, pos)
+            pos += 8 * ndim
+            dtype = body[pos:pos + dtype_len].decode()
+            pos += dtype_len
+            ns = body[pos:pos + ns_len].decode()
+            key = body[pos + ns_len:pos + ns_len + key_len].decode()
+        except (struct.error, UnicodeDecodeError, ValueError):
+            return None  # a valid MAC over a body this format cannot read: not ours to trust
+        return EntryRecord(at, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
+
+    def _rebuild_free(self, used: Sequence[tuple[int, int]]) -> None:
+        """After a scan: the gaps between the records zeroed (nothing torn stays behind to be
+        half-overwritten later) and cut into free runs; fresh space above the last record."""
+        self._free = [[] for _ in range(MAX_CLASS + 1)]
+        position = HEADER_BYTES
+        for at, run in used:
+            self._release_gap(position, at)
+            position = at + run
+        self._top = position
+        if position < self.size:
+            self.buf[position:self.size] = bytes(self.size - position)
+
+    def _release_gap(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        self.buf[start:end] = bytes(end - start)
+        while start < end:
+            cls = min(MAX_CLASS, ((end - start) // GRANULE).bit_length() - 1)
+            self._free[cls].append(start)
+            start += GRANULE << cls
+
+    # ---- writing ------------------------------------------------------------------------
+
+    def intent(self, generation: int, pool: int, offset: int, size: int) -> int:
+        """Record an extent being written; its record's offset (-1: the journal is full)."""
+        return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset, size))
+
+    def entry(self, generation: int, pool: int, offset: int, nbytes: int, checksum: int, dtype: str,
+              shape: Sequence[int], ns: str, key: str) -> int:
+        """Record a committed entry; its record's offset (-1: full, or too large to record)."""
+        dtype_b, ns_b, key_b = dtype.encode(), ns.encode(), key.encode()
+        body = (_ENTRY.pack(generation, pool, offset, nbytes, checksum, len(shape), len(dtype_b), len(ns_b), len(key_b))
+                + struct.pack(f"<{len(shape)}q", *shape) + dtype_b + ns_b + key_b)
+        return self._write(ENTRY_MAGIC, body)
+
+    def forget(self, at: int) -> None:
+        """Zero the record at `at` (a no-op for -1) and free its run."""
+        if at < 0:
+            return
+        granules = _HEAD.unpack_from(self.buf, at)[1]
+        self.buf[at:at + GRANULE * granules] = bytes(GRANULE * granules)
+        self._free[granules.bit_length() - 1].append(at)
+        self.records -= 1
+
+    def _write(self, magic: bytes, body: bytes) -> int:
+        need = -(-(PAYLOAD_AT + len(body)) // GRANULE)
+        cls = (need - 1).bit_length()
+        if cls > MAX_CLASS:
+            self.full += 1
+            return -1
+        at = self._take(cls)
+        if at < 0:
+            self.full += 1
+            return -1
+        head = _HEAD.pack(magic, 1 << cls, len(body))
+        self.buf[at:at + PAYLOAD_AT + len(body)] = head + _mac(self.salt, head + body) + body
+        self.records += 1
+        return at
+
+    def _take(self, cls: int) -> int:
+        free = self._free
+        if free[cls]:
+            return free[cls].pop()
+        run = GRANULE << cls
+        if self._top + run <= self.size:
+            at, self._top = self._top, self._top + run
+            return at
+        for bigger in range(cls + 1, MAX_CLASS + 1):
+            if free[bigger]:
+                at = free[bigger].pop()
+                for half in range(bigger - 1, cls - 1, -1):  # keep the first piece, free the rest
+                    free[half].append(at + (GRANULE << half))
+                return at
+        return -1
+
+
+class NullJournal:
+    """No adoption (`[restart] adopt = false`): records cost nothing and are not kept."""
+
+    records = full = 0
+
+    def intent(self, generation: int, pool: int, offset: int, size: int) -> int:
+        return -1
+
+    def entry(self, generation: int, pool: int, offset: int, nbytes: int, checksum: int, dtype: str,
+              shape: Sequence[int], ns: str, key: str) -> int:
+        return -1
+
+    def forget(self, at: int) -> None:
+        pass
+
+
+def default_size(pool_size: int) -> int:
+    """`[restart] journal_size = 0`: pool.host.size / 256, at least 16 MiB, rounded to 4 KiB."""
+    return max(16 << 20, -(-(pool_size // 256) // 4096) * 4096)
+
+
+def _mac(salt: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, key=salt, digest_size=8).digest()
