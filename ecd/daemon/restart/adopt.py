@@ -177,11 +177,11 @@ def adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSta
             journal.forget(other.at)
         newest[key] = record
     by_extent: dict[tuple[int, int], EntryRecord | IntentRecord] = {}
-    for record in newest.values():  # two entries at one extent: a bug's, neither is served as the other
-        other = by_extent.setdefault((record.pool, record.offset), record)
-        if other is not record:
-            loser = record if record.generation < other.generation else other
-            by_extent[(record.pool, record.offset)] = other if loser is record else record
+    for record in newest.values():  # two entries at one extent (a bug's): the newer one only
+        there = by_extent.setdefault((record.pool, record.offset), record)
+        if there is not record:
+            loser, winner = (record, there) if record.generation < there.generation else (there, record)
+            by_extent[(record.pool, record.offset)] = winner
             journal.forget(loser.at)
             dropped += 1
     for intent in kept.intents:  # an intent beside its own entry: the commit happened
