@@ -262,6 +262,9 @@ class Holder:
         conn.sock.close()
         if conn is self.lease:
             self.lease = None
+            if not self.held:  # a daemon that failed before it kept anything: nothing to wait with
+                self.let_go(f"daemon gone (pid {conn.pid}) before it kept a pool")
+                return
             self.expires = time.monotonic() + self.hold
             log(f"daemon gone (pid {conn.pid}): holding {len(self.held)} descriptor(s) of "
                 f"{self.held_bytes()} bytes for {self.hold:g} s")
