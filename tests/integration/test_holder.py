@@ -340,3 +340,30 @@ def test_a_peer_of_another_uid_is_refused(node):
     assert holder.poll() is None
     second, taken = node.take()
     assert taken["taken"] == said["kept"]
+
+
+def test_hundreds_of_descriptors_travel_in_batches_and_a_smaller_keep_closes_the_rest(node):
+    holder = node.holder()
+    keeper = HolderKeeper(node.name, node.dir, spawn=False)
+    assert keeper.take() == {}
+    files = [MemfdFile.create_sealed(f"ecd-test-batch-{i}", 4096) for i in range(450)]  # 3 batches of <= 200
+    for i, f in enumerate(files):
+        f.buf[:8] = i.to_bytes(8, "little")
+    baseline = len(os.listdir(f"/proc/{holder.pid}/fd"))
+    keeper.keep({f"pool.{i}": f.fd for i, f in enumerate(files)})
+    assert len(os.listdir(f"/proc/{holder.pid}/fd")) == baseline + 450
+    keeper.close()
+    inodes = {f"pool.{i}": os.fstat(f.fd).st_ino for i, f in enumerate(files)}
+    for f in files:
+        f.unlink()
+    again = HolderKeeper(node.name, node.dir, spawn=False)
+    taken = again.take()
+    assert {name: os.fstat(fd).st_ino for name, fd in taken.items()} == inodes
+    assert all(os.pread(fd, 8, 0) == int(name[5:]).to_bytes(8, "little") for name, fd in taken.items())
+    again.keep({name: fd for name, fd in taken.items() if int(name[5:]) < 10})
+    assert wait_for(lambda: len(os.listdir(f"/proc/{holder.pid}/fd")) == baseline + 10, 5)
+    for fd in taken.values():
+        os.close(fd)
+    again.release()
+    assert holder.wait(10) == 0
+    assert "let go of 10 descriptor(s) of 40960 bytes" in node.log()
