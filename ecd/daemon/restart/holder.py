@@ -206,7 +206,9 @@ class Holder:
                             if not self.accept():
                                 break
                     else:
-                        self.readable(key.data)
+                        conn: Connection = key.data
+                        if self.connections.get(conn.sock.fileno()) is conn:  # not dropped in this round
+                            self.serve_connection(conn)
                     if self.done:
                         break
                 if stop and not self.done:
@@ -294,6 +296,13 @@ class Holder:
             self.drop(conn)
         else:
             conn.deadline = None
+
+    def serve_connection(self, conn: Connection) -> None:
+        try:
+            self.readable(conn)
+        except Exception as exc:  # a bug a request found: that connection goes, the pool stays
+            log(f"pid {conn.pid}: dropped after an error in the holder: {exc!r}")
+            self.drop(conn)
 
     def readable(self, conn: Connection) -> None:
         try:
