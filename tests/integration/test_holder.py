@@ -367,3 +367,13 @@ def test_hundreds_of_descriptors_travel_in_batches_and_a_smaller_keep_closes_the
     again.release()
     assert holder.wait(10) == 0
     assert "let go of 10 descriptor(s) of 40960 bytes" in node.log()
+
+
+def test_release_from_outside_the_lease_is_refused(node):
+    holder = node.holder()
+    daemon, said = node.keep(seed=11)
+    with pytest.raises(KeeperUnavailable, match=f"refused to release: a daemon \\(pid {daemon.pid}\\) holds the pool"):
+        HolderKeeper(node.name, node.dir, spawn=False).release()
+    assert holder.poll() is None
+    finish(daemon, "release")
+    assert holder.wait(10) == 0
