@@ -92,6 +92,8 @@ class HolderKeeper:
             self._exchange(HolderRequest(version=HOLDER_WIRE_VERSION, op="release"), [])
         except _Broken:
             pass  # it exited: what it held went with it
+        except _Refused as exc:  # another daemon holds the pool now: not ours to let go
+            raise KeeperUnavailable(f"the holder {self.path} refused to release: {exc.reply.error}") from None
         finally:
             self._drop()
             self._reap(wait=1.0)
