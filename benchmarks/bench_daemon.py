@@ -96,6 +96,10 @@ class BenchDaemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        # A final stop: the holder the daemon spawned ([restart]) lets the pool go now, instead of
+        # keeping it `hold` seconds for a next run that a benchmark never starts.
+        from ecd.daemon.restart.holder_client import HolderKeeper
+        HolderKeeper(self.node, self.runtime_dir, spawn=False).release()
         return self.proc.returncode
 
     def log_tail(self) -> str:

@@ -2,18 +2,22 @@
 daemon (a memfd or /dev/shm file the keeper holds, ecd/daemon/restart/keeper.py), so that the
 next daemon of the node adopts the pool instead of starting cold (ecd/daemon/restart/adopt.py).
 
-One record per extent in use. An extent being written (an Alloc's, a reservation's) has an
-INTENT record (generation, pool, offset, size): after a restart its extent is kept out of use for
-a write TTL, because the old daemon's client may still be copying into it. A committed entry has
-an ENTRY record (generation, pool, offset, nbytes, checksum, dtype, shape, namespace, key),
-written before the commit is answered, so every put that returned is in the journal. A record is
-zeroed when its extent stops holding it (the entry leaves the index, the write is aborted):
-before the extent can be handed out again, since the daemon is single-threaded.
+One record per extent in use. A named put's extent gets an ENTRY record at its Alloc (generation,
+pool, offset, nbytes, dtype, shape, namespace, key), in state WRITING; its commit writes the
+checksum and flips the state to COMMITTED (two small stores: the record is written once per put),
+before the commit is answered, so every put that returned is in the journal. A reservation's
+anonymous extent has an INTENT record (generation, pool, offset, size) until Publish names it.
+After a restart a WRITING entry's or an intent's extent is kept out of use for a write TTL (the
+old daemon's client may still be copying into it) and never served. A record is zeroed when its
+extent stops holding it (the entry leaves the index, the write is aborted): before the extent can
+be handed out again, since the daemon is single-threaded.
 
 Trust: every record carries a MAC (keyed BLAKE2b-64, the key a random salt in the journal's
-header, which only the daemon maps: clients never get this memory). A record torn by a kill in
-the middle of its write, or bytes a bug left behind, fail it and are skipped, never adopted; a
-client-chosen key cannot smuggle a record in. The header names the layout (node, backing, the
+header, which only the daemon maps: clients never get this memory) over all of it but the state
+and checksum words. A record torn by a kill in the middle of its write, or bytes a bug left behind,
+fail it and are skipped, never adopted; a client-chosen key cannot smuggle a record in. The
+commit's two stores go checksum first, state last (one aligned byte): a kill between them leaves
+a WRITING record, never a COMMITTED one without its checksum. The header names the layout (node, backing, the
 segments' sizes, the format): a journal of another layout is refused as a whole.
 
 Space: records start on 64-byte granules and take a power-of-two number of them; freed runs go
@@ -38,11 +42,18 @@ _PREFIX = b"\xecJ\x01"  # records start with _PREFIX + a kind byte
 ENTRY_MAGIC = _PREFIX + b"E"
 INTENT_MAGIC = _PREFIX + b"I"
 _HEAD = struct.Struct("<4sHH")  # magic, granules, payload bytes (the MAC follows: 8 bytes)
-_ENTRY = struct.Struct("<QIQQQBBHH")  # generation, pool, offset, nbytes, checksum, ndim, dtype, ns, key lengths
+_ENTRY = struct.Struct("<QIQQBBHH")  # generation, pool, offset, nbytes, ndim, dtype, ns, key lengths
 _INTENT = struct.Struct("<QIQQ")  # generation, pool, offset, size
 _HEADER = struct.Struct("<8sII32sQ8s")  # magic, format, layout bytes, salt, size, MAC
 MAX_CLASS = 8  # records of up to 2**8 granules (16 KiB): a 1 KiB namespace and a 1 KiB key fit easily
-PAYLOAD_AT = _HEAD.size + 8
+_ZEROS = [bytes(GRANULE << cls) for cls in range(MAX_CLASS + 1)]  # what a forgotten record's run becomes
+SHAPES_CACHED = 4096  # packed shapes kept (entries come in a few shapes; clients choose them)
+STATE_AT = _HEAD.size + 8  # one byte, outside the MAC: WRITING (0) or COMMITTED (1)
+CHECKSUM_AT = STATE_AT + 8  # the entry's checksum (u64), outside the MAC: written by the commit
+PAYLOAD_AT = CHECKSUM_AT + 8
+WRITING, COMMITTED = 0, 1
+_CHECKSUM = struct.Struct("<Q")
+_UNCOMMITTED = bytes(PAYLOAD_AT - STATE_AT)  # state WRITING, checksum 0
 
 
 class JournalRefused(Exception):
@@ -65,6 +76,7 @@ class Layout:
 @dataclass(slots=True)
 class EntryRecord:
     at: int  # the record's offset in the journal
+    committed: bool  # False: a put the old daemon had not committed (its extent is quarantined)
     generation: int
     pool: int
     offset: int
@@ -94,6 +106,8 @@ class Journal:
         self.buf = buf
         self.size = size
         self.salt = salt
+        self._keyed = hashlib.blake2b(key=salt, digest_size=8)  # copied per record: half a keyed init's cost
+        self._shapes: dict[Any, bytes] = {}  # shape -> its packed bytes
         self.pools = pools  # host pool segments: extents in other pools (CUDA arenas) die with the process
         self._free: list[list[int]] = [[] for _ in range(MAX_CLASS + 1)]  # per class: offsets of free runs
         self._top = HEADER_BYTES  # fresh space starts here
@@ -176,12 +190,12 @@ class Journal:
                 or granules > 1 << MAX_CLASS or at + run > self.size or PAYLOAD_AT + payload > run):
             return None
         body = bytes(buf[at + PAYLOAD_AT:at + PAYLOAD_AT + payload])
-        if _mac(self.salt, bytes(buf[at:at + _HEAD.size]) + body) != bytes(buf[at + _HEAD.size:at + PAYLOAD_AT]):
+        if self._sign(bytes(buf[at:at + _HEAD.size]) + body) != bytes(buf[at + _HEAD.size:at + STATE_AT]):
             return None
         try:
             if magic == INTENT_MAGIC:
                 return IntentRecord(at, *_INTENT.unpack(body))
-            generation, pool, offset, nbytes, checksum, ndim, dtype_len, ns_len, key_len = _ENTRY.unpack_from(body)
+            generation, pool, offset, nbytes, ndim, dtype_len, ns_len, key_len = _ENTRY.unpack_from(body)
             pos = _ENTRY.size
             shape = struct.unpack_from(f"<{ndim}q", body, pos)
             pos += 8 * ndim
@@ -191,7 +205,9 @@ class Journal:
             key = body[pos + ns_len:pos + ns_len + key_len].decode()
         except (struct.error, UnicodeDecodeError, ValueError):
             return None  # a valid MAC over a body this format cannot read: not ours to trust
-        return EntryRecord(at, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
+        committed = buf[at + STATE_AT] == COMMITTED
+        checksum = _CHECKSUM.unpack_from(buf, at + CHECKSUM_AT)[0]
+        return EntryRecord(at, committed, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
 
     def _rebuild_free(self, used: Sequence[tuple[int, int]]) -> None:
         """After a scan: the gaps between the records zeroed (nothing torn stays behind to be
@@ -223,24 +239,39 @@ class Journal:
             return -1
         return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset, size))
 
-    def entry(self, generation: int, pool: int, offset: int, nbytes: int, checksum: int, dtype: str,
-              shape: Sequence[int], ns: str, key: str) -> int:
-        """Record a committed entry; its record's offset (-1: full, too large to record, or in a
-        CUDA arena)."""
+    def entry(self, generation: int, pool: int, offset: int, nbytes: int, dtype: str, shape: Sequence[int],
+              ns: str, key: str, checksum: int = 0, committed: bool = False) -> int:
+        """Record a named put's extent (WRITING until `commit`, or COMMITTED at once); its record's
+        offset (-1: full, too large to record, or in a CUDA arena)."""
         if pool >= self.pools:
             return -1
         dtype_b, ns_b, key_b = dtype.encode(), ns.encode(), key.encode()
-        body = (_ENTRY.pack(generation, pool, offset, nbytes, checksum, len(shape), len(dtype_b), len(ns_b), len(key_b))
-                + struct.pack(f"<{len(shape)}q", *shape) + dtype_b + ns_b + key_b)
-        return self._write(ENTRY_MAGIC, body)
+        packed = self._shapes.get(shape)
+        if packed is None:
+            packed = struct.pack(f"<{len(shape)}q", *shape)
+            if len(self._shapes) < SHAPES_CACHED:
+                self._shapes[tuple(shape)] = packed
+        body = (_ENTRY.pack(generation, pool, offset, nbytes, len(shape), len(dtype_b), len(ns_b), len(key_b))
+                + packed + dtype_b + ns_b + key_b)
+        at = self._write(ENTRY_MAGIC, body)
+        if at >= 0 and committed:
+            self.commit(at, checksum)
+        return at
+
+    def commit(self, at: int, checksum: int) -> None:
+        """The put recorded at `at` is committed (a no-op for -1): its checksum, then its state."""
+        if at < 0:
+            return
+        _CHECKSUM.pack_into(self.buf, at + CHECKSUM_AT, checksum)
+        self.buf[at + STATE_AT] = COMMITTED
 
     def forget(self, at: int) -> None:
         """Zero the record at `at` (a no-op for -1) and free its run."""
         if at < 0:
             return
-        granules = _HEAD.unpack_from(self.buf, at)[1]
-        self.buf[at:at + GRANULE * granules] = bytes(GRANULE * granules)
-        self._free[granules.bit_length() - 1].append(at)
+        cls = _HEAD.unpack_from(self.buf, at)[1].bit_length() - 1
+        self.buf[at:at + (GRANULE << cls)] = _ZEROS[cls]
+        self._free[cls].append(at)
         self.records -= 1
 
     def _write(self, magic: bytes, body: bytes) -> int:
@@ -254,9 +285,14 @@ class Journal:
             self.full += 1
             return -1
         head = _HEAD.pack(magic, 1 << cls, len(body))
-        self.buf[at:at + PAYLOAD_AT + len(body)] = head + _mac(self.salt, head + body) + body
+        self.buf[at:at + PAYLOAD_AT + len(body)] = head + self._sign(head + body) + _UNCOMMITTED + body
         self.records += 1
         return at
+
+    def _sign(self, data: bytes) -> bytes:
+        mac = self._keyed.copy()
+        mac.update(data)
+        return mac.digest()
 
     def _take(self, cls: int) -> int:
         free = self._free
@@ -283,9 +319,12 @@ class NullJournal:
     def intent(self, generation: int, pool: int, offset: int, size: int) -> int:
         return -1
 
-    def entry(self, generation: int, pool: int, offset: int, nbytes: int, checksum: int, dtype: str,
-              shape: Sequence[int], ns: str, key: str) -> int:
+    def entry(self, generation: int, pool: int, offset: int, nbytes: int, dtype: str, shape: Sequence[int],
+              ns: str, key: str, checksum: int = 0, committed: bool = False) -> int:
         return -1
+
+    def commit(self, at: int, checksum: int) -> None:
+        pass
 
     def forget(self, at: int) -> None:
         pass

@@ -30,8 +30,9 @@ def fresh(size: int = SIZE) -> tuple[mmap.mmap, Journal]:
     return buf, Journal.create(buf, size, LAYOUT)
 
 
-def record(journal: Journal, generation: int, key: str, pool: int = 0, offset: int = 0, ns: str = "ns") -> int:
-    return journal.entry(generation, pool, offset, 100, 0xABC, "float32", (5, 5), ns, key)
+def record(journal: Journal, generation: int, key: str, pool: int = 0, offset: int = 0, ns: str = "ns",
+           committed: bool = True) -> int:
+    return journal.entry(generation, pool, offset, 100, "float32", (5, 5), ns, key, checksum=0xABC, committed=committed)
 
 
 def test_entries_survive_and_forgotten_ones_do_not():
@@ -48,6 +49,18 @@ def test_entries_survive_and_forgotten_ones_do_not():
     assert (e.pool, e.offset, e.nbytes, e.checksum, e.dtype, e.shape, e.ns, e.key) == (
         0, 4 * ALIGNMENT, 100, 0xABC, "float32", (5, 5), "ns", "k4")
     assert [(i.generation, i.pool, i.offset, i.size, i.at) for i in intents] == [(99, 1, 7 * ALIGNMENT, 512, intent)]
+
+
+def test_a_put_not_committed_reads_back_as_writing_and_its_commit_flips_it():
+    buf, journal = fresh()
+    at = record(journal, 7, "k", committed=False)
+    (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
+    assert (e.committed, e.checksum) == (False, 0)
+    journal.commit(at, 0xFEED)
+    (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
+    assert (e.committed, e.checksum, e.key) == (True, 0xFEED, "k")
+    buf[at + 24] ^= 1  # the checksum word is not under the MAC: the state and checksum are the commit's
+    assert Journal.open(buf, SIZE, LAYOUT)[1][0].checksum == 0xFEED ^ 1
 
 
 def test_a_torn_record_is_skipped_and_its_neighbours_kept():
@@ -115,7 +128,7 @@ def test_a_full_journal_refuses_records_and_takes_them_again_once_space_is_freed
     journal.forget(taken[5])
     assert record(journal, 1000, "k") == taken[5]
     # a bigger record than any free run: split from nothing, refused
-    assert journal.entry(1001, 0, 0, 1, 0, "u8", (), "ns", "k" * 3000) == -1
+    assert journal.entry(1001, 0, 0, 1, "u8", (), "ns", "k" * 3000) == -1
 
 
 def test_random_records_and_forgets_read_back_exactly():

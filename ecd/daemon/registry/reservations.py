@@ -101,8 +101,12 @@ class Reserving:
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
                       r.shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
-                      last_access=r.clock(), when=reservation.deadline, journal=reservation.journal)
-        reservation.journal = -1  # the entry's now
+                      last_access=r.clock(), when=reservation.deadline)
+        # the put's record before the intent goes: a kill in between leaves the extent quarantined
+        entry.journal = r.journal.entry(generation, entry.pool, entry.offset, entry.nbytes, entry.dtype, entry.shape,
+                                        ns, entry.key)
+        r.journal.forget(reservation.journal)
+        reservation.journal = -1
         r.by_generation[generation] = entry
         session.writes[generation] = entry
         return r.commit(session, generation, checksum)

@@ -212,7 +212,8 @@ class Store:
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype), self.shared_shape(item.shape),
                       item.nbytes, placed[0], placed[1], owner=session, last_access=now,
                       when=now + self.leases.write_ttl)
-        entry.journal = self.journal.intent(generation, placed[0], placed[1], align_up(max(item.nbytes, 1)))
+        entry.journal = self.journal.entry(generation, placed[0], placed[1], item.nbytes, entry.dtype, entry.shape,
+                                           ns, entry.key)
         self.by_generation[generation] = entry
         self.charge(ns, align_up(max(item.nbytes, 1)))
         session.writes[generation] = entry
@@ -273,7 +274,7 @@ class Store:
         entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
-        self._journal_commit(entry)
+        self.journal.commit(entry.journal, checksum)  # before the answer: a put that returned is adopted
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
         self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
@@ -295,15 +296,6 @@ class Store:
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
         return None
-
-    def _journal_commit(self, entry: Entry) -> None:
-        """The entry's record replaces its write's intent, before the commit is answered: a put
-        that returned is adopted after a restart (and a kill in between leaves both: adoption
-        keeps the entry)."""
-        intent = entry.journal
-        entry.journal = self.journal.entry(entry.generation, entry.pool, entry.offset, entry.nbytes, entry.checksum,
-                                           entry.dtype, entry.shape, entry.ns, entry.key)
-        self.journal.forget(intent)
 
     def abort(self, session: Session, generation: int) -> Failure | None:
         """Give back a write (or this client's reservation) before it is committed."""
@@ -511,7 +503,7 @@ class Store:
 
     def free(self, entry: Entry) -> None:
         """Give an entry's extent back to its pool and its bytes back to its namespace."""
-        if entry.journal >= 0:  # a write's intent (an unindexed entry has none left)
+        if entry.journal >= 0:  # a write's record (an unindexed entry has none left)
             self.journal.forget(entry.journal)
         self.host.free(entry.pool, entry.offset, entry.nbytes)
         del self.by_generation[entry.generation]

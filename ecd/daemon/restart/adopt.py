@@ -163,7 +163,10 @@ def adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSta
     host_pools = set(host.host_pools)
     newest: dict[tuple[str, str], EntryRecord] = {}
     dropped = 0
-    for record in kept.entries:
+    # a put the old daemon had not committed: never served, its extent quarantined like an intent's
+    unfinished = [IntentRecord(r.at, r.generation, r.pool, r.offset, align_up(max(r.nbytes, 1)))
+                  for r in kept.entries if not r.committed]
+    for record in (r for r in kept.entries if r.committed):
         if record.pool not in host_pools or store.check_key(record.ns, record.key) is not None:
             journal.forget(record.at)
             dropped += 1
@@ -184,7 +187,7 @@ def adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSta
             by_extent[(record.pool, record.offset)] = winner
             journal.forget(loser.at)
             dropped += 1
-    for intent in kept.intents:  # an intent beside its own entry: the commit happened
+    for intent in [*kept.intents, *unfinished]:  # one beside a committed entry: the commit happened
         if intent.pool not in host_pools or (intent.pool, intent.offset) in by_extent:
             journal.forget(intent.at)
         else:
