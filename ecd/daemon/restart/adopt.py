@@ -20,7 +20,7 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...memory.allocator import align_up
@@ -73,14 +73,6 @@ class Kept:
     intents: list[IntentRecord]
     skipped: int  # records that failed their checks (torn, stray)
     opened_s: float  # mapping the memory and reading the journal
-
-
-@dataclass
-class Restart:
-    """How this daemon's start went (`ecd status`, metrics): what it adopted or why it did not."""
-
-    keeper: str
-    stats: RestartStats = field(default_factory=RestartStats)
 
 
 def open_kept(config: "Config", fds: dict[str, int]) -> Kept:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -133,6 +134,7 @@ def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kep
     with one log line saying why when something was kept, for a cold start)."""
     if not config.restart.adopt:
         return NoKeeper(), None
+    began = time.perf_counter()
     try:
         keeper = choose_keeper(config.restart, config.node.name, config.node.runtime_dir)
         fds = keeper.take()
@@ -143,8 +145,11 @@ def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kep
     restart.keeper = keeper.kind
     if not fds:
         return keeper, None
+    taking = time.perf_counter() - began
     try:
-        return keeper, open_kept(config, fds)
+        kept = open_kept(config, fds)
+        kept.opened_s += taking  # the adoption's time counts the keeper's hand-back too
+        return keeper, kept
     except (JournalRefused, OSError, ValueError) as exc:
         for fd in fds.values():
             os.close(fd)
