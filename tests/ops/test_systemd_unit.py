@@ -119,6 +119,30 @@ def test_unit_is_a_notify_service_with_watchdog_and_restart(unit):
     assert one(unit, "Install.WantedBy") == "multi-user.target"
 
 
+def test_unit_keeps_the_pool_across_a_restart_and_returns_it_at_stop(unit):
+    """[restart] under systemd: the daemon stores the pool's memfds and the journal in the unit's
+    file descriptor store. Room for every one of production.toml's segments plus the journal, a
+    store systemd flushes at `systemctl stop` (FileDescriptorStorePreserve=restart, the default:
+    "yes" would keep the memory after a stop), notifications accepted from the daemon itself."""
+    sys.path.insert(0, str(REPO))
+    from ecd.config import load_config_file
+    config = load_config_file(PRODUCTION)
+    host = config.pool.host
+    segments = -(-int(host.size) // int(host.segment_size))
+    room = int(one(unit, "Service.FileDescriptorStoreMax"))
+    assert room >= segments + 1, f"FileDescriptorStoreMax={room} < {segments} segments + the journal"
+    assert room >= 4096, "room for big pools in small segments too (the unit's comment says why 4096)"
+    assert unit.get("Service.FileDescriptorStorePreserve", ["restart"]) == ["restart"], \
+        "the pool must return to the machine at `systemctl stop`"
+    assert one(unit, "Service.NotifyAccess") in ("main", "exec", "all")
+    assert one(unit, "Service.Restart") != "no", "a crash must restart (and adopt) without an operator"
+    assert config.restart.adopt, "production.toml turns adoption off"
+    # "auto" finds the store only where systemd says its size ($FDSTORE, systemd 254+); named
+    # here, it works under older systemd too (Debian 12's 252), where "auto" would spawn a holder
+    # that the unit's stop or restart kills with the rest of its cgroup.
+    assert config.restart.keeper == "systemd"
+
+
 def test_unit_shares_socket_and_shm_with_group_ecd(unit):
     assert one(unit, "Service.User") == "ecd"
     assert one(unit, "Service.Group") == "ecd"
