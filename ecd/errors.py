@@ -62,6 +62,12 @@ class InvalidRequest(EcdError, ValueError):
     code = Code.INVALID
 
 
+# What a request in flight across a daemon restart gets (a StaleGeneration: retry it). Committed
+# entries live on in the adopted pool ([restart]); what the request named was the old run's.
+RESTARTED = ("the daemon restarted: this request's writes or leases were the previous run's "
+             "(writes in progress are dropped; committed entries are kept): retry it")
+
+
 class StaleGeneration(EcdError):
     code = Code.STALE
 

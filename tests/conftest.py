@@ -141,9 +141,16 @@ class DaemonProcess:
         kwargs.setdefault("timeout", 5.0)
         return Client(self.endpoint, **kwargs)
 
+    def release_pool(self) -> None:
+        """A final stop's second half: the holder the daemon spawned ([restart] keeper = "auto")
+        lets the pool go now instead of holding it for the next run."""
+        from ecd.daemon.restart.holder_client import HolderKeeper
+        HolderKeeper(self.node, self.runtime_dir, spawn=False).release()
+
     def cleanup(self) -> None:
         if self.proc is not None:
             self.stop(signal.SIGKILL)
+        self.release_pool()
         for name in shm_files(self.node):
             os.unlink(f"/dev/shm/{name}")
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -101,6 +101,15 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
     typer.echo(f"OK ({warnings} warning(s))" if warnings else "OK")
 
 
+@app.command()
+def hold(node: str = typer.Option(..., "--node", help="node.name of the daemon whose pool to hold"),
+         runtime_dir: Path = typer.Option(..., "--runtime-dir", help="node.runtime_dir: the holder socket goes there"),
+         hold_s: float = typer.Option(300.0, "--hold", help="seconds to keep the pool once no daemon holds it")) -> None:
+    """Hold the node's host pool while no daemon runs ([restart] keeper = "holder"): a sidecar or unit of its own."""
+    from ..daemon.restart.holder import run
+    raise typer.Exit(run(node, str(runtime_dir.absolute()), hold_s))
+
+
 @app.command("check-config")
 def check_config(path: Path = typer.Argument(..., help="node.toml to validate")) -> None:
     """Validate a config file (and what `ecd serve` checks at start: the tcp/CURVE rule, key
@@ -273,6 +282,7 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float, own_
                     "fetches_in_flight": last.get("fetches_in_flight", 0),
                     "fetch_failures": last.get("fetch_failures", {})},
         "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
+        "restart": last.get("restart"),  # [restart]: what this start adopted (None: a daemon before it)
         # each client session: its pid, pid namespace, uid and how it is watched (not this command's own)
         "sessions": [s for s in last.get("sessions", []) if s["id"] != own_session],
     }

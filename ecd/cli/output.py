@@ -103,6 +103,8 @@ def render_status(doc: dict, console: Console) -> None:
     grid.add_row("requests", ops)
     grid.add_row("evictions", f"{doc['evictions']} (LRU), {doc['reclaimed_sessions']} sessions reclaimed, "
                               f"{doc['expired_writes']} writes expired")
+    if doc.get("restart"):
+        grid.add_row("start", restart_line(doc["restart"]))
     if doc["errors"]:
         grid.add_row("errors", ", ".join(f"{k}={v}" for k, v in sorted(doc["errors"].items())))
     console.print(grid)
@@ -141,6 +143,18 @@ def render_sessions(sessions: list[dict], console: Console) -> None:
     if len(sessions) > SESSIONS_SHOWN:
         table.add_row("...", f"{len(sessions) - SESSIONS_SHOWN} more (ecd status --json lists all)", "", "", "", "", "")
     console.print(table)
+
+
+def restart_line(restart: dict) -> str:
+    """How the daemon's start went ([restart]): the pool adopted, and how long that took, or cold."""
+    keeper = "not kept across restarts" if restart["keeper"] == "none" else f"kept by {restart['keeper']}"
+    if restart["adopted"]:
+        how = (f"adopted {restart['entries']} entries ({human_size(restart['bytes'])}) in {restart['seconds']:.3f}s, "
+               f"{restart['quarantined']} unfinished writes quarantined, {restart['skipped_records']} records skipped")
+    else:
+        how = "cold" + (f" (not adopted: {restart['refused']})" if restart["refused"] else "")
+    full = f", {restart['journal_full']} entries not journaled (journal full)" if restart["journal_full"] else ""
+    return f"{how}; pool {keeper}, {restart['journal_records']} journal records{full}"
 
 
 def render_disk(disk: dict | None, console: Console) -> None:

@@ -21,13 +21,15 @@ inline-sized puts work, bulk put/get/view raise InvalidRequest.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping, Sequence, cast, overload
 
 import torch
 import zmq
 
-from ..errors import (Code, EcdError, IntegrityError, KeyNotFound, LimitExceeded,
+from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, LimitExceeded,
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.ring import HERE, NOT_HERE, key_hash
@@ -39,6 +41,19 @@ from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
 from .tensors import PoolViews, copy_many_out, copy_out_checked, parse_device
+
+log = logging.getLogger("ecd.client")
+
+
+@dataclass(eq=False)
+class OpenView:
+    """The entries a view_many block holds read leases on, and under which session and daemon run."""
+
+    ns: str
+    keys: list[str]
+    generations: list[int]
+    session: int
+    epoch: int
 
 
 class Client(ControlClient):
@@ -58,6 +73,7 @@ class Client(ControlClient):
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
         # LRU (location_cache.py), kept current by ring events; exists() answers from it
         self._cache = LocationCache()
+        self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -126,7 +142,7 @@ class Client(ControlClient):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
         with self._lock:
             if mapping is not self._map:
-                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+                raise StaleGeneration(RESTARTED)
             plane = self._res.cuda
             if plane is None or plane.epoch != mapping.epoch:
                 from .cuda import CudaPlane
@@ -301,6 +317,9 @@ class Client(ControlClient):
         verify = self._verifies(verify)
         results, session, mapping = self._acquire(keys, timeout)
         on_gpu: list[torch.Tensor] = []
+        held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
+                        [r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
+        self._views.add(held)
         try:
             views: list[torch.Tensor | None] = []
             pool_views: PoolViews = mapping.views
@@ -339,7 +358,30 @@ class Client(ControlClient):
                 for tensor in on_gpu:
                     batch.after(tensor)
                 batch.wait_quietly()
-            self._release([r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
+            with self._lock:
+                self._views.discard(held)
+                self._release(held.generations, held.session, held.epoch)
+
+    def _restarted(self) -> None:
+        """A restarted daemon adopts the pool (the same memory and generations: a view held across
+        the restart still shows its entry's bytes) but not the old run's leases: take them again
+        for the entries still there, so that no eviction hands their extents out while the view
+        is open. An entry not adopted (or replaced) cannot be protected: said once per view."""
+        for held in list(self._views):
+            try:
+                reply = self._roundtrip(Acquire(next(self._ids), held.ns, held.keys, 0.0), self.timeout)
+            except EcdError:
+                reply = None
+            found = reply.results if isinstance(reply, Acquired) else []
+            again = [r.generation for r, g in zip(found, held.generations) if isinstance(r, Location) and r.generation == g]
+            others = [r.generation for r, g in zip(found, held.generations) if isinstance(r, Location) and r.generation != g]
+            if others:
+                self._send_quietly(Release(0, others))
+            if len(again) < len(held.generations):
+                log.warning("a view of %d entries was open across a daemon restart: %d of them are not in the restarted "
+                            "daemon's pool as they were, and their bytes may be reused before the view closes",
+                            len(held.generations), len(held.generations) - len(again))
+            held.generations, held.session, held.epoch = again, self._session, self._map.epoch
 
     # ---- exists / pins / delete ---------------------------------------------------------
 

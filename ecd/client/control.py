@@ -31,7 +31,7 @@ from typing import Sequence
 import msgspec
 import zmq
 
-from ..errors import (AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, LimitExceeded,
+from ..errors import (RESTARTED, AuthenticationFailed, Code, DaemonUnavailable, EcdError, InvalidRequest, LimitExceeded,
                       ProtocolError, StaleGeneration, error_from_code)
 from ..protocol import (PROTOCOL_VERSION, Abort, Acquire, Bye, Commit, Delete, Error, Evict, Evicted, Exists,
                         Fetch, Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
@@ -161,10 +161,13 @@ class ControlClient:
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
+        restarted = self._welcome is not None and self._welcome.epoch != reply.epoch
         if self._welcome is None or self._welcome.epoch != reply.epoch:
             self._new_epoch(reply)  # the first daemon run this client meets, or a restarted one
         self._welcome = reply
         self._session = reply.session
+        if restarted:
+            self._restarted()
         self._heartbeat_s = reply.heartbeat_s
         if self._heartbeat_s > 0 and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(target=heartbeat, args=(weakref.ref(self), self._res.stop),
@@ -176,6 +179,10 @@ class ControlClient:
         Welcome's (or there was none), before that Welcome is adopted. A control client holds
         nothing of a daemon run; ecd.Client maps its shared memory here (raising EcdError keeps
         the old state and fails the connect)."""
+
+    def _restarted(self) -> None:
+        """Called by _connect, under the lock, once the Welcome of a restarted daemon is this
+        client's: what it held of the old run and can take again (ecd.Client: its open views)."""
 
     def _ping_quietly(self) -> None:
         """The heartbeat: a fire-and-forget Ping, unless a request is in flight (that is activity)."""
@@ -268,7 +275,7 @@ class ControlClient:
             self._connect()
             if isinstance(request, _NAMES_GENERATIONS) and self._welcome.epoch != epoch:
                 # Generations of the old daemon mean nothing (or something else) to the new one.
-                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+                raise StaleGeneration(RESTARTED)
             reply = self._roundtrip(request, self.timeout + wait_s)
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)

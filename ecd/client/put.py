@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, cast
 
 import torch
 
-from ..errors import Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
+from ..errors import RESTARTED, Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
 from ..protocol import (Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
@@ -298,7 +298,7 @@ class PutRoute:
                 # extents went with the old one, and their generations may name others' there.
                 if dest.kind == RESERVED:
                     return False
-                raise StaleGeneration("the daemon restarted: entries of its previous run are gone")
+                raise StaleGeneration(RESTARTED)
             if dest.kind != INLINE and (self._reservation or self._reservation_busy):
                 request.reserve = 0  # the daemon keeps one reservation per client
             # a persisted put is answered once the disk has it: give the write and its fsyncs time

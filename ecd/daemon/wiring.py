@@ -54,11 +54,12 @@ def peer_context(d: "Daemon") -> PeerContext:
 def metrics_source(d: "Daemon") -> MetricsSource:
     """Its `http` is set once the endpoint exists (it is made with this source's registry)."""
     assert d.store is not None and d.sessions is not None and d.ring is not None and d.connections is not None
+    assert d.memory is not None
     return MetricsSource(
         node=d.node, start_wall_time=d.start_wall_time, store=d.store, counters=d.counters, ring=d.ring,
         pool_labels=pool_labels(d), arenas=d.arenas, connections=d.connections,
         max_connections=lambda: d.max_connections, sessions=d.sessions, fd_server=d.fd_server, lower_tier=d.lower_tier,
-        peers=d.cluster, curve=d.curve)
+        peers=d.cluster, curve=d.curve, restart=d.memory.stats)
 
 
 def reload_target(d: "Daemon") -> ReloadTarget:

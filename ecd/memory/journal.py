@@ -89,7 +89,7 @@ class Journal:
     """Records in `buf` (a writable mapping of `size` bytes); `salt` keys their MACs."""
 
     def __init__(self, buf: Any, size: int, salt: bytes) -> None:
-        if size < HEADER_BYTES + GRANULE << MAX_CLASS:
+        if size < HEADER_BYTES + (GRANULE << MAX_CLASS):
             raise ValueError(f"a journal needs at least {HEADER_BYTES + (GRANULE << MAX_CLASS)} bytes, got {size}")
         self.buf = buf
         self.size = size

@@ -80,3 +80,27 @@ def test_unpins_go_by_themselves_when_no_step_comes_and_close_flushes(daemon):
     assert settle(daemon, ["j"], {"j": 1}) == {"j": 1}
     client.close()  # the session ends: the daemon drops its pins
     assert settle(daemon, ["j"], {"j": 0}) == {"j": 0}
+
+
+def test_pins_held_across_a_daemon_restart_are_taken_again(daemon):
+    """The restarted daemon adopts the pool ([restart]) but not the old run's sessions, whose pins
+    kept the keys the scheduler promised from eviction: the next step pins them again."""
+    keys = ["a", "b"]
+    with daemon.client(namespace="ns") as c:
+        for k in keys:
+            c.put(k, torch.ones(4))
+    client, pins = make_pins(daemon)
+    pins.hold("r1", keys)
+    pins.flush()
+    assert settle(daemon, keys, dict.fromkeys(keys, 1)) == dict.fromkeys(keys, 1)
+    daemon.stop()
+    daemon.start()
+    assert pins_of(daemon, keys) == dict.fromkeys(keys, 0)  # adopted, unpinned
+    client.call("lookup", lambda c: c.ping())  # the scheduler's next lookup meets the new daemon
+    pins.flush()
+    assert settle(daemon, keys, dict.fromkeys(keys, 1)) == dict.fromkeys(keys, 1)
+    pins.release("r1")
+    pins.flush()
+    assert settle(daemon, keys, dict.fromkeys(keys, 0)) == dict.fromkeys(keys, 0)
+    pins.close()
+    client.close()

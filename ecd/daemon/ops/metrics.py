@@ -26,6 +26,7 @@ from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...protocol import RestartStats
     from ..peer.cluster import Cluster
     from ..registry.store import Store
     from ..tiers.base import LowerTier
@@ -248,9 +249,24 @@ class DaemonCollector:
         yield integrity
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
+        yield from restart_metrics(d.restart())
         info = InfoMetricFamily("ecd_build", "ecd build information")
         info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
         yield info
+
+
+def restart_metrics(restart: "RestartStats") -> Iterator:
+    """[restart]: what this start adopted of the previous run's pool, and the journal that lets
+    the next one adopt this run's."""
+    yield GaugeMetricFamily("ecd_restart_adopted_entries", "Entries adopted from the previous run's pool at "
+                            "start (0: a cold start)", value=restart.entries)
+    yield GaugeMetricFamily("ecd_restart_adopted_bytes", "Bytes of the entries adopted at start", value=restart.bytes)
+    yield GaugeMetricFamily("ecd_restart_adopt_seconds", "Time adopting the previous run's pool took",
+                            value=restart.seconds)
+    yield GaugeMetricFamily("ecd_journal_records", "Records in the restart journal (entries and writes in progress)",
+                            value=restart.journal_records)
+    yield CounterMetricFamily("ecd_journal_full", "Entries not journaled for want of journal space: "
+                              "not adopted after a restart ([restart] journal_size)", value=restart.journal_full)
 
 
 def peer_metrics(cluster) -> Iterator:

@@ -176,7 +176,14 @@ def adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSta
         if other is not None:
             journal.forget(other.at)
         newest[key] = record
-    by_extent: dict[tuple[int, int], EntryRecord | IntentRecord] = {(r.pool, r.offset): r for r in newest.values()}
+    by_extent: dict[tuple[int, int], EntryRecord | IntentRecord] = {}
+    for record in newest.values():  # two entries at one extent (a bug's): the newer one only
+        there = by_extent.setdefault((record.pool, record.offset), record)
+        if there is not record:
+            loser, winner = (record, there) if record.generation < there.generation else (there, record)
+            by_extent[(record.pool, record.offset)] = winner
+            journal.forget(loser.at)
+            dropped += 1
     for intent in kept.intents:  # an intent beside its own entry: the commit happened
         if intent.pool not in host_pools or (intent.pool, intent.offset) in by_extent:
             journal.forget(intent.at)

@@ -9,7 +9,11 @@ outlives the process.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+import os
+from typing import TYPE_CHECKING, MutableMapping, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from ...config import RestartSection
 
 
 class PoolKeeper(Protocol):
@@ -50,6 +54,26 @@ class NoKeeper:
         pass
 
 
-def choose_keeper(restart: Any, node: str, runtime_dir: str) -> PoolKeeper:
-    """The keeper `[restart]` asks for (placeholder until the holder and systemd keepers land)."""
-    return NoKeeper()
+class KeeperUnavailable(Exception):
+    """The keeper cannot hold the pool (no holder answers, systemd's store is not set up, the
+    holder refused): the text says why. The daemon logs it and starts cold, without adopting."""
+
+
+def choose_keeper(restart: "RestartSection", node: str, runtime_dir: str,
+                  environ: MutableMapping[str, str] = os.environ) -> PoolKeeper:
+    """The keeper `[restart]` asks for. "auto": systemd's file descriptor store when the unit
+    gave it room ($NOTIFY_SOCKET and a positive $FDSTORE, systemd 254+), else a holder process
+    the daemon spawns. KeeperUnavailable for keeper = "systemd" outside systemd."""
+    if not restart.adopt:
+        return NoKeeper()
+    from .fdstore import SystemdKeeper, fdstore_room
+    from .holder_client import HolderKeeper
+    kind = restart.keeper
+    if kind == "auto":
+        kind = "systemd" if environ.get("NOTIFY_SOCKET") and fdstore_room(environ) > 0 else "spawn"
+    if kind == "systemd":
+        if not environ.get("NOTIFY_SOCKET"):
+            raise KeeperUnavailable('[restart] keeper = "systemd" but $NOTIFY_SOCKET is not set: not started by '
+                                    'systemd as a Type=notify service (use keeper = "auto" or "spawn")')
+        return SystemdKeeper(environ)
+    return HolderKeeper(node, runtime_dir, hold=float(restart.hold), spawn=kind == "spawn")

@@ -105,6 +105,7 @@ class LazyClient:
         self._retry_at = 0.0  # monotonic time before which no Client is made
         self._backoff = BACKOFF_FIRST_S  # the next back-off period
         self._lock = threading.Lock()
+        self.clients_made = 0  # a new one per daemon run met: what the old run's session held is gone
 
     @property
     def retry_at(self) -> float:
@@ -153,6 +154,7 @@ class LazyClient:
                     socket_id = self._socket_id()
                     self._client = self._factory(self.settings, self.namespace, self.name, self.populate)
                     self._client_socket_id = socket_id
+                    self.clients_made += 1
                 except Exception as exc:  # DaemonUnavailable, a pool it cannot map, ...
                     self._back_off()
                     why = exc
@@ -259,6 +261,7 @@ class StepPins:
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
         self._closed = False
+        self._pinned_with = 0  # LazyClient.clients_made when the pins were last sent
 
     def hold(self, owner: str, keys) -> None:
         """`owner` loads `keys`: keep them pinned until release(owner)."""
@@ -305,6 +308,11 @@ class StepPins:
         with self._lock:  # held while sending: a flush from the other thread cannot reorder them
             unpin, self._to_unpin = list(self._to_unpin), set()
             pin, self._to_pin = list(self._to_pin), set()
+            if self.client.clients_made != self._pinned_with:
+                # The daemon restarted (a new Client since the last flush): its pool was adopted,
+                # but the pins went with the old run's session. Every key still held, pinned again.
+                self._pinned_with = self.client.clients_made
+                pin = list(set(pin) | set(self._refs))
             if unpin:
                 self.client.call("unpin", lambda c: c.send_unpin(unpin))
             if pin:

@@ -1,0 +1,54 @@
+"""A client across a daemon restart that adopts the pool ([restart], the default): a view open
+across it keeps its entry (the client takes its lease again from the new daemon, so eviction
+cannot hand the extent to a new put while the view is open), and the client carries on by itself.
+"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_view_open_across_a_restart_keeps_its_bytes_under_eviction(daemon_factory, sig):
+    d = daemon_factory(size="32MiB")
+    c = d.client()
+    viewed = torch.arange(MiB // 4, dtype=torch.int32)  # 1 MiB, the oldest entry: the LRU's first victim
+    c.put("viewed", viewed)
+    for i in range(8):
+        c.put(f"other{i}", torch.full((MiB // 4,), i, dtype=torch.int32))
+    with c.view("viewed") as view:
+        d.stop(sig)
+        d.start()
+        restart = c.stats()["restart"]
+        assert restart["adopted"] and restart["entries"] == 9, restart
+        # Fill the pool twice over: every unleased entry is evicted, the viewed one must not be.
+        for i in range(64):
+            c.put(f"new{i}", torch.full((MiB // 4,), 1000 + i, dtype=torch.int32))
+        assert torch.equal(view, viewed), "the viewed entry's extent was handed to a new put"
+        assert c.exists(["viewed"]) == [True]
+        assert not c.exists(["other0"])[0], "the pool was not filled enough to evict"
+    # the view's lease went with the block: the entry is evictable again
+    for i in range(64):
+        c.put(f"again{i}", torch.full((MiB // 4,), i, dtype=torch.int32))
+    assert c.exists(["viewed"]) == [False]
+    c.close()
+
+
+def test_an_entry_gone_at_the_restart_is_reported_and_the_view_closes_cleanly(daemon_factory, caplog):
+    d = daemon_factory(size="32MiB", extra="[restart]\nadopt = false\n")
+    c = d.client()
+    c.put("k", torch.ones(1024))
+    with caplog.at_level("WARNING", logger="ecd.client"):
+        with c.view("k") as view:
+            d.stop(signal.SIGKILL)
+            d.start()
+            c.put("after", torch.zeros(8))  # reconnects: the cold daemon has no "k"
+            assert torch.equal(view, torch.ones(1024))  # the old run's memory, still mapped here
+    assert "not in the restarted daemon's pool" in caplog.text
+    assert c.exists(["k", "after"]) == [False, True]
+    assert c.stats()["restart"]["adopted"] is False and c.stats()["restart"]["keeper"] == "none"
+    c.close()
