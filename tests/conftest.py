@@ -156,6 +156,38 @@ class DaemonProcess:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
+# Every daemon a test starts inherits this: the holders they spawn ([restart] keeper = "auto"
+# keeps the pool for `hold` seconds after its daemon ends) are found by it and told to let go
+# when the session ends, wherever a test started its daemon.
+TEST_RUN_MARK = f"ECD_TEST_RUN={os.getpid()}"
+os.environ["ECD_TEST_RUN"] = str(os.getpid())
+
+
+def holders_of_this_run() -> list[int]:
+    """Pids of the holder processes that daemons of this test run spawned."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"ecd.daemon.restart.holder" not in cmdline:
+                continue
+            if TEST_RUN_MARK.encode() in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pid in holders_of_this_run():  # SIGTERM: a holder lets the pool go and exits
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `netns_inner` run only inside the network namespace their outer test makes
     (ECD_NIXL_NETNS=1 there): deselected anywhere else. Tests marked `gpu` skip cleanly where

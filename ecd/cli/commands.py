@@ -105,7 +105,7 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
 def hold(node: str = typer.Option(..., "--node", help="node.name of the daemon whose pool to hold"),
          runtime_dir: Path = typer.Option(..., "--runtime-dir", help="node.runtime_dir: the holder socket goes there"),
          hold_s: float = typer.Option(300.0, "--hold", help="seconds to keep the pool once no daemon holds it")) -> None:
-    """Hold the node's host pool while no daemon runs ([restart] keeper = "holder"): a sidecar or unit of its own."""
+    """Hold the node's host pool while no daemon runs (restart.keeper = "holder"): a sidecar or unit of its own."""
     from ..daemon.restart.holder import run
     raise typer.Exit(run(node, str(runtime_dir.absolute()), hold_s))
 

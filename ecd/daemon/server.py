@@ -146,6 +146,7 @@ class Daemon:
             self._bind_fd_socket()
             self._bind_metrics()
             self._bind_cluster()
+            self.memory.hand_to_keeper(self.config.pool.host.backing)
         except BaseException:
             self.close()
             raise

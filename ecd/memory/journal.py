@@ -88,12 +88,13 @@ class IntentRecord:
 class Journal:
     """Records in `buf` (a writable mapping of `size` bytes); `salt` keys their MACs."""
 
-    def __init__(self, buf: Any, size: int, salt: bytes) -> None:
+    def __init__(self, buf: Any, size: int, salt: bytes, pools: int) -> None:
         if size < HEADER_BYTES + (GRANULE << MAX_CLASS):
             raise ValueError(f"a journal needs at least {HEADER_BYTES + (GRANULE << MAX_CLASS)} bytes, got {size}")
         self.buf = buf
         self.size = size
         self.salt = salt
+        self.pools = pools  # host pool segments: extents in other pools (CUDA arenas) die with the process
         self._free: list[list[int]] = [[] for _ in range(MAX_CLASS + 1)]  # per class: offsets of free runs
         self._top = HEADER_BYTES  # fresh space starts here
         self.records = 0
@@ -112,7 +113,7 @@ class Journal:
         mac = _mac(salt, head[:-8] + layout_bytes)
         buf[:_HEADER.size] = head[:-8] + mac
         buf[_HEADER.size:_HEADER.size + len(layout_bytes)] = layout_bytes
-        return cls(buf, size, salt)
+        return cls(buf, size, salt, len(layout.segments))
 
     @classmethod
     def open(cls, buf: Any, size: int, layout: Layout) -> "tuple[Journal, list[EntryRecord], list[IntentRecord], int]":
@@ -135,7 +136,7 @@ class Journal:
             if theirs.get(field) != ours[field]:
                 raise JournalRefused(f"the pool was made with {field} = {theirs.get(field)!r}, the config now "
                                      f"gives {ours[field]!r}")
-        journal = cls(buf, size, salt)
+        journal = cls(buf, size, salt, len(layout.segments))
         entries, intents, skipped = journal._scan()
         return journal, entries, intents, skipped
 
@@ -216,12 +217,18 @@ class Journal:
     # ---- writing ------------------------------------------------------------------------
 
     def intent(self, generation: int, pool: int, offset: int, size: int) -> int:
-        """Record an extent being written; its record's offset (-1: the journal is full)."""
+        """Record an extent being written; its record's offset (-1: the journal is full, or the
+        extent is in a CUDA arena, which no restart adopts)."""
+        if pool >= self.pools:
+            return -1
         return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset, size))
 
     def entry(self, generation: int, pool: int, offset: int, nbytes: int, checksum: int, dtype: str,
               shape: Sequence[int], ns: str, key: str) -> int:
-        """Record a committed entry; its record's offset (-1: full, or too large to record)."""
+        """Record a committed entry; its record's offset (-1: full, too large to record, or in a
+        CUDA arena)."""
+        if pool >= self.pools:
+            return -1
         dtype_b, ns_b, key_b = dtype.encode(), ns.encode(), key.encode()
         body = (_ENTRY.pack(generation, pool, offset, nbytes, checksum, len(shape), len(dtype_b), len(ns_b), len(key_b))
                 + struct.pack(f"<{len(shape)}q", *shape) + dtype_b + ns_b + key_b)

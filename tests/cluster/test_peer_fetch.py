@@ -95,7 +95,8 @@ def test_a_key_on_the_pullers_own_disk_tier_is_local(cluster, tmp_path):
     read brings them back) and asks no peer for them."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    a, b = cluster(2, other=["", f'[pool.disk]\npath = "{disk}"\nsize = "256MiB"\n'])
+    # a cold restart ([restart] adopt = false): the host pool forgets, the disk tier does not
+    a, b = cluster(2, other=["", f'[pool.disk]\npath = "{disk}"\nsize = "256MiB"\n[restart]\nadopt = false\n'])
     t = torch.arange(1 << 16, dtype=torch.float32)
     with b.client() as cb:
         cb.put("kept", t, persist=True)

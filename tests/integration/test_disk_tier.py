@@ -28,7 +28,10 @@ def tensor(seed: int, nbytes: int = 4 * MIB) -> torch.Tensor:
 
 
 def disk_config(path: str, size: str = "1GiB", extra: str = "") -> str:
-    return f'[pool.disk]\npath = "{path}"\nsize = "{size}"\n{extra}'
+    """The disk tier, and restarts that start the host pool cold ([restart] adopt = false): what
+    a restart keeps here is the disk tier's doing alone (tests/integration/test_restart*.py test
+    the pool's adoption, and test_restart_disk below the two together)."""
+    return f'[restart]\nadopt = false\n[pool.disk]\npath = "{path}"\nsize = "{size}"\n{extra}'
 
 
 @pytest.fixture

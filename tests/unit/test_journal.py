@@ -229,6 +229,8 @@ def test_records_that_do_not_fit_the_pool_are_dropped_not_trusted():
     record(journal, 1, "ok", offset=0)
     record(journal, 2, "overlaps", offset=0)  # the same extent as another: a bug, never served
     record(journal, 3, "past-the-end", offset=64 * ALIGNMENT)
+    assert record(journal, 4, "no-such-pool", pool=7) == -1  # a CUDA arena's: never journaled
+    journal.pools = 8  # as a journal written by a bug (or an arena record) would have it
     record(journal, 4, "no-such-pool", pool=7)
     _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
     new, _ = new_store(journal)

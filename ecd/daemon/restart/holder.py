@@ -47,7 +47,10 @@ SEND_TIMEOUT_S = 5.0  # a take's batches: a peer that does not read them loses i
 
 
 def log(message: str) -> None:
-    print(f"ecd hold[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"ecd hold[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # stderr gone (the daemon's pipe closed): holding the pool matters more than the log
 
 
 @dataclass
@@ -199,9 +202,13 @@ class Holder:
                     if key.data == "signal":
                         with_suppressed(lambda: wake_r.recv(64))
                     elif key.data is None:
-                        self.accept()
+                        for _ in range(MAX_CONNECTIONS):  # a burst of connects: empty the backlog
+                            if not self.accept():
+                                break
                     else:
-                        self.readable(key.data)
+                        conn: Connection = key.data
+                        if self.connections.get(conn.sock.fileno()) is conn:  # not dropped in this round
+                            self.serve_connection(conn)
                     if self.done:
                         break
                 if stop and not self.done:
@@ -231,12 +238,13 @@ class Holder:
         if self.lease is None and self.expires is not None and now >= self.expires and not self.done:
             self.let_go(f"no daemon took the pool within {self.hold:g} s: expired")
 
-    def accept(self) -> None:
+    def accept(self) -> bool:
+        """One connection from the backlog (False: none waiting, or no descriptor left for it)."""
         assert self.listener is not None
         try:
             sock, _ = self.listener.accept()
         except OSError:
-            return  # EAGAIN, EMFILE: the pool is not at stake, try at the next wake
+            return False  # EAGAIN, EMFILE: the pool is not at stake, try at the next wake
         sock.setblocking(False)
         pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         conn = Connection(sock, pid, uid, time.monotonic() + SILENCE_S)
@@ -245,14 +253,15 @@ class Holder:
             self.reply(conn, HolderReply(version=HOLDER_WIRE_VERSION, op="refused", error=(
                 f"uid {uid} may not use the holder of node {self.node!r}: only uid {self.uid} and root may")))
             sock.close()
-            return
+            return True
         if len(self.connections) >= MAX_CONNECTIONS:
             self.reply(conn, HolderReply(version=HOLDER_WIRE_VERSION, op="refused",
                                          error=f"the holder has {MAX_CONNECTIONS} connections open: try again"))
             sock.close()
-            return
+            return True
         self.connections[sock.fileno()] = conn
         self.selector.register(sock, selectors.EVENT_READ, conn)
+        return True
 
     def drop(self, conn: Connection) -> None:
         close_all([fd for _, fd in conn.pending])
@@ -262,6 +271,9 @@ class Holder:
         conn.sock.close()
         if conn is self.lease:
             self.lease = None
+            if not self.held:  # a daemon that failed before it kept anything: nothing to wait with
+                self.let_go(f"daemon gone (pid {conn.pid}) before it kept a pool")
+                return
             self.expires = time.monotonic() + self.hold
             log(f"daemon gone (pid {conn.pid}): holding {len(self.held)} descriptor(s) of "
                 f"{self.held_bytes()} bytes for {self.hold:g} s")
@@ -287,6 +299,13 @@ class Holder:
             self.drop(conn)
         else:
             conn.deadline = None
+
+    def serve_connection(self, conn: Connection) -> None:
+        try:
+            self.readable(conn)
+        except Exception as exc:  # a bug a request found: that connection goes, the pool stays
+            log(f"pid {conn.pid}: dropped after an error in the holder: {exc!r}")
+            self.drop(conn)
 
     def readable(self, conn: Connection) -> None:
         try:
@@ -381,11 +400,12 @@ class Holder:
                 if not stat.S_ISREG(mode):
                     problem = "a descriptor that is not a regular file (a memfd or a /dev/shm file): not kept"
                     break
-        conn.pending.extend(zip(request.names, fds))
-        conn.pending_unlink.extend(request.unlink)
         if problem:
+            close_all(fds)  # and refuse() closes the earlier batches'
             self.refuse(conn, f"keep refused, nothing changed: {problem}")
             return
+        conn.pending.extend(zip(request.names, fds))
+        conn.pending_unlink.extend(request.unlink)
         if not request.last:
             conn.deadline = time.monotonic() + SILENCE_S  # the rest of the keep is due soon
             return

@@ -6,8 +6,8 @@ open; when the daemon's process ends, however it ends, the kernel closes it and 
 `hold` clock starts. `close()` is that same ending said on purpose; `release()` a final stop.
 
 keeper = "spawn" (and "auto" without systemd's store): when no holder answers, the daemon starts
-one, detached (its own session, no descriptor of the daemon's, stdin/stdout on /dev/null, stderr
-the daemon's), and waits up to SPAWN_WAIT_S for its socket. keeper = "holder": someone else runs
+one, detached (its own session, no descriptor of the daemon's, stdin on /dev/null, its output in
+`<holder socket>.log`), and waits up to SPAWN_WAIT_S for its socket. keeper = "holder": someone else runs
 `ecd hold`; the daemon waits up to EXTERNAL_WAIT_S for it and never starts one.
 """
 from __future__ import annotations
@@ -59,6 +59,10 @@ class HolderKeeper:
     # ---- PoolKeeper ----
 
     def take(self) -> dict[str, int]:
+        if self.spawn and self._sock is None:
+            self._sock = self._connect_once()
+            if self._sock is None:
+                return {}  # no holder, so no pool kept: one is started by keep(), once there is a pool
         replies, fds = self._leased_request(HolderRequest(version=HOLDER_WIRE_VERSION, op="take"), [])
         names = [name for reply in replies for name in reply.names]
         taken = dict(zip(names, fds))
@@ -88,6 +92,8 @@ class HolderKeeper:
             self._exchange(HolderRequest(version=HOLDER_WIRE_VERSION, op="release"), [])
         except _Broken:
             pass  # it exited: what it held went with it
+        except _Refused as exc:  # another daemon holds the pool now: not ours to let go
+            raise KeeperUnavailable(f"the holder {self.path} refused to release: {exc.reply.error}") from None
         finally:
             self._drop()
             self._reap(wait=1.0)
@@ -226,13 +232,18 @@ class HolderKeeper:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, "-m", "ecd.daemon.restart.holder", "--node", self.node,
                    "--runtime-dir", self.runtime_dir, "--hold", repr(float(self.hold)), "--spawned"]
+        # Its log goes to a file beside its socket: it outlives the daemon, and holding the daemon's
+        # stderr (a pipe someone reads to its end) would keep that reader waiting for it.
+        log_path = self.path + ".log"
         try:
-            self.spawned = subprocess.Popen(command, start_new_session=True, close_fds=True, cwd="/", env=env,
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            with open(log_path, "ab") as holder_log:
+                os.chmod(log_path, 0o600)
+                self.spawned = subprocess.Popen(command, start_new_session=True, close_fds=True, cwd="/", env=env,
+                                                stdin=subprocess.DEVNULL, stdout=holder_log, stderr=holder_log)
         except OSError as exc:
             raise KeeperUnavailable(f"cannot start a holder for node {self.node!r}: {exc.strerror or exc}") from None
-        log.info("started a holder (pid %d) for node %s on %s: it keeps the host pool for %g s after this "
-                 "daemon ends", self.spawned.pid, self.node, self.path, self.hold)
+        log.info("started a holder (pid %d) for node %s on %s (its log: %s): it keeps the host pool for %g s after "
+                 "this daemon ends", self.spawned.pid, self.node, self.path, log_path, self.hold)
 
     def _drop(self) -> None:
         if self._sock is not None:

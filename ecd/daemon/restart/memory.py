@@ -54,6 +54,21 @@ class Memory:
                  "write(s) kept out of use for %gs, %d journal record(s) skipped", stats.entries, stats.bytes,
                  stats.seconds, stats.quarantined, quarantine_s, stats.skipped_records)
 
+    def hand_to_keeper(self, backing: str) -> None:
+        """Once the daemon's start can no longer fail: the keeper holds the pool from now on (a
+        start that fails earlier leaves no holder behind, nor a pool in one)."""
+        if self.journal_file is None:
+            return
+        named = [] if backing == "memfd" else [shm_path(s.name) for s in self.pool.segments] + [
+            shm_path(self.journal_file.name)]
+        try:
+            self.keeper.keep(kept_fds(self.pool, self.journal_file), named)
+        except Exception as exc:
+            log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
+                        "restart", self.keeper.kind, exc)
+            self.keeper = NoKeeper()
+            self.restart.keeper = "none"
+
     def stats(self) -> RestartStats:
         return msgspec.structs.replace(self.restart, journal_records=self.journal.records,
                                        journal_full=self.journal.full)
@@ -110,9 +125,7 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
         log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                     "after a size check, and a pool file truncated in between would crash the daemon")
     ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch)
-    memory = Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart)
-    _hand_to_keeper(memory, host.backing)
-    return memory
+    return Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart)
 
 
 def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kept | None]:
@@ -138,20 +151,6 @@ def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kep
         restart.refused = str(exc)
         log.warning("restart: the pool the previous run left was not adopted: %s; starting cold", exc)
         return keeper, None
-
-
-def _hand_to_keeper(memory: Memory, backing: str) -> None:
-    if memory.journal_file is None:
-        return
-    named = [] if backing == "memfd" else [shm_path(s.name) for s in memory.pool.segments] + [
-        shm_path(memory.journal_file.name)]
-    try:
-        memory.keeper.keep(kept_fds(memory.pool, memory.journal_file), named)
-    except Exception as exc:
-        log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
-                    "restart", memory.keeper.kind, exc)
-        memory.keeper = NoKeeper()
-        memory.restart.keeper = "none"
 
 
 def _close_fd(shm: ShmFile) -> None:
