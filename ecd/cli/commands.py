@@ -110,6 +110,26 @@ def hold(node: str = typer.Option(..., "--node", help="node.name of the daemon w
     raise typer.Exit(run(node, str(runtime_dir.absolute()), hold_s))
 
 
+@app.command()
+def release(config: Path = typer.Option(..., "--config", "-c", help="node.toml of the node whose pool to let go")) -> None:
+    """A final stop's second half: the holder of this node's pool ([restart] keeper = "auto",
+    "spawn" or "holder") lets it go now instead of keeping it `hold` seconds for the next daemon:
+    its memory returns to the machine. Under systemd, `systemctl stop` does this by itself.
+    Exit 0 when a holder let go or none was holding, 1 when the holder refused."""
+    from ..daemon.restart.holder_client import HolderKeeper
+    from ..daemon.restart.keeper import KeeperUnavailable
+    try:
+        cfg = load_config_file(config)
+    except ConfigError as exc:
+        _fail(f"config error: {exc}", EXIT_USAGE)
+    keeper = HolderKeeper(cfg.node.name, cfg.node.runtime_dir, spawn=False)
+    try:
+        keeper.release()
+    except KeeperUnavailable as exc:
+        _fail(str(exc), EXIT_DAEMON)
+    typer.echo(f"the pool of node {cfg.node.name} is not held any more (holder socket {keeper.path})")
+
+
 @app.command("check-config")
 def check_config(path: Path = typer.Argument(..., help="node.toml to validate")) -> None:
     """Validate a config file (and what `ecd serve` checks at start: the tcp/CURVE rule, key

@@ -26,6 +26,17 @@ def test_graceful_restart_is_seen_by_the_next_call(daemon):
         daemon.start()
         c.put("y", torch.ones(300_000))  # NOT_REGISTERED -> hello again -> works
         assert torch.equal(c.get("y"), torch.ones(300_000))
+        assert c.exists(["x", "y"]) == [True, True]  # "x": the restarted daemon adopted the pool
+        assert torch.equal(c.get("x"), torch.ones(300_000))
+
+
+def test_graceful_cold_restart_forgets_the_pool(daemon_factory):
+    daemon = daemon_factory(extra="[restart]\nadopt = false\n")
+    with daemon.client() as c:
+        c.put("x", torch.ones(1000))
+        daemon.stop(signal.SIGTERM)
+        daemon.start()
+        c.put("y", torch.ones(1000))
         assert c.exists(["x", "y"]) == [False, True]
 
 

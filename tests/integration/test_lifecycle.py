@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import shm_files, write_config
+from conftest import shm_files, wait_for, write_config
 
 
 def serve(config) -> subprocess.CompletedProcess:
@@ -31,15 +31,25 @@ def test_creates_owner_group_only_files_and_unlinks_everything_on_sigterm(daemon
     for name in names:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
         assert mode & 0o007 == 0, f"{name} is world-accessible: {oct(mode)}"
-        # pools group read-write; the ring group read-only (only the daemon writes it)
-        group = 0o040 if name.endswith(".ring") else 0o060
+        # pools group read-write; the ring group read-only (only the daemon writes it); the restart
+        # journal not at all (what the next daemon adopts: no client may write, or read, it)
+        group = 0o040 if name.endswith(".ring") else 0 if name.endswith(".journal") else 0o060
         assert mode & 0o060 == group, f"{name}: group access {oct(mode & 0o060)}, wanted {oct(group)}"
     sock_mode = os.stat(daemon.socket_path).st_mode
     assert stat.S_ISSOCK(sock_mode) and stat.S_IMODE(sock_mode) & 0o007 == 0
     assert daemon.stop(signal.SIGTERM) == 0
-    assert shm_files(daemon.node) == []
+    # the pool and its journal stay for the next run ([restart]), held by the holder: named files
+    # 0600 (the journal: the daemon's alone) or 0660 (the pool); the ring and the lock are gone
+    kept = shm_files(daemon.node)
+    if backing == "named":
+        assert sorted(kept) == sorted([f"ecd.{daemon.node}.0", f"ecd.{daemon.node}.journal"])
+        assert stat.S_IMODE(os.stat(f"/dev/shm/ecd.{daemon.node}.journal").st_mode) == 0o600
+    else:
+        assert kept == []
     assert not os.path.exists(daemon.socket_path)
     assert not os.path.exists(daemon.socket_path + ".fds")
+    daemon.release_pool()  # a final stop: the holder unlinks them
+    assert wait_for(lambda: shm_files(daemon.node) == [], 5.0)
 
 
 def test_sigint_also_cleans_up(daemon):

@@ -5,9 +5,13 @@ cannot hand the extent to a new put while the view is open), and the client carr
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from conftest import holders_of_this_run, wait_for
 
 MiB = 1 << 20
 
@@ -52,3 +56,31 @@ def test_an_entry_gone_at_the_restart_is_reported_and_the_view_closes_cleanly(da
     assert c.exists(["k", "after"]) == [False, True]
     assert c.stats()["restart"]["adopted"] is False and c.stats()["restart"]["keeper"] == "none"
     c.close()
+
+
+def holder_of(node: str) -> list[int]:
+    """Pids of the holder processes of `node`."""
+    pids = []
+    for pid in holders_of_this_run():
+        try:
+            if f"--node\0{node}\0".encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_ecd_release_returns_a_stopped_daemons_pool_at_once(daemon):
+    with daemon.client() as c:
+        c.put("k", torch.ones(1024))
+    daemon.stop(signal.SIGTERM)
+    held = holder_of(daemon.node)
+    assert len(held) == 1, "the spawned holder keeps the pool for the next run"
+    result = subprocess.run([sys.executable, "-m", "ecd", "release", "--config", str(daemon.config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "not held any more" in result.stdout, result.stderr
+    assert wait_for(lambda: not holder_of(daemon.node), 5.0), "the holder did not exit"
+    daemon.start()  # nothing kept: a cold start
+    with daemon.client() as c:
+        assert c.exists(["k"]) == [False]
+        assert c.stats()["restart"]["adopted"] is False
