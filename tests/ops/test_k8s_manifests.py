@@ -79,6 +79,13 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def daemonset(docs: list[dict], name: str = "ecd") -> dict:
+    """The DaemonSet `name`: "ecd" (the daemon) or "ecd-holder" (the pool holder, holder.yaml)."""
+    found = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one DaemonSet {name}, got {len(found)}"
+    return found[0]
+
+
 def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
     specs = []
     for doc in docs:
@@ -137,11 +144,11 @@ def check_pod_monitor(monitor: dict, docs: list[dict]) -> None:
     spec = monitor["spec"]
     assert set(spec) <= {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels",
                          "sampleLimit", "targetLimit"}, f"unexpected PodMonitor spec keys: {sorted(spec)}"
-    daemonset = one(docs, "DaemonSet")
-    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    daemon_set = daemonset(docs)
+    pod_labels = daemon_set["spec"]["template"]["metadata"]["labels"]
     selector = spec["selector"]["matchLabels"]
     assert selector and selector.items() <= pod_labels.items(), "the PodMonitor selects no ecd pod"
-    ports = {p["name"]: p["containerPort"] for c in daemonset["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for c in daemon_set["spec"]["template"]["spec"]["containers"]
              for p in c.get("ports", [])}
     assert spec["podMetricsEndpoints"], "a PodMonitor needs at least one endpoint"
     for endpoint in spec["podMetricsEndpoints"]:
@@ -169,7 +176,7 @@ def test_the_config_map_node_toml_passes_check_config(tmp_path):
     # Probes and Prometheus come to the pod's IP: the loopback default would fail them all.
     host, _, port = effective["metrics"]["listen"].rpartition(":")
     assert host == "0.0.0.0"
-    container = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    container = daemonset(docs)["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "metrics", "containerPort": int(port), "protocol": "TCP"} in container["ports"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
@@ -186,7 +193,7 @@ def test_the_memory_limit_holds_the_pool_and_headroom(tmp_path):
     path = tmp_path / "node.toml"
     path.write_text(node_toml(docs))
     config = load_config_file(path)
-    resources = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    resources = daemonset(docs)["spec"]["template"]["spec"]["containers"][0]["resources"]
     limit = parse_quantity(resources["limits"]["memory"])
     assert parse_quantity(resources["requests"]["memory"]) == limit, "memory request and limit differ"
     floor = int(config.pool.host.size) + ring_bytes(config.ring.slots, config.ring.presence_buckets) + (256 << 20)
@@ -226,9 +233,9 @@ def test_no_host_namespaces_no_privilege_and_only_the_socket_dir(target):
             for mount in container.get("volumeMounts", []):
                 if mount["name"] in host_paths:
                     assert mount["mountPath"] == SOCKET_DIR and not mount.get("subPath"), f"{name}: {mount}"
-        if where.startswith("DaemonSet/"):
-            ecd = next(c for c in spec["containers"] if c["name"] == "ecd")
-            assert ecd["securityContext"]["readOnlyRootFilesystem"] is True
+        if where.startswith("DaemonSet/"):  # the daemon's and the pool holder's
+            for container in spec["containers"]:
+                assert container["securityContext"]["readOnlyRootFilesystem"] is True, f"{where}/{container['name']}"
             assert spec["automountServiceAccountToken"] is False
 
 
@@ -236,7 +243,7 @@ def test_no_host_namespaces_no_privilege_and_only_the_socket_dir(target):
 def test_the_engine_example_mounts_the_socket_dir_and_names_the_socket():
     import json
     pod = one(render("deploy/k8s/examples"), "Pod")
-    daemon_sc = one(render("deploy/k8s"), "DaemonSet")["spec"]["template"]["spec"]["securityContext"]
+    daemon_sc = daemonset(render("deploy/k8s"))["spec"]["template"]["spec"]["securityContext"]
     sc = pod["spec"]["securityContext"]
     assert sc["runAsUser"] != daemon_sc["runAsUser"], "the example should show another uid"
     assert daemon_sc["runAsGroup"] in sc["supplementalGroups"], "the engine is not in the socket's group"
@@ -254,8 +261,8 @@ def test_the_peer_plane_renders_a_config_per_node_that_check_config_accepts(tmp_
     node.toml with its own name and address, the other nodes as peers, and passes check-config
     with a key pair from `ecd keygen` in the Secret's place."""
     docs = render("peer-plane overlay")
-    daemonset = one(docs, "DaemonSet")
-    init = next(c for c in daemonset["spec"]["template"]["spec"]["initContainers"] if c["name"] == "render-config")
+    daemon_set = daemonset(docs)
+    init = next(c for c in daemon_set["spec"]["template"]["spec"]["initContainers"] if c["name"] == "render-config")
     peers_map = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("ecd-peers-"))
     addresses = peers_map["data"]["addresses"].split()
     keys = tmp_path / "keys"
@@ -282,54 +289,243 @@ def test_the_peer_plane_renders_a_config_per_node_that_check_config_accepts(tmp_
     assert sorted(effective["cluster"]["peer_keys"]) == sorted(others)
     assert effective["cluster"]["advertise"] == f"tcp://{addresses[1]}:7480"
     assert effective["cluster"]["data_listen"] == "tcp://0.0.0.0:7481"
-    ports = {p["containerPort"]: p.get("hostPort") for p in daemonset["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    ports = {p["containerPort"]: p.get("hostPort") for p in daemon_set["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert ports[7480] == 7480 and ports[7481] == 7481
     policy = one(docs, "NetworkPolicy")
     peer_rule = next(r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 7480} in r["ports"])
-    assert peer_rule["from"] == [{"podSelector": {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}}]
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": daemon_set["spec"]["selector"]["matchLabels"]}}]
     assert sorted(p["port"] for p in peer_rule["ports"]) == [7480, 7481]
 
 
+def holder_command(docs: list[dict]) -> list[str]:
+    container = daemonset(docs, "ecd-holder")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in container] == ["holder"], "the holder pod runs the holder alone"
+    return container[0]["command"]
+
+
+def holder_args(command: list[str]) -> dict[str, str]:
+    """--node, --runtime-dir and --hold of an `ecd hold` command line."""
+    assert command[:2] == ["ecd", "hold"], f"the holder does not run `ecd hold`: {command}"
+    args = dict(zip(command[2::2], command[3::2]))
+    assert sorted(args) == ["--hold", "--node", "--runtime-dir"] and len(command) == 8, command
+    return args
+
+
+def seconds_of(duration: str) -> float:
+    units = {"ms": 1e-3, "s": 1, "m": 60, "min": 60, "h": 3600}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", duration)
+    assert match, duration
+    return float(match.group(1)) * units[match.group(2) or "s"]
+
+
 @needs_kubectl
-def test_a_daemon_started_from_the_config_map_answers_the_probe_path(tmp_path):
-    """The ConfigMap's node.toml, with only what must differ on a test machine (paths, a small
-    pool, loopback and a free port), starts the real daemon, whose /healthz answers 200 "ok"."""
-    text = node_toml(render("deploy/k8s"))
-    runtime = Path(tempfile.mkdtemp(prefix="ecd-k8s-", dir="/tmp"))  # a socket path must be short
-    node = f"k8s{id(tmp_path) % 100000}"
-    replaced = {'name = "k8s"': f'name = "{node}"', f'runtime_dir = "{SOCKET_DIR}"': f'runtime_dir = "{runtime}"',
-                f'endpoint = "ipc://{SOCKET_DIR}/ecd.sock"': f'endpoint = "ipc://{runtime}/ecd.sock"',
-                'size = "4GiB"': 'size = "64MiB"', 'segment_size = "1GiB"': 'segment_size = "64MiB"',
-                'listen = "0.0.0.0:9464"': 'listen = "127.0.0.1:0"'}
-    for old, new in replaced.items():
-        assert old in text, f"the test expects {old!r} in deploy/k8s/node.toml"
-        text = text.replace(old, new)
-    config = runtime / "node.toml"
-    config.write_text(text)
-    log = runtime / "daemon.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(config)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline, port = time.monotonic() + 30, None
+def test_the_holder_daemonset_keeps_the_pool_of_the_daemon_of_its_node(tmp_path):
+    """holder.yaml (issue 27): `ecd hold` under the daemon's [node] name in the same socket
+    directory (a hostPath), as the daemon's uid (the holder socket admits only its own uid), on
+    the same nodes, never restarted by an upgrade (OnDelete), small, and node.toml tells the
+    daemon to use it rather than spawn one (a spawned holder dies with the pod)."""
+    docs = render("deploy/k8s")
+    daemon, holder = daemonset(docs), daemonset(docs, "ecd-holder")
+    path = tmp_path / "node.toml"
+    path.write_text(node_toml(docs))
+    out = check_config(path)
+    assert out.returncode == 0, out.stderr
+    effective = tomllib.loads(out.stdout)
+    assert effective["restart"]["adopt"] is True and effective["restart"]["keeper"] == "holder"
+    args = holder_args(holder_command(docs))
+    assert args["--node"] == effective["node"]["name"], "the holder holds another node's pool"
+    assert args["--runtime-dir"] == effective["node"]["runtime_dir"] == SOCKET_DIR
+    assert float(args["--hold"]) == seconds_of(effective["restart"]["hold"]), "holder.yaml's --hold != [restart] hold"
+    assert float(args["--hold"]) >= 300, "a rolling update's window (old pod gone, new image pulled) needs minutes"
+    assert holder["spec"]["updateStrategy"] == {"type": "OnDelete"}, "an upgrade must not restart the holder"
+    dspec, hspec = daemon["spec"]["template"]["spec"], holder["spec"]["template"]["spec"]
+    for key in ("runAsUser", "runAsGroup"):
+        assert hspec["securityContext"][key] == dspec["securityContext"][key], key
+    sockets = [v["hostPath"] for spec in (dspec, hspec) for v in spec["volumes"] if "hostPath" in v]
+    assert sockets == [{"path": SOCKET_DIR, "type": "DirectoryOrCreate"}] * 2
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        assert hspec.get(key) == dspec.get(key), f"the holder runs on other nodes than the daemon ({key})"
+    # it may start first on a new node: it gives the hostPath to the daemon's uid just the same
+    init = {c["name"]: c for c in dspec["initContainers"]}
+    assert [c["name"] for c in hspec["initContainers"]] == [ROOT_INIT]
+    assert hspec["initContainers"][0] == init[ROOT_INIT]
+    resources = hspec["containers"][0]["resources"]
+    assert parse_quantity(resources["limits"]["memory"]) <= 256 << 20, "the pool is not charged to the holder"
+    assert parse_quantity(resources["requests"]["memory"]) <= parse_quantity(resources["limits"]["memory"])
+    # the daemon's selectors (the DaemonSet's own, the PodMonitor's) do not pick holder pods
+    holder_labels = holder["spec"]["template"]["metadata"]["labels"]
+    assert not daemon["spec"]["selector"]["matchLabels"].items() <= holder_labels.items()
+    assert not holder["spec"]["selector"]["matchLabels"].items() <= daemon["spec"]["template"]["metadata"]["labels"].items()
+    monitor = one(docs, "PodMonitor")
+    assert not monitor["spec"]["selector"]["matchLabels"].items() <= holder_labels.items()
+
+
+@needs_kubectl
+def test_the_peer_plane_holder_uses_the_name_the_daemon_renders(tmp_path):
+    """With the peer plane each node's daemon is named after its Kubernetes node: the holder's
+    script, run for real, must come to the same name as render-config's."""
+    docs = render("peer-plane overlay")
+    effective_template = node_toml(docs)
+    assert 'keeper = "holder"' in effective_template
+    init = next(c for c in daemonset(docs)["spec"]["template"]["spec"]["initContainers"]
+                if c["name"] == "render-config")
+    holder = daemonset(docs, "ecd-holder")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in holder["env"]
+    (tmp_path / "template").mkdir()
+    (tmp_path / "template" / "node.toml").write_text(effective_template)
+    (tmp_path / "node").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ecd").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')  # says what it was asked to run
+    (bin_dir / "ecd").chmod(0o755)
+    for node_name in ("ip-10-0-0-6.ec2.internal", "gpu-node-" + "x" * 80, "node_7"):
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "NODE_NAME": node_name, "NODE_IP": "10.0.0.6",
+               "PEER_IPS": "10.0.0.5 10.0.0.6"}
+        script = init["command"][-1].replace("/etc/ecd-template", str(tmp_path / "template")) \
+            .replace("/etc/ecd-node", str(tmp_path / "node"))
+        rendered = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+        assert rendered.returncode == 0, rendered.stderr
+        daemon_name = re.search(r'^name = "([^"]*)"', (tmp_path / "node" / "node.toml").read_text(), re.M).group(1)
+        ran = subprocess.run(holder["command"], env=env, capture_output=True, text=True, timeout=30)
+        assert ran.returncode == 0, ran.stderr
+        args = holder_args(["ecd", *ran.stdout.split("\n")[:-1]])
+        assert args["--node"] == daemon_name, (node_name, args, daemon_name)
+        assert args["--runtime-dir"] == SOCKET_DIR and float(args["--hold"]) == 600
+
+
+def holder_available() -> str | None:
+    """None when this tree's ecd has `ecd hold` (issue 27's keeper), else why not."""
+    out = subprocess.run([sys.executable, "-m", "ecd", "hold", "--help"], capture_output=True, text=True, timeout=60)
+    return None if out.returncode == 0 else "`ecd hold` (issue 27's pool keeper) is not in this tree's ecd yet"
+
+
+class HostNode:
+    """The ConfigMap's node.toml and the holder DaemonSet's command, with only what must differ
+    on a test machine (paths, a small pool, loopback and a free port), run as real processes."""
+
+    def __init__(self, docs: list[dict], tag: int) -> None:
+        self.runtime = Path(tempfile.mkdtemp(prefix="ecd-k8s-", dir="/tmp"))  # a socket path must be short
+        self.node = f"k8s{tag % 100000}"
+        self.endpoint = f"ipc://{self.runtime}/ecd.sock"
+        text = node_toml(docs)
+        replaced = {'name = "k8s"': f'name = "{self.node}"',
+                    f'runtime_dir = "{SOCKET_DIR}"': f'runtime_dir = "{self.runtime}"',
+                    f'endpoint = "ipc://{SOCKET_DIR}/ecd.sock"': f'endpoint = "{self.endpoint}"',
+                    'size = "4GiB"': 'size = "64MiB"', 'segment_size = "1GiB"': 'segment_size = "64MiB"',
+                    'listen = "0.0.0.0:9464"': 'listen = "127.0.0.1:0"'}
+        for old, new in replaced.items():
+            assert old in text, f"the test expects {old!r} in deploy/k8s/node.toml"
+            text = text.replace(old, new)
+        self.config = self.runtime / "node.toml"
+        self.config.write_text(text)
+        args = holder_args(holder_command(docs))
+        self.holder_argv = [sys.executable, "-m", "ecd", "hold", "--node", self.node,
+                            "--runtime-dir", str(self.runtime), "--hold", args["--hold"]]
+        self.procs: list[subprocess.Popen] = []
+        self.runs = 0
+
+    def start_holder(self) -> subprocess.Popen:
+        with open(self.runtime / "holder.log", "ab") as out:
+            proc = subprocess.Popen(self.holder_argv, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 30
+        while not (self.runtime / f"ecd.{self.node}.holder").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, self.log("holder.log")
+            time.sleep(0.02)
+        return proc
+
+    def start_daemon(self) -> tuple[subprocess.Popen, int]:
+        """The daemon, serving: (its process, its metrics port)."""
+        self.runs += 1
+        log = self.runtime / f"daemon{self.runs}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", str(self.config)],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        deadline, port = time.monotonic() + 60, None
         while port is None and time.monotonic() < deadline and proc.poll() is None:
             match = re.search(r"metrics on http://[^:]+:(\d+)/metrics", log.read_text(errors="replace"))
             port = int(match.group(1)) if match else None
             time.sleep(0.05)
-        assert port, f"the daemon did not start: {log.read_text(errors='replace')}"
-        deadline, answer = time.monotonic() + 30, None
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
-                    answer = (resp.status, resp.read())
-                break
-            except urllib.error.HTTPError as exc:  # 503 "starting" until it serves
-                answer = (exc.code, exc.read())
-                time.sleep(0.05)
-        assert answer == (200, b"ok\n")
-    finally:
-        proc.kill()
-        proc.wait(10)
-        for name in Path("/dev/shm").glob(f"ecd.{node}.*"):
+        assert port, f"the daemon did not start: {self.log(log.name)}"
+        return proc, port
+
+    def log(self, name: str) -> str:
+        path = self.runtime / name
+        return path.read_text(errors="replace")[-4000:] if path.exists() else f"(no {name})"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for name in Path("/dev/shm").glob(f"ecd.{self.node}.*"):
             name.unlink()
-        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(self.runtime, ignore_errors=True)
+
+
+def healthz(port: int) -> tuple[int, bytes]:
+    deadline, answer = time.monotonic() + 30, (0, b"")
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:  # 503 "starting" until it serves
+            answer = (exc.code, exc.read())
+            time.sleep(0.05)
+    return answer
+
+
+@needs_kubectl
+def test_a_daemon_started_from_the_config_map_answers_the_probe_path(tmp_path):
+    """The ConfigMap's node.toml starts the real daemon, whose /healthz answers 200 "ok" (beside
+    the holder its [restart] section asks for, where this tree has one)."""
+    node = HostNode(render("deploy/k8s"), id(tmp_path))
+    try:
+        if holder_available() is None:
+            node.start_holder()
+        _, port = node.start_daemon()
+        assert healthz(port) == (200, b"ok\n")
+    finally:
+        node.close()
+
+
+@needs_kubectl
+def test_a_killed_daemon_adopts_the_pool_the_holder_kept(tmp_path):
+    """The manifests' command lines for real: the holder DaemonSet's `ecd hold` and a daemon from
+    the ConfigMap; the daemon is SIGKILLed (an OOM kill, a crash) and a new one adopts every entry,
+    bit-identical; then the daemon's SIGTERM and the holder's (its pod deleted) leave nothing."""
+    reason = holder_available()
+    if reason:
+        pytest.skip(reason)
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO))
+    import ecd
+    node = HostNode(render("deploy/k8s"), id(tmp_path))
+    try:
+        holder = node.start_holder()
+        daemon, _ = node.start_daemon()
+        sizes = [4096, 65536, 1 << 20, 3 * 4096 + 17]  # inline and pool puts
+        want = {f"k8s-{i}": (torch.arange(sizes[i % 4], dtype=torch.int64) * 7 + i).to(torch.uint8)
+                for i in range(40)}
+        with ecd.Client(node.endpoint, timeout=10) as client:
+            for key, value in want.items():
+                client.put(key, value)
+            assert client.stats()["restart"]["keeper"] == "holder", client.stats()["restart"]
+        daemon.kill()
+        daemon.wait(10)
+        daemon, _ = node.start_daemon()
+        with ecd.Client(node.endpoint, timeout=10) as client:
+            restart = client.stats()["restart"]
+            assert restart["adopted"] and restart["entries"] == len(want), (restart, node.log("daemon2.log"))
+            for key, value in want.items():
+                assert torch.equal(client.get(key), value), key
+        daemon.terminate()
+        assert daemon.wait(30) == 0
+        # the holder's pod deleted: SIGTERM lets go at once, and nothing of the node stays
+        holder.terminate()
+        assert holder.wait(10) == 0, node.log("holder.log")
+        assert not list(Path("/dev/shm").glob(f"ecd.{node.node}.*"))
+        assert not (node.runtime / f"ecd.{node.node}.holder").exists()
+    finally:
+        node.close()

@@ -39,6 +39,11 @@ needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is n
 # SIGTERM drain and exit), on x86-64 with Python 3.11, pyzmq 27, uvloop 0.23. libzmq calls
 # sched_setscheduler (in @resources) from each of its threads and aborts if that fails.
 # backing = "memfd" adds memfd_create (@ipc) and sendmsg (@network-io: the fd socket's SCM_RIGHTS).
+# chown and fchown (@chown, which ~@privileged takes away: the unit adds it back) give the socket,
+# the fd socket and the node lock to node.group. [restart] (issue 27, strace -f of a start with a
+# spawned holder and a 64 MiB pool in 4 segments, then SIGTERM): recvmsg (the holder's replies),
+# vfork, setsid, chdir, dup2, close_range, wait4 (spawning the holder), mkdir, getgroups,
+# clock_nanosleep, process_vm_writev; the systemd keeper's FDSTORE=1 datagrams are sendmsg.
 OBSERVED_SYSCALLS = """
 accept4 access arch_prctl bind brk chmod clone3 close connect epoll_create1 epoll_ctl epoll_pwait
 epoll_wait eventfd2 execve exit exit_group fallocate fchmod fcntl flock fstat ftruncate futex getcwd
@@ -48,6 +53,7 @@ openat pidfd_open pipe2 poll prctl pread64 prlimit64 pwrite64 read readlink recv
 rt_sigaction rt_sigprocmask rt_sigreturn sched_getaffinity sched_getparam sched_getscheduler
 sched_setscheduler sendmsg sendto set_robust_list set_tid_address setsockopt socket socketpair statfs
 sysinfo umask uname unlink write
+chown fchown recvmsg vfork setsid chdir dup2 close_range wait4 mkdir getgroups clock_nanosleep process_vm_writev
 """.split()
 
 
@@ -117,6 +123,30 @@ def test_unit_is_a_notify_service_with_watchdog_and_restart(unit):
     # room for limits.max_connections (4096 by default), each with a pidfd, and the reserve
     assert int(one(unit, "Service.LimitNOFILE")) >= 2 * 4096 + 512
     assert one(unit, "Install.WantedBy") == "multi-user.target"
+
+
+def test_unit_keeps_the_pool_across_a_restart_and_returns_it_at_stop(unit):
+    """[restart] under systemd: the daemon stores the pool's memfds and the journal in the unit's
+    file descriptor store. Room for every one of production.toml's segments plus the journal, a
+    store systemd flushes at `systemctl stop` (FileDescriptorStorePreserve=restart, the default:
+    "yes" would keep the memory after a stop), notifications accepted from the daemon itself."""
+    sys.path.insert(0, str(REPO))
+    from ecd.config import load_config_file
+    config = load_config_file(PRODUCTION)
+    host = config.pool.host
+    segments = -(-int(host.size) // int(host.segment_size))
+    room = int(one(unit, "Service.FileDescriptorStoreMax"))
+    assert room >= segments + 1, f"FileDescriptorStoreMax={room} < {segments} segments + the journal"
+    assert room >= 4096, "room for big pools in small segments too (the unit's comment says why 4096)"
+    assert unit.get("Service.FileDescriptorStorePreserve", ["restart"]) == ["restart"], \
+        "the pool must return to the machine at `systemctl stop`"
+    assert one(unit, "Service.NotifyAccess") in ("main", "exec", "all")
+    assert one(unit, "Service.Restart") != "no", "a crash must restart (and adopt) without an operator"
+    assert config.restart.adopt, "production.toml turns adoption off"
+    # "auto" finds the store only where systemd says its size ($FDSTORE, systemd 254+); named
+    # here, it works under older systemd too (Debian 12's 252), where "auto" would spawn a holder
+    # that the unit's stop or restart kills with the rest of its cgroup.
+    assert config.restart.keeper == "systemd"
 
 
 def test_unit_shares_socket_and_shm_with_group_ecd(unit):
