@@ -155,6 +155,10 @@ def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kep
             os.close(fd)
         restart.refused = str(exc)
         log.warning("restart: the pool the previous run left was not adopted: %s; starting cold", exc)
+        try:  # its memory goes now, before a new pool is allocated beside it (a pod's limit holds one)
+            keeper.keep({}, [])
+        except Exception as drop_failed:
+            log.warning("restart: the keeper still holds the refused pool (%s) until it lets go", drop_failed)
         return keeper, None
 
 
