@@ -16,7 +16,7 @@ Trust: every record carries a MAC (keyed BLAKE2b-64, the key a random salt in th
 header, which only the daemon maps: clients never get this memory) over all of it but the state
 and checksum words. A record torn by a kill in the middle of its write, or bytes a bug left behind,
 fail it and are skipped, never adopted; a client-chosen key cannot smuggle a record in. The
-commit's two stores go checksum first, state last (one aligned byte): a kill between them leaves
+commit's stores go checksum and key hash first, state last (one aligned byte): a kill between them leaves
 a WRITING record, never a COMMITTED one without its checksum. The header names the layout (node, backing, the
 segments' sizes, the format): a journal of another layout is refused as a whole.
 
@@ -50,9 +50,10 @@ _ZEROS = [bytes(GRANULE << cls) for cls in range(MAX_CLASS + 1)]  # what a forgo
 SHAPES_CACHED = 4096  # packed shapes kept (entries come in a few shapes; clients choose them)
 STATE_AT = _HEAD.size + 8  # one byte, outside the MAC: WRITING (0) or COMMITTED (1)
 CHECKSUM_AT = STATE_AT + 8  # the entry's checksum (u64), outside the MAC: written by the commit
-PAYLOAD_AT = CHECKSUM_AT + 8
+KEYHASH_AT = CHECKSUM_AT + 8  # the ring's hash of its key (u64), also the commit's: adoption needs no hashing
+PAYLOAD_AT = KEYHASH_AT + 8
 WRITING, COMMITTED = 0, 1
-_CHECKSUM = struct.Struct("<Q")
+_COMMIT = struct.Struct("<QQ")  # checksum, keyhash
 _UNCOMMITTED = bytes(PAYLOAD_AT - STATE_AT)  # state WRITING, checksum 0
 
 
@@ -77,6 +78,7 @@ class Layout:
 class EntryRecord:
     at: int  # the record's offset in the journal
     committed: bool  # False: a put the old daemon had not committed (its extent is quarantined)
+    keyhash: int  # the ring's hash of (ns, key), as the commit recorded it (0: not committed)
     generation: int
     pool: int
     offset: int
@@ -206,8 +208,8 @@ class Journal:
         except (struct.error, UnicodeDecodeError, ValueError):
             return None  # a valid MAC over a body this format cannot read: not ours to trust
         committed = buf[at + STATE_AT] == COMMITTED
-        checksum = _CHECKSUM.unpack_from(buf, at + CHECKSUM_AT)[0]
-        return EntryRecord(at, committed, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
+        checksum, keyhash = _COMMIT.unpack_from(buf, at + CHECKSUM_AT)
+        return EntryRecord(at, committed, keyhash, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
 
     def _rebuild_free(self, used: Sequence[tuple[int, int]]) -> None:
         """After a scan: the gaps between the records zeroed (nothing torn stays behind to be
@@ -240,7 +242,7 @@ class Journal:
         return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset, size))
 
     def entry(self, generation: int, pool: int, offset: int, nbytes: int, dtype: str, shape: Sequence[int],
-              ns: str, key: str, checksum: int = 0, committed: bool = False) -> int:
+              ns: str, key: str, checksum: int = 0, keyhash: int = 0, committed: bool = False) -> int:
         """Record a named put's extent (WRITING until `commit`, or COMMITTED at once); its record's
         offset (-1: full, too large to record, or in a CUDA arena)."""
         if pool >= self.pools:
@@ -255,14 +257,15 @@ class Journal:
                 + packed + dtype_b + ns_b + key_b)
         at = self._write(ENTRY_MAGIC, body)
         if at >= 0 and committed:
-            self.commit(at, checksum)
+            self.commit(at, checksum, keyhash)
         return at
 
-    def commit(self, at: int, checksum: int) -> None:
-        """The put recorded at `at` is committed (a no-op for -1): its checksum, then its state."""
+    def commit(self, at: int, checksum: int, keyhash: int) -> None:
+        """The put recorded at `at` is committed (a no-op for -1): its checksum and key hash, then
+        its state."""
         if at < 0:
             return
-        _CHECKSUM.pack_into(self.buf, at + CHECKSUM_AT, checksum)
+        _COMMIT.pack_into(self.buf, at + CHECKSUM_AT, checksum, keyhash)
         self.buf[at + STATE_AT] = COMMITTED
 
     def forget(self, at: int) -> None:
@@ -320,10 +323,10 @@ class NullJournal:
         return -1
 
     def entry(self, generation: int, pool: int, offset: int, nbytes: int, dtype: str, shape: Sequence[int],
-              ns: str, key: str, checksum: int = 0, committed: bool = False) -> int:
+              ns: str, key: str, checksum: int = 0, keyhash: int = 0, committed: bool = False) -> int:
         return -1
 
-    def commit(self, at: int, checksum: int) -> None:
+    def commit(self, at: int, checksum: int, keyhash: int) -> None:
         pass
 
     def forget(self, at: int) -> None:

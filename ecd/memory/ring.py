@@ -83,6 +83,7 @@ import hashlib
 import logging
 import struct
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -213,14 +214,41 @@ class RingWriter(_RingView):
         self.header[_WRITE_SEQ] = seq + 1
 
     def publish(self, keyhash: int, generation: int) -> None:
+        self.mark_present(keyhash)  # a second hash in a bucket: its word cannot name both (SHARED)
+        self.append(EventKind.PUBLISHED, keyhash, generation)
+
+    def mark_all_present(self, keyhashes: Sequence[int]) -> None:
+        """Keys present from the start (an adopted pool's entries: ecd/daemon/restart/adopt.py),
+        in one vectorized pass: the presence table says so, no event is written (no reader has
+        seen this run's ring yet). The same words mark_present would leave, bucket by bucket."""
+        if not keyhashes:
+            return
+        hashes = np.fromiter(keyhashes, np.uint64, len(keyhashes))
+        buckets = (hashes & np.uint64(self.bucket_mask)).astype(np.int64)
+        order = np.argsort(buckets, kind="stable")
+        buckets, hashes = buckets[order], hashes[order]
+        starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
+        where = buckets[starts]
+        added = np.diff(np.r_[starts, buckets.size]).astype(np.uint32)
+        one_hash = np.minimum.reduceat(hashes, starts) == np.maximum.reduceat(hashes, starts)
+        first = hashes[starts]
+        before = self.counts[where]
+        # one hash in the bucket, and the bucket empty or already naming that very hash
+        alone = one_hash & ((before == 0) | (self.words[where] == first))
+        words = np.where(alone, first, _SHARED).astype(np.uint64)
+        self.counts[where] = before + added
+        self.words[where] = words
+        self.presence[where] = words
+
+    def mark_present(self, keyhash: int) -> None:
+        """A key now present: its bucket's count, and its word (the hash, or SHARED by two)."""
         bucket = keyhash & self.bucket_mask
         count = int(self.counts[bucket])
         self.counts[bucket] = count + 1
         if count == 0:
             self._set_word(bucket, np.uint64(keyhash))
-        elif int(self.words[bucket]) != keyhash:  # a second hash: the word cannot name both
+        elif int(self.words[bucket]) != keyhash:
             self._set_word(bucket, _SHARED)
-        self.append(EventKind.PUBLISHED, keyhash, generation)
 
     def unpublish(self, kind: EventKind, keyhash: int, generation: int) -> None:
         bucket = keyhash & self.bucket_mask

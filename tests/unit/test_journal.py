@@ -56,9 +56,9 @@ def test_a_put_not_committed_reads_back_as_writing_and_its_commit_flips_it():
     at = record(journal, 7, "k", committed=False)
     (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
     assert (e.committed, e.checksum) == (False, 0)
-    journal.commit(at, 0xFEED)
+    journal.commit(at, 0xFEED, key_hash("ns", "k"))
     (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
-    assert (e.committed, e.checksum, e.key) == (True, 0xFEED, "k")
+    assert (e.committed, e.checksum, e.key, e.keyhash) == (True, 0xFEED, "k", key_hash("ns", "k"))
     buf[at + 24] ^= 1  # the checksum word is not under the MAC: the state and checksum are the commit's
     assert Journal.open(buf, SIZE, LAYOUT)[1][0].checksum == 0xFEED ^ 1
 
@@ -200,6 +200,7 @@ def test_a_new_store_adopts_what_was_committed_and_nothing_else():
     before = snapshot(old)
 
     _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    assert all(e.keyhash == key_hash(e.ns, e.key) for e in entries if e.committed)  # as the commit recorded it
     new, scheduler = new_store(journal)
     stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 60.0)  # type: ignore[arg-type]
     assert snapshot(new) == before
@@ -250,3 +251,21 @@ def test_records_that_do_not_fit_the_pool_are_dropped_not_trusted():
     stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 1.0)  # type: ignore[arg-type]
     assert [key for (_, key), _ in new.index.items()] in (["ok"], ["overlaps"])
     assert stats.entries == 1 and stats.skipped_records == 3
+
+
+def test_marking_keys_present_at_once_leaves_the_words_one_by_one_would():
+    rng = random.Random(3)
+    buckets = 64
+    one_by_one = RingWriter(mmap.mmap(-1, ring_bytes(64, buckets)), 64, buckets, epoch=1)
+    at_once = RingWriter(mmap.mmap(-1, ring_bytes(64, buckets)), 64, buckets, epoch=1)
+    before = [rng.getrandbits(63) for _ in range(20)]  # keys published before (a disk tier's, say)
+    for h in before:
+        one_by_one.publish(h, 1)
+        at_once.publish(h, 1)
+    # collisions on purpose: a few buckets, repeated hashes, buckets shared with `before`
+    hashes = [rng.choice(before) if rng.random() < 0.2 else rng.getrandbits(63) for _ in range(500)]
+    for h in hashes:
+        one_by_one.mark_present(h)
+    at_once.mark_all_present(hashes)
+    assert (at_once.counts == one_by_one.counts).all()
+    assert (at_once.words == one_by_one.words).all() and (at_once.presence == one_by_one.presence).all()

@@ -274,12 +274,12 @@ class Store:
         entry.checksum = checksum
         entry.owner = None
         entry.state = State.READY
-        self.journal.commit(entry.journal, checksum)  # before the answer: a put that returned is adopted
         session.reserve_ns = entry.ns  # a reservation asked for with this commit counts toward it
         entry.last_access = entry.when = self._stamp()  # `when` is now its publication time
         self.lower_tier.replaced(entry)  # a new value: older bytes below must never be served
         old = self.index.get((entry.ns, entry.key))
-        keyhash = entry.keyhash  # hashed once for both events of a replace
+        keyhash = entry.keyhash  # hashed once for both events of a replace, and the journal's
+        self.journal.commit(entry.journal, checksum, keyhash)  # before the answer: a put that returned is adopted
         if old is not None:  # an atomic replace: current readers keep the old bytes
             self.unindex(old, EventKind.DELETED, keyhash)
             self.counters["evicted_replaced"] += 1
