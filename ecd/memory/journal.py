@@ -185,14 +185,14 @@ class Journal:
         return entries, intents, skipped
 
     def _parse(self, at: int) -> "EntryRecord | IntentRecord | None":
-        buf = self.buf
-        magic, granules, payload = _HEAD.unpack_from(buf, at)
+        magic, granules, payload = _HEAD.unpack_from(self.buf, at)
         run = GRANULE * granules
         if (magic not in (ENTRY_MAGIC, INTENT_MAGIC) or granules == 0 or granules & (granules - 1)
                 or granules > 1 << MAX_CLASS or at + run > self.size or PAYLOAD_AT + payload > run):
             return None
-        body = bytes(buf[at + PAYLOAD_AT:at + PAYLOAD_AT + payload])
-        if self._sign(bytes(buf[at:at + _HEAD.size]) + body) != bytes(buf[at + _HEAD.size:at + STATE_AT]):
+        record = self.buf[at:at + PAYLOAD_AT + payload]  # one copy out of the mapping
+        body = record[PAYLOAD_AT:]
+        if self._sign(record[:_HEAD.size] + body) != record[_HEAD.size:STATE_AT]:
             return None
         try:
             if magic == INTENT_MAGIC:
@@ -207,8 +207,8 @@ class Journal:
             key = body[pos + ns_len:pos + ns_len + key_len].decode()
         except (struct.error, UnicodeDecodeError, ValueError):
             return None  # a valid MAC over a body this format cannot read: not ours to trust
-        committed = buf[at + STATE_AT] == COMMITTED
-        checksum, keyhash = _COMMIT.unpack_from(buf, at + CHECKSUM_AT)
+        committed = record[STATE_AT] == COMMITTED
+        checksum, keyhash = _COMMIT.unpack_from(record, CHECKSUM_AT)
         return EntryRecord(at, committed, keyhash, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
 
     def _rebuild_free(self, used: Sequence[tuple[int, int]]) -> None:
