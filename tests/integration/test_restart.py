@@ -22,77 +22,13 @@ import pytest
 from conftest import REPO, entry_bytes, shm_files, wait_for
 
 sys.path.insert(0, str(REPO / "tests"))
+from pool_holders import held_by, holder_pids, mapped, memfds, open_anywhere  # noqa: E402
 from restart_writer import digest, payload  # noqa: E402
 
 WRITER = REPO / "tests" / "restart_writer.py"
 NAMESPACES = ["alpha", "beta", "gamma"]
 WRITERS = 4
 ENTRIES = 10_000  # new keys, over all writers (replaces and deletes come on top)
-
-
-# ---- what lives where: processes, descriptors, mappings -------------------------------------
-
-def holder_pids(node: str) -> list[int]:
-    """Holder processes (`ecd hold` / python -m ecd.daemon.restart.holder) of `node`."""
-    pids = []
-    for pid in _pids():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(b"holder" in a or a == b"hold" for a in argv) and node.encode() in argv:
-            pids.append(pid)
-    return pids
-
-
-def memfds(node: str) -> dict[tuple[int, int], list[str]]:
-    """{(dev, inode): ["pid fd", ...]} of the memfds of `node` open in any process (ours)."""
-    found: dict[tuple[int, int], list[str]] = {}
-    prefix = f"/memfd:ecd.{node}."
-    for pid in _pids():
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    found.setdefault((st.st_dev, st.st_ino), []).append(f"{pid} {fd}")
-            except OSError:
-                continue
-    return found
-
-
-def mapped(node: str) -> list[str]:
-    """Mappings of `node`'s pool memory (memfds or /dev/shm files) in any process."""
-    lines = []
-    for pid in _pids():
-        try:
-            text = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        lines += [f"{pid}: {line}" for line in text.splitlines()
-                  if f"/memfd:ecd.{node}." in line or f"/dev/shm/ecd.{node}." in line]
-    return lines
-
-
-def held_by(pid: int, node: str) -> dict[tuple[int, int], int]:
-    """{(dev, inode): size} of the node's pool memory (memfds or /dev/shm files) `pid` holds."""
-    held = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith((f"/memfd:ecd.{node}.", f"/dev/shm/ecd.{node}.")):
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-                held[(st.st_dev, st.st_ino)] = st.st_size
-        except OSError:
-            continue
-    return held
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
 def edit_config(d, old: str, new: str) -> None:
@@ -261,27 +197,11 @@ def _assert_cold_and_serving(d, reason: str, old: dict[tuple[int, int], int]) ->
         c.put("new#1", payload("new#1", 0, 300_000))
         assert digest(c.get("new#1")) == digest(payload("new#1", 0, 300_000))
     # The old pool went back to the machine: no process holds or maps it; the holder holds the new one.
-    gone = wait_for(lambda: not (set(memfds(d.node)) & set(old)) and not _open_anywhere(old), timeout=10)
+    gone = wait_for(lambda: not (set(memfds(d.node)) & set(old)) and not open_anywhere(old), timeout=10)
     assert gone, f"the old pool is still held: {memfds(d.node)}"
     pids = holder_pids(d.node)
     assert len(pids) == 1
     assert not set(held_by(pids[0], d.node)) & set(old)
-
-
-def _open_anywhere(inodes) -> bool:
-    for pid in _pids():
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in inodes:
-                return True
-    return False
 
 
 def _put_kept(d) -> None:
