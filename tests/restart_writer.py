@@ -12,6 +12,11 @@
       a put of NBYTES (the bytes `payload(KEY, 0, NBYTES)`) that says "allocated POOL OFFSET"
       once its first Alloc is answered and SIGSTOPs itself there; after SIGCONT it copies and
       commits, and says "ok" or "error NAME MESSAGE".
+  hold ENDPOINT
+      stdin commands, one answer line each: "view KEY VERSION NBYTES" takes a view of KEY and
+      keeps it ("ok", or "mismatch" when it does not show payload(KEY, VERSION, NBYTES));
+      "check" says "ok" while the view still shows those bytes, "changed" once it does not;
+      "drop" releases it ("ok").
 """
 from __future__ import annotations
 
@@ -132,10 +137,34 @@ def stale_put(endpoint: str, key: str, nbytes: int) -> None:
     client.close()
 
 
+def hold(endpoint: str) -> None:
+    client = Client(endpoint, timeout=5.0)
+    held = view = expected = None
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        try:
+            if cmd == "view":
+                expected = digest(payload(args[0], int(args[1]), int(args[2])))
+                held = client.view(args[0])
+                view = held.__enter__()
+                print("ok" if digest(view) == expected else "mismatch", flush=True)
+            elif cmd == "check":
+                print("ok" if digest(view) == expected else "changed", flush=True)
+            elif cmd == "drop":
+                held.__exit__(None, None, None)
+                held = view = None
+                print("ok", flush=True)
+        except EcdError as exc:
+            print(f"error {type(exc).__name__} {exc}", flush=True)
+    client.close()
+
+
 def main() -> None:
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "write":
         write(args[0], args[1], int(args[2]), int(args[3]), args[4], args[5].split(","))
+    elif mode == "hold":
+        hold(args[0])
     elif mode == "stale-put":
         stale_put(args[0], args[1], int(args[2]))
     else:
