@@ -151,6 +151,9 @@ def test_entries_of_several_writers_survive_a_restart(daemon_factory, tmp_path, 
         wrong = [(k, got[k], state.get(k)) for k in keys
                  if got[k] not in allowed.get(k, {state.get(k)})]
         assert not wrong, f"{len(wrong)} keys read other than what was returned: {wrong[:5]}"
+        print(f"killed with {live} returned puts live, {len(allowed)} operation(s) open "
+              f"({sum(got[k] != state.get(k) for k in allowed)} of them took effect); adopted {restart['entries']} "
+              f"entries ({restart['bytes']} bytes) in {restart['seconds']:.3f}s, {restart['quarantined']} quarantined")
         assert listed(clients["beta"]) == {k for k in keys if got[k] is not None}, "entries nobody wrote"
 
         # The writers (their clients made before the kill) carry on and finish.
@@ -365,6 +368,7 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
             # reaches the new daemon, which never gave out that generation.
             stale.send_signal(signal.SIGCONT)
             outcome = stale.stdout.readline().strip()
+            print(f"the cut write's put: {outcome}")
             assert outcome == "ok" or outcome.startswith(("error StaleGeneration", "error DaemonUnavailable")), outcome
             assert time.monotonic() - restarted < WRITE_TTL, "too slow to check within the quarantine"
             for key, tensor in {**adopted, **fill}.items():
