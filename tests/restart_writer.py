@@ -16,7 +16,8 @@
       stdin commands, one answer line each: "view KEY VERSION NBYTES" takes a view of KEY and
       keeps it ("ok", or "mismatch" when it does not show payload(KEY, VERSION, NBYTES));
       "check" says "ok" while the view still shows those bytes, "changed" once it does not;
-      "drop" releases it ("ok").
+      "drop" releases it ("ok"); "ping" makes one round trip ("ok": after a restart, the
+      client's reconnection).
 """
 from __future__ import annotations
 
@@ -150,6 +151,9 @@ def hold(endpoint: str) -> None:
                 print("ok" if digest(view) == expected else "mismatch", flush=True)
             elif cmd == "check":
                 print("ok" if digest(view) == expected else "changed", flush=True)
+            elif cmd == "ping":
+                client.ping()
+                print("ok", flush=True)
             elif cmd == "drop":
                 held.__exit__(None, None, None)
                 held = view = None
