@@ -8,10 +8,11 @@
       returns (a restart makes some fail); LOG gets one JSON line when an operation begins
       (op, ns, key, and for a put the blake2b digest and size of the bytes it writes), one per
       failed try and one when it returned, then {"end": ...}.
-  stale-put ENDPOINT KEY NBYTES
-      a put of NBYTES (the bytes `payload(KEY, 0, NBYTES)`) that says "allocated POOL OFFSET"
-      once its first Alloc is answered and SIGSTOPs itself there; after SIGCONT it copies and
-      commits, and says "ok" or "error NAME MESSAGE".
+  stale-put ENDPOINT KEY NBYTES [COUNT]
+      a put of NBYTES (the bytes `payload(KEY, 0, NBYTES)`; with COUNT, a put_many of COUNT such
+      keys KEY0, KEY1, ...) that says "allocated POOL OFFSET" (the first extent) once its first
+      Alloc is answered and SIGSTOPs itself there; after SIGCONT it copies and commits, and says
+      "ok" or "error NAME MESSAGE".
   hold ENDPOINT
       stdin commands, one answer line each: "view KEY VERSION NBYTES" takes a view of KEY and
       keeps it ("ok", or "mismatch" when it does not show payload(KEY, VERSION, NBYTES));
@@ -114,7 +115,7 @@ def write(endpoint: str, ident: str, seed: int, entries: int, log_path: str, nam
         client.close()
 
 
-def stale_put(endpoint: str, key: str, nbytes: int) -> None:
+def stale_put(endpoint: str, key: str, nbytes: int, count: int = 0) -> None:
     from ecd.client.testing import intercept_round_trips
     from ecd.protocol import Alloc
     client = Client(endpoint, timeout=5.0)
@@ -131,7 +132,10 @@ def stale_put(endpoint: str, key: str, nbytes: int) -> None:
 
     try:
         with intercept_round_trips(client, call):
-            client.put(key, payload(key, 0, nbytes))
+            if count:
+                client.put_many({f"{key}{i}": payload(f"{key}{i}", 0, nbytes) for i in range(count)})
+            else:
+                client.put(key, payload(key, 0, nbytes))
         print("ok", flush=True)
     except EcdError as exc:
         print(f"error {type(exc).__name__} {exc}", flush=True)
@@ -170,7 +174,7 @@ def main() -> None:
     elif mode == "hold":
         hold(args[0])
     elif mode == "stale-put":
-        stale_put(args[0], args[1], int(args[2]))
+        stale_put(args[0], args[1], int(args[2]), int(args[3]) if len(args) > 3 else 0)
     else:
         raise SystemExit(f"unknown mode {mode}")
 

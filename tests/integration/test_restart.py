@@ -502,3 +502,50 @@ def test_a_view_held_across_a_restart_keeps_its_bytes(daemon_factory, before_kil
     finally:
         viewer.kill()
         viewer.wait()
+
+
+def test_a_write_cut_by_a_restart_with_a_full_journal_never_lands_on_an_entry(daemon_factory):
+    """As above with the journal full (a 1 MiB journal, thousands of small entries) and a put of
+    16 extents cut: their intents may not all fit, yet their client may still copy into every one
+    after the restart: none may hold another entry meanwhile."""
+    d = daemon_factory(size="32MiB", extra=f'[leases]\nwrite_ttl = "{WRITE_TTL:g}s"\n[restart]\njournal_size = "1MiB"')
+    small: dict[str, str] = {}
+    with d.client() as c:
+        n = 0
+        while c.stats()["restart"]["journal_full"] == 0:
+            batch = {f"s{n + i}": payload(f"s{n + i}", 0, 1 + (n + i) % 200) for i in range(500)}
+            c.put_many(batch)
+            small.update({k: digest(t) for k, t in batch.items()})
+            n += len(batch)
+            assert n < 50_000, "the journal never filled"
+    stale = subprocess.Popen([sys.executable, str(WRITER), "stale-put", d.endpoint, "cut", str(MIB // 4), "16"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        said = stale.stdout.readline().split()
+        assert said[0] == "allocated", said
+        assert wait_for(lambda: Path(f"/proc/{stale.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T")
+        d.stop(signal.SIGKILL)
+        d.start()
+        restarted = time.monotonic()
+        with d.client() as c:
+            restart = c.stats()["restart"]
+            assert restart["adopted"] and 0 < restart["entries"] < len(small), restart
+            stats = c.stats()
+            free = stats["capacity_bytes"] - stats["used_bytes"]
+            fill = {f"f{i}": payload(f"f{i}", 0, MIB) for i in range(free // MIB - 3)}
+            for key, tensor in fill.items():
+                c.put(key, tensor)
+            stale.send_signal(signal.SIGCONT)
+            outcome = stale.stdout.readline().strip()
+            print(f"the cut write's put: {outcome}; {restart}")
+            assert time.monotonic() - restarted < WRITE_TTL, "too slow to check within the write TTL"
+            got = c.get_many(list(fill), missing_ok=True)  # evicted ones aside (the fill's reservations)
+            bad = [key for key, t in zip(fill, got) if t is not None and digest(t) != digest(fill[key])]
+            assert not bad, f"{bad} were overwritten by the cut write (its extent was handed out at once)"
+            assert sum(t is not None for t in got) > len(fill) // 2
+            for key, got in zip(small, c.get_many(list(small), missing_ok=True)):
+                assert got is None or digest(got) == small[key], f"{key} has other bytes"
+    finally:
+        stale.send_signal(signal.SIGCONT)
+        stale.kill()
+        stale.wait()
