@@ -268,6 +268,13 @@ class Journal:
         _COMMIT.pack_into(self.buf, at + CHECKSUM_AT, checksum, keyhash)
         self.buf[at + STATE_AT] = COMMITTED
 
+    def uncommit(self, at: int) -> None:
+        """The entry recorded at `at` left the index while readers still hold its bytes (deleted,
+        replaced): never adopted again, but its extent stays out of use for a write TTL after a
+        restart, as an unfinished write's does (a no-op for -1)."""
+        if at >= 0:
+            self.buf[at + STATE_AT] = WRITING
+
     def forget(self, at: int) -> None:
         """Zero the record at `at` (a no-op for -1) and free its run."""
         if at < 0:
@@ -327,6 +334,9 @@ class NullJournal:
         return -1
 
     def commit(self, at: int, checksum: int, keyhash: int) -> None:
+        pass
+
+    def uncommit(self, at: int) -> None:
         pass
 
     def forget(self, at: int) -> None:

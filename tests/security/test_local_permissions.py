@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from conftest import shm_files
+from conftest import shm_files, wait_for
 from secutil import ecd, serve_error, write_node_toml
 
 
@@ -47,6 +47,13 @@ def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, w
     assert stat.S_IMODE(st.st_mode) == 0o770 and st.st_gid == gid
     created = [os.path.join(run_dir, n) for n in os.listdir(run_dir)]
     created += [f"/dev/shm/{n}" for n in shm_files(d.node)]
+    # The holder's socket, lock and log, and the restart journal ([restart]): the daemon's user's
+    # alone (0600), not the group's: the pool's descriptors and the journal are no client's business.
+    own = [p for p in created if ".holder" in os.path.basename(p) or p.endswith(".journal")]
+    created = [p for p in created if p not in own]
+    for path in own:
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid(), (path, oct(st.st_mode))
     kinds = {os.path.basename(p).rsplit(".", 1)[-1] for p in created}
     # memfd: the pool and ring have no names, the fd socket hands them out (the lock stays in /dev/shm)
     assert {"sock", "0", "ring", "lock"} <= kinds if backing == "named" else kinds == {"sock", "fds", "lock"}, created
@@ -60,7 +67,9 @@ def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, w
     with d.client() as c:  # and it still serves
         assert c.ping() > 0
     assert d.stop() == 0
-    assert shm_files(d.node) == []
+    from ecd.daemon.restart.holder_client import HolderKeeper
+    HolderKeeper(d.node, run_dir, spawn=False).release()  # a final stop: the holder lets the pool go
+    assert wait_for(lambda: shm_files(d.node) == [], 5.0), shm_files(d.node)
 
 
 def test_unknown_group_is_a_one_line_start_error(daemon_factory):

@@ -269,3 +269,34 @@ def test_marking_keys_present_at_once_leaves_the_words_one_by_one_would():
     at_once.mark_all_present(hashes)
     assert (at_once.counts == one_by_one.counts).all()
     assert (at_once.words == one_by_one.words).all() and (at_once.presence == one_by_one.presence).all()
+
+
+def test_an_entry_deleted_while_read_is_quarantined_not_adopted_nor_free():
+    buf, journal = fresh()
+    old, _ = new_store(journal)
+    session = old.open_session(1, 0)
+    put(old, session, "read", 5000)
+    put(old, session, "gone", 5000)
+    reader = old.open_session(2, 0)
+    (loc,) = old.acquire(reader, "ns", ["read"], 0, lambda r: None)
+    old.delete("ns", ["read", "gone"])  # "read" is retired: its reader still holds the bytes
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    new, scheduler = new_store(journal)
+    stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 30.0)  # type: ignore[arg-type]
+    assert stats.entries == 0 and stats.quarantined == 1
+    assert new.host.allocators[loc.pool].used == align_up(5000)  # the read extent is not handed out
+    (_, end_quarantine), = scheduler.later
+    end_quarantine()
+    assert new.host.allocators[loc.pool].used == 0
+
+
+def test_a_retired_entry_leaves_the_journal_with_its_last_reader():
+    buf, journal = fresh()
+    store, _ = new_store(journal)
+    session, reader = store.open_session(1, 0), store.open_session(2, 0)
+    put(store, session, "read", 5000)
+    store.acquire(reader, "ns", ["read"], 0, lambda r: None)
+    store.delete("ns", ["read"])
+    assert [e.committed for e in Journal.open(buf, SIZE, LAYOUT)[1]] == [False]
+    store.close_session(reader)  # its lease goes: the entry is freed, its record with it
+    assert Journal.open(buf, SIZE, LAYOUT)[1] == []

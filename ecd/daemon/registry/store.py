@@ -475,8 +475,11 @@ class Store:
     def unindex(self, entry: Entry, kind: EventKind, keyhash: int | None = None) -> None:
         """A READY entry leaves the index (evicted, deleted, replaced): a ring event says so."""
         del self.index[(entry.ns, entry.key)]
-        self.journal.forget(entry.journal)  # not adopted any more: its extent may be reused
-        entry.journal = -1
+        if entry.readers:  # retired, its bytes still read: kept out of use a while after a restart
+            self.journal.uncommit(entry.journal)
+        else:  # not adopted any more: its extent may be reused
+            self.journal.forget(entry.journal)
+            entry.journal = -1
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
@@ -503,7 +506,7 @@ class Store:
 
     def free(self, entry: Entry) -> None:
         """Give an entry's extent back to its pool and its bytes back to its namespace."""
-        if entry.journal >= 0:  # a write's record (an unindexed entry has none left)
+        if entry.journal >= 0:  # a write's record, or a retired entry's
             self.journal.forget(entry.journal)
         self.host.free(entry.pool, entry.offset, entry.nbytes)
         del self.by_generation[entry.generation]
