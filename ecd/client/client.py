@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping, Sequence, cast, overload
 
@@ -35,7 +37,7 @@ from ..integrity import checksum as checksum_of, describe
 from ..memory.ring import HERE, NOT_HERE, key_hash
 from ..protocol import (Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
                         encoder)
-from .connection import pool_not_visible, same_host
+from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
 from .location_cache import LocationCache
 from .mapping import EpochMapping
@@ -74,6 +76,7 @@ class Client(ControlClient):
         # LRU (location_cache.py), kept current by ring events; exists() answers from it
         self._cache = LocationCache()
         self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
+        self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -319,7 +322,12 @@ class Client(ControlClient):
         on_gpu: list[torch.Tensor] = []
         held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
                         [r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
-        self._views.add(held)
+        with self._lock:
+            self._views.add(held)
+            if self._view_watch is None and mapping.local:
+                self._view_watch = threading.Thread(target=watch_views, args=(weakref.ref(self), self._res.stop),
+                                                    name="ecd-view-watch", daemon=True)
+                self._view_watch.start()
         try:
             views: list[torch.Tensor | None] = []
             pool_views: PoolViews = mapping.views

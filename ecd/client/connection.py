@@ -141,6 +141,32 @@ def heartbeat(client_ref: "weakref.ref", stop: threading.Event) -> None:
         del client
 
 
+VIEW_WATCH_S = 0.25  # how often a client with views open looks at its daemon's ring
+RING_SILENCE_S = 1.0  # a ring silent this long: its daemon may be gone (it beats every 0.1 s)
+
+
+def watch_views(client_ref: "weakref.ref", stop: threading.Event) -> None:
+    """While a Client has views open: when its daemon's ring goes silent the daemon may have
+    restarted, and a round trip reaches the new one, which the client then asks for its views'
+    leases again (Client._restarted), without waiting for the client's own next call: an idle
+    reader's views are protected too. Ends with the last view (or the client)."""
+    while not stop.wait(VIEW_WATCH_S):
+        client = client_ref()
+        if client is None:
+            return
+        try:
+            with client._lock:
+                if not client._views or not client._map.local:
+                    client._view_watch = None
+                    return
+                alive = client._map.ring.alive(RING_SILENCE_S)
+            if not alive:
+                with contextlib.suppress(EcdError):
+                    client.ping()  # reconnects to a restarted daemon (or times out: tried again)
+        finally:
+            del client
+
+
 class Resources:
     """What must be closed when the client goes away, reachable without the client itself."""
 

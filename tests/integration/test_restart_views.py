@@ -1,6 +1,8 @@
 """A view a reader process holds across a daemon restart keeps its bytes while other clients
-delete the entry and fill the pool (issue 27: views clients hold stay valid). Two cases are
-known gaps, marked xfail(strict): they turn into failures once fixed, so the marks come off."""
+delete the entry and fill the pool (issue 27: views clients hold stay valid), whether the reader
+makes a request after the restart or not (an idle one's client notices its ring go silent and
+reconnects by itself: connection.watch_views). Views of an entry deleted while viewed are a known
+gap, marked xfail(strict): they turn into failures once fixed, so the marks come off."""
 from __future__ import annotations
 
 import signal
@@ -19,10 +21,6 @@ WRITER = REPO / "tests" / "restart_writer.py"
 MIB = 1 << 20
 
 
-IDLE_GAP = pytest.mark.xfail(strict=True, reason=(
-    "issue 27 gap: a client takes its views' leases again at its first request to the restarted daemon "
-    "(Client._restarted); a reader that makes none meanwhile (an idle local client: no heartbeat) has "
-    "none, and other clients' deletes and puts reuse the viewed extent"))
 RETIRED_GAP = pytest.mark.xfail(strict=True, reason=(
     "issue 27 gap: an entry deleted (or replaced) while a reader views it is kept out of use after a restart "
     "for leases.write_ttl only (Journal.uncommit: quarantined like an unfinished write); the reader cannot "
@@ -32,7 +30,7 @@ RETIRED_GAP = pytest.mark.xfail(strict=True, reason=(
 
 @pytest.mark.parametrize("before_kill,reader", [
     ("ready", "no restart"), ("deleted", "no restart"),
-    ("ready", "pings"), pytest.param("ready", "idle", marks=IDLE_GAP),
+    ("ready", "pings"), ("ready", "idle"),
     pytest.param("deleted", "pings", marks=RETIRED_GAP), pytest.param("deleted", "idle", marks=RETIRED_GAP)])
 def test_a_view_held_across_a_restart_keeps_its_bytes(daemon_factory, before_kill, reader):
     """A reader process holds a view of an entry (still in the index, or deleted while viewed: its
