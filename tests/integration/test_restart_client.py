@@ -4,6 +4,7 @@ cannot hand the extent to a new put while the view is open), and the client carr
 """
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -84,3 +85,18 @@ def test_ecd_release_returns_a_stopped_daemons_pool_at_once(daemon):
     with daemon.client() as c:
         assert c.exists(["k"]) == [False]
         assert c.stats()["restart"]["adopted"] is False
+
+
+def test_ecd_status_says_what_the_start_adopted_and_how_long_it_took(daemon):
+    with daemon.client() as c:
+        for i in range(3):
+            c.put(f"k{i}", torch.ones(4096))
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    ecd = [sys.executable, "-m", "ecd", "status", "--config", str(daemon.config), "--interval", "0"]
+    shown = subprocess.run(ecd, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "adopted 3 entries" in shown.stdout and "kept by holder" in shown.stdout, shown.stdout
+    as_json = subprocess.run([*ecd, "--json"], capture_output=True, text=True, timeout=60)
+    restart = json.loads(as_json.stdout)["restart"]
+    assert restart["adopted"] and restart["entries"] == 3 and 0 < restart["seconds"] < 60, restart
