@@ -23,18 +23,13 @@ def memfds(node: str) -> dict[tuple[int, int], list[str]]:
     """{(dev, inode): ["pid fd", ...]} of the memfds of `node` open in any process (ours)."""
     found: dict[tuple[int, int], list[str]] = {}
     prefix = f"/memfd:ecd.{node}."
-    for pid in _pids():
+    for pid, fd, path in _open_fds():
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(path).startswith(prefix):
+                st = os.stat(path)
+                found.setdefault((st.st_dev, st.st_ino), []).append(f"{pid} {fd}")
         except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    found.setdefault((st.st_dev, st.st_ino), []).append(f"{pid} {fd}")
-            except OSError:
-                continue
     return found
 
 
@@ -71,16 +66,22 @@ def _pids() -> list[int]:
 
 def open_anywhere(inodes) -> bool:
     """Some process has a descriptor of one of these (dev, inode)s open."""
+    for _, _, path in _open_fds():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in inodes:
+            return True
+    return False
+
+
+def _open_fds():
+    """(pid, fd, /proc path) of every descriptor open in any process we may look into."""
     for pid in _pids():
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
-            try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in inodes:
-                return True
-    return False
+            yield pid, fd, f"/proc/{pid}/fd/{fd}"
