@@ -76,6 +76,13 @@ def memory_kib(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (load-independent, unlike wall time)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -214,6 +221,7 @@ def restart(node: Node, entries: Entries, args, rng: random.Random, kind: str) -
     answer = time.monotonic() - spawned
     assert node.proc is not None
     mem_answer = memory_kib(node.proc.pid)
+    cpu_answer = cpu_s(node.proc.pid)
     entries.read_all(client, args.batch)
     ready = time.monotonic() - spawned
     mem_ready = memory_kib(node.proc.pid)
@@ -222,7 +230,8 @@ def restart(node: Node, entries: Entries, args, rng: random.Random, kind: str) -
     client.close()
     del client
     gc.collect()
-    row = {"kind": kind, "mem_available_gib_before": available / 2**30, "stop_s": stop_s, "serving_s": serving, "answer_s": answer, "ready_s": ready,
+    row = {"kind": kind, "mem_available_gib_before": available / 2**30, "stop_s": stop_s,
+           "cpu_s_answer": cpu_answer, "serving_s": serving, "answer_s": answer, "ready_s": ready,
            "memory_kib_answer": mem_answer, "memory_kib_ready": mem_ready, "spot_checked": checked,
            "entries_ready": stats_after["entries_ready"]}
     restart_stats = stats["restart"]
@@ -286,9 +295,10 @@ def run_pool(args, work: str, pool: int, label: str) -> dict:
                     cold.stop()  # adopt = false: its pool goes back to the machine; the disk tier stays
             a, k = pair["adopt"], pair["cold"]
             print(f"[{label}] pair {rep}: adopt {a['adopt_s']:.3f}s (log), answers {a['answer_s']:.2f}s, all read "
-                  f"{a['ready_s']:.2f}s, RSS {a['memory_kib_answer']['VmRSS'] / 1024:.0f} MiB, HWM "
+                  f"{a['ready_s']:.2f}s, CPU to answer {a['cpu_s_answer']:.2f}s, "
+                  f"RSS {a['memory_kib_answer']['VmRSS'] / 1024:.0f} MiB, HWM "
                   f"{a['memory_kib_ready']['VmHWM'] / 1024:.0f} MiB | cold: re-index {k['reindex_s']:.2f}s, answers "
-                  f"{k['answer_s']:.2f}s, all read {k['ready_s']:.2f}s, RSS "
+                  f"{k['answer_s']:.2f}s, all read {k['ready_s']:.2f}s, CPU to answer {k['cpu_s_answer']:.2f}s, RSS "
                   f"{k['memory_kib_ready']['VmRSS'] / 1024:.0f} MiB | ready adopt/cold "
                   f"{a['ready_s'] / k['ready_s']:.3f}", flush=True)
             rows.append(pair)
@@ -317,7 +327,7 @@ def summarize(label: str, pool: int, entries: Entries, rows: list[dict], persist
         "ratio_serving": med(ratios("serving_s")),
         "ratios_ready": ratios("ready_s"),
         **{f"{kind}_{field}": med(p[kind][field] for p in rows) for kind in ("adopt", "cold")
-           for field in ("serving_s", "answer_s", "ready_s", "stop_s")},
+           for field in ("serving_s", "answer_s", "ready_s", "stop_s", "cpu_s_answer")},
         **{f"{kind}_{field.lower()}_mib_{when}": mem(kind, when, field) for kind in ("adopt", "cold")
            for when in ("answer", "ready") for field in MEMORY_FIELDS},
         "pairs": rows,
@@ -364,11 +374,13 @@ def table(results: list[dict]) -> None:
               f"{r['ratio_ready']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios_ready'])}) | "
               f"{r['adopt_vmrss_mib_ready']:.0f} / {r['adopt_vmhwm_mib_ready']:.0f} / "
               f"{r['adopt_rssanon_mib_ready']:.0f} / {r['adopt_rssshmem_mib_ready']:.0f} |")
-    print("\nRSS of the new daemon once it answers (before any read), adopt vs cold, MiB (VmRSS / RssAnon):")
+    print("\nThe new daemon once it answers (before any read), adopt vs cold: VmRSS / RssAnon (MiB), and its CPU "
+          "seconds since spawn (user + system: what the load does not stretch):")
     for r in results:
         print(f"  {format_size(r['pool_bytes'])}: adopt {r['adopt_vmrss_mib_answer']:.0f} / "
-              f"{r['adopt_rssanon_mib_answer']:.0f}; cold {r['cold_vmrss_mib_answer']:.0f} / "
-              f"{r['cold_rssanon_mib_answer']:.0f}")
+              f"{r['adopt_rssanon_mib_answer']:.0f} MiB, {r['adopt_cpu_s_answer']:.2f} CPU s; cold "
+              f"{r['cold_vmrss_mib_answer']:.0f} / {r['cold_rssanon_mib_answer']:.0f} MiB, "
+              f"{r['cold_cpu_s_answer']:.2f} CPU s")
 
 
 def main() -> int:
