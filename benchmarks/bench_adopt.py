@@ -271,10 +271,12 @@ def run_pool(args, work: str, pool: int, label: str) -> dict:
           f"({count * nbytes / 2**30:.2f} GiB)", flush=True)
     rows: list[dict] = []
     try:
-        spawned, offset = cold.start()
+        cold.start()
         c = cold.connect()
         persist_s = entries.put_all(c, args.persist_batch, persist=True)
         c.close()
+        del c
+        cold.stop()  # its pool goes back to the machine (adopt = false); each cold restart starts it again
         print(f"[{label}] disk tier filled by put(persist=True) in {persist_s:.1f}s", flush=True)
         fill_s = []
         for rep in range(args.reps):
@@ -386,7 +388,7 @@ def table(results: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=100_000)
-    parser.add_argument("--small-pool", default="1GiB", help="the pool of the 'same entries, small pool' run")
+    parser.add_argument("--small-pool", default="1GiB", help="the pool of the 'same entries, small pool' run (0: skip it)")
     parser.add_argument("--pool-size", default="16GiB", help="the big pool (0: skip it)")
     parser.add_argument("--reps", type=int, default=3, help="adopt/cold pairs per pool size")
     parser.add_argument("--batch", type=int, default=1000, help="entries per put_many / view_many")
@@ -398,10 +400,8 @@ def main() -> int:
     parser.add_argument("--margin", default="2GiB", help="memory left free beyond the pool")
     parser.add_argument("--json", default="", help="also write the results here ('-': stdout)")
     args = parser.parse_args()
-    pools = [("small", int(parse_size(args.small_pool)))]
-    big = int(parse_size(args.pool_size))
-    if big:
-        pools.append(("big", big))
+    pools = [(label, size) for label, size in (("small", int(parse_size(args.small_pool))),
+                                               ("big", int(parse_size(args.pool_size)))) if size]
     work = tempfile.mkdtemp(prefix="ecd-bench-adopt-", dir="/tmp")
     results: list[dict] = []
     load = os.getloadavg()
@@ -413,7 +413,7 @@ def main() -> int:
                       f"MemAvailable is {available / 2**30:.1f} GiB (try --pool-size with less)", flush=True)
                 continue
             results.append(run_pool(args, work, pool, label))
-        profile = profile_adoption(args, work, pools[0][1]) if args.profile else None
+        profile = profile_adoption(args, work, pools[0][1]) if args.profile and pools else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table(results)
