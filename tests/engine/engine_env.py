@@ -65,6 +65,12 @@ def daemon_counters(daemon: DaemonProcess) -> dict[str, float]:
             "written_bytes": metric(body, "ecd_written_bytes_total")}
 
 
+def restart_stats(daemon: DaemonProcess) -> dict:
+    """How the daemon's last start went (protocol.RestartStats): adopted, entries, bytes, ..."""
+    with daemon.client() as client:
+        return dict(client.stats()["restart"])
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

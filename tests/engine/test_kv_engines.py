@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from engine_env import ENGINE_TEST_TIMEOUT, daemon_counters, require_engine
+from engine_env import ENGINE_TEST_TIMEOUT, daemon_counters, require_engine, restart_stats
 
 require_engine()
 
@@ -33,6 +33,7 @@ PROMPTS = [
     "load covers more than one entry and the chained hashes of its blocks differ from the rest.",
     "Short: no full block.",  # nothing to store or load, the connector must leave it alone
 ]
+COLD_RESTART = "[restart]\nadopt = false"  # a daemon whose every start is cold (no adoption)
 GENERATE = {"max_tokens": 16, "temperature": 0.0, "logprobs": 1, "ignore_eos": True}
 PREFILL = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 LOGPROB_TOLERANCE = 1e-5
@@ -134,11 +135,12 @@ def test_kv_of_other_weights_changes_the_output(ecd_daemon, tiny_llama, other_ll
 
 # ---- failures -----------------------------------------------------------------------------------
 
-def test_daemon_restart_between_prefill_and_decode(ecd_daemon, tiny_llama, engine_workdir, monolithic):
-    """The decode engine is up and connected; the producer stores; the daemon restarts (its pool
-    starts empty). The decode engine's requests miss, compute everything and give the monolithic
-    tokens; after the producer stores again, the same engine finds and loads the blocks through
-    the restarted daemon: it reconnected on its own."""
+def test_daemon_restart_between_prefill_and_decode(ecd_daemon_factory, tiny_llama, engine_workdir, monolithic):
+    """The decode engine is up and connected; the producer stores; the daemon restarts cold
+    (`[restart] adopt = false`: its pool starts empty). The decode engine's requests miss, compute
+    everything and give the monolithic tokens; after the producer stores again, the same engine
+    finds and loads the blocks through the restarted daemon: it reconnected on its own."""
+    ecd_daemon = ecd_daemon_factory(extra=COLD_RESTART)
     warmup = ["A warm-up prompt of more than one block, so that the connector connects to the daemon."]
     reload = {**generate(), "reset_prefix_cache": True}  # load again, not from the engine's own cache
     decode = start_engine(tiny_llama, [generate(warmup), generate(), reload], pause_before=[1, 2],
@@ -167,6 +169,49 @@ def test_daemon_restart_between_prefill_and_decode(ecd_daemon, tiny_llama, engin
     assert_same_generation(after_refill, monolithic)
     assert [o["num_cached_tokens"] for o in after_refill] == [loadable_tokens(o) for o in after_refill]
     assert daemon_counters(ecd_daemon)["read_bytes"] > 0  # loaded through the restarted daemon
+    assert restart_stats(ecd_daemon)["adopted"] is False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_decode_engine_loads_adopted_kv_after_daemon_restart(ecd_daemon, tiny_llama, engine_workdir, monolithic,
+                                                            sig):
+    """Issue 27: the decode engine is up and connected; the producer stores; the daemon dies
+    (SIGKILL: a crash, the OOM killer; SIGTERM: a stop for an upgrade) and starts again, adopting
+    its pool. Neither engine restarts: the same decode engine, on its next requests, finds the
+    producer's blocks in the adopted pool, loads them through the new daemon (its connector
+    reconnected on its own) and generates exactly the monolithic tokens."""
+    warmup = ["A warm-up prompt of more than one block, so that the connector connects to the daemon."]
+    decode = start_engine(tiny_llama, [generate(warmup), generate()], pause_before=[1], workdir=engine_workdir,
+                          llm_kwargs={"kv_transfer_config": kv_transfer_config("kv_consumer", ecd_daemon.endpoint)})
+    try:
+        decode.wait_paused(1)
+        producer = run_engine(tiny_llama, [prefill()], workdir=engine_workdir,
+                              llm_kwargs={"kv_transfer_config": kv_transfer_config("kv_producer",
+                                                                                   ecd_daemon.endpoint)})
+        stored = daemon_counters(ecd_daemon)
+        assert stored["entries"] == len(distinct_blocks(producer["batches"][0]))
+        ecd_daemon.stop(sig)
+        ecd_daemon.start()
+        restart = restart_stats(ecd_daemon)
+        assert restart["adopted"] is True and restart["refused"] == ""
+        assert restart["entries"] == stored["entries"] and restart["quarantined"] == 0
+        assert restart["bytes"] == stored["written_bytes"]
+        fresh = daemon_counters(ecd_daemon)  # a new process: its counters start at zero
+        assert fresh["entries"] == stored["entries"] and fresh["hits"] == 0 and fresh["read_bytes"] == 0
+        decode.resume(1)
+        result = decode.result()
+    finally:
+        decode.kill()
+    outputs = result["batches"][1]
+    assert_same_generation(outputs, monolithic)
+    # The engine had never seen these prompts: every cached token came from the adopted pool.
+    assert [o["num_cached_tokens"] for o in outputs] == [loadable_tokens(o) for o in outputs]
+    assert loadable_tokens(outputs[0]) >= 3 * BLOCK
+    loaded = daemon_counters(ecd_daemon)
+    blocks_loaded = len(distinct_blocks(outputs, loadable_tokens))
+    assert loaded["hits"] >= blocks_loaded > 0
+    assert loaded["read_bytes"] >= blocks_loaded * stored["written_bytes"] / stored["entries"]
+    assert loaded["written_bytes"] == 0 and loaded["entries"] == stored["entries"]  # a kv_consumer never saves
 
 
 def test_blocks_evicted_between_lookup_and_load_are_recomputed(ecd_daemon_factory, tiny_llama, engine_workdir,
