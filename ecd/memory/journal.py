@@ -162,7 +162,7 @@ class Journal:
         entries: list[EntryRecord] = []
         intents: list[IntentRecord] = []
         used: list[tuple[int, int]] = []  # (offset, bytes) of the valid records, in order
-        skipped = 0
+        skipped = torn_until = 0
         at = buf.find(_PREFIX, HEADER_BYTES)
         while 0 <= at < end:
             if at % GRANULE:
@@ -171,6 +171,7 @@ class Journal:
             record = self._parse(at)
             if record is None:
                 skipped += 1
+                torn_until = at + (GRANULE << MAX_CLASS)  # as far as a record that starts here reaches
                 at = buf.find(_PREFIX, at + GRANULE)
                 continue
             run = GRANULE * _HEAD.unpack_from(buf, at)[1]
@@ -180,7 +181,7 @@ class Journal:
                 intents.append(record)
             used.append((at, run))
             at = buf.find(_PREFIX, at + run)
-        self._rebuild_free(used)
+        self._rebuild_free(used, torn_until)
         self.records = len(used)
         return entries, intents, skipped
 
@@ -211,17 +212,20 @@ class Journal:
         checksum, keyhash = _COMMIT.unpack_from(record, CHECKSUM_AT)
         return EntryRecord(at, committed, keyhash, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
 
-    def _rebuild_free(self, used: Sequence[tuple[int, int]]) -> None:
+    def _rebuild_free(self, used: Sequence[tuple[int, int]], torn_until: int) -> None:
         """After a scan: the gaps between the records zeroed (nothing torn stays behind to be
-        half-overwritten later) and cut into free runs; fresh space above the last record."""
+        half-overwritten later) and cut into free runs; fresh space above the last record, zeroed
+        only as far as something torn was seen (`torn_until`): the rest was never written or was
+        zeroed when forgotten, and writing it would fault in every page of a large journal."""
         self._free = [[] for _ in range(MAX_CLASS + 1)]
         position = HEADER_BYTES
         for at, run in used:
             self._release_gap(position, at)
             position = at + run
         self._top = position
-        if position < self.size:
-            self.buf[position:self.size] = bytes(self.size - position)
+        end = min(self.size, torn_until)
+        if position < end:
+            self.buf[position:end] = bytes(end - position)
 
     def _release_gap(self, start: int, end: int) -> None:
         if end <= start:
