@@ -20,10 +20,12 @@ commit's stores go checksum and key hash first, state last (one aligned byte): a
 a WRITING record, never a COMMITTED one without its checksum. The header names the layout (node, backing, the
 segments' sizes, the format): a journal of another layout is refused as a whole.
 
-Space: records start on 64-byte granules and take a power-of-two number of them; freed runs go
-to a free list per size, fresh space comes from a bump pointer, a bigger free run is split when
-a size has none. O(1) per record. A full journal refuses the record (-1): the entry is stored as
-usual, it just is not adopted after a restart (counted).
+Space: 64-byte granules; a record takes a power-of-two run aligned to its size, from a stack of
+free runs per size (O(1)), split from a bigger free run when none of its size is free. When a
+record finds no run at all, the free runs are merged with their neighbours and cut again (rare,
+O(free runs)): records of changing sizes never strand the space. Entry records fill at most ENTRY_SHARE of it: a put whose entry
+does not fit gets a one-granule INTENT instead, so its extent is still quarantined after a restart
+(the entry is stored as usual, it just is not adopted: counted).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .allocator import ALIGNMENT, align_up
+
 GRANULE = 64
 HEADER_BYTES = 4096
 FORMAT = 1  # the records' layout: a daemon that reads another refuses the journal (a cold start)
@@ -43,8 +47,10 @@ ENTRY_MAGIC = _PREFIX + b"E"
 INTENT_MAGIC = _PREFIX + b"I"
 _HEAD = struct.Struct("<4sHH")  # magic, granules, payload bytes (the MAC follows: 8 bytes)
 _ENTRY = struct.Struct("<QIQQBBHH")  # generation, pool, offset, nbytes, ndim, dtype, ns, key lengths
-_INTENT = struct.Struct("<QIQQ")  # generation, pool, offset, size
+# generation, pool, offset and size in ALIGNMENT units (extents are aligned): one granule in all
+_INTENT = struct.Struct("<QHII")
 _HEADER = struct.Struct("<8sII32sQ8s")  # magic, format, layout bytes, salt, size, MAC
+ENTRY_SHARE = 0.875  # entry records may fill this much of the journal; the rest is the intents'
 MAX_CLASS = 8  # records of up to 2**8 granules (16 KiB): a 1 KiB namespace and a 1 KiB key fit easily
 _ZEROS = [bytes(GRANULE << cls) for cls in range(MAX_CLASS + 1)]  # what a forgotten record's run becomes
 SHAPES_CACHED = 4096  # packed shapes kept (entries come in a few shapes; clients choose them)
@@ -111,10 +117,15 @@ class Journal:
         self._keyed = hashlib.blake2b(key=salt, digest_size=8)  # copied per record: half a keyed init's cost
         self._shapes: dict[Any, bytes] = {}  # shape -> its packed bytes
         self.pools = pools  # host pool segments: extents in other pools (CUDA arenas) die with the process
-        self._free: list[list[int]] = [[] for _ in range(MAX_CLASS + 1)]  # per class: offsets of free runs
-        self._top = HEADER_BYTES  # fresh space starts here
+        # per class: a stack of its free runs' offsets (runs aligned to their size from
+        # HEADER_BYTES, the lowest on top at first: records start packed, and so do their pages)
+        self._free: list[list[int]] = [[] for _ in range(MAX_CLASS + 1)]
+        self._merged = True  # nothing was freed since the free runs were last merged
+        self._release_gap(HEADER_BYTES, size)
+        self._lowest_on_top()
         self.records = 0
-        self.full = 0  # records refused for want of space (their entries are not adopted)
+        self.used = 0  # bytes of the runs records take
+        self.full = 0  # entries not recorded for want of space (not adopted; their extents quarantined)
 
     # ---- creating and opening -----------------------------------------------------------
 
@@ -183,6 +194,7 @@ class Journal:
             at = buf.find(_PREFIX, at + run)
         self._rebuild_free(used, torn_until)
         self.records = len(used)
+        self.used = sum(run for _, run in used)
         return entries, intents, skipped
 
     def _parse(self, at: int) -> "EntryRecord | IntentRecord | None":
@@ -197,7 +209,8 @@ class Journal:
             return None
         try:
             if magic == INTENT_MAGIC:
-                return IntentRecord(at, *_INTENT.unpack(body))
+                generation, pool, units, size_units = _INTENT.unpack(body)
+                return IntentRecord(at, generation, pool, units * ALIGNMENT, size_units * ALIGNMENT)
             generation, pool, offset, nbytes, ndim, dtype_len, ns_len, key_len = _ENTRY.unpack_from(body)
             pos = _ENTRY.size
             shape = struct.unpack_from(f"<{ndim}q", body, pos)
@@ -213,28 +226,52 @@ class Journal:
         return EntryRecord(at, committed, keyhash, generation, pool, offset, nbytes, checksum, dtype, tuple(shape), ns, key)
 
     def _rebuild_free(self, used: Sequence[tuple[int, int]], torn_until: int) -> None:
-        """After a scan: the gaps between the records zeroed (nothing torn stays behind to be
-        half-overwritten later) and cut into free runs; fresh space above the last record, zeroed
-        only as far as something torn was seen (`torn_until`): the rest was never written or was
-        zeroed when forgotten, and writing it would fault in every page of a large journal."""
+        """After a scan: the gaps between the records cut into free runs, and zeroed as far as
+        something torn was seen (`torn_until`: nothing torn stays behind to be half-overwritten
+        later); the rest was never written or was zeroed when forgotten, and writing it would
+        fault in every page of a large journal."""
         self._free = [[] for _ in range(MAX_CLASS + 1)]
         position = HEADER_BYTES
-        for at, run in used:
-            self._release_gap(position, at)
+        for at, run in [*used, (self.size, 0)]:
+            if position < at:
+                zero_end = min(at, torn_until)
+                if position < zero_end:
+                    self.buf[position:zero_end] = bytes(zero_end - position)
+                self._release_gap(position, at)
             position = at + run
-        self._top = position
-        end = min(self.size, torn_until)
-        if position < end:
-            self.buf[position:end] = bytes(end - position)
+        self._lowest_on_top()
 
     def _release_gap(self, start: int, end: int) -> None:
-        if end <= start:
-            return
-        self.buf[start:end] = bytes(end - start)
-        while start < end:
-            cls = min(MAX_CLASS, ((end - start) // GRANULE).bit_length() - 1)
+        """[start, end) as free runs: the largest aligned ones that fit."""
+        while start + GRANULE <= end:
+            index = (start - HEADER_BYTES) // GRANULE
+            cls = MAX_CLASS
+            while cls and (index & ((1 << cls) - 1) or start + (GRANULE << cls) > end):
+                cls -= 1
             self._free[cls].append(start)
             start += GRANULE << cls
+
+    def _lowest_on_top(self) -> None:
+        for runs in self._free:
+            runs.reverse()
+
+    def _merge_free(self) -> None:
+        """Every free run merged with its free neighbours and cut again into the largest aligned
+        runs: what forgetting records of one size leaves becomes room for records of another.
+        O(free runs); done only when a record finds no run, and not again until one is freed."""
+        runs = sorted((at, GRANULE << cls) for cls, stack in enumerate(self._free) for at in stack)
+        self._free = [[] for _ in range(MAX_CLASS + 1)]
+        start = end = -1
+        for at, run in runs:
+            if at != end:
+                if start >= 0:
+                    self._release_gap(start, end)
+                start = at
+            end = at + run
+        if start >= 0:
+            self._release_gap(start, end)
+        self._lowest_on_top()
+        self._merged = True
 
     # ---- writing ------------------------------------------------------------------------
 
@@ -243,7 +280,7 @@ class Journal:
         extent is in a CUDA arena, which no restart adopts)."""
         if pool >= self.pools:
             return -1
-        return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset, size))
+        return self._intent(generation, pool, offset, size)
 
     def entry(self, generation: int, pool: int, offset: int, nbytes: int, dtype: str, shape: Sequence[int],
               ns: str, key: str, checksum: int = 0, keyhash: int = 0, committed: bool = False) -> int:
@@ -259,8 +296,11 @@ class Journal:
                 self._shapes[tuple(shape)] = packed
         body = (_ENTRY.pack(generation, pool, offset, nbytes, len(shape), len(dtype_b), len(ns_b), len(key_b))
                 + packed + dtype_b + ns_b + key_b)
-        at = self._write(ENTRY_MAGIC, body)
-        if at >= 0 and committed:
+        at = self._write(ENTRY_MAGIC, body, ENTRY_SHARE)
+        if at < 0:  # no room for the entry (not adopted): its extent is still kept out of use
+            self.full += 1
+            return self._intent(generation, pool, offset, align_up(max(nbytes, 1)))
+        if committed:
             self.commit(at, checksum, keyhash)
         return at
 
@@ -279,25 +319,33 @@ class Journal:
         if at >= 0:
             self.buf[at + STATE_AT] = WRITING
 
+    def _intent(self, generation: int, pool: int, offset: int, size: int) -> int:
+        return self._write(INTENT_MAGIC, _INTENT.pack(generation, pool, offset // ALIGNMENT,
+                                                      align_up(size) // ALIGNMENT))
+
     def forget(self, at: int) -> None:
         """Zero the record at `at` (a no-op for -1) and free its run."""
         if at < 0:
             return
         cls = _HEAD.unpack_from(self.buf, at)[1].bit_length() - 1
         self.buf[at:at + (GRANULE << cls)] = _ZEROS[cls]
+        self.used -= GRANULE << cls
         self._free[cls].append(at)
+        self._merged = False
         self.records -= 1
 
-    def _write(self, magic: bytes, body: bytes) -> int:
+    def _write(self, magic: bytes, body: bytes, share: float = 1.0) -> int:
+        """A record in a free run (-1: none, or it would take the records past `share` of the
+        journal: entries leave the rest to intents, so that a full journal still quarantines the
+        extents of the writes it could not record)."""
         need = -(-(PAYLOAD_AT + len(body)) // GRANULE)
         cls = (need - 1).bit_length()
-        if cls > MAX_CLASS:
-            self.full += 1
+        if cls > MAX_CLASS or self.used + (GRANULE << cls) > share * (self.size - HEADER_BYTES):
             return -1
         at = self._take(cls)
         if at < 0:
-            self.full += 1
             return -1
+        self.used += GRANULE << cls
         head = _HEAD.pack(magic, 1 << cls, len(body))
         self.buf[at:at + PAYLOAD_AT + len(body)] = head + self._sign(head + body) + _UNCOMMITTED + body
         self.records += 1
@@ -309,18 +357,22 @@ class Journal:
         return mac.digest()
 
     def _take(self, cls: int) -> int:
+        """A free run of class `cls` (the last freed first), split from a bigger one when there is
+        none, after merging the free runs when that may help; -1 when none can be had."""
+        at = self._pop(cls)
+        if at < 0 and not self._merged:
+            self._merge_free()
+            at = self._pop(cls)
+        return at
+
+    def _pop(self, cls: int) -> int:
         free = self._free
-        if free[cls]:
-            return free[cls].pop()
-        run = GRANULE << cls
-        if self._top + run <= self.size:
-            at, self._top = self._top, self._top + run
-            return at
-        for bigger in range(cls + 1, MAX_CLASS + 1):
+        for bigger in range(cls, MAX_CLASS + 1):
             if free[bigger]:
                 at = free[bigger].pop()
-                for half in range(bigger - 1, cls - 1, -1):  # keep the first piece, free the rest
-                    free[half].append(at + (GRANULE << half))
+                while bigger > cls:  # keep the lower half, free the upper
+                    bigger -= 1
+                    free[bigger].append(at + (GRANULE << bigger))
                 return at
         return -1
 

@@ -16,8 +16,8 @@ from ecd.daemon.restart.adopt import Kept, adopt_entries
 from ecd.daemon.tiers.base import NullTier
 from ecd.daemon.tiers.host import HostTier
 from ecd.memory.allocator import ALIGNMENT, align_up
-from ecd.memory.journal import (ENTRY_MAGIC, GRANULE, HEADER_BYTES, Journal, JournalRefused, Layout,
-                                _mac)
+from ecd.memory.journal import (ENTRY_MAGIC, ENTRY_SHARE, GRANULE, HEADER_BYTES, Journal, JournalRefused,
+                                Layout, _mac)
 from ecd.memory.ring import ASK, HERE, RingReader, RingWriter, key_hash, ring_bytes
 from ecd.protocol import AllocItem, Extent
 
@@ -42,6 +42,7 @@ def test_entries_survive_and_forgotten_ones_do_not():
     for at in gone:
         journal.forget(at)
     intent = journal.intent(99, 1, 7 * ALIGNMENT, 512)
+    assert intent >= HEADER_BYTES
     _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
     assert skipped == 0
     assert sorted(e.generation for e in entries) == [g for g in range(1, 40) if g % 3]
@@ -118,17 +119,43 @@ def test_a_journal_of_another_format_or_a_damaged_header_is_refused():
         Journal.open(mmap.mmap(-1, SIZE), SIZE, LAYOUT)
 
 
-def test_a_full_journal_refuses_records_and_takes_them_again_once_space_is_freed():
+def test_a_full_journal_keeps_quarantining_what_it_cannot_record_and_records_again_once_freed():
     size = HEADER_BYTES + (GRANULE << 8)  # the smallest journal: 16 KiB of records
     buf, journal = fresh(size)
-    taken = []
-    while (at := record(journal, len(taken) + 1, "k")) >= 0:
-        taken.append(at)
-    assert journal.full == 1 and len(taken) == (GRANULE << 8) // (2 * GRANULE)
-    journal.forget(taken[5])
-    assert record(journal, 1000, "k") == taken[5]
-    # a bigger record than any free run: split from nothing, refused
-    assert journal.entry(1001, 0, 0, 1, "u8", (), "ns", "k" * 3000) == -1
+    runs = (GRANULE << 8) // (2 * GRANULE)  # an entry record here takes 2 granules
+    entries = [record(journal, g, "k") for g in range(1, int(runs * ENTRY_SHARE) + 1)]
+    assert journal.full == 0 and min(entries) >= HEADER_BYTES
+    # past ENTRY_SHARE: the put's entry is not recorded (not adopted), a one-granule intent is
+    intents = []
+    while (at := record(journal, 1000 + len(intents), "k")) >= 0:
+        intents.append(at)
+    assert journal.full == len(intents) + 1 and len(intents) == 2 * (runs - len(entries))
+    _, read_entries, read_intents, skipped = Journal.open(buf, size, LAYOUT)
+    assert (len(read_entries), len(read_intents), skipped) == (len(entries), len(intents), 0)
+    assert record(journal, 1999, "k") == -1  # nothing fits now, not even an intent
+    for at in [*intents, entries[5]]:  # space freed: below the entries' share again, recorded whole
+        journal.forget(at)
+    again = record(journal, 2000, "k")
+    assert again == entries[5]  # the lowest free run of its size
+    # a record larger than any run is never an entry: it is quarantined by an intent
+    big = journal.entry(2001, 0, 0, 1, "u8", (), "ns", "k" * 20000)
+    _, read_entries, read_intents, _ = Journal.open(buf, size, LAYOUT)
+    assert again in [e.at for e in read_entries] and [i.generation for i in read_intents] == [2001]
+    assert big == read_intents[0].at
+
+
+def test_freed_runs_merge_so_records_of_other_sizes_fit_again():
+    size = HEADER_BYTES + 2 * (GRANULE << 8)  # two runs of the largest size
+    buf, journal = fresh(size)
+    small = [journal.intent(g, 0, g * ALIGNMENT, ALIGNMENT) for g in range(1, 1000)]
+    small = [at for at in small if at >= 0]
+    assert len(small) == 512 and journal.intent(5000, 0, 0, 1) == -1  # every granule taken
+    for at in small:
+        journal.forget(at)
+    # a record of the largest size: it fits only if the one-granule runs merged back
+    big = journal.entry(6000, 0, 0, 1, "u8", (), "ns", "k" * 12000)
+    (e,) = Journal.open(buf, size, LAYOUT)[1]
+    assert (big, e.at, e.generation) == (HEADER_BYTES, HEADER_BYTES, 6000)
 
 
 def test_random_records_and_forgets_read_back_exactly():
