@@ -141,11 +141,22 @@ class DaemonProcess:
         kwargs.setdefault("timeout", 5.0)
         return Client(self.endpoint, **kwargs)
 
-    def release_pool(self) -> None:
+    def release_pool(self, timeout: float = 10.0) -> None:
         """A final stop's second half: the holder the daemon spawned ([restart] keeper = "auto")
-        lets the pool go now instead of holding it for the next run."""
+        lets the pool go now instead of holding it for the next run. The holder refuses while a
+        daemon's connection is still open: a killed daemon's (one in a pid namespace of its own
+        dies after the process that made it) closes in a moment."""
         from ecd.daemon.restart.holder_client import HolderKeeper
-        HolderKeeper(self.node, self.runtime_dir, spawn=False).release()
+        from ecd.daemon.restart.keeper import KeeperUnavailable
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                HolderKeeper(self.node, self.runtime_dir, spawn=False).release()
+                return
+            except KeeperUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def cleanup(self) -> None:
         if self.proc is not None:

@@ -272,6 +272,13 @@ def ask(node: Node, payload: bytes | dict, fds: list[int] = (), sock: socket.soc
     return msgspec.msgpack.decode(reply).get("error", "") if reply else ""
 
 
+def _recv_now(sock: socket.socket) -> bytes | None:
+    try:
+        return sock.recv(1 << 16, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+
+
 def test_hostile_inputs_leave_the_holder_holding(node):
     holder = node.holder(hold=60)
     daemon, said = node.keep(seed=9)
@@ -300,14 +307,22 @@ def test_hostile_inputs_leave_the_holder_holding(node):
                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [spare.fd]).tobytes())])
     silent = raw(node)
     crowd = [raw(node) for _ in range(70)]  # more connections than the holder takes at once (64)
-    time.sleep(0.5)
-    refusals = []
     for c in crowd:
-        c.setblocking(False)
-        try:
-            refusals.append(msgspec.msgpack.decode(c.recv(1 << 16, socket.MSG_DONTWAIT))["error"])
-        except BlockingIOError:
-            pass  # taken in: it will be dropped for its silence
+        c.setblocking(False)  # a socket with a timeout waits for data even when told MSG_DONTWAIT
+    refusals: list[str] = []
+    waiting = list(crowd)
+    deadline = time.monotonic() + 10.0  # a loaded machine: the holder accepts them in its own time
+    while len(refusals) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for c in list(waiting):
+            try:
+                refusals.append(msgspec.msgpack.decode(c.recv(1 << 16, socket.MSG_DONTWAIT))["error"])
+                waiting.remove(c)
+            except BlockingIOError:
+                pass  # taken in (it will be dropped for its silence), or not accepted yet
+    time.sleep(0.3)  # and no more than 8
+    refusals += [msgspec.msgpack.decode(data)["error"] for c in waiting
+                 if (data := _recv_now(c)) is not None]
     assert len(refusals) == 8 and all("64 connections open" in text for text in refusals), refusals
     for c in crowd:
         c.close()
@@ -335,11 +350,16 @@ def test_a_peer_of_another_uid_is_refused(node):
     daemon.wait()
     nobody = 65534
     first = node.actor("--uid", str(nobody), "raw-connect", node.dir, node.name)
-    assert first.wait(30) == 0, node.log()
+    assert first.wait(90) == 0, node.log()
     blocked = json.loads(first.stdout.read())
     assert blocked == {"connect": "EACCES", "uid": nobody}  # the socket's mode 0600 stops it first
     os.chmod(node.socket, 0o666)  # without that layer, the holder's own check (SO_PEERCRED) refuses it
-    refused = json.loads(line_within(node.actor("--uid", str(nobody), "raw-connect", node.dir, node.name), 30))
+    # 90 s: a process that imports torch (ecd does) can take long to start on a loaded machine
+    second = node.actor("--uid", str(nobody), "raw-connect", node.dir, node.name)
+    try:
+        refused = json.loads(line_within(second, 90))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the holder's log: {node.log()}") from None
     assert refused["connect"] == "ok" and refused["fds"] == 0, refused
     assert f"uid {nobody} may not use the holder of node '{node.name}'" in refused["reply"]
     assert holder.poll() is None

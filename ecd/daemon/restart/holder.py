@@ -68,6 +68,7 @@ class Connection:
     deadline: float | None  # silence: dropped at this monotonic time (None: the lease's own)
     pending: list[tuple[str, int]] = field(default_factory=list)  # a keep's batches so far
     pending_unlink: list[str] = field(default_factory=list)
+    refused: str = ""  # refused at accept: the reason, answered to its first message (or on close)
 
 
 class Holder:
@@ -233,8 +234,8 @@ class Holder:
         now = time.monotonic()
         for conn in list(self.connections.values()):
             if conn.deadline is not None and now >= conn.deadline:
-                self.refuse(conn, "said nothing (or left a keep unfinished) for "
-                                  f"{SILENCE_S:g} s: dropped", close=True)
+                self.refuse(conn, conn.refused or "said nothing (or left a keep unfinished) for "
+                                                  f"{SILENCE_S:g} s: dropped", close=True)
         if self.lease is None and self.expires is not None and now >= self.expires and not self.done:
             self.let_go(f"no daemon took the pool within {self.hold:g} s: expired")
 
@@ -249,10 +250,13 @@ class Holder:
         pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         conn = Connection(sock, pid, uid, time.monotonic() + SILENCE_S)
         if uid not in (self.uid, 0):
+            # Answered once its first message is read (or its silence ends): a unix socket closed
+            # with a message unread resets the connection, and the reason would never arrive.
             log(f"refused pid {pid}: uid {uid} is neither the holder's ({self.uid}) nor root")
-            self.reply(conn, HolderReply(version=HOLDER_WIRE_VERSION, op="refused", error=(
-                f"uid {uid} may not use the holder of node {self.node!r}: only uid {self.uid} and root may")))
-            sock.close()
+            conn.refused = f"uid {uid} may not use the holder of node {self.node!r}: only uid {self.uid} and root may"
+            conn.deadline = time.monotonic() + 1.0
+            self.connections[sock.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
             return True
         if len(self.connections) >= MAX_CONNECTIONS:
             self.reply(conn, HolderReply(version=HOLDER_WIRE_VERSION, op="refused",
@@ -313,7 +317,12 @@ class Holder:
         except BlockingIOError:
             return
         except (OSError, WireError) as exc:
-            self.refuse(conn, str(exc) if isinstance(exc, WireError) else f"cannot read: {exc.strerror}")
+            self.refuse(conn, conn.refused or (str(exc) if isinstance(exc, WireError) else
+                                               f"cannot read: {exc.strerror}"), close=bool(conn.refused))
+            return
+        if conn.refused:  # whatever it asked: the reason it was refused, then the connection goes
+            close_all(fds)
+            self.refuse(conn, conn.refused, close=True)
             return
         if not data and not fds:
             self.drop(conn)  # the peer closed
