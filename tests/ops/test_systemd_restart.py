@@ -31,6 +31,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONF = os.environ.get("CONTAINERS_CONF", str(REPO / "deploy" / "podman" / "containers.conf"))
 SYSTEMD = Path("/lib/systemd/systemd")
+# Where the container sees this repository: not under /tmp (the unit's PrivateTmp=yes hides it,
+# and a fresh clone in CI lives there) nor /home or /root (ProtectHome=yes)
+SRC = "/opt/ecd-src"
 ENTRIES = 20
 
 BOOT = """#!/bin/sh
@@ -72,8 +75,6 @@ def unavailable() -> str | None:
         return "a throwaway systemd in a rootful podman container needs root"
     if shutil.which("podman") is None or not SYSTEMD.exists():
         return "needs podman and systemd installed on the host"
-    if str(REPO).startswith(("/root/", "/home/")):
-        return f"the repository {REPO} is under a home directory, which the unit's ProtectHome=yes hides"
     if interpreter() is None:
         return ("no interpreter with ecd's dependencies outside /root and /home (the unit's ProtectHome=yes): "
                 "`make image` builds /opt/ecd/venv")
@@ -101,7 +102,7 @@ class Machine:
         podman("rm", "-f", self.name, check=False)
         tmpfs = [f"--tmpfs={path}:rw,notmpcopyup" for path in ("/tmp", "/run", "/run/lock", "/var/lib/containers")]
         podman("run", "-d", "--name", self.name, "--systemd=always", "--network=none", "--cap-add=SYS_ADMIN",
-               "--security-opt", "seccomp=unconfined", *tmpfs, "-v", f"{scratch}:/t:ro", "-v", f"{REPO}:{REPO}:ro",
+               "--security-opt", "seccomp=unconfined", *tmpfs, "-v", f"{scratch}:/t:ro", "-v", f"{REPO}:{SRC}:ro",
                "--rootfs", "/:O", "/t/boot.sh")
         deadline, state = time.monotonic() + 90, ""
         while state not in ("running", "degraded"):
@@ -119,7 +120,7 @@ class Machine:
                       check=False).stdout[-3000:]
 
     def client(self, what: str) -> dict:
-        out = self.sh(f"PYTHONPATH={REPO} {self.python} /t/client.py {what}")
+        out = self.sh(f"PYTHONPATH={SRC} {self.python} /t/client.py {what}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def stored(self) -> int:
@@ -139,14 +140,14 @@ def machine():
         m = Machine(Path(scratch), python)
         try:
             m.sh(f"""set -e
-                systemd-sysusers {REPO}/systemd/ecd.sysusers
+                systemd-sysusers {SRC}/systemd/ecd.sysusers
                 mkdir -p /etc/ecd /etc/systemd/system/ecd.service.d
                 sed -e 's/^size = "64GiB"/size = "64MiB"/' -e 's/^segment_size = "4GiB"/segment_size = "16MiB"/' \\
-                    {REPO}/configs/production.toml > /etc/ecd/node.toml
-                cp {REPO}/systemd/ecd.service /etc/systemd/system/ecd.service
+                    {SRC}/configs/production.toml > /etc/ecd/node.toml
+                cp {SRC}/systemd/ecd.service /etc/systemd/system/ecd.service
                 printf '[Service]\\nExecStart=\\nExecStart={python} -m ecd serve --config /etc/ecd/node.toml\\n' \\
                     > /etc/systemd/system/ecd.service.d/test.conf
-                printf 'Environment=PYTHONPATH={REPO}\\nPrivateUsers=no\\n' >> /etc/systemd/system/ecd.service.d/test.conf
+                printf 'Environment=PYTHONPATH={SRC}\\nPrivateUsers=no\\n' >> /etc/systemd/system/ecd.service.d/test.conf
                 systemctl daemon-reload
                 systemctl start ecd""")
             yield m
