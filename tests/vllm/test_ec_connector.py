@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -353,7 +354,30 @@ def test_entry_deleted_or_pressed_after_the_pin_ends_recomputed(daemon_factory, 
     assert pins_become(daemon, ["kept"], 0)
 
 
-def test_daemon_restart_or_outage_never_raises(daemon, tiny_model_dir, caplog, monkeypatch):
+def test_a_restarted_daemon_serves_the_adopted_embedding(daemon, tiny_model_dir):
+    """The default restart adopts the pool ([restart]): an embedding scheduled before the restart
+    is loaded from the adopted pool after it, without recompute and without a new connector."""
+    scheduler = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint,
+                               load_timeout_s=1.0)
+    worker = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)
+    encoder = make_connector(tiny_model_dir, "ec_producer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)
+    emb = encoder_output(64, 256, 5)
+    encoder.save_caches({"img": emb}, "img")
+    warm: dict[str, torch.Tensor] = {}
+    Step(scheduler, [image_request("r0", [("img", 64)])]).run_worker(worker, warm)  # clients connected
+    step = Step(scheduler, [image_request("r", [("img", 64)])])
+    assert step.external == {"r": [0]}
+    daemon.stop(signal.SIGKILL)  # restarted between scheduling and the load: it adopts the pool
+    daemon.start()
+    loaded: dict[str, torch.Tensor] = {}
+    output = step.run_worker(worker, loaded)
+    assert output.ec_connector_worker_meta.recomputed == []
+    assert same_bits(loaded["img"], emb)
+
+
+def test_daemon_restart_or_outage_never_raises(daemon_factory, tiny_model_dir, caplog, monkeypatch):
+    # A cold restart ([restart] adopt = false): the new pool starts empty, the load must recompute.
+    daemon = daemon_factory(extra="[restart]\nadopt = false\n")
     # The connector logs under vLLM's "vllm" logger, which vLLM sets not to propagate to the root
     # logger (where caplog listens): let it, for this test.
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
