@@ -51,8 +51,12 @@ class EcdDaemon(DaemonProcess):
     def __init__(self, size: str = "256MiB", extra: str = "") -> None:
         super().__init__(size, extra)
 
-    def restart(self) -> None:
+    def restart(self, cold: bool = False) -> None:
+        """Stop and start again: the new daemon adopts the pool ([restart]), or with `cold` starts
+        with an empty one (its holder let go of the old pool in between, as after a final stop)."""
         self.stop()
+        if cold:
+            self.release_pool()
         self.start()
 
     def cli(self, *args: str) -> dict:

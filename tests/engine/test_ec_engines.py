@@ -156,7 +156,8 @@ def test_negative_control_other_vision_weights_diverge(ecd_daemon, paligemma, mo
 @pytest.mark.parametrize("fault", ["delete", "restart"])
 def test_ec_miss_after_hit_never_kills_the_engine(ecd_daemon, paligemma, mono, tmp_path, fault):
     """The scheduler found and pinned the embedding; before the worker loads it the entry is
-    deleted (`ecd evict --force` / Client.delete) or the daemon restarts (pool emptied). The
+    deleted (`ecd evict --force` / Client.delete) or the daemon restarts cold (its pool let go:
+    tests/engine/test_kv_engines.py has the restart that adopts it). The
     connector hands the item back to the model runner, which encodes it in the same step: the
     request completes with the monolithic tokens, and a second round in the same engine too."""
     publish(ecd_daemon, paligemma["main"], tmp_path)
@@ -172,7 +173,7 @@ def test_ec_miss_after_hit_never_kills_the_engine(ecd_daemon, paligemma, mono, t
                 assert run.proc.poll() is None, run.log_tail()
                 assert time.monotonic() < deadline, "the consumer never reached a load"
                 time.sleep(0.1)
-            ecd_daemon.restart()
+            ecd_daemon.restart(cold=True)
             (fault_dir / "resume").touch()
         out = run.result(300)
     finally:
