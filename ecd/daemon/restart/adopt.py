@@ -204,9 +204,11 @@ def _adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSt
             journal.forget(intent.at)
         else:
             by_extent[(intent.pool, intent.offset)] = intent
-    for pool in host.host_pools:
-        mine = [(offset, _extent_bytes(r)) for (p, offset), r in by_extent.items() if p == pool]
-        for offset, _ in host.allocators[pool].claim(mine):
+    per_pool: dict[int, list[tuple[int, int]]] = {pool: [] for pool in host.host_pools}
+    for (pool, offset), held_record in by_extent.items():  # one pass, however many segments
+        per_pool[pool].append((offset, _extent_bytes(held_record)))
+    for pool, extents in per_pool.items():
+        for offset, _ in host.allocators[pool].claim(extents):
             journal.forget(by_extent.pop((pool, offset)).at)  # overlaps another or lies outside
             dropped += 1
     now = store.clock()
