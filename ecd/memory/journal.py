@@ -4,28 +4,31 @@ next daemon of the node adopts the pool instead of starting cold (ecd/daemon/res
 
 One record per extent in use. A named put's extent gets an ENTRY record at its Alloc (generation,
 pool, offset, nbytes, dtype, shape, namespace, key), in state WRITING; its commit writes the
-checksum and flips the state to COMMITTED (two small stores: the record is written once per put),
-before the commit is answered, so every put that returned is in the journal. A reservation's
-anonymous extent has an INTENT record (generation, pool, offset, size) until Publish names it.
-After a restart a WRITING entry's or an intent's extent is kept out of use for a write TTL (the
-old daemon's client may still be copying into it) and never served. A record is zeroed when its
-extent stops holding it (the entry leaves the index, the write is aborted): before the extent can
-be handed out again, since the daemon is single-threaded.
+checksum and the key's ring hash and flips the state to COMMITTED (small stores: the record is
+written once per put), before the commit is answered, so every put that returned is in the
+journal. A reservation's anonymous extent has an INTENT record (generation, pool, offset, size)
+until Publish names it. After a restart a WRITING entry's or an intent's extent is kept out of use
+for a write TTL (the old daemon's client may still be copying into it) and never served. A record
+is zeroed when its extent stops holding it (the entry leaves the index, the write is aborted):
+before the extent can be handed out again, since the daemon is single-threaded. An entry that
+leaves the index while readers still hold it goes back to WRITING until it is freed.
 
 Trust: every record carries a MAC (keyed BLAKE2b-64, the key a random salt in the journal's
-header, which only the daemon maps: clients never get this memory) over all of it but the state
-and checksum words. A record torn by a kill in the middle of its write, or bytes a bug left behind,
-fail it and are skipped, never adopted; a client-chosen key cannot smuggle a record in. The
-commit's stores go checksum and key hash first, state last (one aligned byte): a kill between them leaves
-a WRITING record, never a COMMITTED one without its checksum. The header names the layout (node, backing, the
-segments' sizes, the format): a journal of another layout is refused as a whole.
+header, which only the daemon maps: clients never get this memory) over all of it but the state,
+checksum and key-hash words. A record torn by a kill in the middle of its write, or bytes a bug
+left behind, fail it and are skipped, never adopted; a client-chosen key cannot smuggle a record
+in. The commit stores the checksum and key hash first, the state last (one byte): a kill between
+them leaves a WRITING record, never a COMMITTED one without its checksum. The header names the
+layout (node, backing, the segments' sizes, the format): a journal of another layout is refused
+as a whole.
 
 Space: 64-byte granules; a record takes a power-of-two run aligned to its size, from a stack of
 free runs per size (O(1)), split from a bigger free run when none of its size is free. When a
 record finds no run at all, the free runs are merged with their neighbours and cut again (rare,
-O(free runs)): records of changing sizes never strand the space. Entry records fill at most ENTRY_SHARE of it: a put whose entry
-does not fit gets a one-granule INTENT instead, so its extent is still quarantined after a restart
-(the entry is stored as usual, it just is not adopted: counted).
+O(free runs)): records of changing sizes never strand the space. Entry records fill at most
+ENTRY_SHARE of it: a put whose entry does not fit gets a one-granule INTENT instead, so its
+extent is still quarantined after a restart (the entry is stored as usual, it just is not
+adopted: counted).
 """
 from __future__ import annotations
 

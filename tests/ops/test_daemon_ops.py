@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ecd
-from conftest import metric, wait_for
+from conftest import holders_of_this_run, metric, shm_files, wait_for
 from ecd.protocol import Alloc, AllocItem, Commit
 
 
@@ -103,12 +103,13 @@ def test_promtool_accepts_a_scrape_taken_under_load(daemon):
     assert metric(body, "ecd_lookups_total", result="hit") > 0
 
 
-def test_metrics_port_in_use_is_a_clear_startup_error(daemon_factory):
+@pytest.mark.parametrize("backing", ["memfd", "named"])
+def test_metrics_port_in_use_is_a_clear_startup_error(daemon_factory, backing):
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
     try:
-        d = daemon_factory(start=False)
+        d = daemon_factory(start=False, backing=backing)
         d.config.write_text(d.config.read_text().replace('listen = "127.0.0.1:0"',
                                                          f'listen = "127.0.0.1:{blocker.getsockname()[1]}"'))
         result = subprocess.run([os.sys.executable, "-m", "ecd", "serve", "--config", str(d.config)],
@@ -117,6 +118,9 @@ def test_metrics_port_in_use_is_a_clear_startup_error(daemon_factory):
         blocker.close()
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "metrics.listen" in result.stderr
+    # refused after its pool was made, before the keeper got it: nothing of it is left anywhere
+    assert shm_files(d.node) == []
+    assert not [pid for pid in holders_of_this_run() if d.node.encode() in open(f"/proc/{pid}/cmdline", "rb").read()]
 
 
 class NotifySocket:

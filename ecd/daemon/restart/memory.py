@@ -42,6 +42,7 @@ class Memory:
     journal_file: ShmFile | None = None
     kept: Kept | None = None  # the previous run's pool, until adopt_entries
     restart: RestartStats = field(default_factory=RestartStats)
+    held: bool = False  # the keeper holds this pool (adopted from it, or handed to it)
 
     def adopt_entries(self, store: "Store", quarantine_s: float) -> None:
         """Give the store the journal and, for an adopted pool, its entries (before serving)."""
@@ -64,6 +65,7 @@ class Memory:
             shm_path(self.journal_file.name)]
         try:
             self.keeper.keep(kept_fds(self.pool, self.journal_file), named)
+            self.held = True
         except Exception as exc:
             log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
                         "restart", self.keeper.kind, exc)
@@ -78,7 +80,7 @@ class Memory:
         """This process lets go of the memory; a keeper holds on to the pool and the journal."""
         self.ring.close()
         self.ring_file.unlink()
-        keeping = self.keeper.kind != "none"
+        keeping = self.held  # a start that failed before the hand-over keeps nothing: named files go
         if self.journal_file is not None:
             if keeping:
                 _close_fd(self.journal_file)
@@ -126,7 +128,7 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
         log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                     "after a size check, and a pool file truncated in between would crash the daemon")
     ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch)
-    return Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart)
+    return Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart, held=kept is not None)
 
 
 def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kept | None]:
