@@ -354,9 +354,9 @@ def test_entry_deleted_or_pressed_after_the_pin_ends_recomputed(daemon_factory, 
     assert pins_become(daemon, ["kept"], 0)
 
 
-def test_a_restarted_daemon_serves_the_adopted_embedding(daemon, tiny_model_dir):
-    """The default restart adopts the pool ([restart]): an embedding scheduled before the restart
-    is loaded from the adopted pool after it, without recompute and without a new connector."""
+def connected_trio(daemon, tiny_model_dir):
+    """An EC consumer's scheduler and worker and a producer's worker, "img" saved by the producer
+    and loaded once by the consumer (every client connected): (scheduler, worker, encoder, emb)."""
     scheduler = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint,
                                load_timeout_s=1.0)
     worker = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)
@@ -364,7 +364,15 @@ def test_a_restarted_daemon_serves_the_adopted_embedding(daemon, tiny_model_dir)
     emb = encoder_output(64, 256, 5)
     encoder.save_caches({"img": emb}, "img")
     warm: dict[str, torch.Tensor] = {}
-    Step(scheduler, [image_request("r0", [("img", 64)])]).run_worker(worker, warm)  # clients connected
+    Step(scheduler, [image_request("r0", [("img", 64)])]).run_worker(worker, warm)
+    assert same_bits(warm["img"], emb)
+    return scheduler, worker, encoder, emb
+
+
+def test_a_restarted_daemon_serves_the_adopted_embedding(daemon, tiny_model_dir):
+    """The default restart adopts the pool ([restart]): an embedding scheduled before the restart
+    is loaded from the adopted pool after it, without recompute and without a new connector."""
+    scheduler, worker, _, emb = connected_trio(daemon, tiny_model_dir)
     step = Step(scheduler, [image_request("r", [("img", 64)])])
     assert step.external == {"r": [0]}
     daemon.stop(signal.SIGKILL)  # restarted between scheduling and the load: it adopts the pool
@@ -382,15 +390,7 @@ def test_daemon_restart_or_outage_never_raises(daemon_factory, tiny_model_dir, c
     # logger (where caplog listens): let it, for this test.
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     caplog.set_level(logging.WARNING, logger="vllm.ecd.ec_connector")
-    scheduler = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint,
-                               load_timeout_s=1.0)
-    worker = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)
-    encoder = make_connector(tiny_model_dir, "ec_producer", WORKER, endpoint=daemon.endpoint, load_timeout_s=1.0)
-    emb = encoder_output(64, 256, 5)
-    encoder.save_caches({"img": emb}, "img")
-    warm: dict[str, torch.Tensor] = {}
-    Step(scheduler, [image_request("r0", [("img", 64)])]).run_worker(worker, warm)  # clients connected
-    assert same_bits(warm["img"], emb)
+    scheduler, worker, encoder, emb = connected_trio(daemon, tiny_model_dir)
 
     req = image_request("r", [("img", 64)])
     step = Step(scheduler, [req])
