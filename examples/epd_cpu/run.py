@@ -200,6 +200,10 @@ endpoint = "{endpoint}"
 size = "256MiB"
 [metrics]
 listen = "127.0.0.1:0"
+# a one-shot run that leaves nothing behind: no holder keeping the pool for a next daemon
+# (in production the pool outlives the daemon's restarts: docs/operating.md)
+[restart]
+adopt = false
 """)
     t0 = time.perf_counter()
     daemon = spawn("ecd", [sys.executable, "-m", "ecd", "serve", "--config", str(work / "node.toml")], logdir)
