@@ -312,7 +312,7 @@ def test_hostile_inputs_leave_the_holder_holding(node):
     refusals: list[str] = []
     waiting = list(crowd)
     deadline = time.monotonic() + 10.0  # a loaded machine: the holder accepts them in its own time
-    while len(refusals) < 8 and time.monotonic() < deadline:
+    while sum("connections open" in text for text in refusals) < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
         for c in list(waiting):
             try:
@@ -323,7 +323,10 @@ def test_hostile_inputs_leave_the_holder_holding(node):
     time.sleep(0.3)  # and no more than 8
     refusals += [msgspec.msgpack.decode(data)["error"] for c in waiting
                  if (data := _recv_now(c)) is not None]
-    assert len(refusals) == 8 and all("64 connections open" in text for text in refusals), refusals
+    # on a loaded machine the ones it took in may already have been dropped for their silence
+    crowded = [text for text in refusals if "64 connections open" in text]
+    assert len(crowded) == 8 and all("64 connections open" in text or "said nothing" in text
+                                     for text in refusals), refusals
     for c in crowd:
         c.close()
     for sock in (unfinished, silent):
