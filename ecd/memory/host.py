@@ -104,6 +104,10 @@ class ShmFile:
     def unlink(self) -> None:
         """The daemon's end of a file it created: the name goes, and its descriptor."""
         _unlink_quietly(shm_path(self.name))
+        self.close_fd()
+
+    def close_fd(self) -> None:
+        """Only the descriptor goes: the name stays (a keeper holds the file for the next daemon)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -274,9 +278,8 @@ class HostPool:
         """Unmap nothing (the mappings go with their last user); close the descriptors and remove
         the named files, or, with `keep_names`, leave the files for the next daemon to adopt."""
         for seg in self.segments:
-            if keep_names and seg.fd >= 0:
-                os.close(seg.fd)
-                seg.fd = -1
+            if keep_names:
+                seg.close_fd()
             else:
                 seg.unlink()
         self.segments.clear()

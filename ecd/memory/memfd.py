@@ -99,9 +99,7 @@ class MemfdFile(ShmFile):
 
     def unlink(self) -> None:
         """No name to remove: the pages go when the last descriptor and mapping do."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.close_fd()
 
     def current_size(self) -> int:
         return self.size  # sealed: no fstat needed, no one can change it

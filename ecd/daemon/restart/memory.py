@@ -83,7 +83,7 @@ class Memory:
         keeping = self.held  # a start that failed before the hand-over keeps nothing: named files go
         if self.journal_file is not None:
             if keeping:
-                _close_fd(self.journal_file)
+                self.journal_file.close_fd()
             else:
                 self.journal_file.unlink()
         self.pool.close(keep_names=keeping)
@@ -162,9 +162,3 @@ def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kep
         except Exception as drop_failed:
             log.warning("restart: the keeper still holds the refused pool (%s) until it lets go", drop_failed)
         return keeper, None
-
-
-def _close_fd(shm: ShmFile) -> None:
-    if shm.fd >= 0:
-        os.close(shm.fd)
-        shm.fd = -1
