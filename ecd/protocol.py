@@ -87,11 +87,41 @@ class Limits(Struct, array_like=True):
     write_ttl_s: float  # a reservation older than this may have been reclaimed: do not use it
 
 
+# vLLM's ExternalBlockHash: the u64 it publishes by default, or the hash's bytes (msgpack bounds the int).
+BlockHash = Union[int, Annotated[bytes, Meta(max_length=64)]]
+MAX_BLOCK_TOKENS = 1 << 16  # token ids one KV block's metadata may carry
+
+
+class KVBlockMeta(Struct, array_like=True, tag="kv"):
+    """What an entry holding one engine KV block is, for routers ([events]): published as vLLM's
+    BlockStored / BlockRemoved with these fields (kv_events.py). The daemon never interprets it."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None = None
+    token_ids: Annotated[list[int], Meta(max_length=MAX_BLOCK_TOKENS)] = []
+    block_size: Annotated[int, Meta(ge=0, le=MAX_BLOCK_TOKENS)] = 0
+    lora_name: Annotated[str, Meta(max_length=256)] | None = None
+    group_idx: Annotated[int, Meta(ge=0, le=1024)] | None = None  # the KV cache group (hybrid models)
+
+
+class EncoderMeta(Struct, array_like=True, tag="ec"):
+    """An entry holding an encoder's output for one multimodal input (the encoder cache): published
+    on [events] encoder_topic, and by default registered in the [cluster] directory."""
+
+    mm_hash: Annotated[str, Meta(max_length=1024)] = ""  # "": the entry's key
+    num_tokens: Annotated[int, Meta(ge=0)] = 0  # embeddings it holds (0: not said)
+
+
+# What a put may say about an entry besides its bytes (None: nothing).
+EntryMeta = Union[KVBlockMeta, EncoderMeta]
+
+
 class AllocItem(Struct, array_like=True):
     key: str
     dtype: str
     shape: list[U64]
     nbytes: U64
+    meta: EntryMeta | None = None
 
 
 class Extent(_Msg, tag="extent"):
@@ -283,6 +313,7 @@ class PutInline(_Msg, tag="put_inline"):
     data: bytes
     checksum: Checksum = 0  # of `data` (0: none); the daemon checks it before storing
     persist: bool = False  # as in Commit
+    meta: EntryMeta | None = None  # as AllocItem.meta
 
 
 class Acquire(_Msg, tag="acquire"):
