@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-adopt install uninstall venv clean promtool kubectl nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-adopt install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -32,7 +32,7 @@ venv: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/ecd serve --config $(CONFIG)
 
-test: $(VENV)/.installed promtool kubectl nixl-optional
+test: $(VENV)/.installed promtool kubectl redis-server nixl-optional
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # [cluster] transport = "nixl": NIXL's wheel (UCX inside; no GPU needed for host memory), with
@@ -73,6 +73,11 @@ promtool:
 # components: the peer-plane tests skip there (any kubectl >= 1.21 already on PATH is used as it is).
 kubectl:
 	@$(call apt_optional,kubectl,kubernetes-client,the deploy/k8s checks in tests/ops)
+
+# redis-server (Debian package redis-server) is the fleet directory the tests start ([cluster]
+# directory, tests/cluster/test_directory.py, benchmarks/bench_fleet.py): on loopback, a free port.
+redis-server:
+	@$(call apt_optional,redis-server,redis-server,the [cluster] directory tests)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
