@@ -12,6 +12,39 @@ INSECURE_CLUSTER_OPENS = ("any process that can reach the peer port (on loopback
                           "can look up and read every entry")
 
 
+DIRECTORY_KEYS = ("encoder", "all", "none")
+
+
+def check_directory(section: "ClusterSection") -> None:
+    """The directory's settings (ValueError naming the key)."""
+    if not section.directory:
+        return
+    check_field(bool(section.listen), "directory", "needs listen (the directory finds peers for the peer plane)")
+    url = section.directory
+    try:
+        from redis.connection import parse_url
+        parsed = parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"directory: {exc}, got {url!r}") from None
+    except Exception as exc:  # a malformed port and the like
+        raise ValueError(f"directory: not a redis URL ({exc}): {url!r}") from None
+    check_field("password" not in parsed and "username" not in parsed, "directory",
+                "must not hold credentials (put them in directory_password_file), got a URL with them")
+    check_field(bool(parsed.get("host") or parsed.get("path")), "directory", f"names no host or socket: {url!r}")
+    check_field(0 <= int(parsed.get("db", 0)) <= 1 << 16, "directory", f"bad database number in {url!r}")
+    prefix = section.directory_prefix
+    check_field(0 < len(prefix) <= 64 and prefix.isprintable() and " " not in prefix and "{" not in prefix,
+                "directory_prefix", f"must be 1-64 printable characters without spaces or braces, got {prefix!r}")
+    check_field(3.0 <= section.directory_ttl <= 3600, "directory_ttl",
+                f"must be between 3s and 1 hour, got {float(section.directory_ttl)}")
+    check_field(0.01 <= section.directory_timeout <= 60, "directory_timeout",
+                f"must be between 10ms and 60s, got {float(section.directory_timeout)}")
+    check_field(section.directory_timeout * 3 <= section.directory_ttl, "directory_timeout",
+                "must be at most a third of directory_ttl (a refresh must fit in its interval)")
+    check_field(section.directory_keys in DIRECTORY_KEYS, "directory_keys",
+                f"must be one of {', '.join(DIRECTORY_KEYS)}, got {section.directory_keys!r}")
+
+
 class ClusterSection(Section):
     """`[cluster]`: the peer plane, through which daemons fetch entries from each other.
 
@@ -64,8 +97,20 @@ class ClusterSection(Section):
     # leases: a lookup that could pass it is refused (Code.LIMIT); 4 lookups of limits.max_batch.
     peer_queue_bytes: ByteSize = ByteSize(64 << 20)
     max_leases_per_peer: int = 65536
+    # The fleet directory (ecd/daemon/peer/directory.py): a Redis or Valkey where daemons register
+    # (under a TTL they refresh), learn each other as peers beside `peers`, and map the keys worth
+    # finding fleet-wide to their holders. "": none. redis://HOST:PORT/DB, rediss://..., or
+    # unix:///PATH?db=N; never a password in it: directory_password_file holds it ("PASSWORD" or
+    # "USERNAME PASSWORD" for an ACL user).
+    directory: str = ""
+    directory_password_file: str = ""
+    directory_prefix: str = "ecd"  # every name this fleet uses starts PREFIX: (fleets share a store)
+    directory_ttl: Duration = Duration(15.0)  # a registration's life; refreshed every third of it
+    directory_keys: str = "encoder"  # "encoder" (entries put with EncoderMeta), "all", or "none"
+    directory_timeout: Duration = Duration(0.5)  # one command (a round trip) to the store
 
     def __post_init__(self) -> None:
+        check_directory(self)
         if self.listen:
             check_field(split_tcp_endpoint(self.listen) is not None, "listen",
                    f"must be tcp://HOST:PORT, got {self.listen!r}")

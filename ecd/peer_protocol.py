@@ -7,7 +7,7 @@ that admit a data connection to the owner's transport (ecd/transport/).
 
 Fields added later go at the end with a default: an array-like Struct decodes a shorter array
 (the default fills in) and ignores extra trailing elements, so daemons of either age still talk
-(the nixl fields: PeerWelcome.agent, Offer.addr; PeerDone is new, sent only over nixl).
+(the nixl fields: PeerWelcome.agent, Offer.addr; PeerDone is new, sent only over nixl; Offer.meta).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from .protocol import Checksum, Seconds
+from .protocol import Checksum, EntryMeta, Seconds
 
 PEER_PROTOCOL_VERSION = 1
 TOKEN_BYTES = 32  # secrets.token_bytes: a data connection must present one
@@ -73,6 +73,7 @@ class Offer(Struct, array_like=True):
     checksum: Checksum  # xxh3-64 the producer stored (0: none)
     token: bytes
     addr: int = 0  # transport "nixl": the entry's address in the owner's registered pool
+    meta: EntryMeta | None = None  # what the entry's put said of it: the puller's copy keeps it
 
 
 class PeerWelcome(_PeerMsg, tag="peer_welcome"):

@@ -16,15 +16,11 @@ import msgspec
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
-
-# Element sizes of the dtypes ecd stores, by torch's name. The daemon never imports torch: it
-# only checks that nbytes == prod(shape) * itemsize.
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
-    "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-}
+# Element sizes of the dtypes ecd stores, by torch's name (the daemon checks nbytes, never imports torch).
+DTYPE_ITEMSIZE: dict[str, int] = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
+                                  "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+                                  "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                                  "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
 
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 # An xxh3-64 digest of an entry's bytes (ecd.client.tensors.checksum); 0 means "none stored".
@@ -162,6 +158,15 @@ class PeerState(Struct):
     failures: int = 0  # fetches from it that failed
 
 
+class DirectoryStats(Struct):
+    """[cluster] directory in `ecd status`; counts: commands, errors, lookups, found / unknown (keys)."""
+    url: str
+    up: bool  # its last command answered
+    nodes: list[str] = []  # the live nodes it listed last (this one included)
+    counts: dict[str, int] = {}
+    routed: dict[str, int] = {}  # keys fetched from the holder a lookup named, by node
+
+
 class SessionInfo(Struct):
     """One client session, as `ecd status` shows it: who the kernel says connected and how the
     daemon learns that it is gone."""
@@ -192,7 +197,7 @@ class DiskStats(Struct):
     dropped: dict[str, int] = {}  # evicted entries not spilled, by reason
     loaded: int = 0  # records re-indexed at start
     load_s: float = 0.0  # how long that took
-    degraded: str = ""  # why the filesystem refuses writes (full, read-only: ecd/daemon/tiers/disk_health.py); "" while it takes them
+    degraded: str = ""  # why the filesystem refuses writes (full, read-only: tiers/disk_health.py); "": it takes them
     degraded_s: float = 0.0  # for how long
 
 
@@ -246,6 +251,7 @@ class DaemonStats(Struct):
     disk: "DiskStats | None" = None
     sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
     restart: RestartStats | None = None  # the start: adopted or cold ([restart])
+    directory: DirectoryStats | None = None  # [cluster] directory; None without it
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -255,9 +261,9 @@ class Hello(_Msg, tag="hello"):
     version: int
     pid: int
     name: str = ""
-    # `pid` and the inode of the client's /proc/self/ns/pid (0: unknown) are claims, only logged:
-    # the daemon takes a local client's pid from the kernel (SO_PEERCRED of the ipc connection)
-    # and watches that process; a session it cannot name must heartbeat (Welcome.heartbeat_s).
+    # `pid` and the inode of the client's /proc/self/ns/pid (0: unknown) are claims, only logged: the daemon
+    # takes a local client's pid from the kernel (SO_PEERCRED) and watches that process; a session it
+    # cannot name must heartbeat (Welcome.heartbeat_s).
     pid_ns: int = 0
 
 
@@ -276,14 +282,12 @@ class Alloc(_Msg, tag="alloc"):
 class Commit(_Msg, tag="commit"):
     id: int
     generations: list[int]
-    # Also reserve an anonymous extent of this many bytes for this client's next put, so that put
-    # can copy first and Publish after: one round trip instead of Alloc + Commit. It is placed in
-    # the tier of the first committed item: its CUDA arena, or the host pool.
+    # Also reserve an anonymous extent of this many bytes for this client's next put (copy first, Publish
+    # after: one round trip, not Alloc + Commit), in the tier of the first item: its CUDA arena or the host pool.
     reserve: U64 = 0
     # Per generation, the checksum of the bytes written (0: none). Empty: none for any of them.
     checksums: list[Checksum] = []
-    # Also write the entries through to the disk tier ([pool.disk]) and answer once they are
-    # durable there (a failure per item: NOT_DURABLE; the entry stays in memory regardless).
+    # Also write through to the disk tier ([pool.disk]), answering once durable (per item NOT_DURABLE if not).
     persist: bool = False
 
 
@@ -421,22 +425,20 @@ class Welcome(_Msg, tag="welcome"):
     pools: list[PoolInfo]
     ring: RingInfo
     limits: Limits
-    # > 0: the daemon cannot watch this client's process; send a request (a `ping` with id 0 will
-    # do) after this many idle seconds, or the session is reclaimed after leases.session_ttl.
+    # > 0: the daemon cannot watch this client's process: send a request (a `ping`, id 0) after this many
+    # idle seconds, or the session is reclaimed after leases.session_ttl.
     heartbeat_s: float = 0.0
     # Namespaces configured `verify = true`: producers must send checksums, consumers verify.
     verify_namespaces: list[str] = []
     # `[pool.cuda]`: one arena per configured device (empty without it).
     arenas: list[ArenaInfo] = []
-    # The peer plane ([cluster]): this node's peer endpoint as bound (tcp://HOST:PORT; "" without
-    # one), so an engine can tell another node where to fetch what it published.
+    # The peer plane ([cluster]): this node's peer endpoint as bound (tcp://HOST:PORT; "": none), for engines
     cluster_listen: str = ""
     # `[pool.disk]` is configured: puts may ask for persist (the daemon refuses them otherwise).
     disk: bool = False
-    # `[pool.host] backing = "memfd"`: the pools and the ring are not files in /dev/shm (their
-    # names above only label them) but descriptors the daemon hands out on its fd socket
-    # (ecd/fd_passing.py): this socket's basename, in the directory of the control socket's path
-    # as the client knows it; an absolute path for a tcp control endpoint. "": named files.
+    # `[pool.host] backing = "memfd"`: the pools and the ring are descriptors (names only label them) handed
+    # out on this fd socket (ecd/fd_passing.py): its basename, in the control socket's directory as the
+    # client knows it; an absolute path for a tcp control endpoint. "": named files in /dev/shm.
     fd_socket: str = ""
 
 
@@ -476,9 +478,8 @@ class Flags(_Msg, tag="flags"):
 
     id: int
     values: list[bool]
-    # Fetch only: per key "" where the value is true, else why not: "not_found" (no peer asked
-    # holds it), or the label ecd_transfer_failures_total counts it under ("timeout",
-    # "connection", "refused", "checksum", "pool_full", ...). Empty from a daemon older than it.
+    # Fetch only: per key "" where the value is true, else why not: "not_found" (no peer asked holds it), or
+    # the ecd_transfer_failures_total label ("timeout", "refused", "checksum", ...). Empty from older daemons.
     reasons: list[str] = []
 
 
@@ -498,8 +499,8 @@ class KeyInfo(Struct, array_like=True):
     idle_s: float  # since it was last read or looked up
     readers: int
     pins: int
-    # "memory": in a pool only; "disk": a disk-tier record only (a read brings it back; generation
-    # 0, readers and pins 0, ages since it was written); "memory+disk": both, the same bytes
+    # "memory": in a pool only; "disk": a disk-tier record only (a read brings it back; generation 0, readers
+    # and pins 0, ages since it was written); "memory+disk": both, the same bytes
     tier: str = "memory"
 
 

@@ -3,6 +3,8 @@ and counts what it does; the parts are siblings:
 
 - owner.py       the owner's side: the ROUTER on `cluster.listen`, peer sessions, transfer leases
 - links.py  the puller's side of control: one DEALER per peer, handshakes, pings, up/down
+- directory.py   the fleet directory (`directory = "redis://..."`): registration, the peers it
+                 learns, the key map, lookups (its layout in the store: directory_store.py)
 - fetch.py       the fetch flow: lookup, pull-once, local extents, verify, commit or abort
 - ../transport/  the bulk bytes, on their own threads or, for small pulls over a pooled tcp
                  connection, on the loop (one interface, transports registered by name)
@@ -28,7 +30,8 @@ from ...errors import ConfigError
 from ...protocol import PeerState
 from ...transport import Transport, TransportUnavailable
 from ...transport.registry import make_transport
-from .fetch import Fetcher, check_fetch
+from .directory import Directory, DirectoryPeer
+from .fetch import LOCAL, Fetcher, check_fetch
 from .links import PeerLink, PeerLinks
 from .owner import PEER_SNDHWM, REAP_INTERVAL_S, PeerServer
 from ..ops.histogram import Histogram
@@ -108,6 +111,8 @@ class Cluster:
         self.server: PeerServer | None = None
         self.links = PeerLinks(self, peer_keys)
         self.fetcher: Fetcher | None = None
+        self.directory: Directory | None = None
+        self.directory_nodes: dict[str, str] = {}  # the directory's live nodes: name -> endpoint
         self._tasks: list[asyncio.Task] = []
 
     def _make_transport(self) -> Transport:
@@ -131,6 +136,8 @@ class Cluster:
 
     def prepare(self) -> None:
         """Bind the peer ROUTER and the data listener (ConfigError naming the key on failure)."""
+        if self.config.directory:
+            self._make_directory()
         if self.curve is not None:
             self.curve.start(zmq.Context.shadow(self.zmq_context.underlying))  # ZAP for this context
         sock = self.zmq_context.socket(zmq.ROUTER)
@@ -177,11 +184,61 @@ class Cluster:
         self.transport.serve(lambda pool: context.segments[pool].buf, self.server.on_sent)
         self.links.configure(list(self.config.peers), self.links.peer_keys)
         self._tasks = [loop.create_task(self.server.run()), loop.create_task(self._reap())]
+        if self.directory is not None:
+            self._start_directory(self.directory)
         log.info("peer plane on %s (data: %s:%d, transport %s), %d configured peer(s)", self.listen,
                  self.data_bound[0] or "*", self.data_bound[1], self.transport.name, len(self.config.peers))
         if self.curve is None:  # check_cluster_policy admitted it only with insecure = true
             log.warning("cluster.insecure = true: the peer plane on %s has no authentication: %s",
                         self.listen, INSECURE_CLUSTER_OPENS)
+
+    def _make_directory(self) -> None:
+        """At prepare(): the directory's credentials read (ConfigError before READY)."""
+        try:
+            self.directory = Directory(self.config, self.node, self.epoch, self._directory_record,
+                                       self.directory_peers)
+        except ValueError as exc:
+            raise ConfigError(f"cluster.directory_password_file: {exc}") from None
+
+    def _start_directory(self, directory: Directory) -> None:
+        if self.context.holdings is not None and self.config.directory_keys != "none":
+            self.context.holdings.listen(directory)
+        directory.start(self.context.loop)
+        log.info("fleet directory %s (prefix %r, ttl %.0fs, keys: %s)", self.config.directory,
+                 self.config.directory_prefix, float(self.config.directory_ttl), self.config.directory_keys)
+
+    def _directory_record(self) -> dict[str, str]:
+        """This node's record in the directory (called on its thread: plain reads)."""
+        pools = [(a.capacity, a.used) for a in self.context.store.host.allocators]
+        host = split_tcp_endpoint(self.advertised)[0]  # type: ignore[index]
+        host = f"[{host}]" if ":" in host else host
+        return {"endpoint": self.advertised, "data": f"tcp://{host}:{self.data_address[1]}",
+                "transport": self.transport.name, "curve": self.curve.public.decode() if self.curve else "",
+                "capacity": str(sum(p[0] for p in pools)), "used": str(sum(p[1] for p in pools)), "health": "ok"}
+
+    def directory_peers(self, peers: list[DirectoryPeer]) -> None:
+        """On the loop, after each renewal: the directory's live nodes become (or stop being) peers.
+        With CURVE a node's key must be in curve_allowed_keys too (or cluster.peer_keys name it)."""
+        admitted: dict[str, bytes | None] = {}
+        nodes = {}
+        for peer in peers:
+            if peer.endpoint in (self.listen, self.advertised) or split_tcp_endpoint(peer.endpoint) is None:
+                continue
+            key: bytes | None = None
+            if self.curve is not None:
+                key = self.links.peer_keys.get(peer.endpoint)
+                if key is None:
+                    if peer.curve.encode() not in self.curve.allowed:
+                        if self.directory_nodes.get(peer.node) != peer.endpoint:  # log once
+                            log.warning("directory: node %r (%s) has a CURVE key not in cluster.curve_allowed_keys: "
+                                        "not a peer", peer.node, peer.endpoint)
+                        nodes[peer.node] = peer.endpoint
+                        continue
+                    key = peer.curve.encode()
+            admitted[peer.endpoint] = key
+            nodes[peer.node] = peer.endpoint
+        self.directory_nodes = nodes
+        self.links.discovered(admitted)
 
     async def _reap(self) -> None:
         while True:
@@ -194,9 +251,49 @@ class Cluster:
         FAILURE_REASONS label or "not_found"). RequestError now for a bad request or an unknown peer."""
         assert self.fetcher is not None
         check_fetch(self.context.store, ns, keys)
+        if not peer and self.directory is not None and self.directory.up:
+            deadline = self.fetcher.deadline_for(timeout_s)
+            return self.context.loop.create_task(self._fetch_by_directory(ns, keys, deadline))
         links = self.links.resolve(peer)
         deadline = self.fetcher.deadline_for(timeout_s)
         return self.context.loop.create_task(self.fetcher.fetch(ns, keys, links, deadline))
+
+    async def _fetch_by_directory(self, ns: str, keys: list[str], deadline: float) -> list[str]:
+        """One directory lookup, then each key from a live holder (the keys grouped by holder);
+        keys it does not know, or that their holder no longer had, the old way: every peer asked.
+        The directory down or failing: the old way for all."""
+        assert self.directory is not None and self.fetcher is not None
+        fetcher = self.fetcher
+        found = await self.directory.lookup(ns, keys)
+        groups: dict[PeerLink, list[int]] = {}
+        rest: list[int] = []
+        by_endpoint = self.links.links
+        for i, holders in enumerate(found or [[] for _ in keys]):
+            link = next((by_endpoint[e] for e in (self.directory_nodes.get(n, "") for n in holders if n != self.node)
+                         if e in by_endpoint), None)
+            if link is None:
+                rest.append(i)
+            else:
+                groups.setdefault(link, []).append(i)
+        result = ["not_found"] * len(keys)
+
+        async def one(link: PeerLink, index: list[int]) -> None:
+            got = await fetcher.fetch(ns, [keys[i] for i in index], [link], deadline)
+            for i, answer in zip(index, got):
+                result[i] = answer
+                if answer == "not_found":
+                    rest.append(i)  # the directory was behind: ask everyone below
+            self.directory.routed(link.label, sum(1 for x in got if x == LOCAL))  # type: ignore[union-attr]
+
+        if groups:
+            await asyncio.gather(*(one(link, index) for link, index in groups.items()))
+        links = self.links.configured()
+        if rest and links:
+            rest.sort()
+            got = await fetcher.fetch(ns, [keys[i] for i in rest], links, deadline)
+            for i, answer in zip(rest, got):
+                result[i] = answer
+        return result
 
     def reload(self, new: ClusterSection) -> None:
         """SIGHUP: cluster.peers and cluster.peer_keys; the allowed peer keys are re-read."""
@@ -210,6 +307,8 @@ class Cluster:
             return
         self.config.peers, self.config.peer_keys = list(new.peers), dict(new.peer_keys)
         self.links.configure(list(new.peers), keys)
+        if self.directory is not None:
+            self.directory.reload()
 
     def peer_states(self) -> list[PeerState]:
         out = []
@@ -231,6 +330,8 @@ class Cluster:
         """At shutdown: after this no thread touches a pool mapping."""
         for task in self._tasks:
             task.cancel()
+        if self.directory is not None:
+            self.directory.close()
         self.links.close()
         self.transport.close()  # joins the data threads
         if self.server is not None:

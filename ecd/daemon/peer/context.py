@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     from ...config import Config
     from ...memory.host import ShmFile
+    from ..holdings import Holdings
     from ..registry.store import Store
 
 
@@ -23,3 +24,4 @@ class PeerContext:
     store: "Store"  # fetched entries are committed into it; served entries are leased from it
     segments: Sequence["ShmFile"]  # the host pool's segments: fetched bytes land in them, served bytes leave them
     config: Callable[[], "Config"]  # the config in force (leases.write_ttl bounds a fetch)
+    holdings: "Holdings | None" = None  # what this node holds, as it changes: the directory's key map follows it

@@ -204,7 +204,8 @@ class Fetcher:
                 got[offer.key] = LOCAL
                 unused.append(offer.token)
                 continue
-            extent = self.store.alloc(self.session, ns, AllocItem(offer.key, offer.dtype, offer.shape, offer.nbytes))
+            extent = self.store.alloc(self.session, ns, AllocItem(offer.key, offer.dtype, offer.shape, offer.nbytes,
+                                                                          offer.meta))
             if isinstance(extent, Extent):
                 placed.append((offer, extent))
             else:

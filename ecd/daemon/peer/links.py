@@ -56,6 +56,7 @@ class PeerLink:
         self.endpoint = endpoint
         self.host = split_tcp_endpoint(endpoint)[0]  # type: ignore[index]
         self.configured = configured
+        self.discovered = False  # a live node of the fleet directory (directory.py)
         self.node = ""
         self.state = "connecting"
         self.refused: str | None = None  # why the security handshake failed, if it did
@@ -250,8 +251,11 @@ class PeerLinks:
         (a fetch may still name them, as any endpoint)."""
         self.peer_keys = peer_keys
         for endpoint, link in list(self.links.items()):
-            if endpoint not in peers or peer_keys.get(endpoint) != (link.sock.curve_serverkey
-                                                                    if self.cluster.curve else None):
+            if endpoint not in peers:
+                if not link.discovered:  # the directory's stay while it lists them
+                    link.close()
+                    del self.links[endpoint]
+            elif peer_keys.get(endpoint) != (link.sock.curve_serverkey if self.cluster.curve else None):
                 link.close()
                 del self.links[endpoint]
         for endpoint in peers:
@@ -261,7 +265,33 @@ class PeerLinks:
             link.configured = link.endpoint in peers
 
     def configured(self) -> list[PeerLink]:
-        return [link for link in self.links.values() if link.configured]
+        """The links a fetch with no peer asks: the configured peers and the directory's."""
+        return [link for link in self.links.values() if link.configured or link.discovered]
+
+    def discovered(self, peers: dict[str, bytes | None]) -> None:
+        """The directory's live nodes (endpoint -> public key, None without CURVE): links to the
+        new ones, and those that left dropped (a configured peer stays)."""
+        for endpoint, old in list(self.links.items()):
+            if old.discovered and endpoint not in peers:
+                old.discovered = False
+                if not old.configured:
+                    old.close()
+                    del self.links[endpoint]
+        for endpoint, key in peers.items():
+            link: PeerLink | None = self.links.get(endpoint)
+            if link is not None and not link.configured and self.cluster.curve is not None \
+                    and link.sock.curve_serverkey != key:
+                link.close()  # another key now (a new node at the endpoint): a fresh link
+                del self.links[endpoint]
+                link = None
+            if link is None:
+                if len(self.links) >= self.cluster.config.max_peers:
+                    log.warning("directory: not adding peer %s: cluster.max_peers=%d peers known", endpoint,
+                                self.cluster.config.max_peers)
+                    continue
+                link = PeerLink(self.cluster, endpoint, False, self.peer_keys.get(endpoint, key))
+                self.links[endpoint] = link
+            link.discovered = True
 
     def resolve(self, peer: str) -> list[PeerLink]:
         """The links a fetch asks: its named peer (endpoint or node name), else every configured
@@ -288,7 +318,7 @@ class PeerLinks:
     def _add(self, endpoint: str) -> PeerLink:
         if len(self.links) >= self.cluster.config.max_peers:
             # drop the least recently used link a fetch named (configured ones stay)
-            adhoc = sorted((x for x in self.links.values() if not x.configured), key=lambda x: x.last_used)
+            adhoc = sorted((x for x in self.links.values() if not x.configured and not x.discovered), key=lambda x: x.last_used)
             if not adhoc:
                 raise RequestError(Code.LIMIT, f"cluster.max_peers={self.cluster.config.max_peers} peers known")
             adhoc[0].close()

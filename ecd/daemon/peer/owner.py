@@ -361,7 +361,9 @@ class PeerServer:
             batch.tokens.append(token)
             addr = (self.transport.address_of(segments[result.pool].buf, result.offset)
                     if result.pool < len(segments) else 0)  # host pool entries only (nixl reads DRAM)
-            offers.append(Offer(key, result.nbytes, result.dtype, list(result.shape), result.checksum, token, addr))
+            entry = self.store.index.get((ns, key))
+            offers.append(Offer(key, result.nbytes, result.dtype, list(result.shape), result.checksum, token, addr,
+                                entry.meta if entry is not None else None))
         return offers
 
     def _expire(self, session: PeerSession, batch: LeaseBatch) -> None:

@@ -114,6 +114,7 @@ class Store:
         self.operator = OperatorRequests(self)
         # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
         self.journal: "Journal | NullJournal" = NullJournal()
+        self.holdings: Any = None  # daemon/holdings.Holdings, set by the assembly: what this node holds, as it changes
         host.attach(self)
         self.set_namespaces(namespaces or {})
 
@@ -211,7 +212,7 @@ class Store:
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype), self.shared_shape(item.shape),
                       item.nbytes, placed[0], placed[1], owner=session, last_access=now,
-                      when=now + self.leases.write_ttl)
+                      when=now + self.leases.write_ttl, meta=item.meta)
         entry.journal = self.journal.entry(generation, placed[0], placed[1], item.nbytes, entry.dtype, entry.shape,
                                            ns, entry.key)
         self.by_generation[generation] = entry
@@ -490,6 +491,9 @@ class Store:
         known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
         the key present: only the event is written, the presence table stays as it is."""
         keyhash = entry.keyhash if keyhash is None else keyhash
+        if self.holdings is not None and self.holdings.listeners:  # "CPU": Medium.HOST, the host pool
+            (self.holdings.stored if kind is EventKind.PUBLISHED else self.holdings.removed)(
+                entry.ns, entry.key, "CPU", entry.meta)
         if self.lower_tier.holds(entry.ns, entry.key):
             self.ring.append(kind, keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
