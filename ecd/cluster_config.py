@@ -18,8 +18,12 @@ DIRECTORY_KEYS = ("encoder", "all", "none")
 def check_directory(section: "ClusterSection") -> None:
     """The directory's settings (ValueError naming the key)."""
     if not section.directory:
+        check_field(not section.directory_password_file, "directory_password_file", "is set but directory is not")
         return
     check_field(bool(section.listen), "directory", "needs listen (the directory finds peers for the peer plane)")
+    where = split_tcp_endpoint(section.listen)
+    check_field(bool(section.advertise) or (where is not None and where[0] not in WILDCARD_HOSTS), "advertise",
+                "the directory tells other nodes where to dial: with listen on a wildcard, set advertise")
     url = section.directory
     try:
         from redis.connection import parse_url

@@ -300,7 +300,8 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float, own_
         "cluster": {"listen": last.get("cluster_listen", ""), "peers": last.get("peers", []),
                     "transfer_leases": last.get("transfer_leases", 0),
                     "fetches_in_flight": last.get("fetches_in_flight", 0),
-                    "fetch_failures": last.get("fetch_failures", {})},
+                    "fetch_failures": last.get("fetch_failures", {}),
+                    "directory": last.get("directory")},  # [cluster] directory: None without it
         "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
         "restart": last.get("restart"),  # [restart]: what this start adopted (None: a daemon before it)
         # each client session: its pid, pid namespace, uid and how it is watched (not this command's own)

@@ -200,6 +200,11 @@ def render_peers(cluster: dict, console: Console) -> None:
                       f"{p['fetched_entries']} ({human_size(p['fetched_bytes'])})",
                       f"{p['served_entries']} ({human_size(p['served_bytes'])})", str(p["failures"]))
     console.print(peers)
+    d = cluster.get("directory")
+    if d:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(d["counts"].items()))
+        console.print(f"directory {d['url']}: {'up' if d['up'] else 'DOWN'}, {len(d['nodes'])} live node(s) "
+                      f"({', '.join(d['nodes'])}); {counts}")
 
 
 # ---- keys --------------------------------------------------------------------------------

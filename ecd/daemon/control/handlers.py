@@ -259,7 +259,7 @@ class Handlers:
                 self.counters.integrity_failures["inline_put"] += 1
                 return Failure(Code.CORRUPT, f"inline put of {request.key!r}: data checksum {describe(actual)} "
                                              f"does not match the {describe(request.checksum)} sent with it")
-        item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
+        item = AllocItem(request.key, request.dtype, request.shape, len(request.data), request.meta)
         placed = self.context.store.alloc(session, request.ns, item)
         if isinstance(placed, Failure):
             return placed
@@ -337,7 +337,8 @@ def cluster_stats(context: "HandlerContext") -> dict[str, Any]:
         return {"clients": clients}
     return {"clients": clients, "cluster_listen": peers.listen,
             "peers": peers.peer_states(), "transfer_leases": peers.transfer_leases(),
-            "fetches_in_flight": peers.fetches_in_flight(), "fetch_failures": dict(peers.stats.failures)}
+            "fetches_in_flight": peers.fetches_in_flight(), "fetch_failures": dict(peers.stats.failures),
+            "directory": peers.directory_stats()}
 
 
 def error_counts(context: "HandlerContext", counters: "ServeCounters") -> dict[str, int]:

@@ -301,6 +301,27 @@ def peer_metrics(cluster) -> Iterator:
                      "and serve_lookup_invalid: lookups refused)", "reason",
                      ((reason, stats.failures.get(reason, 0))
                       for reason in sorted(set(FAILURE_REASONS) | set(stats.failures))))
+    directory = cluster.directory_stats()
+    if directory is not None:
+        yield from directory_metrics(directory)
+
+
+def directory_metrics(d) -> Iterator:
+    """The fleet directory ([cluster] directory)."""
+    c = d.counts
+    yield GaugeMetricFamily("ecd_directory_up", "1 when the directory's last command answered", value=int(d.up))
+    yield CounterMetricFamily("ecd_directory_commands", "Commands sent to the directory", value=c.get("commands", 0))
+    yield CounterMetricFamily("ecd_directory_errors", "Directory commands that failed or timed out",
+                              value=c.get("errors", 0))
+    yield GaugeMetricFamily("ecd_directory_peers", "Live nodes the directory listed last, this one included",
+                            value=len(d.nodes))
+    yield CounterMetricFamily("ecd_directory_lookups", "Directory lookups (fetches with no peer)",
+                              value=c.get("lookups", 0))
+    lookups = CounterMetricFamily("ecd_directory_lookup_keys", "Keys looked up in the directory, by whether it "
+                                  "named a live holder", labels=["found"])
+    lookups.add_metric(["yes"], c.get("found", 0))
+    lookups.add_metric(["no"], c.get("unknown", 0))
+    yield lookups
 
 
 def make_registry(source: "MetricsSource") -> CollectorRegistry:

@@ -27,7 +27,7 @@ import zmq.asyncio
 from ...cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
 from ...config_types import split_tcp_endpoint
 from ...errors import ConfigError
-from ...protocol import PeerState
+from ...protocol import DirectoryStats, PeerState
 from ...transport import Transport, TransportUnavailable
 from ...transport.registry import make_transport
 from .directory import Directory, DirectoryPeer
@@ -319,6 +319,16 @@ class Cluster:
             out.append(PeerState(link.endpoint, link.node, link.state, link.configured, fetched[0], fetched[1],
                                  serve[0], serve[1], self.stats.failures_by.get(link.label, 0)))
         return out
+
+    def directory_stats(self) -> "DirectoryStats | None":
+        d = self.directory
+        if d is None:
+            return None
+        c = d.counters
+        return DirectoryStats(self.config.directory, c.up, list(c.nodes),
+                              {"commands": c.commands, "errors": c.errors, "lookups": c.lookups,
+                               "found": c.lookup_keys_found, "unknown": c.lookup_keys_unknown,
+                               "resyncs": c.resyncs, "overflows": c.overflows}, dict(c.routed))
 
     def transfer_leases(self) -> int:
         return self.server.transfer_leases() if self.server is not None else 0
