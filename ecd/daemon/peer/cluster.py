@@ -251,7 +251,7 @@ class Cluster:
         FAILURE_REASONS label or "not_found"). RequestError now for a bad request or an unknown peer."""
         assert self.fetcher is not None
         check_fetch(self.context.store, ns, keys)
-        if not peer and self.directory is not None and self.directory.up:
+        if not peer and self.directory is not None:  # down: every peer known asked (none: not_found)
             deadline = self.fetcher.deadline_for(timeout_s)
             return self.context.loop.create_task(self._fetch_by_directory(ns, keys, deadline))
         links = self.links.resolve(peer)
