@@ -42,6 +42,11 @@ def peers_up(d) -> set[str]:
         return {p["node"] for p in c.stats()["peers"] if p["state"] == "up"}
 
 
+def peer_nodes(d) -> set[str]:
+    with d.client() as c:
+        return {p["node"] for p in c.stats()["peers"]}
+
+
 def put_encoder(d, key: str, value: float, ns: str = "default") -> torch.Tensor:
     """A put that says EncoderMeta (an encoder-cache entry: the directory's default key map)."""
     t = torch.full((64,), value, dtype=torch.float32)
@@ -110,8 +115,8 @@ def test_a_killed_daemon_drops_out_after_the_ttl(daemon_factory, redis_server):
     gone = time.monotonic() - killed
     assert gone <= TTL + 1.0, gone
     assert holders(client, "default", ["img-c"]) == [[]]  # its keys are not offered any more
-    wait_for(lambda: c.node not in {p["node"] for p in a.client().stats()["peers"]}, timeout=TTL + 5)
-    wait_for(lambda: client.scard(f"ecd:k:7:default:img-c") == 0, timeout=TTL + 5)  # pruned: forgotten
+    wait_for(lambda: c.node not in peer_nodes(a), timeout=TTL + 5)
+    wait_for(lambda: client.scard("ecd:k:7:default:img-c") == 0, timeout=TTL + 5)  # pruned: forgotten
 
 
 @pytest.mark.parametrize("keys", ["encoder"])
@@ -151,7 +156,7 @@ def test_wrong_password_then_fixed_on_sighup(daemon_factory, redis_with_password
         assert torch.equal(c.get("k"), torch.ones(4))
     wait_for(lambda: "unreachable" in d.log(), timeout=10)
     assert not directory_stats(d)["up"]
-    assert "password" in directory_stats(d) or "invalid" in d.log().lower() or "auth" in d.log().lower()
+    assert "AuthenticationError" in d.log()  # why, in the log
     server.write_password_file("wrong", server.password)  # the operator fixes the file: SIGHUP
     os.chmod(wrong, 0o600)
     d.proc.send_signal(signal.SIGHUP)

@@ -202,6 +202,7 @@ class Cluster:
 
     def _start_directory(self, directory: Directory) -> None:
         if self.context.holdings is not None and self.config.directory_keys != "none":
+            directory.seed((e.ns, e.key, e.meta) for e in self.context.store.index.values())  # adopted ones
             self.context.holdings.listen(directory)
         directory.start(self.context.loop)
         log.info("fleet directory %s (prefix %r, ttl %.0fs, keys: %s)", self.config.directory,

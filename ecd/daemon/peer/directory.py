@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import redis
 
@@ -136,6 +136,14 @@ class Directory:
     def wanted(self, meta: EntryMeta | None) -> bool:
         return self.keys == "all" or (self.keys == "encoder" and isinstance(meta, EncoderMeta))
 
+    def seed(self, entries: Iterable[tuple[str, str, EntryMeta | None]]) -> None:
+        """At start, before listening: what the store holds already (adopted from the last run).
+        The first registration resyncs against it."""
+        with self._lock:
+            for ns, key, meta in entries:
+                if self.wanted(meta):
+                    self.held[(ns, key)] = 1
+
     def stored(self, ns: str, key: str, medium: "Medium", meta: EntryMeta | None) -> None:
         k = (ns, key)
         bit = _MEDIUM_BITS.get(medium, 1)
@@ -209,14 +217,15 @@ class Directory:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                if self._store is None:
+                store = self._store  # reload() may drop it meanwhile: this round uses the one it took
+                if store is None:
                     user, password = self.credentials
-                    self._store = DirectoryStore(connect(self.config.directory, self.timeout, user, password),
-                                                 self.config.directory_prefix)
+                    store = self._store = DirectoryStore(connect(self.config.directory, self.timeout, user, password),
+                                                         self.config.directory_prefix)
                 if not self._registered or time.monotonic() >= next_refresh:
-                    self._refresh()
+                    self._refresh(store)
                     next_refresh = time.monotonic() + self.ttl / 3
-                self._flush()
+                self._flush(store)
             except (redis.RedisError, OSError) as exc:
                 self._failed(exc)
                 self._stop.wait(backoff)
@@ -242,11 +251,10 @@ class Directory:
                         len(self._known) - 1 if self.node in self._known else len(self._known))
         self.counters.up = False
 
-    def _refresh(self) -> None:
-        assert self._store is not None
+    def _refresh(self, store: DirectoryStore) -> None:
         record = dict(self._record())
         record.update(node=self.node, epoch=str(self.epoch), version=__version__)
-        fresh, dead, live = self._store.register(self.node, self.ttl, {k: record.get(k, "") for k in RECORD_FIELDS})
+        fresh, dead, live = store.register(self.node, self.ttl, {k: record.get(k, "") for k in RECORD_FIELDS})
         self.counters.commands += 1
         if not self.counters.up:
             log.info("directory %s: registered node %r (%d live node(s))", self.config.directory, self.node, len(live))
@@ -257,11 +265,11 @@ class Directory:
                 self._resync = True
         self._registered = True
         for name in dead:  # this call pruned it: its entries leave the key sets
-            self.counters.commands += self._store.forget_node(name)
+            self.counters.commands += store.forget_node(name)
             log.info("directory: node %r expired", name)
         changed = [name for name, epoch in live.items() if name != self.node
                    and (name not in self._known or self._known[name][0] != epoch)]
-        records = self._store.records(changed) if changed else {}
+        records = store.records(changed) if changed else {}
         self.counters.commands += len(changed)
         known: dict[str, tuple[str, DirectoryPeer | None]] = {}
         for name, epoch in live.items():
@@ -279,9 +287,8 @@ class Directory:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._on_peers, peers)
 
-    def _flush(self) -> None:
+    def _flush(self, store: DirectoryStore) -> None:
         """The queued key changes to the store; a resync first when one is due."""
-        assert self._store is not None
         with self._lock:
             resync, self._resync = self._resync, False
             snapshot = {member(ns, key) for ns, key in self.held} if resync else None
@@ -290,16 +297,16 @@ class Directory:
         try:
             if snapshot is not None:
                 self.counters.resyncs += 1
-                there = self._store.held(self.node)
+                there = store.held(self.node)
                 self.counters.commands += 1 + len(there) // 1000
                 changes = [(True, t) for t in snapshot - there] + [(False, t) for t in there - snapshot]
-                self.counters.commands += self._store.apply(self.node, changes)
+                self.counters.commands += store.apply(self.node, changes)
                 if changes:
                     log.info("directory: resynced node %r's keys (%d held, %d added, %d withdrawn)", self.node,
                              len(snapshot), len(snapshot - there), len(there - snapshot))
             if queued:
                 last = dict((text, add) for add, text in queued)  # a key's last change wins
-                self.counters.commands += self._store.apply(self.node, ((add, t) for t, add in last.items()))
+                self.counters.commands += store.apply(self.node, ((add, t) for t, add in last.items()))
         except BaseException:
             with self._lock:
                 self._resync = True  # what was queued may be half written: the next round resyncs
