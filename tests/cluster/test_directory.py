@@ -63,7 +63,7 @@ def directory_stats(d) -> dict:
 def test_three_daemons_find_each_other_with_no_static_peers(daemon_factory, redis_server):
     a, b, c = start_fleet(daemon_factory, redis_server.url, 3)
     names = {a.node, b.node, c.node}
-    wait_for(lambda: all(peers_up(d) == names - {d.node} for d in (a, b, c)), timeout=20)
+    assert wait_for(lambda: all(peers_up(d) == names - {d.node} for d in (a, b, c)), timeout=20)
     assert set(live_nodes(redis_server.client())) == names
     stats = directory_stats(a)
     assert stats["up"] and set(stats["nodes"]) == names and stats["counts"]["errors"] == 0
@@ -77,12 +77,12 @@ def test_three_daemons_find_each_other_with_no_static_peers(daemon_factory, redi
 
 def test_fetch_by_directory_lookup_asks_only_the_holder(daemon_factory, redis_server):
     a, b, c = start_fleet(daemon_factory, redis_server.url, 3)
-    wait_for(lambda: len(peers_up(a)) == 2, timeout=20)
+    assert wait_for(lambda: len(peers_up(a)) == 2, timeout=20)
     t = put_encoder(b, "img-1", 7.0)
     with b.client() as cb:
         cb.put("plain", torch.ones(8))  # no EncoderMeta: not in the directory by default
     client = redis_server.client()
-    wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=10)
+    assert wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=10)
     assert holders(client, "default", ["plain"]) == [[]]
     with a.client() as ca:
         assert ca.fetch("img-1") is True
@@ -96,7 +96,7 @@ def test_fetch_by_directory_lookup_asks_only_the_holder(daemon_factory, redis_se
     with c.client() as cc:  # C was not asked: no lease, no send
         assert {p["node"]: p["served_entries"] for p in cc.stats()["peers"]}.get(a.node, 0) == 0
     # The metadata came with the bytes: A's copy is an encoder-cache entry too, now in the directory.
-    wait_for(lambda: sorted(holders(client, "default", ["img-1"])[0]) == sorted([a.node, b.node]), timeout=10)
+    assert wait_for(lambda: sorted(holders(client, "default", ["img-1"])[0]) == sorted([a.node, b.node]), timeout=10)
     # A key the directory does not know: the old way (every peer asked), a second lookup.
     with a.client() as ca:
         assert ca.fetch("plain") is True
@@ -107,27 +107,27 @@ def test_a_killed_daemon_drops_out_after_the_ttl(daemon_factory, redis_server):
     a, b, c = start_fleet(daemon_factory, redis_server.url, 3)
     put_encoder(c, "img-c", 1.0)
     client = redis_server.client()
-    wait_for(lambda: len(live_nodes(client)) == 3 and holders(client, "default", ["img-c"]) == [[c.node]],
+    assert wait_for(lambda: len(live_nodes(client)) == 3 and holders(client, "default", ["img-c"]) == [[c.node]],
              timeout=20)
     c.stop(signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: c.node not in live_nodes(client), timeout=TTL + 5)
+    assert wait_for(lambda: c.node not in live_nodes(client), timeout=TTL + 5)
     gone = time.monotonic() - killed
     assert gone <= TTL + 1.0, gone
     assert holders(client, "default", ["img-c"]) == [[]]  # its keys are not offered any more
-    wait_for(lambda: c.node not in peer_nodes(a), timeout=TTL + 5)
-    wait_for(lambda: client.scard("ecd:k:7:default:img-c") == 0, timeout=TTL + 5)  # pruned: forgotten
+    assert wait_for(lambda: c.node not in peer_nodes(a), timeout=TTL + 5)
+    assert wait_for(lambda: client.scard("ecd:k:7:default:img-c") == 0, timeout=TTL + 5)  # pruned: forgotten
 
 
 @pytest.mark.parametrize("keys", ["encoder"])
 def test_store_killed_and_restarted_empty(daemon_factory, redis_server, keys):
     a, b = start_fleet(daemon_factory, redis_server.url, 2)
-    wait_for(lambda: peers_up(a) == {b.node}, timeout=20)
+    assert wait_for(lambda: peers_up(a) == {b.node}, timeout=20)
     put_encoder(b, "img-1", 1.0)
     client = redis_server.client()
-    wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=10)
+    assert wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=10)
     redis_server.kill()
-    wait_for(lambda: not directory_stats(a)["up"] and not directory_stats(b)["up"], timeout=10)
+    assert wait_for(lambda: not directory_stats(a)["up"] and not directory_stats(b)["up"], timeout=10)
     # Both keep serving: puts, gets, and fetches from the peers they knew (the old way).
     t2 = put_encoder(b, "img-2", 2.0)
     with a.client() as ca:
@@ -138,9 +138,9 @@ def test_store_killed_and_restarted_empty(daemon_factory, redis_server, keys):
     assert "unreachable" in a.log()
     redis_server.start()  # empty: nothing was saved
     client = redis_server.client()
-    wait_for(lambda: set(live_nodes(client)) == {a.node, b.node}, timeout=15)
+    assert wait_for(lambda: set(live_nodes(client)) == {a.node, b.node}, timeout=15)
     # registered again and resynced: every encoder entry each holds is findable again
-    wait_for(lambda: [sorted(x) for x in holders(client, "default", ["img-1", "img-2"])]
+    assert wait_for(lambda: [sorted(x) for x in holders(client, "default", ["img-1", "img-2"])]
              == [sorted([a.node, b.node])] * 2, timeout=15)
     assert directory_stats(a)["up"] and directory_stats(a)["counts"]["errors"] >= 1
 
@@ -154,13 +154,13 @@ def test_wrong_password_then_fixed_on_sighup(daemon_factory, redis_with_password
     with d.client() as c:  # it serves, without the directory
         c.put("k", torch.ones(4))
         assert torch.equal(c.get("k"), torch.ones(4))
-    wait_for(lambda: "unreachable" in d.log(), timeout=10)
+    assert wait_for(lambda: "unreachable" in d.log(), timeout=10)
     assert not directory_stats(d)["up"]
     assert "AuthenticationError" in d.log()  # why, in the log
     server.write_password_file("wrong", server.password)  # the operator fixes the file: SIGHUP
     os.chmod(wrong, 0o600)
     d.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: directory_stats(d)["up"], timeout=15)
+    assert wait_for(lambda: directory_stats(d)["up"], timeout=15)
     assert live_nodes(server.client()) == [d.node]
 
 
@@ -172,9 +172,9 @@ def test_unreachable_store_at_start_then_up(daemon_factory):
         with d.client() as c:
             c.put("k", torch.ones(4))
             assert c.fetch("absent") is False  # the directory down: the old way, no peer holds it
-        wait_for(lambda: "unreachable" in d.log(), timeout=10)
+        assert wait_for(lambda: "unreachable" in d.log(), timeout=10)
         server.start()
-        wait_for(lambda: directory_stats(d)["up"], timeout=15)  # it retried, with backoff
+        assert wait_for(lambda: directory_stats(d)["up"], timeout=15)  # it retried, with backoff
         assert live_nodes(server.client()) == [d.node]
     finally:
         server.stop()
@@ -186,7 +186,7 @@ def test_a_password_file_readable_by_others_is_warned_about(daemon_factory, redi
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     extra = directory_toml(server.url, f'directory_password_file = "{server.password_file}"')
     d = daemon_factory(size="32MiB", extra=cluster_toml(endpoint, [], extra))
-    wait_for(lambda: directory_stats(d)["up"], timeout=15)
+    assert wait_for(lambda: directory_stats(d)["up"], timeout=15)
     assert "readable by group or others" in d.log()
 
 

@@ -98,6 +98,7 @@ class Directory:
         self._known: dict[str, tuple[str, DirectoryPeer | None]] = {}  # node -> (epoch, its peer)
         self._store: DirectoryStore | None = None
         self._registered = False
+        self._reported_down = False
         self._thread = threading.Thread(target=self._run, name="ecd-directory", daemon=True)
         self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ecd-directory-lookup")
 
@@ -245,7 +246,8 @@ class Directory:
         self._registered = False
         with self._lock:
             self._resync = True  # what was being written may be lost
-        if self.counters.up:
+        if not self._reported_down:  # once per outage (and for the first failure at start)
+            self._reported_down = True
             log.warning("directory %s is unreachable (%s): serving on, with the static peers and the %d "
                         "peers last known; retrying", self.config.directory, self.counters.last_error,
                         len(self._known) - 1 if self.node in self._known else len(self._known))
@@ -258,6 +260,7 @@ class Directory:
         self.counters.commands += 1
         if not self.counters.up:
             log.info("directory %s: registered node %r (%d live node(s))", self.config.directory, self.node, len(live))
+        self._reported_down = False
         self.counters.up = True
         self.counters.last_error = ""
         if fresh:
