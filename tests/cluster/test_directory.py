@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import wait_for
 from ecd.config import load_config
+from ecd.curve import write_keypair
 from ecd.daemon.peer.directory_store import holders, live_nodes
 from ecd.errors import ConfigError
 from ecd.protocol import EncoderMeta, PutInline
@@ -219,3 +221,26 @@ def test_directory_settings_that_load():
         cfg = load_config({"cluster": {"listen": "tcp://127.0.0.1:7480", "insecure": True, "directory": url,
                                        "directory_keys": "all"}})
         assert cfg.cluster.directory == url and float(cfg.cluster.directory_ttl) == 15.0
+
+
+def test_with_curve_the_directory_cannot_introduce_a_key(tmp_path, daemon_factory, redis_server):
+    """A node's public key comes from the directory only if the operator admitted it too."""
+    keys = {}
+    for name in ("a", "b", "c"):
+        public, secret = write_keypair(str(tmp_path / name), name)
+        allowed = tmp_path / f"{name}-allowed"
+        allowed.mkdir()
+        keys[name] = (public, secret, allowed)
+    for admits, admitted in (("a", "b"), ("b", "a"), ("b", "c"), ("c", "a"), ("c", "b")):  # a does not admit c
+        (keys[admits][2] / f"{admitted}.key").write_text(Path(keys[admitted][0]).read_text())
+    nodes = {}
+    for name in ("a", "b", "c"):
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        curve = f'curve_secret_key = "{keys[name][1]}"\ncurve_allowed_keys = "{keys[name][2]}"\n'
+        nodes[name] = daemon_factory(size="32MiB", extra=cluster_toml(endpoint, [], directory_toml(redis_server.url,
+                                                                                                    curve)))
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    assert wait_for(lambda: peers_up(b) == {a.node, c.node}, timeout=20)
+    assert wait_for(lambda: "not in cluster.curve_allowed_keys" in a.log(), timeout=10)
+    assert peer_nodes(a) == {b.node} and peers_up(a) == {b.node}  # c is live, but not a peer of a
+    assert set(directory_stats(a)["nodes"]) == {a.node, b.node, c.node}

@@ -108,6 +108,11 @@ class PeerLink:
         self.sock.close(0)
 
     @property
+    def server_key(self) -> bytes | None:
+        """The peer's CURVE public key this link checks (the socket option is write-only)."""
+        return self._server_key
+
+    @property
     def label(self) -> str:
         return self.node or self.endpoint
 
@@ -255,7 +260,7 @@ class PeerLinks:
                 if not link.discovered:  # the directory's stay while it lists them
                     link.close()
                     del self.links[endpoint]
-            elif peer_keys.get(endpoint) != (link.sock.curve_serverkey if self.cluster.curve else None):
+            elif peer_keys.get(endpoint) != (link.server_key if self.cluster.curve else None):
                 link.close()
                 del self.links[endpoint]
         for endpoint in peers:
@@ -280,7 +285,7 @@ class PeerLinks:
         for endpoint, key in peers.items():
             link: PeerLink | None = self.links.get(endpoint)
             if link is not None and not link.configured and self.cluster.curve is not None \
-                    and link.sock.curve_serverkey != key:
+                    and link.server_key != key:
                 link.close()  # another key now (a new node at the endpoint): a fresh link
                 del self.links[endpoint]
                 link = None
