@@ -52,3 +52,14 @@ def test_offers_carry_addr_and_old_offers_decode_with_zero():
 def test_peer_done_round_trips():
     got = peer_request_decoder().decode(encoder.encode(PeerDone(9, [b"a" * 32, b"b" * 32])))
     assert isinstance(got, PeerDone) and got.tokens == [b"a" * 32, b"b" * 32]
+
+
+def test_offer_meta_is_trailing_and_optional():
+    from ecd.protocol import EncoderMeta
+    new = encoder.encode(Leased(3, [Offer("k", 8, "uint8", [8], 0, b"t" * 32, 0, EncoderMeta("h", 4))], 5.0))
+    got = peer_reply_decoder().decode(new)
+    assert got.offers[0].meta == EncoderMeta("h", 4)
+    old_view = msgspec.msgpack.decode(msgspec.msgpack.encode(msgspec.msgpack.decode(new)[2][0]), type=OldOffer)
+    assert old_view.key == "k" and old_view.token == b"t" * 32  # an old daemon ignores the trailing meta
+    old = msgspec.msgpack.encode(["leased", 3, [OldOffer("k", 8, "uint8", [8], 0, b"t" * 32)], 5.0])
+    assert peer_reply_decoder().decode(old).offers[0].meta is None
