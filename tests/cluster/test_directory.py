@@ -244,3 +244,18 @@ def test_with_curve_the_directory_cannot_introduce_a_key(tmp_path, daemon_factor
     assert wait_for(lambda: "not in cluster.curve_allowed_keys" in a.log(), timeout=10)
     assert peer_nodes(a) == {b.node} and peers_up(a) == {b.node}  # c is live, but not a peer of a
     assert set(directory_stats(a)["nodes"]) == {a.node, b.node, c.node}
+
+
+def test_a_restarted_daemon_registers_what_it_adopted(daemon_factory, redis_server):
+    # directory_keys = "all": the restart journal does not keep an entry's meta (an adopted entry
+    # has none), so with "encoder" an adopted encoder entry is not findable until put again
+    a, b = start_fleet(daemon_factory, redis_server.url, 2, 'directory_keys = "all"')
+    put_encoder(b, "img-1", 3.0)
+    client = redis_server.client()
+    assert wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=10)
+    b.stop()  # a clean stop leaves the directory at once
+    assert wait_for(lambda: b.node not in live_nodes(client), timeout=2)
+    b.start()  # adopts its pool ([restart]): the entry is still there, and findable again
+    with b.client() as cb:
+        assert cb.exists("img-1")
+    assert wait_for(lambda: holders(client, "default", ["img-1"]) == [[b.node]], timeout=3 * TTL)

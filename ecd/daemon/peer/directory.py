@@ -172,8 +172,11 @@ class Directory:
             self._put(False, member(ns, key))
 
     def cleared(self) -> None:
+        """What the fleet knew of this node is void (the daemon says so at start): the store's view
+        of this node is diffed against `held` again. `held` itself stays: it was seeded from the
+        store when the directory started listening, and follows every change since, so it is what
+        this node holds now (a cold start holds nothing; an adopting one what it adopted)."""
         with self._lock:
-            self.held.clear()
             self._queue.clear()
             self._resync = True
         self._wake.set()
