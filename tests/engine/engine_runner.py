@@ -193,6 +193,9 @@ def _child(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.monotonic()
+    if isinstance(spec["llm_kwargs"].get("kv_events_config"), dict):  # LLM() converts only kv_transfer_config
+        from vllm.config.kv_events import KVEventsConfig
+        spec["llm_kwargs"]["kv_events_config"] = KVEventsConfig(**spec["llm_kwargs"]["kv_events_config"])
     llm = LLM(model=spec["model"], **spec["llm_kwargs"])
     seconds: dict[str, Any] = {"start": time.monotonic() - started, "batches": [], "batch_starts": []}
     batches = []

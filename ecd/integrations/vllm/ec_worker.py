@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 
+from ...protocol import EncoderMeta
 from .lazy_client import LazyClient
 from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
 from .ratelimit import RateLimitedLog
@@ -65,7 +66,10 @@ class EcdECConnectorWorker:
         if tensor is None:
             return
         tensor = tensor.detach()
-        self.client.call("save", lambda c: c.put(mm_hash, tensor))
+        # Marked as an encoder output: published on the encoder topic ([events]) and, by default,
+        # registered in the fleet directory ([cluster] directory) so other nodes find it.
+        about = EncoderMeta(num_tokens=int(tensor.shape[0]) if tensor.dim() else 0)  # its key is the mm_hash
+        self.client.call("save", lambda c: c.put(mm_hash, tensor, meta=about))
 
     # ---- consumer ----
 

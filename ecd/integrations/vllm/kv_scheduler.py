@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from .kv_peers import PeerPulls, remote_source
 from .lazy_client import LazyClient, StepPins, batches
-from .metadata import NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, block_keys, rank_keys, world_size
+from .metadata import (NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, block_keys, block_meta, rank_keys,
+                       world_size)
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings
 
@@ -233,15 +234,16 @@ class EcdKVConnectorScheduler:
             done = computed + out.num_scheduled_tokens.get(req_id, 0)
             full = min(done, state.request.num_prompt_tokens) // bs
             full = min(full, len(state.keys), len(state.block_ids))
-            keys, ids = [], []
+            keys, ids, blocks = [], [], []
             for b in range(state.next_save, full):
                 if not state.present[b] and state.block_ids[b] != NULL_BLOCK_ID:
                     keys.append(state.keys[b])
                     ids.append(state.block_ids[b])
+                    blocks.append(block_meta(state.request, b, state.keys[b], bs, self._hashes_per_block))
                     state.present[b] = True
             state.next_save = max(state.next_save, full)
             if keys:
-                meta.saves.append(BlockTransfer(req_id, keys, ids))
+                meta.saves.append(BlockTransfer(req_id, keys, ids, blocks))
 
     # ---- after a step, and at the end ----
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...protocol import KVBlockMeta
 from .lazy_client import LazyClient, batches
 from .metadata import NULL_BLOCK_ID, EcdKVConnectorMetadata, rank_suffix, world_size
 from .paged_kv import PagedKV
@@ -156,9 +157,12 @@ class EcdKVConnectorWorker:
 
     def _save(self, meta: EcdKVConnectorMetadata, paged: PagedKV) -> None:
         items: list[tuple[str, int]] = []
+        about: dict[str, KVBlockMeta] = {}  # what each block is, for the daemon's KV events
         for transfer in meta.saves:
             items.extend((k + self._rank_suffix, b) for k, b in zip(transfer.keys, transfer.block_ids)
                          if b != NULL_BLOCK_ID)
+            if transfer.blocks:
+                about.update((k + self._rank_suffix, m) for k, m in zip(transfer.keys, transfer.blocks))
         if not items:
             return
         client = self.client.get("put_many")
@@ -179,7 +183,8 @@ class EcdKVConnectorWorker:
                 self._log.warning("gather", "staging %d blocks to save failed: %s: %s", len(chunk),
                                   type(exc).__name__, exc)
                 continue
-            self.client.call("put_many", lambda c: c.put_many({key: t for (key, _), t in zip(chunk, tensors)}))
+            self.client.call("put_many", lambda c: c.put_many({key: t for (key, _), t in zip(chunk, tensors)},
+                                                             meta={key: about[key] for key, _ in chunk if key in about}))
 
     def shutdown(self) -> None:
         self.client.close()

