@@ -37,6 +37,7 @@ import torch
 
 from bench_daemon import BenchDaemon, write_results
 from ecd.client.client import Client
+from ecd.daemon.peer import directory_store
 from ecd.protocol import EncoderMeta
 
 ITEM_BYTES = 64 << 10
@@ -121,9 +122,9 @@ class FleetNode:
 
 
 def live_nodes(r: redis.Redis) -> set[str]:
-    """The directory's live set, read as any router would: members whose expiry is ahead."""
-    now_ms = int(time.time() * 1000)
-    return {m.decode() for m in r.zrangebyscore(f"{PREFIX}:nodes", now_ms, "+inf")}
+    """The directory's live set, as a router would read it (members whose expiry, on Redis's
+    clock, is ahead)."""
+    return set(directory_store.live_nodes(r, PREFIX))
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> float:
