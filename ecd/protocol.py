@@ -15,10 +15,11 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from .events_config import EventsStats
+
 PROTOCOL_VERSION = 1
 
-# Element sizes of the dtypes ecd stores, by torch's name. The daemon never imports torch: it
-# only checks that nbytes == prod(shape) * itemsize.
+# Element sizes of the dtypes ecd stores, by torch's name (the daemon never imports torch).
 DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
     "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
@@ -242,10 +243,10 @@ class DaemonStats(Struct):
     transfer_leases: int = 0  # entries this node holds leased for peers' fetches
     fetches_in_flight: int = 0  # keys this node is pulling from peers now
     fetch_failures: dict[str, int] = {}  # by reason
-    # The disk tier ([pool.disk]); empty and 0 without it.
-    disk: "DiskStats | None" = None
+    disk: "DiskStats | None" = None  # the disk tier ([pool.disk]); None without it
     sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
     restart: RestartStats | None = None  # the start: adopted or cold ([restart])
+    events: EventsStats | None = None  # [events]: the KV events this node publishes (None: off)
 
 
 # ---- requests -------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ class Handlers:
                 self.counters.integrity_failures["inline_put"] += 1
                 return Failure(Code.CORRUPT, f"inline put of {request.key!r}: data checksum {describe(actual)} "
                                              f"does not match the {describe(request.checksum)} sent with it")
-        item = AllocItem(request.key, request.dtype, request.shape, len(request.data))
+        item = AllocItem(request.key, request.dtype, request.shape, len(request.data), request.meta)
         placed = self.context.store.alloc(session, request.ns, item)
         if isinstance(placed, Failure):
             return placed
@@ -326,6 +326,7 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
         ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
         disk=context.lower_tier.stats(), sessions=context.sessions.listing(), restart=context.restart(),
+        events=context.events(),
         **cluster_stats(context))
 
 

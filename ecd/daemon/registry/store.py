@@ -40,6 +40,7 @@ from ...memory.allocator import align_up
 from ...memory.ring import EventKind, RingWriter
 from ...protocol import (AllocItem, Extent, Failure, Location)
 from ...memory.journal import NullJournal
+from .announce import Announcer
 from .entries import Entry, Reservation, Scheduler, Session, State, Waiter
 from .checks import RequestChecks
 from .deadlines import Deadlines
@@ -79,6 +80,9 @@ class Store:
         self.host = host
         self.lower_tier = lower_tier
         self.ring = ring
+        # the ring's events and the holdings feed (`announcer.holdings`: KV events, the directory)
+        self.announcer = Announcer(ring, lower_tier, host.host_pools)
+        self.holdings = self.announcer.holdings
         self.scheduler = scheduler
         self.limits = limits
         self.leases = leases
@@ -211,7 +215,7 @@ class Store:
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype), self.shared_shape(item.shape),
                       item.nbytes, placed[0], placed[1], owner=session, last_access=now,
-                      when=now + self.leases.write_ttl)
+                      when=now + self.leases.write_ttl, meta=item.meta)
         entry.journal = self.journal.entry(generation, placed[0], placed[1], item.nbytes, entry.dtype, entry.shape,
                                            ns, entry.key)
         self.by_generation[generation] = entry
@@ -291,7 +295,7 @@ class Store:
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self.placement.make_evictable(entry)
-        self._announce(EventKind.PUBLISHED, entry, keyhash)
+        self.announcer.announce(EventKind.PUBLISHED, entry, keyhash)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
@@ -483,19 +487,7 @@ class Store:
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
-        self._announce(kind, entry, keyhash)
-
-    def _announce(self, kind: EventKind, entry: Entry, keyhash: int | None = None) -> None:
-        """The ring event of `entry` being published, evicted or deleted (`keyhash`: its key's, if
-        known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
-        the key present: only the event is written, the presence table stays as it is."""
-        keyhash = entry.keyhash if keyhash is None else keyhash
-        if self.lower_tier.holds(entry.ns, entry.key):
-            self.ring.append(kind, keyhash, entry.generation)
-        elif kind is EventKind.PUBLISHED:
-            self.ring.publish(keyhash, entry.generation)
-        else:
-            self.ring.unpublish(kind, keyhash, entry.generation)
+        self.announcer.announce(kind, entry, keyhash)
 
     def retire_or_free(self, entry: Entry) -> None:
         """An unindexed entry: kept (RETIRED) while readers hold it, else freed."""
