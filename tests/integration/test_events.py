@@ -298,3 +298,41 @@ def test_events_end_with_msgspec_decodable_batches_and_metrics(daemon_factory, e
     text = scrape_metrics(daemon.metrics_port)
     assert "ecd_events_batches_total" in text and "ecd_events_events_total" in text
     assert END_SEQ == b"\xff" * 8
+
+
+def test_spills_to_disk_and_promotions(daemon_factory, evdir, sub, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    daemon = daemon_factory(size="16MiB", extra=events_config(evdir) + f'[pool.disk]\npath = "{disk}"\nsize = "1GiB"\n')
+    with daemon.client() as c:
+        sub.connect_with(c)
+        for i in range(12):  # 2 MiB each through a 16 MiB pool: the first ones spill
+            c.put(f"d{i}", torch.full((1 << 21,), i, dtype=torch.uint8), meta=KVBlockMeta(700 + i, None, [i], 1))
+        events = sub.wait_for(lambda ev: stored(ev, 700, "STORAGE") != [])
+        assert removed(events, 700, "CPU")  # it left the host pool ...
+        assert stored(events, 700, "STORAGE")[0]["token_ids"] == [0]  # ... and its meta stayed with it
+        assert events.index(removed(events, 700, "CPU")[0]) < events.index(stored(events, 700, "STORAGE")[0])
+        assert torch.equal(c.get("d0"), torch.full((1 << 21,), 0, dtype=torch.uint8))  # promoted
+        events = sub.wait_for(lambda ev: len(stored(ev, 700, "CPU")) == 2)
+        assert stored(events, 700, "CPU")[1]["token_ids"] == [0]  # promoted with its meta
+        c.delete(["d0"])
+        events = sub.wait_for(lambda ev: removed(ev, 700, "STORAGE") != [])
+        assert removed(events, 700, "CPU")[-1] is not removed(events, 700, "CPU")[0]  # both copies went
+
+
+def test_an_adopting_restart_publishes_a_clear_then_what_it_adopted(daemon_factory, evdir):
+    daemon = daemon_factory(extra=events_config(evdir))
+    with daemon.client() as c:
+        for i in range(5):
+            c.put(f"a{i}", torch.zeros(8))
+        c.delete(["a4"])
+    daemon.stop()
+    daemon.start()
+    with daemon.client() as c:
+        assert c.stats()["restart"]["adopted"]
+        wait_for(lambda: c.stats()["events"]["waiting"] == 0)
+    got = replay(evdir, 0)
+    events = [e for _, _, b in got for e in b[1]]
+    assert events[0] == {"type": "AllBlocksCleared"}
+    assert sorted(e["block_hashes"][0] for e in events[1:] if e["type"] == "BlockStored") == [
+        b"a0", b"a1", b"a2", b"a3"]
