@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-adopt install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-events bench-adopt install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -86,6 +86,10 @@ bench: $(VENV)/.installed
 # redis + redis-server) are not installed are skipped with the reason
 bench-peers: $(VENV)/.installed
 	$(PY) benchmarks/bench_peers.py
+
+# [events] on vs off (paired ratios, a reading and a deaf subscriber) and event latency vs a bare ZMQ hop
+bench-events: $(VENV)/.installed
+	$(PY) benchmarks/bench_events.py $(BENCH_EVENTS_ARGS)
 
 # restart with adoption vs a cold restart refilled from the disk tier: 100k entries, a 1 GiB and a
 # 16 GiB pool (needs ~18 GiB free; BENCH_ADOPT_ARGS="--pool-size 8GiB" on a smaller machine)

@@ -1,7 +1,8 @@
 """The loop's side of [events]: a HoldingsListener (daemon/holdings.py) that only appends to a
 bounded backlog and returns. Events wait per topic (KV entries and those without meta on `topic`,
 EncoderMeta entries on `encoder_topic`) until `batch_events` of them or `batch_interval` has
-passed, then go to the publisher thread as one batch.
+passed since the last batch, then go to the publisher thread as one batch (a change after a quiet
+interval goes at once, with whatever the same request changed).
 
 Never blocking a put has a price, paid here: when the events waiting (here and not yet taken by
 the thread) pass `queue_events`, they are dropped and counted, and the feed RESYNCS: once the
@@ -42,6 +43,7 @@ class EventsFeed:
         self.dropping = False  # overflowed: events are dropped until the resync starts
         self.snapshot: list[Any] | None = None  # a resync's entries and records still to publish
         self.timer: asyncio.TimerHandle | None = None
+        self.last_flush = float("-inf")  # loop time of the last timed flush
 
     # ---- HoldingsListener ---------------------------------------------------------------
 
@@ -74,7 +76,11 @@ class EventsFeed:
                 return
             self._flush(pending is self.ec)
         elif self.timer is None:
-            self.timer = self.loop.call_later(float(self.config.batch_interval), self._tick)
+            # at once when the last batch went out an interval ago or more (a lone put's event does
+            # not wait; the events of one request still share a batch: the callback runs after
+            # it), else when the interval since it ends
+            delay = self.last_flush + float(self.config.batch_interval) - self.loop.time()
+            self.timer = self.loop.call_later(max(0.0, delay), self._tick)
 
     def _flush(self, encoder: bool) -> None:
         if encoder:
@@ -96,6 +102,7 @@ class EventsFeed:
         if self.waiting > self.config.queue_events:
             self._overflow()
             return
+        self.last_flush = self.loop.time()
         self._flush(False)
         self._flush(True)
         if self.snapshot is not None:
