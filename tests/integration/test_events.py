@@ -336,3 +336,23 @@ def test_an_adopting_restart_publishes_a_clear_then_what_it_adopted(daemon_facto
     assert events[0] == {"type": "AllBlocksCleared"}
     assert sorted(e["block_hashes"][0] for e in events[1:] if e["type"] == "BlockStored") == [
         b"a0", b"a1", b"a2", b"a3"]
+
+
+def test_ecd_status_shows_the_events(daemon_factory, evdir):
+    import json
+    import os
+    import subprocess
+    import sys
+    daemon = daemon_factory(extra=events_config(evdir))
+    with daemon.client() as c:
+        c.put("s", torch.zeros(4))
+        wait_for(lambda: c.stats()["events"]["waiting"] == 0)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    run = [sys.executable, "-m", "ecd", "status", "--config", str(daemon.config), "--interval", "0"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("kv events")]
+    assert f"ipc://{evdir}/pub" in line and "0 dropped" in line
+    doc = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=60, env=env).stdout)
+    assert doc["events"]["endpoints"] == [f"ipc://{evdir}/pub", f"ipc://{evdir}/replay"]
+    assert doc["events"]["events"] >= 1 and doc["events"]["resyncs"] == 1
