@@ -4,6 +4,7 @@ same stream through vLLM's own classes: tests/vllm/test_events_vllm.py)."""
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 
 import msgspec
@@ -269,8 +270,10 @@ def test_curve_protected_events(daemon_factory, evdir, tmp_path):
         s.connect(f"tcp://127.0.0.1:{port}")
         return s
 
+    late_public, late_secret = write_keypair(str(tmp_path), "late")
     good = subscriber(*load_keyfile(client_secret, need_secret=True))
-    stranger = subscriber(*zmq.curve_keypair())
+    stranger = subscriber(*load_keyfile(late_secret, need_secret=True))
+    late = None
     try:
         with daemon.client() as c:
             deadline = time.monotonic() + 10
@@ -279,9 +282,19 @@ def test_curve_protected_events(daemon_factory, evdir, tmp_path):
                 assert time.monotonic() < deadline
             assert not stranger.poll(300)
             assert c.stats()["events"]["rejected"] > 0
+            # its key allowed, then SIGHUP: a new connection with it is admitted
+            shutil.copy(late_public, allowed / "late.key")
+            daemon.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: "SIGHUP: 2 allowed CURVE client key(s) in events" in daemon.log(), timeout=10)
+            late = subscriber(*load_keyfile(late_secret, need_secret=True))
+            deadline = time.monotonic() + 10
+            while not late.poll(100):
+                c.put("x", torch.zeros(1))
+                assert time.monotonic() < deadline
     finally:
-        good.close(0)
-        stranger.close(0)
+        for s in (good, stranger, late):
+            if s is not None:
+                s.close(0)
         ctx.term()
 
 
