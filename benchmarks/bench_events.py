@@ -138,7 +138,7 @@ def main() -> None:
                 subprocess.Popen([sys.executable, "-c", DEAF, f"ipc://{evdir}/deaf"])]
         time.sleep(0.5)
         clients = {name: d.client() for name, d in daemons.items()}
-        for name, c in clients.items():
+        for c in clients.values():
             workload(c, args, -1)  # warm-up
         names = list(daemons)
         ratios: dict[str, list[float]] = {"reading": [], "deaf": []}
