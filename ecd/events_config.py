@@ -31,7 +31,10 @@ class EventsSection(Section):
     batch_interval: Duration = Duration(0.02)  # a batch at least this often while events wait
     batch_events: int = 512  # at most this many events in one batch
     queue_events: int = 100000  # events waiting for the publisher; past it: drop, count, resync
-    hwm: int = 100000  # ZMQ send high-water mark of the PUB socket (a slow subscriber's backlog)
+    # ZMQ send high-water mark of the PUB socket, in batches: what a slow subscriber may have
+    # queued in the daemon (past it, ZMQ drops for that subscriber, which sees a seq gap and asks
+    # for a replay). Batches, not events: at most batch_events each; 1000 is 20 s of batches.
+    hwm: int = 1000
     # CURVE, as in [control] and [cluster]: this node's secret key and the directory of the
     # subscribers' public keys it admits (*.key). A tcp bind on a non-loopback address needs them,
     # or insecure = true (then anyone who reaches the port reads which keys this node holds).

@@ -163,7 +163,7 @@ def test_hostile_replay_requests_are_ignored_and_replay_keeps_serving(daemon_fac
 
 
 def test_a_subscriber_that_never_reads_does_not_grow_the_daemon(daemon_factory, evdir):
-    daemon = daemon_factory(extra=events_config(evdir, "hwm = 1000\n"))
+    daemon = daemon_factory(extra=events_config(evdir))
     ctx = zmq.Context()
     deaf = ctx.socket(zmq.SUB)
     deaf.rcvhwm = 10

@@ -87,6 +87,7 @@ class Publisher:
             sock.sndhwm = 2 * (self.config.buffer_batches + 1)
             sock.rcvhwm = 64
             sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # requests are tiny: anything else is cut off at the wire
+            sock.copy_threshold = 0  # replays share the buffer's payloads (never a copy per client)
         else:
             sock.sndhwm = self.config.hwm
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
