@@ -48,10 +48,10 @@ class EventsFeed:
     # ---- HoldingsListener ---------------------------------------------------------------
 
     def stored(self, ns: str, key: str, medium: "Medium", meta: Any) -> None:
-        self._add((True, key, medium.value, meta), meta)
+        self._add((True, key, medium, meta), meta)  # Medium is a str enum: msgspec encodes its value
 
     def removed(self, ns: str, key: str, medium: "Medium", meta: Any) -> None:
-        self._add((False, key, medium.value, meta), meta)
+        self._add((False, key, medium, meta), meta)
 
     def cleared(self) -> None:
         """Start (or a resync): what subscribers knew of this node is void."""
@@ -148,7 +148,7 @@ class EventsFeed:
             if hasattr(held, "state"):  # a host (or CUDA) entry
                 entry = store.index.get((held.ns, held.key))
                 if entry is held and entry.state is State.READY:
-                    self._add((True, entry.key, announcer.medium_of(entry).value, entry.meta), entry.meta)
+                    self._add((True, entry.key, announcer.medium_of(entry), entry.meta), entry.meta)
             elif held.ready and not held.dropped:  # a disk record
                 self._add((True, held.key, "STORAGE", held.meta), held.meta)
             if self.dropping:

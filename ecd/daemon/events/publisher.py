@@ -15,7 +15,7 @@ minute) and ignored.
 Memory: the queue holds at most [events] queue_events events (the feed counts what this thread
 has not taken yet and resyncs rather than queue more), the PUB socket at most `hwm` messages per
 subscriber (ZMQ drops past it), the replay buffers their bounds, the ROUTER its high-water mark
-per client; payloads are sent zero-copy (a replay shares the buffer's bytes).
+per client; payloads are sent zero-copy (the subscribers' queues and replays share the buffer's bytes).
 """
 from __future__ import annotations
 
@@ -87,9 +87,11 @@ class Publisher:
             sock.sndhwm = 2 * (self.config.buffer_batches + 1)
             sock.rcvhwm = 64
             sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # requests are tiny: anything else is cut off at the wire
-            sock.copy_threshold = 0  # replays share the buffer's payloads (never a copy per client)
         else:
             sock.sndhwm = self.config.hwm
+        # zero-copy: a batch's payload is one buffer, shared by the replay buffer, every
+        # subscriber's PUB queue and every replay (never a copy per subscriber)
+        sock.copy_threshold = 0
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
             sock.ipv6 = True
         try:
