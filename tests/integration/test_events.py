@@ -388,3 +388,15 @@ def test_disk_records_reindexed_at_start_are_in_the_start_snapshot(daemon_factor
     assert events == [{"type": "AllBlocksCleared"},
                       {"type": "BlockStored", "block_hashes": [b"kept"], "parent_block_hash": None, "token_ids": [],
                        "block_size": 0, "lora_id": None, "medium": "STORAGE", "lora_name": None}]
+
+
+def test_check_config_refuses_missing_events_keys(tmp_path):
+    import subprocess
+    import sys
+    config = tmp_path / "node.toml"
+    config.write_text(f'[control]\nendpoint = "ipc://{tmp_path}/ecd.sock"\n[events]\npublish = "tcp://127.0.0.1:5557"\n'
+                      f'curve_secret_key = "{tmp_path}/none.key_secret"\ncurve_allowed_keys = "{tmp_path}"\n')
+    result = subprocess.run([sys.executable, "-m", "ecd", "check-config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "events.curve_secret_key:" in result.stdout + result.stderr and "does not exist" in result.stdout + result.stderr
