@@ -400,3 +400,29 @@ def test_check_config_refuses_missing_events_keys(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "events.curve_secret_key:" in result.stdout + result.stderr and "does not exist" in result.stdout + result.stderr
+
+
+def test_garbage_bytes_on_the_replay_port_leave_it_serving(daemon_factory, evdir):
+    import socket
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+        s.close()
+    daemon = daemon_factory(extra=f'[events]\npublish = "tcp://127.0.0.1:{ports[0]}"\n'
+                                  f'replay = "tcp://127.0.0.1:{ports[1]}"\n')
+    for garbage in (b"\xff" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 40):
+        with socket.create_connection(("127.0.0.1", ports[1])) as raw:
+            raw.sendall(garbage)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{ports[1]}")
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert sock.poll(5000)
+    frames = sock.recv_multipart()
+    assert frames[1] == b"kv" and frames[2] == (0).to_bytes(8, "big")  # the cold start's AllBlocksCleared
+    sock.close(0)
+    ctx.term()
+    assert daemon.alive()
