@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -91,6 +91,10 @@ bench-peers: $(VENV)/.installed
 BENCH_FLEET_ARGS ?=
 bench-fleet: $(VENV)/.installed redis-server
 	$(PY) benchmarks/bench_fleet.py $(BENCH_FLEET_ARGS)
+
+# [events] on vs off (paired ratios, a reading and a deaf subscriber) and event latency vs a bare ZMQ hop
+bench-events: $(VENV)/.installed
+	$(PY) benchmarks/bench_events.py $(BENCH_EVENTS_ARGS)
 
 # restart with adoption vs a cold restart refilled from the disk tier: 100k entries, a 1 GiB and a
 # 16 GiB pool (needs ~18 GiB free; BENCH_ADOPT_ARGS="--pool-size 8GiB" on a smaller machine)

@@ -118,13 +118,13 @@ class FleetNode:
 
     def peers_up(self) -> int:
         assert self.client is not None
-        return sum(1 for p in self.client.stats().peers if p.state == "up")
+        return sum(1 for p in self.client.stats()["peers"] if p["state"] == "up")
 
 
 def live_nodes(r: redis.Redis) -> set[str]:
     """The directory's live set, as a router would read it (members whose expiry, on Redis's
     clock, is ahead)."""
-    return set(directory_store.live_nodes(r, PREFIX))
+    return {n.decode() if isinstance(n, bytes) else n for n in directory_store.live_nodes(r, PREFIX)}
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> float:
@@ -213,7 +213,13 @@ def churn(nodes: list[FleetNode], r: redis.Redis, rounds: int, wrong: list[str],
         v.start()
     for v in victims:
         v.connect()
-    rejoin = wait_until(lambda: all(v.node in live_nodes(r) for v in victims), 60, "the restarted nodes")
+    try:
+        rejoin = wait_until(lambda: all(v.node in live_nodes(r) for v in victims), 60, "the restarted nodes")
+    except RuntimeError:
+        for v in victims:
+            assert v.daemon is not None
+            print(f"{v.node} (live: {v.node in live_nodes(r)}):\n{v.daemon.log_tail()}", file=sys.stderr)
+        raise
     after = measure_fetches(nodes, rounds, wrong, rng)
     return {"killed": len(victims), "drop_out_s": sorted(dropped_after.values()),
             "drop_out_s_max": max(dropped_after.values(), default=float("nan")),

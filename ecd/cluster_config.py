@@ -49,6 +49,15 @@ def check_directory(section: "ClusterSection") -> None:
                 f"must be one of {', '.join(DIRECTORY_KEYS)}, got {section.directory_keys!r}")
 
 
+class DirectoryStats(msgspec.Struct):
+    """[cluster] directory in `ecd status`; counts: commands, errors, lookups, found / unknown (keys)."""
+    url: str
+    up: bool  # its last command answered
+    nodes: list[str] = []  # the live nodes it listed last (this one included)
+    counts: dict[str, int] = {}
+    routed: dict[str, int] = {}  # keys fetched from the holder a lookup named, by node
+
+
 class ClusterSection(Section):
     """`[cluster]`: the peer plane, through which daemons fetch entries from each other.
 

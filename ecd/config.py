@@ -18,6 +18,7 @@ from .cluster_config import INSECURE_CLUSTER_OPENS, ClusterSection
 from .config_types import (ByteSize, Duration, Section, check_field, dec_hook, endpoint_is_loopback,
                            enc_hook)
 from .errors import ConfigError
+from .events_config import EventsSection
 from .memory.allocator import ALIGNMENT as POOL_UNIT
 
 
@@ -291,6 +292,7 @@ class Config(Section):
     limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
+    events: EventsSection = msgspec.field(default_factory=EventsSection)
     namespaces: dict[str, NamespaceSection] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:

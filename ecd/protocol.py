@@ -15,6 +15,9 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from .cluster_config import DirectoryStats
+from .events_config import EventsStats
+
 PROTOCOL_VERSION = 1
 # Element sizes of the dtypes ecd stores, by torch's name (the daemon checks nbytes, never imports torch).
 DTYPE_ITEMSIZE: dict[str, int] = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
@@ -158,15 +161,6 @@ class PeerState(Struct):
     failures: int = 0  # fetches from it that failed
 
 
-class DirectoryStats(Struct):
-    """[cluster] directory in `ecd status`; counts: commands, errors, lookups, found / unknown (keys)."""
-    url: str
-    up: bool  # its last command answered
-    nodes: list[str] = []  # the live nodes it listed last (this one included)
-    counts: dict[str, int] = {}
-    routed: dict[str, int] = {}  # keys fetched from the holder a lookup named, by node
-
-
 class SessionInfo(Struct):
     """One client session, as `ecd status` shows it: who the kernel says connected and how the
     daemon learns that it is gone."""
@@ -247,11 +241,11 @@ class DaemonStats(Struct):
     transfer_leases: int = 0  # entries this node holds leased for peers' fetches
     fetches_in_flight: int = 0  # keys this node is pulling from peers now
     fetch_failures: dict[str, int] = {}  # by reason
-    # The disk tier ([pool.disk]); empty and 0 without it.
-    disk: "DiskStats | None" = None
+    disk: "DiskStats | None" = None  # the disk tier ([pool.disk]); None without it
     sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
     restart: RestartStats | None = None  # the start: adopted or cold ([restart])
     directory: DirectoryStats | None = None  # [cluster] directory; None without it
+    events: EventsStats | None = None  # [events]: the KV events this node publishes (None: off)
 
 
 # ---- requests -------------------------------------------------------------------------------

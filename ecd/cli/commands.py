@@ -304,6 +304,7 @@ def status_document(endpoint: str, first: dict, last: dict, elapsed: float, own_
                     "directory": last.get("directory")},  # [cluster] directory: None without it
         "disk": last.get("disk"),  # [pool.disk]: None without a disk tier
         "restart": last.get("restart"),  # [restart]: what this start adopted (None: a daemon before it)
+        "events": last.get("events"),  # [events]: the KV events published (None: off)
         # each client session: its pid, pid namespace, uid and how it is watched (not this command's own)
         "sessions": [s for s in last.get("sessions", []) if s["id"] != own_session],
     }

@@ -105,6 +105,11 @@ def render_status(doc: dict, console: Console) -> None:
                               f"{doc['expired_writes']} writes expired")
     if doc.get("restart"):
         grid.add_row("start", restart_line(doc["restart"]))
+    if doc.get("events"):
+        ev = doc["events"]
+        grid.add_row("kv events", f"{' + '.join(ev['endpoints'])}: {ev['events']} events in {ev['batches']} batches, "
+                                  f"{ev['waiting']} waiting, {ev['dropped']} dropped, {ev['resyncs']} resyncs, "
+                                  f"{ev['replays']} replays ({ev['bad_replay_requests']} bad requests ignored)")
     if doc["errors"]:
         grid.add_row("errors", ", ".join(f"{k}={v}" for k, v in sorted(doc["errors"].items())))
     console.print(grid)

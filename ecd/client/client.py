@@ -35,7 +35,7 @@ from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, Li
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.ring import HERE, NOT_HERE, key_hash
-from ..protocol import (Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
+from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
@@ -116,7 +116,7 @@ class Client(ControlClient):
     # ---- put ----------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False, tier: str | None = None,
-            persist: bool = False) -> None:
+            persist: bool = False, meta: EntryMeta | None = None) -> None:
         """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically.
         With `checksum` (always in a verify namespace) an xxh3-64 of the stored bytes is kept
         with the entry, for readers that verify (for bytes on a GPU it is computed by staging
@@ -131,15 +131,20 @@ class Client(ControlClient):
         `persist`: also write the entry through to the daemon's disk tier (`[pool.disk]`) and
         return only once it is durable there (it then survives a daemon restart or crash);
         PersistFailed when it could not be made durable (the entry is stored in memory all the
-        same), InvalidRequest (nothing stored) when the daemon has no disk tier."""
-        self.put_many({key: tensor}, checksum=checksum, tier=tier, persist=persist)
+        same), InvalidRequest (nothing stored) when the daemon has no disk tier.
+
+        `meta`: what the entry is, for the fleet (KVBlockMeta: an engine KV block; EncoderMeta: an
+        encoder-cache entry): published in the daemon's KV events ([events], docs/events.md)."""
+        self.put_many({key: tensor}, checksum=checksum, tier=tier, persist=persist,
+                      meta={key: meta} if meta is not None else None)
 
     def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False,
-                 tier: str | None = None, persist: bool = False) -> None:
+                 tier: str | None = None, persist: bool = False,
+                 meta: Mapping[str, EntryMeta] | None = None) -> None:
         """Store several tensors with one allocation and one commit round trip per tier (the
-        host pool, and each arena the CUDA tensors go to: see put; `persist` as in put). Every
-        put takes the one put route of ecd.client.put: place, copy, commit."""
-        self._puts.put_many(self, items, checksum, tier, persist)
+        host pool, and each arena the CUDA tensors go to: see put; `persist` and `meta`, by key,
+        as in put). Every put takes the one put route of ecd.client.put: place, copy, commit."""
+        self._puts.put_many(self, items, checksum, tier, persist, meta)
 
     def _cuda_plane(self, mapping: EpochMapping):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""

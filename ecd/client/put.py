@@ -35,7 +35,7 @@ import torch
 from ..errors import RESTARTED, Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
-from ..protocol import (Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
+from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
                         PutInline)
 from .control import _check_encodable
 from .mapping import EpochMapping
@@ -60,11 +60,13 @@ class Destination:
     __slots__ = ("kind", "keys", "tensors", "items", "keyhashes", "extents", "mapping", "ring_pos", "deadline",
                  "data")
 
-    def __init__(self, namespace: str, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, namespace: str, tensors: dict[str, torch.Tensor],
+                 meta: Mapping[str, EntryMeta] | None = None) -> None:
         self.kind = INLINE
         self.keys = list(tensors)
         self.tensors = list(tensors.values())
-        self.items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t)) for key, t in tensors.items()]
+        self.items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t), meta.get(key) if meta else None)
+                      for key, t in tensors.items()]
         self.keyhashes = [key_hash(namespace, key) for key in self.keys]
         self.extents: list[Extent] = []
         self.mapping: EpochMapping | None = None
@@ -105,7 +107,8 @@ class PutRoute:
 
     # ---- the entry point and the route --------------------------------------------------
 
-    def put_many(self, c: Client, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool) -> None:
+    def put_many(self, c: Client, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool,
+                 meta: Mapping[str, EntryMeta] | None = None) -> None:
         """Client.put_many: one route per tier; the whole put once more if the daemon restarted
         between placing and committing (the bytes went with it)."""
         if tier is not None and tier not in ("host", "cuda"):
@@ -125,7 +128,7 @@ class PutRoute:
                     groups = {HOST: {key: host_tensor(t) for key, t in pending.items()}}
                 for arena, tensors in groups.items():
                     if tensors:
-                        self.put(c, tensors, c._verifies(checksum), arena, persist)
+                        self.put(c, tensors, c._verifies(checksum), arena, persist, meta)
                     for key in tensors:
                         del pending[key]
                 return
@@ -133,9 +136,11 @@ class PutRoute:
                 if attempt or c._map.epoch == epoch:
                     raise
 
-    def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool) -> None:
-        """The one put route for one tier's tensors: place, copy, commit."""
-        for dest in self.place(c, tensors, arena):
+    def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
+            meta: Mapping[str, EntryMeta] | None = None) -> None:
+        """The one put route for one tier's tensors: place, copy, commit (`meta`: by key, what
+        Alloc, Publish or PutInline says each entry is)."""
+        for dest in self.place(c, tensors, arena, meta):
             digests = self.copy(c, dest, checksum)
             if not self.commit(c, dest, digests, checksum, persist):
                 # A Publish whose reservation the daemon no longer held, or found unfit: nothing
@@ -145,7 +150,8 @@ class PutRoute:
 
     # ---- 1. place -----------------------------------------------------------------------
 
-    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int) -> Iterator[Destination]:
+    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int,
+              meta: Mapping[str, EntryMeta] | None = None) -> Iterator[Destination]:
         """Where these tensors go: inline (one at a time: each is committed before the next is
         described), into the reservation, or into extents allocated now."""
         mapping, ns = c._map, c.namespace
@@ -154,9 +160,9 @@ class PutRoute:
             if max(_nbytes(t) for t in tensors.values()) > inline_max:
                 mapping.require_local("a put larger than limits.inline_max_bytes", inline_max)
             for key, t in tensors.items():
-                yield Destination(ns, {key: t})
+                yield Destination(ns, {key: t}, meta)
             return
-        dest = Destination(ns, tensors)
+        dest = Destination(ns, tensors, meta)
         if len(dest.items) == 1:
             if arena < 0 and dest.items[0].nbytes <= inline_max:
                 yield dest  # INLINE
@@ -282,7 +288,7 @@ class PutRoute:
         item = dest.items[0]
         if dest.kind == INLINE:
             request = PutInline(next(c._ids), c.namespace, item.key, item.dtype, item.shape, bytes(dest.data), digests[0],
-                                persist)
+                                persist, item.meta)
         elif dest.kind == RESERVED:
             request = Publish(next(c._ids), c.namespace, dest.extents[0].generation, item, item.nbytes, digests[0],
                               persist)

@@ -43,6 +43,8 @@ from .ops.systemd import Notifier
 from .wiring import handler_context, metrics_source, peer_context, reload_target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..protocol import EventsStats
+    from .events.service import Events
     from ..memory.cuda import CudaArenas
     from .control.context import HandlerContext
     from .peer.cluster import Cluster
@@ -106,6 +108,7 @@ class Daemon:
         self.gid = -1  # node.group, resolved in prepare()
         self.curve: CurveAuth | None = None
         self.cluster: Cluster | None = None  # the peer plane, with [cluster] listen
+        self.events: "Events | None" = None  # [events] publish: the KV events (daemon/events/)
         # the tier below the host pool: the disk tier (tiers/disk.DiskTier) with [pool.disk], else the null tier
         self.lower_tier: LowerTier = NullTier()
         self.control: ControlLoop | None = None  # the ROUTER loop and the request handlers (serve)
@@ -146,6 +149,7 @@ class Daemon:
             self._bind_fd_socket()
             self._bind_metrics()
             self._bind_cluster()
+            self._bind_events()
             self.memory.hand_to_keeper(self.config.pool.host.backing)
         except BaseException:
             self.close()
@@ -345,6 +349,16 @@ class Daemon:
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
 
+    def _bind_events(self) -> None:
+        if not self.config.events.enabled:
+            return
+        from .events.service import Events
+        try:
+            self.events = Events(self.config.events)
+            self.events.open()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
+
     # ---- serving ------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -376,6 +390,9 @@ class Daemon:
         if self.fd_server is not None:
             self.fd_server.start(self.loop)
         self.lower_tier.attach(self.store, self.loop, self.pool.segments)
+        if self.events is not None:
+            self.events.attach(self.store, self.loop)
+        self.store.holdings.cleared()  # what the fleet knew of this node is void: a snapshot follows
         if self.metrics_listener is not None:
             source = metrics_source(self)
             self.metrics_server = MetricsServer(self.metrics_listener, make_registry(source), lambda: self.state,
@@ -425,6 +442,9 @@ class Daemon:
         assert self.handler_context is not None  # serving
         return daemon_stats(self.handler_context, self.counters)
 
+    def events_stats(self) -> "EventsStats | None":
+        return self.events.stats() if self.events is not None else None
+
     def status_line(self) -> str:
         s = self.stats()
         return (f"{s.entries_ready} entries, {s.used_bytes >> 20}/{s.capacity_bytes >> 20} MiB used, "
@@ -463,6 +483,8 @@ class Daemon:
     def _on_reload_signal(self) -> None:
         from .ops.reload import reload_config
         reload_config(reload_target(self))
+        if self.events is not None:
+            self.events.reload()  # the allowed subscriber keys ([events] curve_allowed_keys)
 
     def _on_connection_gone(self, conn: Connection, reason: str) -> None:
         if self.sessions is not None:
@@ -506,6 +528,9 @@ class Daemon:
                     os.unlink(path)
         if self.curve is not None:
             self.curve.stop()
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None

@@ -43,7 +43,7 @@ def handler_context(d: "Daemon") -> HandlerContext:
         node=d.node, epoch=d.epoch, started=d.started, config=lambda: d.config, store=d.store,
         sessions=d.sessions, segments=d.pool.segments, ring_file=d.ring_file, ring=d.ring, arenas=arena_infos(d),
         fd_socket=d.fd_socket_name, lower_tier=d.lower_tier, peers=d.cluster, curve=d.curve,
-        restart=d.memory.stats)
+        restart=d.memory.stats, events=d.events_stats)
 
 
 def peer_context(d: "Daemon") -> PeerContext:
@@ -63,7 +63,7 @@ def metrics_source(d: "Daemon") -> MetricsSource:
         node=d.node, start_wall_time=d.start_wall_time, store=d.store, counters=d.counters, ring=d.ring,
         pool_labels=pool_labels(d), arenas=d.arenas, connections=d.connections,
         max_connections=lambda: d.max_connections, sessions=d.sessions, fd_server=d.fd_server, lower_tier=d.lower_tier,
-        peers=d.cluster, curve=d.curve, restart=d.memory.stats)
+        peers=d.cluster, curve=d.curve, restart=d.memory.stats, events=d.events_stats)
 
 
 def reload_target(d: "Daemon") -> ReloadTarget:

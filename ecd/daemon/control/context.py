@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...config import Config
     from ...memory.host import ShmFile
     from ...memory.ring import RingWriter
-    from ...protocol import ArenaInfo, RestartStats
+    from ...protocol import ArenaInfo, EventsStats, RestartStats
     from ..ops.security import CurveAuth
     from ..peer.cluster import Cluster
     from ..registry.store import Store
@@ -40,3 +40,4 @@ class HandlerContext:
     peers: "Cluster | None"  # the peer plane ([cluster] listen): Fetch goes to it; None without one
     curve: "CurveAuth | None"  # the control socket's CURVE authenticator (Stats counts its refusals)
     restart: Callable[[], "RestartStats"]  # how this start went: adopted or cold (Stats.restart)
+    events: Callable[[], "EventsStats | None"] = lambda: None  # [events] (Stats.events); None: off

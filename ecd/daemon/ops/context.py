@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...protocol import RestartStats
+    from ...protocol import EventsStats, RestartStats
     from ...config import Config
     from ...memory.cuda import CudaArenas
     from ...memory.ring import RingWriter
@@ -45,6 +45,7 @@ class MetricsSource:
     peers: "Cluster | None"  # [cluster] listen: the peer plane's metrics
     curve: "CurveAuth | None"  # the control socket's CURVE handshakes refused
     restart: Callable[[], "RestartStats"]  # how this start went ([restart]): ecd_restart_*, ecd_journal_*
+    events: Callable[[], "EventsStats | None"] = lambda: None  # [events]: ecd_events_*
     http: "MetricsServer | None" = None  # the endpoint serving these (made with them: set once it exists)
 
 

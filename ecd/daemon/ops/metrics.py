@@ -26,7 +26,7 @@ from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...protocol import RestartStats
+    from ...protocol import EventsStats, RestartStats
     from ..peer.cluster import Cluster
     from ..registry.store import Store
     from ..tiers.base import LowerTier
@@ -250,6 +250,7 @@ class DaemonCollector:
         yield GaugeMetricFamily("ecd_start_time_seconds", "Daemon start, seconds since the Unix epoch",
                                 value=d.start_wall_time)
         yield from restart_metrics(d.restart())
+        yield from events_metrics(d.events())
         info = InfoMetricFamily("ecd_build", "ecd build information")
         info.add_metric([], {"version": __version__, "python": sys.version.split()[0], "node": d.node})
         yield info
@@ -267,6 +268,22 @@ def restart_metrics(restart: "RestartStats") -> Iterator:
                             value=restart.journal_records)
     yield CounterMetricFamily("ecd_journal_full", "Entries not journaled for want of journal space: "
                               "not adopted after a restart ([restart] journal_size)", value=restart.journal_full)
+
+
+def events_metrics(events: "EventsStats | None") -> Iterator:
+    """[events]: the KV events published (none while it is off)."""
+    if events is None:
+        return
+    for name, value, what in (
+            ("batches", events.batches, "KV event batches published (both topics)"),
+            ("events", events.events, "KV events published in them"),
+            ("dropped", events.dropped, "KV events dropped because the publisher fell behind (a resync follows)"),
+            ("resyncs", events.resyncs, "AllBlocksCleared-and-snapshot sequences published (the start's included)"),
+            ("replays", events.replays, "Replay requests served"),
+            ("bad_replay_requests", events.bad_replay_requests, "Malformed replay requests ignored"),
+            ("curve_rejected", events.rejected, "CURVE handshakes refused on the events sockets")):
+        yield CounterMetricFamily(f"ecd_events_{name}", what, value=value)
+    yield GaugeMetricFamily("ecd_events_waiting", "KV events not yet published", value=events.waiting)
 
 
 def peer_metrics(cluster) -> Iterator:

@@ -53,6 +53,8 @@ def check_security(config: Config) -> tuple[int, "CurveAuth | None"]:
     check_cluster_policy(config)
     curve = CurveAuth.load(config) if config.control.curve else None
     cluster_curve(config)  # the peer plane's keys: the daemon loads them again when it starts it
+    if config.events.enabled and config.events.curve:  # [events]' keys, likewise
+        CurveAuth.from_files(config.events.curve_secret_key, config.events.curve_allowed_keys, "events")
     cluster_tls(config)
     return resolve_group(config.node.group), curve
 

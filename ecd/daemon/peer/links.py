@@ -52,6 +52,7 @@ class PeerUnavailable(Exception):
 
 class PeerLink:
     def __init__(self, cluster: "Cluster", endpoint: str, configured: bool, server_key: bytes | None) -> None:
+        self.closed = False
         self.cluster = cluster
         self.endpoint = endpoint
         self.host = split_tcp_endpoint(endpoint)[0]  # type: ignore[index]
@@ -228,6 +229,15 @@ class PeerLink:
                 log.warning("peer %s did not answer within the timeout: marked down", self.endpoint)
             self.state = "down"
             raise PeerUnavailable("timeout", f"no answer from peer {self.endpoint} in time") from None
+        except asyncio.CancelledError:
+            # Closing the link (the peer left the directory, a reload dropped it) cancels the
+            # send still waiting for a connection: this request failed, the caller (a client's
+            # fetch) was not cancelled, so say so rather than end its task as cancelled.
+            self._pending.pop(rid, None)
+            task = asyncio.current_task()
+            if self.closed and task is not None and not task.cancelling():
+                raise PeerUnavailable("connection", f"peer {self.endpoint}: the link was closed") from None
+            raise
         if self.misdirected is not None:  # answered, but refused until it greets us properly
             return reply
         if self.state != "up":
@@ -236,11 +246,13 @@ class PeerLink:
         return reply
 
     def close(self) -> None:
+        self.closed = True
         for task in self._tasks:
             task.cancel()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(PeerUnavailable("shutdown", "the peer link was closed"))
+                future.exception()  # its request may be waiting on the send instead: never "unretrieved"
         self._pending.clear()
         self._close_socket()
 

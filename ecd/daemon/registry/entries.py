@@ -41,7 +41,7 @@ class Entry:
     when: float = 0.0
     checksum: int = 0  # xxh3-64 of the bytes, as the producer computed it (0: none)
     journal: int = -1  # its record in the restart journal (memory/journal.py): intent, then entry
-    meta: EntryMeta | None = None  # what its put said of it (AllocItem.meta): the fleet's views publish it
+    meta: "EntryMeta | None" = None  # what the put said it is (KV events, the directory); never read here
 
     @property
     def write_deadline(self) -> float:

@@ -101,7 +101,7 @@ class Reserving:
         ns = sys.intern(ns)
         entry = Entry(generation, ns, item.key, sys.intern(item.dtype),
                       r.shared_shape(item.shape), item.nbytes, reservation.pool, reservation.offset, owner=session,
-                      last_access=r.clock(), when=reservation.deadline)
+                      last_access=r.clock(), when=reservation.deadline, meta=item.meta)
         # the put's record before the intent goes: a kill in between leaves the extent quarantined
         entry.journal = r.journal.entry(generation, entry.pool, entry.offset, entry.nbytes, entry.dtype, entry.shape,
                                         ns, entry.key)

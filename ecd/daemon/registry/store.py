@@ -40,6 +40,7 @@ from ...memory.allocator import align_up
 from ...memory.ring import EventKind, RingWriter
 from ...protocol import (AllocItem, Extent, Failure, Location)
 from ...memory.journal import NullJournal
+from .announce import Announcer
 from .entries import Entry, Reservation, Scheduler, Session, State, Waiter
 from .checks import RequestChecks
 from .deadlines import Deadlines
@@ -79,6 +80,9 @@ class Store:
         self.host = host
         self.lower_tier = lower_tier
         self.ring = ring
+        # the ring's events and the holdings feed (`announcer.holdings`: KV events, the directory)
+        self.announcer = Announcer(ring, lower_tier, host.host_pools)
+        self.holdings = self.announcer.holdings
         self.scheduler = scheduler
         self.limits = limits
         self.leases = leases
@@ -114,7 +118,6 @@ class Store:
         self.operator = OperatorRequests(self)
         # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
         self.journal: "Journal | NullJournal" = NullJournal()
-        self.holdings: Any = None  # daemon/holdings.Holdings, set by the assembly: what this node holds, as it changes
         host.attach(self)
         self.set_namespaces(namespaces or {})
 
@@ -292,7 +295,7 @@ class Store:
             self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
         if not entry.pins:
             self.placement.make_evictable(entry)
-        self._announce(EventKind.PUBLISHED, entry, keyhash)
+        self.announcer.announce(EventKind.PUBLISHED, entry, keyhash)
         self.counters["puts"] += 1
         self.counters["written_bytes"] += entry.nbytes
         self.waiting.wake(entry.ns, entry.key)
@@ -484,22 +487,7 @@ class Store:
         if entry.ns in self.guaranteed_ready:
             self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
         self.placement.make_unevictable(entry)
-        self._announce(kind, entry, keyhash)
-
-    def _announce(self, kind: EventKind, entry: Entry, keyhash: int | None = None) -> None:
-        """The ring event of `entry` being published, evicted or deleted (`keyhash`: its key's, if
-        known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
-        the key present: only the event is written, the presence table stays as it is."""
-        keyhash = entry.keyhash if keyhash is None else keyhash
-        if self.holdings is not None and self.holdings.listeners:  # "CPU": Medium.HOST, the host pool
-            (self.holdings.stored if kind is EventKind.PUBLISHED else self.holdings.removed)(
-                entry.ns, entry.key, "CPU", entry.meta)
-        if self.lower_tier.holds(entry.ns, entry.key):
-            self.ring.append(kind, keyhash, entry.generation)
-        elif kind is EventKind.PUBLISHED:
-            self.ring.publish(keyhash, entry.generation)
-        else:
-            self.ring.unpublish(kind, keyhash, entry.generation)
+        self.announcer.announce(kind, entry, keyhash)
 
     def retire_or_free(self, entry: Entry) -> None:
         """An unindexed entry: kept (RETIRED) while readers hold it, else freed."""

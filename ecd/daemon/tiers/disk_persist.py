@@ -71,7 +71,7 @@ class Persist(DiskRecords):
         store.placement.make_unevictable(entry)
         header = self._header(entry, persisted=True)
         record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
-                            guard=files.WriteGuard())
+                            guard=files.WriteGuard(), meta=entry.meta)
         self.records[k] = record
         self.used += size
         record.written = loop.create_future()

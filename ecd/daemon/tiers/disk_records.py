@@ -51,6 +51,7 @@ class DiskRecord:
     reads: int = 0  # promotions reading its file now
     dropped: bool = False  # deleted, replaced or evicted: its file goes once no one uses it
     guard: files.WriteGuard | None = None  # while WRITING: cancelled when dropped (no rename after)
+    meta: Any = None  # the entry's EntryMeta, kept in memory for KV events (not in the file)
 
     @property
     def persisted(self) -> bool:
@@ -161,6 +162,8 @@ class DiskRecords:
         assert self.store is not None
         if (header.ns, header.key) not in self.store.index:  # the record held the key's presence
             self.store.ring.unpublish(kind, key_hash(header.ns, header.key), 0)
+        if record.ready:
+            self.store.announcer.disk_removed(header.ns, header.key, record.meta)
         if record.ready and record.reads:
             self._remove_after_reads(record)
         elif record.ready:
@@ -293,6 +296,8 @@ class DiskRecords:
             self.counters["spills" if what == "spill" else "persisted"] += 1
             if record.dropped:  # deleted or replaced while it was written
                 self._remove_file(record)
+            elif self.store is not None:
+                self.store.announcer.disk_stored(record.header.ns, record.header.key, record.meta)
         else:
             self._count_error(error, f"{what} of {record.header.key!r} failed")
             if what == "spill":

@@ -62,7 +62,7 @@ class SpillPromote(DiskRecords):
             return
         header = self._header(entry, persisted=False)
         record = DiskRecord(header, files.header_record_name(header), size, generation=entry.generation,
-                            guard=files.WriteGuard())
+                            guard=files.WriteGuard(), meta=entry.meta)
         self._start_write(record, staged, staged_size, entry.checksum)
 
     def _start_write(self, record: DiskRecord, staged: int, staged_size: int, expect: int) -> None:
@@ -162,6 +162,7 @@ class SpillPromote(DiskRecords):
             return Failure(extent.code, f"{header.key!r} is on disk but cannot come back into the host pool: "
                                         f"{extent.message}")
         entry = store.by_generation[extent.generation]
+        entry.meta = record.meta  # published with it again (KV events)
         entry.when = math.inf  # its write deadline: never expired while a worker thread fills it
         store.host.check_pool(entry.pool)  # a truncated pool file is restored before a worker writes into it
         error: files.DiskIOError | None = None

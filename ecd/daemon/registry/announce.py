@@ -1,0 +1,56 @@
+"""What the index gains and loses, told to whoever follows it: the event ring's entry (the local
+clients' presence table) and the node's holdings feed (daemon/holdings.py: the KV events routers
+read, the fleet directory). Store.commit and Store.unindex call it for host entries; the lower
+tier calls it for its records (stored when a record is whole on disk, removed when it goes)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...memory.ring import EventKind, RingWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..holdings import Holdings
+    from ..tiers.base import LowerTier
+    from .entries import Entry
+
+
+class Announcer:
+    __slots__ = ("ring", "lower_tier", "holdings", "host_pools", "_host", "_cuda", "_disk")
+
+    def __init__(self, ring: RingWriter, lower_tier: "LowerTier", host_pools: tuple[int, ...]) -> None:
+        # at run time, not import time: holdings.py sits above the registry in the daemon's layers
+        from ..holdings import Holdings, Medium
+        self.ring, self.lower_tier, self.host_pools = ring, lower_tier, frozenset(host_pools)
+        self.holdings: "Holdings" = Holdings()
+        self._host, self._cuda, self._disk = Medium.HOST, Medium.CUDA, Medium.DISK
+
+    def announce(self, kind: EventKind, entry: "Entry", keyhash: int | None = None) -> None:
+        """The ring event of `entry` being published, evicted or deleted (`keyhash`: its key's, if
+        known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
+        the key present: only the event is written, the presence table stays as it is."""
+        keyhash = entry.keyhash if keyhash is None else keyhash
+        if self.lower_tier.holds(entry.ns, entry.key):
+            self.ring.append(kind, keyhash, entry.generation)
+        elif kind is EventKind.PUBLISHED:
+            self.ring.publish(keyhash, entry.generation)
+        else:
+            self.ring.unpublish(kind, keyhash, entry.generation)
+        if self.holdings.listeners:
+            medium = self._host if entry.pool in self.host_pools else self._cuda
+            if kind is EventKind.PUBLISHED:
+                self.holdings.stored(entry.ns, entry.key, medium, entry.meta)
+            else:
+                self.holdings.removed(entry.ns, entry.key, medium, entry.meta)
+
+    def medium_of(self, entry: "Entry") -> Any:
+        return self._host if entry.pool in self.host_pools else self._cuda
+
+    def disk_stored(self, ns: str, key: str, meta: Any) -> None:
+        """A lower-tier record is whole on disk (spilled, persisted, re-indexed at start)."""
+        if self.holdings.listeners:
+            self.holdings.stored(ns, key, self._disk, meta)
+
+    def disk_removed(self, ns: str, key: str, meta: Any) -> None:
+        """A whole lower-tier record goes (deleted, replaced, evicted from disk, found bad)."""
+        if self.holdings.listeners:
+            self.holdings.removed(ns, key, self._disk, meta)
