@@ -121,6 +121,28 @@ def test_a_killed_daemon_drops_out_after_the_ttl(daemon_factory, redis_server):
     assert wait_for(lambda: client.scard("ecd:k:7:default:img-c") == 0, timeout=TTL + 5)  # pruned: forgotten
 
 
+def test_a_fetch_in_flight_when_its_holder_leaves_fails_cleanly(daemon_factory, redis_server):
+    """The holder is SIGKILLed; A fetches its key until the directory drops it. A fetch whose
+    request to the dead holder was still waiting when the directory closed that link answers
+    "not local" with a reason: it is not a cancelled task (once answered "daemon is shutting
+    down"), and A serves on."""
+    a, b, c = start_fleet(daemon_factory, redis_server.url, 3)
+    put_encoder(c, "img-c", 1.0)
+    client = redis_server.client()
+    assert wait_for(lambda: len(peers_up(a)) == 2 and holders(client, "default", ["img-c"]) == [[c.node]],
+                    timeout=20)
+    c.stop(signal.SIGKILL)
+    outcomes = []
+    with a.client() as ca:
+        while c.node in live_nodes(client) or c.node in peer_nodes(a):
+            outcome = ca.fetch_detailed("img-c", timeout=10.0)
+            assert not outcome.local and outcome.reason, outcome
+            outcomes.append(outcome.reason)
+        assert outcomes
+        ca.put("still-serving", torch.ones(4))
+        assert torch.equal(ca.get("still-serving"), torch.ones(4))
+
+
 @pytest.mark.parametrize("keys", ["encoder"])
 def test_store_killed_and_restarted_empty(daemon_factory, redis_server, keys):
     a, b = start_fleet(daemon_factory, redis_server.url, 2)
