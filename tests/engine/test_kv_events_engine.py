@@ -26,10 +26,10 @@ from engine_runner import LLM_DEFAULTS, kv_transfer_config, run_engine  # noqa: 
 pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)
 
 BLOCK = LLM_DEFAULTS["block_size"]
-PROMPTS = [
-    "Routers send a request to the node that already holds its prefix; this prompt spans blocks.",
-    "Routers send a request to the node that already holds its prefix; and this one shares two.",
-]
+SHARED = ("Routers send a request to the node that already holds its prefix, and a node's daemon "
+          "holds the blocks its engines saved. ")  # 3 blocks of 32 tokens (one per character)
+PROMPTS = [SHARED + "This prompt then goes on for two more blocks of its own, so hashes chain on.",
+           SHARED + "And this one shares the first blocks, then differs: other hashes, other parents."]
 
 
 def free_port() -> int:
@@ -68,14 +68,20 @@ class Subscriber:
                                      self.decoder.decode(payload)))
 
     def stored(self, publisher: str) -> dict:
-        """Every BlockStored of one publisher by block hash (the last one wins)."""
+        """Every block one publisher stored, by hash: (parent hash, its tokens, block size). A
+        BlockStored may cover consecutive blocks (vLLM's does): block i's tokens are token_ids'
+        i-th block_size slice and its parent is hash i-1, as routers read it."""
         out = {}
         for name, _, _, batch in self.batches:
-            if name == publisher:
-                for event in batch.events:
-                    if isinstance(event, BlockStored):
-                        for h in event.block_hashes:
-                            out[h] = event
+            if name != publisher:
+                continue
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    parent = event.parent_block_hash
+                    for i, h in enumerate(event.block_hashes):
+                        tokens = event.token_ids[i * event.block_size:(i + 1) * event.block_size]
+                        out[h] = (parent, list(tokens), event.block_size, event.medium)
+                        parent = h
         return out
 
     def close(self) -> None:
@@ -110,13 +116,12 @@ def test_ecd_publishes_the_engines_own_block_hashes(ecd_daemon_factory, tiny_lla
     engine, ecd = sub.stored("engine"), sub.stored("ecd")
     assert len(ecd) == len(prompt_blocks) >= 3, (len(ecd), len(prompt_blocks))
     assert engine, "the engine published no KV events"
-    for block_hash, mine in ecd.items():
+    for block_hash, (parent, tokens, block_size, medium) in ecd.items():
         theirs = engine.get(block_hash)
         assert theirs is not None, f"ecd published block {block_hash!r}, which the engine never stored"
-        assert (mine.parent_block_hash, mine.token_ids, mine.block_size) == \
-            (theirs.parent_block_hash, theirs.token_ids, theirs.block_size)
-        assert mine.medium == "CPU"  # ecd's copy is in its host pool
-        assert tuple(mine.token_ids) in prompt_blocks
+        assert (parent, tokens, block_size) == theirs[:3]
+        assert medium == "CPU"  # ecd's copy is in its host pool
+        assert tuple(tokens) in prompt_blocks
     # Nothing was evicted or removed in this run: no BlockRemoved from ecd.
     assert not any(isinstance(e, BlockRemoved) for name, _, _, b in sub.batches if name == "ecd" for e in b.events)
     # Sequence numbers on the topic are contiguous (vLLM's subscribers ask for a replay on a gap).
