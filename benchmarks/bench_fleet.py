@@ -44,10 +44,17 @@ ITEM_BYTES = 64 << 10
 PREFIX = "ecdbench"
 
 
+_TAKEN: set[int] = set()  # ports handed to a node already (each keeps its own across restarts)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
 
 
 def item_bytes(key: str) -> torch.Tensor:
@@ -79,7 +86,8 @@ class FleetNode:
         self.workdir = os.path.join(root, f"n{index:02d}")
         os.makedirs(self.workdir, exist_ok=True)
         self.listen = f"tcp://127.0.0.1:{free_port()}"
-        self.extra = (f'\n[cluster]\nlisten = "{self.listen}"\ninsecure = true\n'
+        self.extra = (f'\n[cluster]\nlisten = "{self.listen}"\ndata_listen = "tcp://127.0.0.1:{free_port()}"\n'
+                      f'insecure = true\n'
                       f'directory = "redis://127.0.0.1:{redis_port}/0"\ndirectory_prefix = "{PREFIX}"\n'
                       f'directory_ttl = "{ttl}s"\n')
         self.pool = pool
