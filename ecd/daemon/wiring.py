@@ -48,9 +48,6 @@ def handler_context(d: "Daemon") -> HandlerContext:
 
 def peer_context(d: "Daemon") -> PeerContext:
     assert d.loop is not None and d.store is not None
-    if d.store.holdings is None:
-        from .holdings import Holdings
-        d.store.holdings = Holdings()
     return PeerContext(loop=d.loop, store=d.store, segments=d.pool.segments, config=lambda: d.config,
                        holdings=d.store.holdings)
 
