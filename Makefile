@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -120,6 +120,14 @@ $(VLLM_VENV)/.installed: $(BUILD_INPUTS) $(wildcard $(VLLM_REQS))
 
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) tests/vllm_upstream/run.py
+
+# vLLM's own connector unit tests (from the sdist of the vLLM in the venv, downloaded once from
+# the package index, sha256-pinned, cached in .cache/vllm-upstream) against ecd's connectors,
+# those that apply (tests/vllm_upstream/cases.py; docs/vllm.md, "vLLM's own connector tests").
+# ~1 min. Skips, saying why, when the sdist cannot be downloaded (ECD_UPSTREAM_REQUIRED=1: fails).
+test-vllm-upstream: $(VLLM_VENV)/.installed
+	$(VLLM_PY) tests/vllm_upstream/run.py
 
 bench-vllm: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_vllm.py
@@ -155,6 +163,7 @@ $(ENGINE_VENV)/.installed: $(BUILD_INPUTS) $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) 
 # tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
 test-engine: $(ENGINE_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine tests/vllm $(PYTEST_ARGS)
+	$(ENGINE_PY) tests/vllm_upstream/run.py
 
 # benchmarks/bench_engine.py: the same engines and models handing off P->D (KV) and E->PD (EC)
 # through ecd and through vLLM's own connectors (ExampleConnector, ECExampleConnector; NixlConnector
@@ -202,7 +211,7 @@ bench-containers: $(VENV)/.installed image-tools
 	ECD_IMAGE="$(IMAGE)" CONTAINERS_CONF="$(CONTAINERS_CONF)" $(PY) benchmarks/bench_containers.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) build *.egg-info .pytest_cache ecd/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) .cache/vllm-upstream build *.egg-info .pytest_cache ecd/*.so
 
 # ---- system install (docs/operating.md) -------------------------------------------------------
 # `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the
