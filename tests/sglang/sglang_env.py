@@ -34,6 +34,21 @@ def mha_host_pool(layout: str = "page_first", *, tokens: int = 256, page_size: i
                                 write_back_staging=device.hicache_write_back_staging)
 
 
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def mla_host_pool(layout: str = "page_first", *, tokens: int = 256, page_size: int = PAGE_SIZE,
+                  dtype: torch.dtype = torch.bfloat16, kv_lora_rank: int = 16, rope_dim: int = 8, layers: int = 2):
+    """SGLang's MLATokenToKVPoolHost over a real MLATokenToKVPool on "cpu" (unpinned memory)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    device = MLATokenToKVPool(tokens, page_size, dtype, kv_lora_rank, rope_dim, layers, "cpu", False,
+                              start_layer=0, end_layer=layers - 1)
+    return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                                pin_memory=False, device="cpu", device_capacity_tokens=device.size,
+                                start_layer=device.start_layer, end_layer=device.end_layer, target_layer_num=layers)
+
+
 def mamba_host_pool(*, layers: int = 2, checkpoints: int = 9):
     """SGLang's MambaPoolHost (page size 1) over real state tensors: a sidecar pool for v2."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo

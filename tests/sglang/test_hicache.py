@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_env import (MHA_LAYOUTS, PAGE_SIZE, USER_CONFIG, fill, make_backend, mamba_host_pool, mha_host_pool,
+from sglang_env import (MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, mla_host_pool, USER_CONFIG, fill, make_backend, mamba_host_pool, mha_host_pool,
                         pages, slots, storage_config)
 
 from ecd.errors import InvalidRequest
@@ -88,11 +88,24 @@ def test_servers_that_differ_in_what_makes_pages_interchangeable_do_not_share(da
         b.close()
 
 
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+def test_mla_round_trip_is_bit_exact(daemon, layout):
+    host = mla_host_pool(layout)
+    backend = make_backend(daemon.endpoint, host, mla=True)
+    fill(host, seed=12)
+    want = pages(host, 0, 3)
+    assert backend.batch_set_v1(["l0", "l1", "l2"], slots(0, 3)) == [True] * 3
+    assert backend.batch_get_v1(["l0", "l1", "l2"], slots(96, 3)) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(want, pages(host, 96, 3)))
+    backend.close()
+
+
 def test_mla_pages_are_shared_across_tp_ranks_and_only_the_writer_writes(daemon):
-    rank0 = make_backend(daemon.endpoint, mha_host_pool(), mla=True, tp_rank=0, tp_size=2)
-    rank1 = make_backend(daemon.endpoint, mha_host_pool(), mla=True, tp_rank=1, tp_size=2)
+    rank0 = make_backend(daemon.endpoint, mla_host_pool(), mla=True, tp_rank=0, tp_size=2)
+    rank1 = make_backend(daemon.endpoint, mla_host_pool(), mla=True, tp_rank=1, tp_size=2)
+    tp1 = make_backend(daemon.endpoint, mla_host_pool(), mla=True, tp_rank=0, tp_size=1)
     mha1 = make_backend(daemon.endpoint, mha_host_pool(), mla=False, tp_rank=1, tp_size=2)
-    assert rank0.namespace == rank1.namespace != mha1.namespace
+    assert rank0.namespace == rank1.namespace == tp1.namespace != mha1.namespace
     assert not rank1.storage_config.is_storage_writer
     fill(rank1.mem_pool_host, seed=5)
     assert rank1.batch_set_v1(["m"], slots(0, 1)) == [True]  # not the writer: nothing stored
@@ -101,7 +114,7 @@ def test_mla_pages_are_shared_across_tp_ranks_and_only_the_writer_writes(daemon)
     assert rank0.batch_set_v1(["m"], slots(0, 1)) == [True]
     assert rank1.batch_get_v1(["m"], slots(64, 1)) == [True]
     assert torch.equal(pages(rank1.mem_pool_host, 64, 1)[0], pages(rank0.mem_pool_host, 0, 1)[0])
-    for b in (rank0, rank1, mha1):
+    for b in (rank0, rank1, tp1, mha1):
         b.close()
 
 
