@@ -16,6 +16,15 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 PAGE_SIZE = 4
+# SGLang refuses a host pool unless the machine has it free beyond a 10 GiB reserve (psutil,
+# sampled per pool): a loaded 23 GiB test VM often has not. Pools here are kilobytes: they are built
+# inside SGLang's own host_memory_budget_scope (what its pool assembler uses) with this budget.
+POOL_BUDGET_BYTES = 256 << 20
+
+
+def budget():
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    return host_memory_budget_scope(POOL_BUDGET_BYTES)
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 USER_CONFIG = {"backend_name": "ecd", "module_path": "ecd.integrations.sglang", "class_name": "EcdHiCacheStorage",
                "interface_v1": 1}
@@ -28,10 +37,11 @@ def mha_host_pool(layout: str = "page_first", *, tokens: int = 256, page_size: i
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     device = MHATokenToKVPool(tokens, page_size, dtype, heads, head_dim, layers, "cpu", False,
                               start_layer=0, end_layer=layers - 1)
-    return MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=device.size,
-                                start_layer=device.start_layer, end_layer=device.end_layer,
-                                write_back_staging=device.hicache_write_back_staging)
+    with budget():
+        return MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=device.size,
+                                    start_layer=device.start_layer, end_layer=device.end_layer,
+                                    write_back_staging=device.hicache_write_back_staging)
 
 
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -44,9 +54,11 @@ def mla_host_pool(layout: str = "page_first", *, tokens: int = 256, page_size: i
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     device = MLATokenToKVPool(tokens, page_size, dtype, kv_lora_rank, rope_dim, layers, "cpu", False,
                               start_layer=0, end_layer=layers - 1)
-    return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=device.size,
-                                start_layer=device.start_layer, end_layer=device.end_layer, target_layer_num=layers)
+    with budget():
+        return MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=device.size,
+                                    start_layer=device.start_layer, end_layer=device.end_layer,
+                                    target_layer_num=layers)
 
 
 def mamba_host_pool(*, layers: int = 2, checkpoints: int = 9):
@@ -55,8 +67,9 @@ def mamba_host_pool(*, layers: int = 2, checkpoints: int = 9):
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     info = MambaStateBufferInfo(temporal=torch.zeros(layers, checkpoints, 3, 4, dtype=torch.float32),
                                 conv=(torch.zeros(layers, checkpoints, 5, 2, dtype=torch.bfloat16),))
-    return MambaPoolHost(info, 2.0, 0, device_capacity=checkpoints, pin_memory=False, device="cpu",
-                         layout="page_first")
+    with budget():
+        return MambaPoolHost(info, 2.0, 0, device_capacity=checkpoints, pin_memory=False, device="cpu",
+                             layout="page_first")
 
 
 def storage_config(extra: dict | None, *, model: str = "test/tiny", tp_rank: int = 0, tp_size: int = 1,

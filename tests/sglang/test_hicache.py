@@ -205,3 +205,9 @@ def test_no_daemon_is_a_miss_not_an_error(tmp_path):
     assert backend.clear() is False
     assert all(torch.equal(a, b) for a, b in zip(before, pages(host, 32, 2)))
     backend.close()
+
+
+def test_a_host_pool_without_data_pages_is_refused_at_attach_saying_why(tmp_path):
+    host = mha_host_pool("page_unified")  # SGLang's own get_data_page refuses this layout
+    with pytest.raises(ValueError, match="cannot page MHATokenToKVPoolHost .layout 'page_unified'.*page_first"):
+        make_backend(f"ipc://{tmp_path}/none.sock", host)

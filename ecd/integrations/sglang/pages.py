@@ -41,7 +41,12 @@ class PoolPages:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
-        probe = pool.get_data_page(0, flat=False)
+        try:
+            probe = pool.get_data_page(0, flat=False)
+        except Exception as exc:  # e.g. MHA's page_unified layout, which has no data page view
+            raise ValueError(f"ecd HiCache storage cannot page {type(pool).__name__} (layout "
+                             f"{getattr(pool, 'layout', None)!r}): {exc}; use --hicache-mem-layout "
+                             f"page_first, page_first_direct or layer_first") from exc
         self.direct = _shares_storage(probe, pool)
         self.page_shape = tuple(probe.shape)
         flat = pool.get_dummy_flat_data_page()
