@@ -211,3 +211,41 @@ def test_a_host_pool_without_data_pages_is_refused_at_attach_saying_why(tmp_path
     host = mha_host_pool("page_unified")  # SGLang's own get_data_page refuses this layout
     with pytest.raises(ValueError, match="cannot page MHATokenToKVPoolHost .layout 'page_unified'.*page_first"):
         make_backend(f"ipc://{tmp_path}/none.sock", host)
+
+
+def test_backup_and_prefetch_threads_at_once(daemon):
+    """SGLang's backup thread and prefetch I/O thread call one backend concurrently."""
+    import threading
+    host = mha_host_pool(tokens=512)
+    backend = make_backend(daemon.endpoint, host, extra={"verify": True})
+    fill(host, seed=13)
+    first = [f"t-a{i}" for i in range(8)]
+    want = pages(host, 0, 8)
+    assert backend.batch_set_v1(first, slots(0, 8)) == [True] * 8
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for r in range(20):
+                keys = [f"t-b{r}-{i}" for i in range(8)]
+                assert backend.batch_set_v1(keys, slots(32, 8)) == [True] * 8
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def prefetch() -> None:
+        try:
+            for _ in range(20):
+                assert backend.batch_exists(first) == 8
+                assert backend.batch_get_v1(first, slots(256, 8)) == [True] * 8
+                assert all(torch.equal(a, b) for a, b in zip(want, pages(host, 256, 8)))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert backend.counters["stored_pages"] == 8 + 160 and backend.counters["loaded_pages"] == 160
+    backend.close()
