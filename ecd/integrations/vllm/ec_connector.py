@@ -79,7 +79,8 @@ from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings, ec_namespace, parse_settings
-from .telemetry import ECConnectorHooks, ECTelemetry
+from .telemetry.hooks import ECConnectorHooks
+from .telemetry.recorders import ECTelemetry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

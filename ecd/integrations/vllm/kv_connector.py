@@ -44,7 +44,9 @@ from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .metadata import BlockTransfer, EcdKVConnectorMetadata, hashes_per_block, world_size
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import kv_namespace, parse_settings
-from .telemetry import KVConnectorHooks, KVTelemetry, WorkerDaemons
+from .telemetry.handshake import WorkerDaemons
+from .telemetry.hooks import KVConnectorHooks
+from .telemetry.recorders import KVTelemetry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
