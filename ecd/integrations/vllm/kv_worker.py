@@ -191,7 +191,8 @@ class EcdKVConnectorWorker:
                            meta={key: about[key] for key, _ in chunk if key in about})
                 return True
             if self.client.call("put_many", put) and self.on_saved is not None:
-                self.on_saved([key for key, _ in chunk], [about[key] for key, _ in chunk if key in about])
+                stored = list(dict.fromkeys(key for key, _ in chunk))  # a block two requests share: once
+                self.on_saved(stored, [about[key] for key in stored if key in about])
 
     def shutdown(self) -> None:
         self.client.close()
