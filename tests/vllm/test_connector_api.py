@@ -37,7 +37,7 @@ from vllm.forward_context import get_forward_context, set_forward_context  # noq
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import ECConnectorOutput, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -299,44 +299,55 @@ def test_handshake_reports_the_workers_daemon_and_the_scheduler_checks_it(engine
         logger.setLevel(level)
 
 
+def to_scheduler(scheduler, worker) -> None:
+    """A worker's step report to its scheduler, as vLLM's model runner (V1 and V2) and
+    scheduler carry it: ECConnectorOutput.ec_connector_worker_meta, pickled across processes."""
+    report = pickle.loads(pickle.dumps(worker.build_connector_worker_meta()))
+    scheduler.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+
+
 def test_ec_stats_reach_vllms_ec_logging_and_prometheus(daemon, tiny_model_dir):
-    producer = make_connector(tiny_model_dir, "ec_producer", WORKER, endpoint=daemon.endpoint)
+    encoder_s = make_connector(tiny_model_dir, "ec_producer", SCHEDULER, endpoint=daemon.endpoint)
+    encoder_w = make_connector(tiny_model_dir, "ec_producer", WORKER, endpoint=daemon.endpoint)
     consumer_s = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint)
     consumer_w = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint)
     try:
         tensor = encoder_output(16, 256, seed=5)
-        producer.save_caches({"mm-a": tensor}, "mm-a")
-        assert not producer.save_caches({}, "mm-missing")  # nothing to save, nothing counted
-        saved = producer.get_ec_connector_stats()
-        assert saved.data["save_items"] == 1 and saved.data["save_bytes"] == tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        encoder_w.save_caches({"mm-a": tensor}, "mm-a")
+        encoder_w.save_caches({}, "mm-missing")  # nothing to save, nothing counted
+        assert encoder_w.get_ec_connector_stats() is None  # a worker's counts go in its step report
+        to_scheduler(encoder_s, encoder_w)
+        saved = encoder_s.get_ec_connector_stats()
+        assert saved.data["save_items"] == 1 and saved.data["save_bytes"] == nbytes and saved.data["save_seconds"] > 0
+        assert encoder_s.get_ec_connector_stats() is None  # taken
 
         assert consumer_s.has_cache_item("mm-a") and not consumer_s.has_cache_item("mm-b")
-        looked = consumer_s.get_ec_connector_stats()
-        assert looked.data["lookups"] == 2 and looked.data["hits"] == 1
-
         cache: dict[str, torch.Tensor] = {}
         consumer_w.bind_connector_metadata(EcdECConnectorMetadata(loads=[
             EcdLoad(mm_hash="mm-a", num_embeds=16, req_id="r", input_id=0, recompute_ok=False)]))
         consumer_w.start_load_caches(cache)
         consumer_w.clear_connector_metadata()
-        loaded = consumer_w.get_ec_connector_stats()
-        assert loaded.data["load_items"] == 1 and loaded.data["load_bytes"] == saved.data["save_bytes"]
-        assert loaded.data.get("load_failed_items", 0) == 0
+        to_scheduler(consumer_s, consumer_w)
+        total = consumer_s.get_ec_connector_stats()  # its lookups and its worker's loads
+        assert total.data["lookups"] == 2 and total.data["hits"] == 1
+        assert total.data["load_items"] == 1 and total.data["load_bytes"] == nbytes
+        assert total.data.get("load_failed_items", 0) == 0 and total.data["load_seconds"] > 0
 
-        # vLLM's EC stat logging and Prometheus (what its stat loggers call with SchedulerStats)
-        total = looked.aggregate(loaded)  # vLLM's scheduler sums worker and scheduler stats so
+        # vLLM's EC stat logging and Prometheus, as its stat loggers call them with SchedulerStats
         config = consumer_s._vllm_config
         logging_ = ECConnectorLogging(config.ec_transfer_config)
         logging_.observe(total.data)
         lines: list[str] = []
         logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
-        assert len(lines) == 1 and "ecd_hits=1" in lines[0] and "ecd_loaded_items=1" in lines[0]
+        assert len(lines) == 1 and lines[0].startswith("EC Transfer metrics: ")
+        assert "ecd_hits=1" in lines[0] and "ecd_loaded_items=1" in lines[0]
         prom = ECConnectorProm(config, ["model_name", "engine"], {0: ["m", "0"]})
         prom.observe(total.data, 0)
         assert sample("vllm:ecd_ec_hits_total", model_name="m", engine="0") == 1
-        assert sample("vllm:ecd_ec_loaded_bytes_total", model_name="m", engine="0") == saved.data["save_bytes"]
+        assert sample("vllm:ecd_ec_loaded_bytes_total", model_name="m", engine="0") == nbytes
     finally:
-        for c in (producer, consumer_s, consumer_w):
+        for c in (encoder_s, encoder_w, consumer_s, consumer_w):
             c.shutdown()
         from vllm.v1.metrics.prometheus import unregister_vllm_metrics
         unregister_vllm_metrics()

@@ -142,7 +142,7 @@ class EcdECConnector(ECConnectorHooks, ECConnectorBase):
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self.connector_worker is None:
             return None
-        return self.connector_worker.build_connector_worker_meta()
+        return self.telemetry.report(self.connector_worker.build_connector_worker_meta())
 
     # ---- scheduler side (ec_scheduler.py) --------------------------------------------------
 
@@ -170,6 +170,7 @@ class EcdECConnector(ECConnectorHooks, ECConnectorBase):
     def update_connector_output(self, connector_output: "ECConnectorOutput") -> None:
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_connector_output(connector_output)
+            self.telemetry.received(connector_output)
 
     def take_unavailable_requests(self) -> set[str]:
         if self.connector_scheduler is None:

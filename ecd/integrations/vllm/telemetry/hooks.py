@@ -80,8 +80,14 @@ class ECConnectorHooks:
     """Mixed into EcdECConnector. Needs `telemetry` (ECTelemetry)."""
 
     telemetry: ECTelemetry
+    connector_scheduler: Any
 
     def get_ec_connector_stats(self) -> EcdECConnectorStats | None:
+        """The scheduler's: its lookups plus the workers' counts (their step reports). A worker
+        answers None: its counts go in build_connector_worker_meta, which both of vLLM's model
+        runners deliver (only the V2 runner collects a worker's get_ec_connector_stats)."""
+        if self.connector_scheduler is None:
+            return None
         return self.telemetry.take_stats()
 
     @classmethod

@@ -3,12 +3,13 @@ recorder per connector, so each vLLM hook is one added line in kv_connector.py /
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ....protocol import KVBlockMeta
-from ..metadata import NULL_BLOCK_ID
+from ..metadata import NULL_BLOCK_ID, EcdECWorkerMetadata
 from .kv_events import ConnectorEvents, EcdKVEvents
-from .stats import EcdECConnectorStats, EcdKVConnectorStats
+from .stats import EcdECConnectorStats, EcdKVConnectorStats, add_counts
 
 MAX_ASKED = 65536  # lookups remembered until their request is allocated or finished
 
@@ -89,8 +90,24 @@ class KVTelemetry:
         return self.events.take()
 
 
+@dataclass
+class EcdECWorkerReport(EcdECWorkerMetadata):
+    """The worker's step report (EcdECWorkerMetadata) plus what it counted: vLLM's V1 model
+    runner does not collect an EC connector's worker-side `get_ec_connector_stats()` (only its
+    V2 runner does), but both hand `build_connector_worker_meta()` to the scheduler, whose
+    `get_ec_connector_stats()` reports the sum."""
+
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> Any:
+        super().aggregate(other)
+        if isinstance(other, EcdECWorkerReport) and other is not self:
+            add_counts(self.stats, other.stats)
+        return self
+
+
 class ECTelemetry:
-    """EcdECConnector's statistics, both roles."""
+    """EcdECConnector's statistics, both roles: the worker's travel in its step report."""
 
     def __init__(self) -> None:
         self.stats = EcdECConnectorStats()
@@ -118,3 +135,19 @@ class ECTelemetry:
 
     def take_stats(self) -> EcdECConnectorStats | None:
         return self.stats.take()
+
+    def report(self, meta: Any) -> Any:
+        """Worker: the step's report with what was counted since the last one."""
+        counted = self.stats.take()
+        if counted is None:
+            return meta
+        report = EcdECWorkerReport(stats=dict(counted.data))
+        if isinstance(meta, EcdECWorkerMetadata):
+            report.loaded, report.recomputed, report.failed = meta.loaded, meta.recomputed, meta.failed
+        return report
+
+    def received(self, connector_output: Any) -> None:
+        """Scheduler: the workers' reports, added to what it counted itself."""
+        meta = getattr(connector_output, "ec_connector_worker_meta", None)
+        if isinstance(meta, EcdECWorkerReport):
+            self.stats.record(**meta.stats)

@@ -53,7 +53,7 @@ EC_COUNTERS: dict[str, tuple[str, str]] = {
 EC_STEPS = ("load_steps", "save_steps")
 
 
-def _add(into: dict[str, Any], counts: dict[str, Any]) -> None:
+def add_counts(into: dict[str, Any], counts: dict[str, Any]) -> None:
     for key, value in counts.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             into[key] = into.get(key, 0) + value
@@ -76,11 +76,11 @@ class _Counted:
         self.data = {}
 
     def record(self, **counts: float) -> None:
-        _add(self.data, counts)
+        add_counts(self.data, counts)
 
     def aggregate(self, other: Any) -> Any:
         if other is not None and other is not self:
-            _add(self.data, getattr(other, "data", None) or {})
+            add_counts(self.data, getattr(other, "data", None) or {})
         return self
 
     def is_empty(self) -> bool:
