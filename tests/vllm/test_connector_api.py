@@ -351,3 +351,39 @@ def test_ec_stats_reach_vllms_ec_logging_and_prometheus(daemon, tiny_model_dir):
             c.shutdown()
         from vllm.v1.metrics.prometheus import unregister_vllm_metrics
         unregister_vllm_metrics()
+
+
+def test_a_block_is_reported_once_when_every_rank_stored_it(engines, tmp_path):
+    """Tensor parallelism: each rank stores its part of a block. Two workers' event containers,
+    merged by vLLM's own KVOutputAggregator as its executor does, reach a scheduler-side
+    ConnectorEvents of a 2-rank engine: a block both ranks stored is reported once, a block only
+    one rank stored (the other's put failed) is not reported at all."""
+    from ecd.integrations.vllm.telemetry.kv_events import ConnectorEvents
+    ranks = []
+    for rank in range(2):
+        engine = engines(namespace=f"tp-rank-{rank}")  # each rank's part under its own keys
+        engine.config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        engine.worker.shutdown()
+        engine.worker = KVConnectorFactory.create_connector(engine.config, KVConnectorRole.WORKER,
+                                                            engine.kv_cache_config)
+        engine.worker.register_kv_caches(engine.caches)
+        ranks.append(engine)
+    both = tokens(35, 2 * BS)
+    for rank, engine in enumerate(ranks):  # both ranks store `both`'s blocks; rank 0 also another block
+        engine.prefill(make_request(f"both-{rank}", both))
+        if rank == 0:
+            engine.prefill(make_request("only-0", tokens(36, BS)))
+    outputs = []
+    for engine in ranks:
+        events = engine.worker.get_kv_connector_kv_cache_events()
+        outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+            kv_cache_events=pickle.loads(pickle.dumps(events)))))  # each from its worker process
+    assert len(outputs[0].kv_connector_output.kv_cache_events.get_all_events()) == 3
+    merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
+    scheduler_side = ConnectorEvents(enabled=True, world=2)
+    scheduler_side.received(merged.kv_connector_output)
+    reported = list(scheduler_side.take_events())
+    assert sorted(len(e.token_ids) for e in reported) == [BS, BS]
+    assert {h for e in reported for h in e.block_hashes} == \
+        {h for e in outputs[1].kv_connector_output.kv_cache_events.get_all_events() for h in e.block_hashes}
+    assert list(scheduler_side.take_events()) == []  # taken
