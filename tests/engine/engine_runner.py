@@ -17,7 +17,8 @@ batch empties the engine's own prefix cache first, so its prompts are computed o
 A prompt {"prompt": text, "image_seed": n} carries mm_engine.make_image(n) as its image (a PIL
 image is not JSON). With `"disable_log_stats": false` in llm_kwargs each output also carries
 vLLM's per-request "metrics" (first_token_latency: TTFT from arrival, seconds; engine-core
-timestamps), and "seconds" the monotonic start of each batch ("batch_starts"). For a hand-off
+timestamps), "seconds" the monotonic start of each batch ("batch_starts"), and the result's
+"ecd_metrics" vLLM's own Prometheus counters of ecd's connectors (`vllm:ecd_*`, summed over labels). For a hand-off
 decided at run time (NIXL's, whose parameters come from the producer's outputs) a batch may name
 `"kv_transfer_params_file"` (JSON, a list as for "kv_transfer_params", read when the batch starts)
 and `"publish": true` writes that batch's outputs to `OUT.batch.N.json` as soon as it is done.
@@ -188,6 +189,19 @@ def _metrics(out: Any) -> dict[str, float] | None:
              "num_generation_tokens")}
 
 
+def _ecd_metrics(llm: Any, spec: dict[str, Any]) -> dict[str, float]:
+    """vLLM's own Prometheus metrics named vllm:ecd_* (ecd's connector statistics), summed over
+    their labels; empty unless the LLM was built with disable_log_stats=False."""
+    if spec["llm_kwargs"].get("disable_log_stats", True):
+        return {}
+    found: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if metric.name.startswith("vllm:ecd_") and isinstance(value, (int, float)):
+            found[metric.name] = found.get(metric.name, 0.0) + float(value)
+    return found
+
+
 def _child(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -234,7 +248,7 @@ def _child(spec_path: str, out_path: str) -> None:
             os.replace(f"{out_path}.batch.{n}.json.tmp", f"{out_path}.batch.{n}.json")
     tmp = f"{out_path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"batches": batches, "seconds": seconds}, f)
+        json.dump({"batches": batches, "seconds": seconds, "ecd_metrics": _ecd_metrics(llm, spec)}, f)
     os.replace(tmp, out_path)
     print(f"engine_runner: done in {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
 

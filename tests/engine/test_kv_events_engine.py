@@ -2,7 +2,9 @@
 own KV events while it saves its blocks through ecd, and ecd publishes its events ([events]). Both
 streams are read by one subscriber and decoded with vLLM's own `KVEventBatch`: every block the
 engine stored and ecd saved has the same hash, parent, tokens and block size in both, so an
-indexer keyed by the engine's hashes (llm-d's, Dynamo's) finds ecd's copies without a change.
+indexer keyed by the engine's hashes (llm-d's, Dynamo's) finds ecd's copies without a change. The
+engine's own stream also carries the blocks its connector stored in ecd (medium "CPU"), and its
+own Prometheus metrics ecd's connector statistics.
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def test_ecd_publishes_the_engines_own_block_hashes(ecd_daemon_factory, tiny_lla
                             workdir=engine_workdir, llm_kwargs={
                                 "kv_transfer_config": kv_transfer_config("kv_producer", daemon.endpoint),
                                 "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                                     "endpoint": engine_events, "topic": "kv"}})
+                                                     "endpoint": engine_events, "topic": "kv"},
+                                "disable_log_stats": False})  # vLLM's own metrics, ecd's counters in them
         deadline = time.monotonic() + 10
         outputs = result["batches"][0]
         prompt_blocks = {tuple(o["prompt_token_ids"][i * BLOCK:(i + 1) * BLOCK]) for o in outputs
@@ -122,6 +125,17 @@ def test_ecd_publishes_the_engines_own_block_hashes(ecd_daemon_factory, tiny_lla
         assert (parent, tokens, block_size) == theirs[:3]
         assert medium == "CPU"  # ecd's copy is in its host pool
         assert tuple(tokens) in prompt_blocks
+    # The engine's own stream carries, from the connector (get_kv_connector_kv_cache_events ->
+    # update_connector_output -> take_events), the very blocks ecd stored, medium "CPU".
+    connector_blocks = {h for name, _, _, b in sub.batches if name == "engine" for e in b.events
+                        if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes}
+    assert connector_blocks == set(ecd)
+    # vLLM's own Prometheus metrics show what the connector saved (its statistics), and no loads.
+    metrics = result["ecd_metrics"]
+    assert metrics.get("vllm:ecd_kv_saved_blocks") == len(ecd), metrics
+    # (LLM.get_metrics() reads counters as int: the *_seconds counters are below 1 s here)
+    assert metrics.get("vllm:ecd_kv_saved_bytes", 0) > 0 and "vllm:ecd_kv_save_seconds" in metrics
+    assert metrics.get("vllm:ecd_kv_lookup_requests") == len(PROMPTS) and not metrics.get("vllm:ecd_kv_hit_tokens")
     # Nothing was evicted or removed in this run: no BlockRemoved from ecd.
     assert not any(isinstance(e, BlockRemoved) for name, _, _, b in sub.batches if name == "ecd" for e in b.events)
     # Sequence numbers on the topic are contiguous (vLLM's subscribers ask for a replay on a gap).

@@ -66,6 +66,7 @@ with the KV connector).
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +79,8 @@ from .lazy_client import LOG_INTERVAL_S, LazyClient
 from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings, ec_namespace, parse_settings
+from .telemetry.hooks import ECConnectorHooks
+from .telemetry.recorders import ECTelemetry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,7 +93,7 @@ __all__ = ["EcdECConnector", "EcdECConnectorMetadata", "EcdECWorkerMetadata", "E
 logger = connector_logger("ec_connector")  # "vllm.ecd.ec_connector": shown in the engine's log
 
 
-class EcdECConnector(ECConnectorBase):
+class EcdECConnector(ECConnectorHooks, ECConnectorBase):
     """vLLM EC connector over the node-local ecd daemon (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
@@ -108,6 +111,7 @@ class EcdECConnector(ECConnectorBase):
                                  log)
         self.connector_scheduler: EcdECConnectorScheduler | None = None
         self.connector_worker: EcdECConnectorWorker | None = None
+        self.telemetry = ECTelemetry()  # statistics (telemetry/: the hooks are ECConnectorHooks')
         if role == ECConnectorRole.SCHEDULER:
             self.connector_scheduler = EcdECConnectorScheduler(vllm_config, self.settings, self.is_producer,
                                                                self.is_consumer, self.client, log)
@@ -125,23 +129,29 @@ class EcdECConnector(ECConnectorBase):
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         if self.connector_worker is not None:
-            self.connector_worker.save_caches(encoder_cache, mm_hash, **kwargs)
+            started = time.perf_counter()
+            if self.connector_worker.save_caches(encoder_cache, mm_hash, **kwargs):
+                self.telemetry.saved(encoder_cache, mm_hash, time.perf_counter() - started)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
         if self.connector_worker is not None:
+            started = self.telemetry.loading(self._connector_metadata, encoder_cache)
             self.connector_worker.start_load_caches(self._connector_metadata, encoder_cache)
+            self.telemetry.loaded(started, encoder_cache)
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if self.connector_worker is None:
             return None
-        return self.connector_worker.build_connector_worker_meta()
+        return self.telemetry.report(self.connector_worker.build_connector_worker_meta())
 
     # ---- scheduler side (ec_scheduler.py) --------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
         if self.connector_scheduler is None:
             return False
-        return self.connector_scheduler.has_cache_item(identifier)
+        found = self.connector_scheduler.has_cache_item(identifier)
+        self.telemetry.looked_up(found)
+        return found
 
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
         if self.connector_scheduler is None:
@@ -160,6 +170,7 @@ class EcdECConnector(ECConnectorBase):
     def update_connector_output(self, connector_output: "ECConnectorOutput") -> None:
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_connector_output(connector_output)
+            self.telemetry.received(connector_output)
 
     def take_unavailable_requests(self) -> set[str]:
         if self.connector_scheduler is None:

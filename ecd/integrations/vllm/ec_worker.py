@@ -54,22 +54,25 @@ class EcdECConnectorWorker:
 
     # ---- producer ----
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> bool:
         """Publish encoder_cache[mm_hash]. The put copies into the pool before it returns, so the
         engine may reuse or free its tensor at once; the engine waits for that copy and one round
         trip, nothing else. A GPU tensor is copied on the engine's current stream into the
         daemon's arena on that GPU (`[pool.cuda]`), or by DMA into the host pool when the node has
         none; the put returns once that copy is complete."""
         if not self._is_producer:
-            return
+            return False
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
-            return
+            return False
         tensor = tensor.detach()
         # Marked as an encoder output: published on the encoder topic ([events]) and, by default,
         # registered in the fleet directory ([cluster] directory) so other nodes find it.
         about = EncoderMeta(num_tokens=int(tensor.shape[0]) if tensor.dim() else 0)  # its key is the mm_hash
-        self.client.call("save", lambda c: c.put(mm_hash, tensor, meta=about))
+        def put(c) -> bool:
+            c.put(mm_hash, tensor, meta=about)
+            return True
+        return bool(self.client.call("save", put))
 
     # ---- consumer ----
 

@@ -30,6 +30,7 @@ back-off (lazy_client.py, shared with the EC connector).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,9 +41,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .kv_scheduler import EcdKVConnectorScheduler
 from .kv_worker import EcdKVConnectorWorker
 from .lazy_client import LOG_INTERVAL_S, LazyClient
-from .metadata import BlockTransfer, EcdKVConnectorMetadata, hashes_per_block
+from .metadata import BlockTransfer, EcdKVConnectorMetadata, hashes_per_block, world_size
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import kv_namespace, parse_settings
+from .telemetry.handshake import WorkerDaemons
+from .telemetry.hooks import KVConnectorHooks
+from .telemetry.recorders import KVTelemetry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,7 +61,7 @@ __all__ = ["BlockTransfer", "EcdKVConnector", "EcdKVConnectorMetadata"]
 logger = connector_logger("kv_connector")  # "vllm.ecd.kv_connector": shown in the engine's log
 
 
-class EcdKVConnector(KVConnectorBase_V1):
+class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
     """vLLM v1 KV connector keeping full KV blocks in the node's ecd daemon."""
 
     _cache_hit_source = CacheHitSource.HOST  # ecd's pool is host shared memory
@@ -77,11 +81,15 @@ class EcdKVConnector(KVConnectorBase_V1):
                                  populate=role == KVConnectorRole.WORKER)
         self.connector_scheduler: EcdKVConnectorScheduler | None = None
         self.connector_worker: EcdKVConnectorWorker | None = None
+        # statistics, KV events, handshake (telemetry/: the hooks are KVConnectorHooks')
+        self.telemetry = KVTelemetry(vllm_config, world_size(vllm_config))
+        self.worker_daemons = WorkerDaemons(self.client, logger) if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = EcdKVConnectorScheduler(vllm_config, self.settings, per_block,
                                                                self.client, log)
         else:
             self.connector_worker = EcdKVConnectorWorker(vllm_config, kv_cache_config, self.client, log)
+            self.connector_worker.on_saved = self._on_saved
         logger.info("ecd kv connector (%s): endpoint %s, namespace %s", role.name.lower(),
                     self.settings.endpoint, self.namespace)
 
@@ -94,11 +102,14 @@ class EcdKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.connector_scheduler is None:
             return 0, False
-        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        answer = self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self.telemetry.asked(request, num_computed_tokens, answer)
+        return answer
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+            self.telemetry.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self.connector_scheduler is None:
@@ -108,10 +119,12 @@ class EcdKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any):
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_connector_output(connector_output)
+            self.telemetry.events.received(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.connector_scheduler is None:
             return False, None
+        self.telemetry.finished(request)
         return self.connector_scheduler.request_finished(request, block_ids)
 
     # ==== worker side (kv_worker.py) =============================================================
@@ -122,7 +135,9 @@ class EcdKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.connector_worker is not None:
+            self.telemetry.load_started()
             self.connector_worker.start_load_kv(self._connector_metadata)
+            self.telemetry.load_done(self._connector_metadata, self._entry_nbytes())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv finished every layer before the forward pass started
@@ -136,12 +151,16 @@ class EcdKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         if self.connector_worker is not None:
+            started = time.perf_counter()
             self.connector_worker.wait_for_save(self._connector_metadata)
+            self.telemetry.save_time(self._connector_metadata, time.perf_counter() - started)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:
             return set()
-        return self.connector_worker.get_block_ids_with_load_errors()
+        errors = self.connector_worker.get_block_ids_with_load_errors()
+        self.telemetry.load_failed(errors, self._entry_nbytes())
+        return errors
 
     # ==== both ===================================================================================
 

@@ -14,7 +14,7 @@ reported through `get_block_ids_with_load_errors` (vLLM then recomputes those bl
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -57,6 +57,9 @@ class EcdKVConnectorWorker:
         self._paged: PagedKV | None = None
         self._rank_suffix = ""
         self._load_errors: set[int] = set()
+        # Told of every put_many that stored: (keys, their KVBlockMeta), for the connector's
+        # statistics and KV events (telemetry/recorders.py).
+        self.on_saved: Callable[[list[str], list[KVBlockMeta]], None] | None = None
 
     @property
     def paged(self) -> PagedKV | None:
@@ -183,8 +186,13 @@ class EcdKVConnectorWorker:
                 self._log.warning("gather", "staging %d blocks to save failed: %s: %s", len(chunk),
                                   type(exc).__name__, exc)
                 continue
-            self.client.call("put_many", lambda c: c.put_many({key: t for (key, _), t in zip(chunk, tensors)},
-                                                             meta={key: about[key] for key, _ in chunk if key in about}))
+            def put(c, chunk=chunk, tensors=tensors) -> bool:
+                c.put_many({key: t for (key, _), t in zip(chunk, tensors)},
+                           meta={key: about[key] for key, _ in chunk if key in about})
+                return True
+            if self.client.call("put_many", put) and self.on_saved is not None:
+                stored = list(dict.fromkeys(key for key, _ in chunk))  # a block two requests share: once
+                self.on_saved(stored, [about[key] for key in stored if key in about])
 
     def shutdown(self) -> None:
         self.client.close()
