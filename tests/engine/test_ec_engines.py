@@ -11,7 +11,9 @@ monolithic engine (no connector) on the same checkpoint and prompts.
 - Negative control: an encoder with other vision weights under the consumer's namespace makes
   the consumer's tokens diverge (so the tests above compare loaded bytes, not a local encode).
 - EC failure: entries lost between the scheduler's hit and the worker's load (deleted; daemon
-  restarted): the request completes with the monolithic tokens and the engine keeps serving.
+  restarted cold; corrupted, with `verify`): the request completes with the monolithic tokens
+  and the engine keeps serving; a daemon that restarts adopting its pool in that window still
+  serves the load.
 
 Needs the engine venv (`make test-engine`); skips where vLLM is not installed.
 """
