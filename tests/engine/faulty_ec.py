@@ -6,6 +6,9 @@ The fault comes from the environment (the engine core is a child process: it inh
 ECD_TEST_FAULT_MODE and ECD_TEST_FAULT_DIR.
 - mode "delete": the first step that loads anything deletes those entries from the daemon
   (as `ecd evict --force` would: a pin does not stop it), then loads.
+- mode "corrupt": the first such step flips a byte of each of those entries in the daemon's
+  pool (corrupt_pool.py: indexed, pinned, their checksum kept), then loads; the connector must
+  be set `"verify": true` to catch it.
 - mode "restart": the first such step writes DIR/paused and waits (up to 60 s) for DIR/resume,
   which the test writes after it restarted the daemon; then loads.
 Every step that loaded appends {"loaded", "recomputed", "failed"} to DIR/loads.jsonl, so the test
@@ -30,6 +33,11 @@ class FaultyEcdECConnector(EcdECConnector):
         mode, folder = self.fault["mode"], self.fault["dir"]
         if mode == "delete":
             self.client.call("fault", lambda c: c.delete(keys))
+        elif mode == "corrupt":
+            from corrupt_pool import corrupt_entries
+            flipped = self.client.call("fault", lambda c: corrupt_entries(c, keys))
+            with open(os.path.join(folder, "corrupted"), "w") as f:
+                f.write(str(flipped))
         elif mode == "restart":
             open(os.path.join(folder, "paused"), "w").close()
             deadline = time.monotonic() + 60

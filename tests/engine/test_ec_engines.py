@@ -11,7 +11,9 @@ monolithic engine (no connector) on the same checkpoint and prompts.
 - Negative control: an encoder with other vision weights under the consumer's namespace makes
   the consumer's tokens diverge (so the tests above compare loaded bytes, not a local encode).
 - EC failure: entries lost between the scheduler's hit and the worker's load (deleted; daemon
-  restarted): the request completes with the monolithic tokens and the engine keeps serving.
+  restarted cold; corrupted, with `verify`): the request completes with the monolithic tokens
+  and the engine keeps serving; a daemon that restarts adopting its pool in that window still
+  serves the load.
 
 Needs the engine venv (`make test-engine`); skips where vLLM is not installed.
 """
@@ -186,3 +188,69 @@ def test_ec_miss_after_hit_never_kills_the_engine(ecd_daemon, paligemma, mono, t
     assert not first["loaded"] and not first["failed"], steps
     assert_same_generation(out, mono, 0)
     assert_same_generation(out, mono, 1)  # still serving, same tokens
+
+
+def test_ec_corrupt_after_hit_is_encoded_in_place(ecd_daemon, paligemma, mono, tmp_path):
+    """Encoder and consumer set `"verify": true`. After the scheduler found and pinned the
+    embedding, its bytes are changed in the daemon's pool (faulty_ec.py, mode "corrupt"): the
+    worker's verified load rejects it, the connector hands the item back to the model runner,
+    which encodes it in the same step: the monolithic tokens; the entry stays corrupt in the pool,
+    and the second round in the same engine still gives the monolithic tokens."""
+    producer = ec("ec_producer", ecd_daemon)
+    producer["extra"]["verify"] = True
+    out = run_engine(spec(paligemma["main"], max_tokens=1, ec=producer), tmp_path, "encoder")
+    assert all(res["error"] is None for res in out["results"][0]), out["results"]
+    fault_dir = tmp_path / "fault"
+    fault_dir.mkdir()
+    consumer = ec("ec_consumer", ecd_daemon, connector="FaultyEcdECConnector", module="faulty_ec")
+    consumer["extra"]["verify"] = True
+    run = EngineRun(spec(paligemma["main"], ec=consumer, rounds=2), tmp_path, "pd-corrupt",
+                    env={"ECD_TEST_FAULT_MODE": "corrupt", "ECD_TEST_FAULT_DIR": str(fault_dir)})
+    try:
+        out = run.result(300)
+    finally:
+        run.kill()
+    print(f"[fault corrupt] engine start {out['start_s']:.1f}s, rounds {out['run_s']}")
+    steps = [json.loads(line) for line in (fault_dir / "loads.jsonl").read_text().splitlines()]
+    first = steps[0]
+    assert int((fault_dir / "corrupted").read_text()) == len(first["keys"]) > 0, steps  # flipped, checksummed
+    # the verified load rejected them, and the worker encoded them itself instead
+    assert first["recomputed"] == first["keys"] and not first["loaded"] and not first["failed"], steps
+    with ecd_daemon.client() as client:
+        assert client.stats()["integrity_failures"] >= len(first["keys"])  # counted by the daemon
+    assert_same_generation(out, mono, 0)
+    assert_same_generation(out, mono, 1)  # still serving, same tokens
+
+
+def test_ec_adopting_restart_between_hit_and_load_still_loads(ecd_daemon, paligemma, mono, tmp_path):
+    """The scheduler found and pinned the embedding; before the worker loads it the daemon
+    restarts and adopts its pool (the default [restart]; the cold restart is
+    test_ec_miss_after_hit_never_kills_the_engine's "restart"). The pins died with the old run,
+    the entries did not: the worker's Client reconnects on its own and loads them, nothing is
+    encoded locally, the tokens are the monolithic ones, and a second round too."""
+    publish(ecd_daemon, paligemma["main"], tmp_path)
+    fault_dir = tmp_path / "fault"
+    fault_dir.mkdir()
+    consumer = ec("ec_consumer", ecd_daemon, connector="FaultyEcdECConnector", module="faulty_ec")
+    run = EngineRun(spec(paligemma["main"], ec=consumer, rounds=2), tmp_path, "pd-restart-adopt",
+                    env={"ECD_TEST_FAULT_MODE": "restart", "ECD_TEST_FAULT_DIR": str(fault_dir)})
+    try:
+        deadline = time.monotonic() + 300
+        while not (fault_dir / "paused").exists():
+            assert run.proc.poll() is None, run.log_tail()
+            assert time.monotonic() < deadline, "the consumer never reached a load"
+            time.sleep(0.1)
+        ecd_daemon.restart(cold=False)
+        with ecd_daemon.client() as client:
+            assert client.stats()["restart"]["adopted"] is True
+        (fault_dir / "resume").touch()
+        out = run.result(300)
+    finally:
+        run.kill()
+    print(f"[fault restart, adopted] engine start {out['start_s']:.1f}s, rounds {out['run_s']}")
+    steps = [json.loads(line) for line in (fault_dir / "loads.jsonl").read_text().splitlines()]
+    first = steps[0]
+    assert first["keys"] and first["loaded"] == first["keys"], steps  # from the adopted pool
+    assert not first["recomputed"] and not first["failed"], steps
+    assert_same_generation(out, mono, 0)
+    assert_same_generation(out, mono, 1)

@@ -198,3 +198,28 @@ def test_endpoints_without_a_socket_file_are_not_probed(monkeypatch):
         h = holder(endpoint, f)
         assert h.call("op", lambda c: c) is f.made[0]
         assert h.call("op", lambda c: c) is f.made[0]  # and no stat drops it
+
+
+def test_skipping_corrupt_drops_each_corrupt_key_and_reads_the_rest_again():
+    from ecd.errors import IntegrityError
+    keys = ["a", "bad1", "c", "bad2", "e"]
+    reads: list[list[str]] = []
+
+    def read(picked: list[int]) -> list[str]:
+        asked = [keys[i] for i in picked]
+        reads.append(asked)
+        for k in asked:  # as a verifying get_many: raises for the first corrupt entry it meets
+            if k.startswith("bad"):
+                raise IntegrityError("corrupt", key=k)
+        return asked
+
+    got, corrupt = lazy_client.skipping_corrupt(keys, read)
+    assert got == ["a", "c", "e"] and corrupt == [1, 3]
+    assert reads == [keys, ["a", "c", "bad2", "e"], ["a", "c", "e"]]
+
+    def truncated(picked: list[int]) -> list[str]:  # a pool cut under the reader: names no key
+        raise IntegrityError("host pool segment 0 was truncated")
+
+    with pytest.raises(IntegrityError):
+        lazy_client.skipping_corrupt(keys, truncated)
+    assert lazy_client.skipping_corrupt([], lambda picked: picked) == ([], [])

@@ -12,7 +12,7 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 
 from ...protocol import EncoderMeta
-from .lazy_client import LazyClient
+from .lazy_client import LazyClient, skipping_corrupt
 from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
 from .ratelimit import RateLimitedLog
 
@@ -70,7 +70,7 @@ class EcdECConnectorWorker:
         # registered in the fleet directory ([cluster] directory) so other nodes find it.
         about = EncoderMeta(num_tokens=int(tensor.shape[0]) if tensor.dim() else 0)  # its key is the mm_hash
         def put(c) -> bool:
-            c.put(mm_hash, tensor, meta=about)
+            c.put(mm_hash, tensor, meta=about, checksum=self.client.settings.verify)
             return True
         return bool(self.client.call("save", put))
 
@@ -88,8 +88,7 @@ class EcdECConnectorWorker:
             self._device = engine_device()
         # straight to the engine's device: peer-to-peer or device-to-device from an arena, DMA
         # from the host pool; complete when get_many returns
-        tensors = self.client.call("load", lambda c: c.get_many([load.mm_hash for load in todo],
-                                                            missing_ok=True, device=self._device))
+        tensors = self.client.call("load", lambda c: self._get_verified(c, [load.mm_hash for load in todo]))
         if tensors is None:
             tensors = [None] * len(todo)
         for load, tensor in zip(todo, tensors):
@@ -110,6 +109,27 @@ class EcdECConnectorWorker:
                               "cannot encode it (no media, or tensor parallel > 1): the request "
                               "is failed (retryable)", load.mm_hash, load.req_id)
 
+    def _get_verified(self, c: Any, keys: list[str]) -> list[torch.Tensor | None]:
+        """get_many of `keys`, None for a missing one and, with `verify` (or in a verify
+        namespace), for one whose bytes do not match its producer's checksum: that item alone is
+        then recomputed or failed, as a missing one is; the others still load."""
+        verify = self.client.settings.verify
+
+        def read(picked: list[int]) -> list[torch.Tensor | None]:
+            if not picked:
+                return []
+            return c.get_many([keys[i] for i in picked], missing_ok=True, verify=verify, device=self._device)
+
+        got, corrupt = skipping_corrupt(keys, read)
+        if not corrupt:
+            return got
+        self._log.log(logging.WARNING, "load:corrupt", "ecd entries %s failed verification (their bytes do not "
+                      "match the producer's checksum): not loaded", [keys[i] for i in corrupt])
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for i, tensor in zip([i for i in range(len(keys)) if i not in corrupt], got):
+            out[i] = tensor
+        return out
+
     def _recompute_in_step(self, load: EcdLoad, meta: EcdECConnectorMetadata) -> bool:
         """Hand a failed load back to the model runner to encode in this step (ec_connector.py)."""
         inputs = meta.scheduled_encoder_inputs
@@ -119,7 +139,7 @@ class EcdECConnectorWorker:
         if load.input_id not in ids:
             ids.append(load.input_id)
         self._log.log(logging.WARNING, "load:recompute",
-                      "ecd entry %s missing at load (deleted, or the daemon restarted): "
+                      "ecd entry %s missing at load (deleted, evicted, corrupt, or the daemon restarted): "
                       "encoding it locally in this step", load.mm_hash)
         return True
 

@@ -10,7 +10,9 @@ worker stores its own part of a block under the block's key plus its rank (metad
 
 Every failure is caught, logged (rate-limited) and becomes a skipped save or a load error
 reported through `get_block_ids_with_load_errors` (vLLM then recomputes those blocks with
-`kv_load_failure_policy: "recompute"`, or fails the request with the default "fail").
+`kv_load_failure_policy: "recompute"`, or fails the request with the default "fail"). With
+`verify` a block whose bytes do not match its producer's checksum is such a load error, alone:
+the step's other blocks still load (lazy_client.skipping_corrupt).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...protocol import KVBlockMeta
-from .lazy_client import LazyClient, batches
+from .lazy_client import LazyClient, batches, skipping_corrupt
 from .metadata import NULL_BLOCK_ID, EcdKVConnectorMetadata, rank_suffix, world_size
 from .paged_kv import PagedKV
 from .ratelimit import RateLimitedLog, connector_logger
@@ -114,26 +116,47 @@ class EcdKVConnectorWorker:
             self._log.warning("load", "cannot load %d blocks: %s", len(ids),
                               "no usable KV caches" if paged is None else "the daemon is unavailable")
             return
-        device = None if paged.use_numpy else paged.device
         missing = 0
+        corrupt: list[int] = []
         for key_chunk, id_chunk in zip(batches(keys, client.limits.max_batch),
                                        batches(ids, client.limits.max_batch)):
-            if paged.use_numpy:  # a CPU engine: one copy, out of the pool straight into its blocks
-                def load(c, keys=key_chunk, ids=id_chunk):
-                    with c.view_many(keys, missing_ok=True) as views:
-                        return self._scatter_found(paged, ids, views)
-            else:  # a GPU engine: straight onto the cache's device, complete when get_many returns
-                def load(c, keys=key_chunk, ids=id_chunk):
-                    return self._scatter_found(paged, ids, c.get_many(keys, missing_ok=True, device=device))
+            def load(c, keys=key_chunk, ids=id_chunk):
+                return self._load_verified(c, paged, keys, ids, corrupt)
             done = self.client.call("get_many", load)
             if done is None:
                 self._load_errors.update(id_chunk)
                 continue
             missing += done[0]
             self._load_errors.update(done[1])
+        if corrupt:
+            self._log.warning("load-corrupt", "%d of %d pinned blocks failed verification (their bytes do not "
+                              "match the producer's checksum): not loaded; vLLM recomputes them", len(corrupt),
+                              len(ids))
         if missing:
             self._log.warning("load-miss", "%d of %d pinned blocks could not be read (evicted, deleted "
                               "or of another layout); vLLM recomputes them", missing, len(ids))
+
+    def _load_verified(self, c: Any, paged: PagedKV, keys: list[str], ids: list[int],
+                       corrupt: list[int]) -> tuple[int, list[int]]:
+        """One batch into the paged cache: (missing, block ids that did not load). A block that
+        fails verification (`verify`, or a verify namespace) is not loaded, like a missing one:
+        its id is added to `corrupt` and to the failed ids, and the others still load."""
+        verify = self.client.settings.verify
+
+        def read(picked: list[int]) -> tuple[int, list[int]]:
+            some_keys, some_ids = [keys[i] for i in picked], [ids[i] for i in picked]
+            if not some_keys:
+                return 0, []
+            if paged.use_numpy:  # a CPU engine: one copy, out of the pool straight into its blocks
+                with c.view_many(some_keys, missing_ok=True, verify=verify) as views:
+                    return self._scatter_found(paged, some_ids, views)
+            # a GPU engine: straight onto the cache's device, complete when get_many returns
+            return self._scatter_found(paged, some_ids, c.get_many(some_keys, missing_ok=True, verify=verify,
+                                                                   device=paged.device))
+
+        (missing, failed), bad = skipping_corrupt(keys, read)
+        corrupt.extend(ids[i] for i in bad)
+        return missing, failed + [ids[i] for i in bad]
 
     def _scatter_found(self, paged: PagedKV, ids: list[int], got: list[torch.Tensor | None]) -> tuple[int, list[int]]:
         """PagedKV.scatter_found, its failure logged: (missing, block ids that did not load)."""
@@ -188,7 +211,8 @@ class EcdKVConnectorWorker:
                 continue
             def put(c, chunk=chunk, tensors=tensors) -> bool:
                 c.put_many({key: t for (key, _), t in zip(chunk, tensors)},
-                           meta={key: about[key] for key, _ in chunk if key in about})
+                           meta={key: about[key] for key, _ in chunk if key in about},
+                           checksum=self.client.settings.verify)
                 return True
             if self.client.call("put_many", put) and self.on_saved is not None:
                 stored = list(dict.fromkeys(key for key, _ in chunk))  # a block two requests share: once

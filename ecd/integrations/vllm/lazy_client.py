@@ -36,7 +36,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from ...errors import DaemonUnavailable, EcdError
+from ...errors import DaemonUnavailable, EcdError, IntegrityError
 from .ratelimit import RateLimitedLog
 from .settings import ConnectorSettings
 
@@ -334,3 +334,22 @@ class StepPins:
         self.flush()
         self._closed = True
         self._wake.set()
+
+
+def skipping_corrupt(keys: list[str], read: Callable[[list[int]], T]) -> tuple[T, list[int]]:
+    """A verified read of `keys` in which an entry that fails verification is a miss of that
+    entry alone, as if it had been evicted, not a failure of the whole batch: `read(picked)` reads
+    keys[i] for the indices `picked`; when it raises IntegrityError naming one of them (a verifying
+    get_many/view_many raises for the first corrupt entry, before any byte is handed out), that
+    index is dropped and the rest read again. Returns read's result and the dropped indices.
+    Other errors, and an IntegrityError naming no key of the batch (a truncated pool), propagate."""
+    picked = list(range(len(keys)))
+    corrupt: list[int] = []
+    while True:
+        try:
+            return read(picked), corrupt
+        except IntegrityError as exc:
+            at = next((n for n, i in enumerate(picked) if keys[i] == exc.key), None)
+            if at is None:
+                raise
+            corrupt.append(picked.pop(at))

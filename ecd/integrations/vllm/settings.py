@@ -20,6 +20,10 @@ class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     namespace: str = ""  # "" = derived from model, dtype and layout
     pin_seconds: float = 60.0  # how long a scheduler-side hit stays pinned for the worker's load
     load_timeout_s: float = 5.0  # per daemon round trip (and the longest a load may wait)
+    # Producers store an xxh3-64 checksum with every entry; consumers verify it on every load, and
+    # an entry whose bytes do not match is a miss (recomputed), never loaded. A daemon's
+    # `[namespaces.X] verify = true` does the same for namespace X whatever this says.
+    verify: bool = False
     # The peer plane ([cluster] of the daemons; docs/vllm.md, "Across nodes"). Consumers: ask the
     # local daemon to pull what is missing from its configured peers (a KV request that carries
     # a producer's ecd kv_transfer_params is fetched from that producer whatever this says).
