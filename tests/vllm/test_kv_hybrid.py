@@ -322,3 +322,23 @@ def test_recompute_after_a_sliding_block_lost_before_its_load(engines, daemon):
     assert c_sliding[4] != NULL_BLOCK_ID
     assert torch.equal(bits(producer.block(SLIDING_LAYER, p_sliding[4])),
                        bits(consumer.block(SLIDING_LAYER, c_sliding[4])))
+
+
+def test_a_group_ecd_cannot_store_turns_the_connector_off(tiny_model_dir, daemon):
+    """Chunked local attention (like Mamba state) is not a kind ecd stores: the connector says
+    why at start-up and neither loads nor saves, rather than load a partial state."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    config = make_vllm_config(tiny_model_dir, kv_role="kv_both", block_size=BS,
+                              extra={"endpoint": daemon.endpoint})
+    config.cache_config.kv_cache_layout = "LBHNC"
+    config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    common = dict(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    full, local = FullAttentionSpec(**common), ChunkedLocalAttentionSpec(attention_chunk_size=4 * BS, **common)
+    kv_cache_config = get_kv_cache_config_from_groups(
+        config, [KVCacheGroupSpec([FULL_LAYER], full), KVCacheGroupSpec([SLIDING_LAYER], local)],
+        NUM_BLOCKS * full.page_size_bytes)
+    groups = kv_groups(kv_cache_config, BS)
+    assert groups.unsupported is not None and "ChunkedLocalAttentionSpec" in groups.unsupported
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    request = make_request("r", tokens(6, 4 * BS + 1))
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
