@@ -342,3 +342,38 @@ def test_a_group_ecd_cannot_store_turns_the_connector_off(tiny_model_dir, daemon
     connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     request = make_request("r", tokens(6, 4 * BS + 1))
     assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_chunked_prefill_saves_sliding_blocks_before_vllm_frees_them(engines, daemon):
+    """A prompt prefilled in chunks of two blocks: vLLM frees the sliding window's blocks that
+    fall out of the window at each later chunk, so each block must be saved by the step that
+    completes it. Every block of both groups is in ecd, and a consumer loads them bit-exact."""
+    producer = engines()
+    producer.scheduler.scheduler_config.max_num_batched_tokens = 2 * BS
+    prompt = tokens(7, 6 * BS + 5)
+    request = make_request("p", prompt)
+    producer.add(request)
+    for _ in range(3):  # 2 + 2 + 2 blocks
+        producer.step()
+    # vLLM freed the sliding blocks out of the window: saved by the steps that completed them
+    assert producer.scheduler.kv_cache_manager.get_block_ids("p")[1][:2] == [NULL_BLOCK_ID] * 2
+    producer.step()  # the last 5 tokens
+    assert request.is_finished() and len(producer.metas) == 4
+    ns = producer.scheduler.connector.namespace
+    hashes = [h.hex() for h in make_request("x", prompt).block_hashes]
+    assert keys_in(daemon, ns) == {f"{h}.g{g}" for h in hashes for g in (0, 1)}
+    saved = [sorted((t.group, len(t.block_ids)) for t in m.saves) for m in producer.metas]
+    assert saved == [[(0, 2), (1, 2)]] * 3 + [[]]  # each chunk saves its own two blocks per group
+    consumer = engines(descending=True)
+    req = make_request("c", prompt)
+    consumer.add(req)
+    out, results = consumer.step()
+    assert results.finished_recving == {"c"} and results.failed_recving == set()
+    full_ids, sliding_ids = consumer.scheduler.kv_cache_manager.get_block_ids("c")
+    p_full = [t.block_ids for m in producer.metas for t in m.saves if t.group == 0]
+    p_sliding = [t.block_ids for m in producer.metas for t in m.saves if t.group == 1]
+    p_full, p_sliding = sum(p_full, []), sum(p_sliding, [])
+    for pb, cb in zip(p_full, full_ids[:6]):
+        assert torch.equal(bits(producer.block(FULL_LAYER, pb)), bits(consumer.block(FULL_LAYER, cb)))
+    for pb, cb in zip(p_sliding[4:6], sliding_ids[4:6]):
+        assert torch.equal(bits(producer.block(SLIDING_LAYER, pb)), bits(consumer.block(SLIDING_LAYER, cb)))

@@ -76,6 +76,7 @@ class EcdKVConnectorWorker:
                 self._paged = PagedKV(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
         except Exception as exc:
             self._paged = None
+            self._group_paged = {}
             logger.error("ecd kv connector: cannot use these KV caches (%s); loads will be reported "
                          "as failed and nothing will be saved", exc)
             return
