@@ -264,7 +264,8 @@ def engines(tiny_model_dir, daemon):
 def test_factory_creates_both_roles_by_module_path(tiny_model_dir, daemon):
     config = make_vllm_config(tiny_model_dir, kv_role="kv_both", extra={"endpoint": daemon.endpoint})
     assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is EcdKVConnector
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager  # no HMA: vLLM turned it off
+    # SupportsHMA: vLLM keeps its hybrid allocator on (tests/vllm/test_kv_hybrid.py)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
     made = {role: KVConnectorFactory.create_connector(config, role, None) for role in KVConnectorRole}
     for role, connector in made.items():
         assert isinstance(connector, EcdKVConnector) and connector.role is role

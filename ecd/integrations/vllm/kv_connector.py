@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole, KVConnectorTransferResults,
+                                                               SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .kv_scheduler import EcdKVConnectorScheduler
 from .kv_worker import EcdKVConnectorWorker
 from .lazy_client import LOG_INTERVAL_S, LazyClient
-from .metadata import BlockTransfer, EcdKVConnectorMetadata, hashes_per_block, world_size
+from .metadata import BlockTransfer, EcdKVConnectorMetadata, hashes_per_block, kv_groups, world_size
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import kv_namespace, parse_settings
 from .telemetry.handshake import WorkerDaemons
@@ -61,8 +62,10 @@ __all__ = ["BlockTransfer", "EcdKVConnector", "EcdKVConnectorMetadata"]
 logger = connector_logger("kv_connector")  # "vllm.ecd.kv_connector": shown in the engine's log
 
 
-class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
-    """vLLM v1 KV connector keeping full KV blocks in the node's ecd daemon."""
+class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector keeping full KV blocks in the node's ecd daemon. SupportsHMA: vLLM
+    keeps its hybrid memory allocator on (several KV cache groups, e.g. sliding window plus full
+    attention layers); each group's blocks are keyed apart (metadata.KVGroups)."""
 
     _cache_hit_source = CacheHitSource.HOST  # ecd's pool is host shared memory
 
@@ -74,6 +77,7 @@ class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
                                        "kv_connector_extra_config")
         self.namespace = kv_namespace(self.settings, vllm_config)
         per_block = hashes_per_block(vllm_config.cache_config.block_size, kv_cache_config)
+        groups = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
         log = RateLimitedLog(logger, LOG_INTERVAL_S, prefix="ecd kv connector: ")
         # The daemon, failures contained (lazy_client.py). The scheduler only asks exists/unpin:
         # no need to pre-fault the pool's pages into it.
@@ -86,9 +90,9 @@ class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
         self.worker_daemons = WorkerDaemons(self.client, logger) if role == KVConnectorRole.SCHEDULER else None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = EcdKVConnectorScheduler(vllm_config, self.settings, per_block,
-                                                               self.client, log)
+                                                               self.client, log, groups)
         else:
-            self.connector_worker = EcdKVConnectorWorker(vllm_config, kv_cache_config, self.client, log)
+            self.connector_worker = EcdKVConnectorWorker(vllm_config, kv_cache_config, self.client, log, groups)
             self.connector_worker.on_saved = self._on_saved
         logger.info("ecd kv connector (%s): endpoint %s, namespace %s", role.name.lower(),
                     self.settings.endpoint, self.namespace)
@@ -127,6 +131,13 @@ class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
         self.telemetry.finished(request)
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.connector_scheduler is None:
+            return False, None
+        self.telemetry.finished(request)
+        return self.connector_scheduler.request_finished_all_groups(request, block_ids)
+
     # ==== worker side (kv_worker.py) =============================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -154,6 +165,14 @@ class EcdKVConnector(KVConnectorHooks, KVConnectorBase_V1):
             started = time.perf_counter()
             self.connector_worker.wait_for_save(self._connector_metadata)
             self.telemetry.save_time(self._connector_metadata, time.perf_counter() - started)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self.connector_worker is not None:  # hybrid models' asynchronous loads (kv_worker.py)
+            done, failed = self.connector_worker.take_finished_loads()
+            results.finished_recving |= done
+            results.failed_recving |= failed
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

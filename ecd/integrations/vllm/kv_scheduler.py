@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from .kv_peers import PeerPulls, remote_source
 from .lazy_client import LazyClient, StepPins, batches
-from .metadata import (NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, block_keys, block_meta, rank_keys,
-                       world_size)
+from .metadata import (NULL_BLOCK_ID, BlockTransfer, EcdKVConnectorMetadata, GroupBlocks, KVGroup, KVGroups,
+                       block_keys, block_meta, hybrid_hit_end, rank_keys, world_size)
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings
 
@@ -48,14 +48,17 @@ class _RequestState:
     load: BlockTransfer | None = None  # planned by update_state_after_alloc, sent once
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # blocks below this were saved or skipped already
+    groups: list[GroupBlocks] | None = None  # hybrid models: each KV cache group's blocks
+    group_loads: list[BlockTransfer] = field(default_factory=list)  # hybrid: planned, sent once
 
 
 class EcdKVConnectorScheduler:
     """The scheduler-side methods of EcdKVConnector (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings, per_block: int,
-                 client: LazyClient, log: RateLimitedLog) -> None:
-        """`per_block`: vLLM's block hashes per paged block (metadata.hashes_per_block)."""
+                 client: LazyClient, log: RateLimitedLog, groups: KVGroups | None = None) -> None:
+        """`per_block`: vLLM's block hashes per paged block (metadata.hashes_per_block);
+        `groups`: vLLM's KV cache groups (metadata.kv_groups; None: one group)."""
         transfer = vllm_config.kv_transfer_config
         self.settings = settings
         self.client = client
@@ -65,7 +68,13 @@ class EcdKVConnectorScheduler:
         self._loads_enabled = transfer.is_kv_consumer
         self._saves_enabled = transfer.is_kv_producer
         self._world = world_size(vllm_config)
+        self._groups = groups or KVGroups([KVGroup(0, ())])
+        if self._groups.unsupported is not None:
+            logger.warning("ecd kv connector: %s: nothing is loaded or saved for this model",
+                           self._groups.unsupported)
+            self._loads_enabled = self._saves_enabled = False
         self._requests: dict[str, _RequestState] = {}
+        self._failed_loads: set[str] = set()  # hybrid: requests whose load failed: recomputed
         self._pins = StepPins(client, settings.pin_seconds)  # req_id -> rank keys its loads pin
         self._peers = PeerPulls(client, settings, log, logger)  # across nodes
         if self._loads_enabled and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
@@ -83,7 +92,10 @@ class EcdKVConnectorScheduler:
         try:
             if self._loads_enabled and self._fetching(request, num_computed_tokens):
                 return None, False  # blocks on their way from a peer: vLLM asks again next step
-            return self._match(request, num_computed_tokens), False
+            matched = self._match(request, num_computed_tokens)
+            # Several KV cache groups: the load is asynchronous (vLLM takes a failed load back
+            # only as a failed request then: _match_groups' docstring).
+            return matched, bool(matched) and self._groups.hybrid
         except Exception as exc:  # never out of the connector: a miss
             self._log.warning("lookup", "lookup for %s failed: %s: %s", request.request_id,
                               type(exc).__name__, exc)
@@ -118,7 +130,7 @@ class EcdKVConnectorScheduler:
             loadable = min(loadable, blocks)
             if peer in self._peers.identity():
                 return False  # the producer shares our daemon: a local lookup finds them
-        wanted = self._all_rank_keys(keys[num_computed_tokens // bs:loadable])
+        wanted = self._all_rank_keys(self._group_keys(keys[num_computed_tokens // bs:loadable]))
         if not wanted:
             return False
         local = self.client.call("exists", lambda c: c.exists(wanted))
@@ -136,6 +148,8 @@ class EcdKVConnectorScheduler:
         wanted = min(len(keys), max(loadable, request.num_prompt_tokens // bs))
         keys = keys[:wanted]
         start = num_computed_tokens // bs
+        if self._groups.hybrid:
+            return self._match_groups(request, keys, start, loadable)
         present = [False] * len(keys)
         if keys and not getattr(request, "skip_reading_prefix_cache", False):
             present = self._lookup(keys)
@@ -170,7 +184,11 @@ class EcdKVConnectorScheduler:
             if state is None:
                 return
             state.load = None
+            state.group_loads = []
             if num_external_tokens <= 0 or not self._loads_enabled:
+                return
+            if state.groups is not None:
+                self._plan_groups(state, blocks, num_external_tokens)
                 return
             (block_ids, *_) = blocks.get_block_ids()
             count = -(-num_external_tokens // self._block_size)
@@ -205,6 +223,9 @@ class EcdKVConnectorScheduler:
         return meta
 
     def _build(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
+        if self._groups.hybrid:
+            self._build_groups(out, meta)
+            return
         scheduled: list[tuple[_RequestState, int]] = []
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -250,10 +271,16 @@ class EcdKVConnectorScheduler:
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
         try:
+            self._failed_loads.update(getattr(connector_output, "failed_recving", None) or ())
             invalid = getattr(connector_output, "invalid_block_ids", None)
             if not invalid:
                 return
             for state in self._requests.values():
+                for held in state.groups or ():
+                    for b, block_id in enumerate(held.block_ids[:len(held.keys)]):
+                        if block_id in invalid and block_id != NULL_BLOCK_ID:
+                            held.present[b] = False
+                            held.next_save = min(held.next_save, b)
                 for b, block_id in enumerate(state.block_ids[:len(state.keys)]):
                     if block_id in invalid:
                         state.present[b] = False
@@ -266,6 +293,7 @@ class EcdKVConnectorScheduler:
         req_id = getattr(request, "request_id", None)
         state = self._requests.pop(req_id, None)  # type: ignore[arg-type]
         self._peers.forget(req_id)
+        self._failed_loads.discard(req_id)  # type: ignore[arg-type]
         if req_id is not None:
             self._pins.release(req_id)  # sent with the next step, or by itself if none comes soon
         try:
@@ -274,6 +302,12 @@ class EcdKVConnectorScheduler:
             self._log.warning("params", "no kv_transfer_params for %s: %s: %s", req_id, type(exc).__name__, exc)
             params = None
         return False, params  # saves finish inside the step (wait_for_save): free the blocks now
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator's request_finished (SupportsHMA): every group's blocks are
+        saved inside their step, so nothing is held past this call either."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def _transfer_params(self, request: "Request", state: _RequestState | None) -> dict[str, Any] | None:
         """A producer's answer to `do_remote_decode`: where the request's blocks are."""
@@ -286,6 +320,106 @@ class EcdKVConnectorScheduler:
         while blocks < min(state.next_save, len(state.keys)) and state.present[blocks]:
             blocks += 1
         return self._peers.transfer_params(blocks, state.keys[blocks - 1] if blocks else "")
+
+    # ---- hybrid models: several KV cache groups (metadata.KVGroups) ----
+
+    def _group_keys(self, keys: list[str]) -> list[str]:
+        """Every group's key of each block (the keys themselves with a single group)."""
+        return self._groups.keys(keys) if self._groups.hybrid else keys
+
+    def _match_groups(self, request: "Request", keys: list[str], start: int, loadable: int) -> int:
+        """_match for several groups: one batched exists over every group's key of every block;
+        a hit ends where every group holds what the tokens after it need (hybrid_hit_end).
+
+        vLLM (0.32, 0.33) cannot take a failed block back from a model with several groups
+        (invalid_block_ids raises there: block ids are per group), only a failed request of an
+        asynchronous load (failed_recving: it recomputes the whole request). So a hybrid hit is
+        loaded asynchronously: the request waits one step while the workers load (in
+        start_load_kv) and report it done or failed; a request whose load failed is a miss from
+        then on (recomputed, never loaded from garbage)."""
+        groups = self._groups.groups
+        present = [False] * (len(keys) * len(groups))
+        if keys and not getattr(request, "skip_reading_prefix_cache", False):
+            present = self._lookup(self._group_keys(keys))
+        held = [GroupBlocks([self._groups.key(k, g.index) for k in keys], present[i::len(groups)])
+                for i, g in enumerate(groups)]
+        state = _RequestState(request, keys, [all(p) for p in zip(*(h.present for h in held))], start, groups=held)
+        self._requests[request.request_id] = state
+        if request.request_id in self._failed_loads:
+            return 0
+        end = hybrid_hit_end(self._groups, held, start, loadable, self._block_size) if self._loads_enabled else start
+        return (end - start) * self._block_size
+
+    def _plan_groups(self, state: _RequestState, blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """update_state_after_alloc for several groups: each group loads the blocks vLLM gave it
+        (a sliding window's blocks outside the window are the null block: not loaded). A block
+        ecd did not report present gets no key: the worker reports it as a load error."""
+        per_group = blocks.get_block_ids()
+        first = state.start_block
+        count = -(-num_external_tokens // self._block_size)
+        pins: list[str] = []
+        for group, held in zip(self._groups.groups, state.groups or ()):
+            allocated = per_group[group.index][first:first + count]
+            blocks_ = [b for b, i in zip(range(first, first + count), allocated) if i != NULL_BLOCK_ID]
+            ids = [allocated[b - first] for b in blocks_]
+            keys = [held.keys[b] if b < len(held.keys) and held.present[b] else "" for b in blocks_]
+            if len(allocated) < count or "" in keys:
+                self._log.warning("plan", "%s: group %d: %d of %d blocks to load from block %d are not in ecd",
+                                  state.request.request_id, group.index, keys.count(""), len(keys), first)
+            if ids:
+                state.group_loads.append(BlockTransfer(state.request.request_id, keys, ids, group=group.index))
+            pins.extend(k for k in keys if k)
+        self._pins.hold(state.request.request_id, self._all_rank_keys(pins))
+
+    def _build_groups(self, out: "SchedulerOutput", meta: EcdKVConnectorMetadata) -> None:
+        """_build for several groups: each group's new block ids, its loads, and the saves of its
+        full prompt blocks that are allocated (not the null block of a sliding window)."""
+        scheduled: list[tuple[_RequestState, int]] = []
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None and state.groups is not None:
+                for group, held in zip(self._groups.groups, state.groups):
+                    held.block_ids = list(new.block_ids[group.index]) if new.block_ids else []
+                scheduled.append((state, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None or state.groups is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            for group, held in zip(self._groups.groups, state.groups):
+                if req_id in cached.resumed_req_ids:
+                    held.block_ids = list(new_ids[group.index]) if new_ids else []
+                elif new_ids:
+                    held.block_ids.extend(new_ids[group.index])
+            scheduled.append((state, cached.num_computed_tokens[i]))
+        for state in self._requests.values():  # waiting for their (asynchronous) load, or scheduled
+            meta.loads.extend(state.group_loads)
+            state.group_loads = []
+        bs = self._block_size
+        for state, computed in scheduled:
+            req_id = state.request.request_id
+            if not self._saves_enabled or state.groups is None:
+                continue
+            done = computed + out.num_scheduled_tokens.get(req_id, 0)
+            for group, held in zip(self._groups.groups, state.groups):
+                full = min(min(done, state.request.num_prompt_tokens) // bs, len(held.keys), len(held.block_ids))
+                keys, ids, about = [], [], []
+                for b in range(held.next_save, full):
+                    if not held.present[b] and held.block_ids[b] != NULL_BLOCK_ID:
+                        keys.append(held.keys[b])
+                        ids.append(held.block_ids[b])
+                        about.append(block_meta(state.request, b, state.keys[b], bs, self._hashes_per_block,
+                                                group.index))
+                        held.present[b] = True
+                held.next_save = max(held.next_save, full)
+                if keys:
+                    meta.saves.append(BlockTransfer(req_id, keys, ids, about, group=group.index))
+            # what _transfer_params reports: the blocks every full attention group holds (a
+            # consumer's lookup needs only the window of a sliding-window group)
+            full = [h for g, h in zip(self._groups.groups, state.groups) if g.sliding_window is None]
+            state.present = [all(p) for p in zip(*(h.present for h in full or state.groups))]
+            state.next_save = min(h.next_save for h in full or state.groups)
 
     def shutdown(self) -> None:
         self._peers.shutdown()

@@ -22,7 +22,7 @@ import torch
 
 from ...protocol import KVBlockMeta
 from .lazy_client import LazyClient, batches, skipping_corrupt
-from .metadata import NULL_BLOCK_ID, EcdKVConnectorMetadata, rank_suffix, world_size
+from .metadata import NULL_BLOCK_ID, EcdKVConnectorMetadata, KVGroups, rank_suffix, world_size
 from .paged_kv import PagedKV
 from .ratelimit import RateLimitedLog, connector_logger
 
@@ -51,8 +51,12 @@ class EcdKVConnectorWorker:
     """The worker-side methods of EcdKVConnector (see the module docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", client: LazyClient,
-                 log: RateLimitedLog) -> None:
+                 log: RateLimitedLog, groups: KVGroups | None = None) -> None:
         self.client = client
+        self._groups = groups  # several KV cache groups: one PagedKV each (metadata.KVGroups)
+        self._group_paged: dict[int, PagedKV] = {}
+        self._recving: set[str] = set()  # hybrid: requests whose (asynchronous) load ran
+        self._failed_recving: set[str] = set()  # ... and failed (vLLM recomputes them)
         self._log = log
         self._kv_cache_config = kv_cache_config  # its num_blocks sizes the caches, when vLLM gives it
         self._world = world_size(vllm_config)
@@ -71,9 +75,13 @@ class EcdKVConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
-            self._paged = PagedKV(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
+            if self._groups is not None and self._groups.hybrid:
+                self._paged = self._register_groups(kv_caches, self._groups)
+            else:
+                self._paged = PagedKV(kv_caches, getattr(self._kv_cache_config, "num_blocks", None))
         except Exception as exc:
             self._paged = None
+            self._group_paged = {}
             logger.error("ecd kv connector: cannot use these KV caches (%s); loads will be reported "
                          "as failed and nothing will be saved", exc)
             return
@@ -83,6 +91,33 @@ class EcdKVConnectorWorker:
                     list(self._paged.entry_shape), self._paged.dtype, self._paged.entry_nbytes / 1024,
                     "zero-staging strided copies" if self._paged.stacked is not None else "staged copies")
 
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], groups: KVGroups) -> PagedKV:
+        """One PagedKV per KV cache group, of the group's own layers: a group's block is the
+        entry `[its layers, *block]` (vLLM's hybrid allocator gives layers of different groups
+        the same memory, each block id belonging to one group at a time). Returns the first
+        group's."""
+        if groups.unsupported is not None or not groups.groups:
+            raise ValueError(groups.unsupported or "no KV cache group to store")
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._group_paged = {}
+        for group in groups.groups:
+            missing = [n for n in group.layer_names if n not in kv_caches]
+            if missing:
+                raise ValueError(f"KV cache group {group.index}: layers {missing} were not registered")
+            self._group_paged[group.index] = PagedKV({n: kv_caches[n] for n in group.layer_names}, num_blocks)
+            logger.info("ecd kv connector: group %d (%s): %d layers", group.index,
+                        f"sliding window {group.sliding_window}" if group.sliding_window else "full attention",
+                        len(group.layer_names))
+        return self._group_paged[groups.groups[0].index]
+
+    def _per_group(self, transfers: list) -> list[tuple[PagedKV | None, list]]:
+        """The step's transfers by the PagedKV of their group (one entry, this worker's PagedKV,
+        without several groups)."""
+        if not self._group_paged:
+            return [(self._paged, transfers)]
+        return [(self._group_paged.get(g), [t for t in transfers if t.group == g])
+                for g in sorted({t.group for t in transfers})]
+
     # ---- loads ----
 
     def start_load_kv(self, meta: Any) -> None:
@@ -90,12 +125,31 @@ class EcdKVConnectorWorker:
         if not isinstance(meta, EcdKVConnectorMetadata) or not meta.loads:
             return
         try:
-            self._load(meta)
+            for paged, loads in self._per_group(meta.loads):
+                self._load(EcdKVConnectorMetadata(loads=loads), paged)
         except Exception as exc:  # never out of the connector: every planned block failed
             self._load_errors.update(b for t in meta.loads for b in t.block_ids if b != NULL_BLOCK_ID)
             self._log.warning("load", "loading failed: %s: %s", type(exc).__name__, exc)
+        if self._groups is not None and self._groups.hybrid:
+            self._settle_loads(meta)
 
-    def _load(self, meta: EcdKVConnectorMetadata) -> None:
+    def _settle_loads(self, meta: EcdKVConnectorMetadata) -> None:
+        """Several groups: a load's failed blocks fail its request (vLLM takes no block ids
+        back from such a model: kv_scheduler.EcdKVConnectorScheduler._match_groups)."""
+        errors, self._load_errors = self._load_errors, set()
+        for transfer in meta.loads:
+            self._recving.add(transfer.req_id)
+            if errors.intersection(transfer.block_ids):
+                self._failed_recving.add(transfer.req_id)
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose asynchronous load finished, those of them that failed) since the
+        last call: vLLM's finished_recving and failed_recving."""
+        done, failed = self._recving, self._failed_recving
+        self._recving, self._failed_recving = set(), set()
+        return done, failed
+
+    def _load(self, meta: EcdKVConnectorMetadata, paged: PagedKV | None) -> None:
         keys: list[str] = []
         ids: list[int] = []
         for transfer in meta.loads:
@@ -109,7 +163,6 @@ class EcdKVConnectorWorker:
                 ids.append(block_id)
         if not keys:
             return
-        paged = self._paged
         client = self.client.get("get_many") if paged is not None else None
         if paged is None or client is None:
             self._load_errors.update(ids)
@@ -177,7 +230,9 @@ class EcdKVConnectorWorker:
         if not isinstance(meta, EcdKVConnectorMetadata) or not meta.saves or self._paged is None:
             return
         try:
-            self._save(meta, self._paged)
+            for paged, saves in self._per_group(meta.saves):
+                if paged is not None:
+                    self._save(EcdKVConnectorMetadata(saves=saves), paged)
         except Exception as exc:  # never out of the connector: a skipped save is a later miss
             self._log.warning("save", "saving failed: %s: %s", type(exc).__name__, exc)
 

@@ -35,6 +35,7 @@ class BlockTransfer:
     keys: list[str]
     block_ids: list[int]
     blocks: list[KVBlockMeta] | None = None
+    group: int = 0  # the KV cache group these blocks belong to (hybrid models: KVGroups)
 
 
 @dataclass
@@ -84,7 +85,8 @@ def block_keys(request: Any, block_size: int, per_block: int) -> list[str]:
     return keys
 
 
-def block_meta(request: Any, index: int, key: str, block_size: int, per_block: int) -> KVBlockMeta:
+def block_meta(request: Any, index: int, key: str, block_size: int, per_block: int,
+               group_idx: int = 0) -> KVBlockMeta:
     """What the engine's own KV events would say about full block `index` of `request` (vLLM's
     BlockStored: its published hash, the previous block's, the block's tokens), so that a router
     following ecd's events matches ecd's blocks with the engine's. `key` (block_keys') stands in
@@ -98,7 +100,7 @@ def block_meta(request: Any, index: int, key: str, block_size: int, per_block: i
     lora = getattr(request, "lora_request", None)
     return KVBlockMeta(block_hash=block_hash, parent_hash=parent,
                        token_ids=list(request.all_token_ids[index * block_size:(index + 1) * block_size]),
-                       block_size=block_size, lora_name=lora.name if lora else None, group_idx=0)
+                       block_size=block_size, lora_name=lora.name if lora else None, group_idx=group_idx)
 
 
 def world_size(vllm_config: Any) -> int:
@@ -115,6 +117,121 @@ def rank_suffix(rank: int, world: int) -> str:
 def rank_keys(key: str, world: int) -> list[str]:
     """Every worker's entry for one block (tensor/pipeline-parallel ranks store their part)."""
     return [key + rank_suffix(rank, world) for rank in range(world)]
+
+
+# ---- KV: hybrid models (several KV cache groups) ------------------------------------------------
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups as ecd stores it: its layers, and how much of a request's
+    past its attention reads (`sliding_window` tokens, None for full attention)."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+    extra_retained: int = 0  # tokens below the window vLLM keeps too (multi-token speculation)
+
+    def first_kept_block(self, end_block: int, block_size: int) -> int:
+        """The first block vLLM keeps allocated (not the null block) for this group when a
+        request's computed tokens end at block `end_block`: every block for full attention;
+        for a sliding window, vLLM's SlidingWindowManager.get_num_skipped_tokens."""
+        if self.sliding_window is None:
+            return 0
+        skipped = max(0, end_block * block_size - self.sliding_window + 1 - self.extra_retained)
+        return skipped // block_size
+
+
+@dataclass
+class KVGroups:
+    """The KV cache groups the connector stores, from vLLM's KVCacheConfig. One group (every
+    model without the hybrid allocator) keeps the single-group keys and behaviour; several
+    (full attention plus sliding window layers with vLLM's hybrid memory allocator) key each
+    group's blocks apart (`key`) and plan every group's loads and saves. `unsupported` says why
+    the connector stays off for this model (a group kind ecd cannot store yet, e.g. Mamba
+    state, or groups of different block sizes)."""
+
+    groups: list[KVGroup]
+    unsupported: str | None = None
+    hybrid: bool = False  # vLLM made several groups (block ids come per group)
+
+    def key(self, base: str, group: int) -> str:
+        """A block's key in one group (the base key itself with a single group)."""
+        return f"{base}.g{group}" if self.hybrid else base
+
+    def keys(self, base_keys: list[str]) -> list[str]:
+        """Every group's key of each block, block by block."""
+        return [self.key(k, g.index) for k in base_keys for g in self.groups]
+
+
+@dataclass
+class GroupBlocks:
+    """One KV cache group's blocks of one request (scheduler side, hybrid models): per block its
+    key, whether ecd holds it (looked up, loaded or saved), and the request's block ids."""
+
+    keys: list[str]
+    present: list[bool]
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0  # blocks below this were saved or skipped already
+
+
+def hybrid_hit_end(groups: KVGroups, blocks: list[GroupBlocks], start: int, loadable: int, block_size: int) -> int:
+    """The largest `end` in [start, loadable] such that every group holds what a request whose
+    computed tokens end at block `end` needs from ecd: full attention groups every block from
+    `start`, sliding-window groups the blocks vLLM keeps for the window (first_kept_block on).
+    `start` when nothing past it qualifies."""
+    end = loadable
+    for group, held in zip(groups.groups, blocks):
+        if group.sliding_window is None:
+            run = start
+            while run < end and held.present[run]:
+                run += 1
+            end = run
+    while end > start:
+        if all(all(held.present[max(start, group.first_kept_block(end, block_size)):end])
+               for group, held in zip(groups.groups, blocks) if group.sliding_window is not None):
+            return end
+        end -= 1
+    return start
+
+
+def _group_kind(spec: Any) -> tuple[str, int | None, int]:
+    """("full" | "sliding" | the unsupported spec's class name, window, extra retained)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # UniformTypeKVCacheSpecs
+    kinds = set()
+    for s in specs:
+        name = type(s).__name__
+        if isinstance(s, SlidingWindowSpec):
+            kinds.add(("sliding", s.sliding_window, getattr(s, "extra_retained_tokens", 0)))
+        elif isinstance(s, FullAttentionSpec) and name in ("FullAttentionSpec", "MLAAttentionSpec"):
+            kinds.add(("full", None, 0))
+        else:
+            kinds.add((name, None, 0))
+    if len(kinds) != 1:
+        return "mixed " + "/".join(sorted(k[0] for k in kinds)), None, 0
+    return kinds.pop()
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> KVGroups:
+    """KVGroups from vLLM's KVCacheConfig (None: one group of every layer, as before vLLM gave
+    connectors the config). Groups vLLM marks as not transferable are left out."""
+    raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(raw) <= 1:
+        names = tuple(raw[0].layer_names) if raw else ()
+        return KVGroups([KVGroup(0, names)])
+    groups: list[KVGroup] = []
+    for index, group in enumerate(raw):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        spec = group.kv_cache_spec
+        kind, window, extra = _group_kind(spec)
+        if kind not in ("full", "sliding"):
+            return KVGroups(groups, f"KV cache group {index} is {kind}, which ecd does not store", True)
+        if getattr(spec, "block_size", block_size) != block_size:
+            return KVGroups(groups, f"KV cache group {index} has {spec.block_size}-token blocks, "
+                                    f"not {block_size}", True)
+        groups.append(KVGroup(index, tuple(group.layer_names), window if kind == "sliding" else None, extra))
+    return KVGroups(groups, None, True)
 
 
 # ---- EC: scheduler -> worker, and back --------------------------------------------------------
