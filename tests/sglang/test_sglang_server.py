@@ -144,7 +144,7 @@ def test_real_sglang_server_on_ecd(server_stack, daemon, tmp_path):
 
         run1 = first.generate()
         assert [r["ids"] for r in run1] == [r["ids"] for r in tokens_off]
-        assert run1[0]["backend"] == "EcdHiCacheStorage"
+        assert any(r["backend"] == "EcdHiCacheStorage" for r in run1), run1  # reported once a prefix is cached
         with daemon.client() as c:
             hits_before = c.stats()["hits"]
         # write-through backs pages up asynchronously: wait until flush_cache is taken (it is refused
