@@ -166,7 +166,7 @@ bench-sglang: $(SGLANG_VENV)/.installed
 # A real SGLang HTTP server on CPU for tests/sglang/test_sglang_server.py: what
 # `python -m sglang.launch_server --device cpu` imports beyond requirements/sglang-cpu.txt
 # (requirements/sglang-server-cpu.txt, --no-deps). Then `make test-sglang` runs that test too
-# (~4-6 min: three server starts); without it the test skips, saying which import failed.
+# (~100 s: three server starts); without it the test skips, saying which import failed.
 sglang-server: $(SGLANG_VENV)/.installed
 	$(SGLANG_PY) -m pip install --quiet --no-deps -r requirements/sglang-server-cpu.txt
 

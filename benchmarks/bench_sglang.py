@@ -263,10 +263,18 @@ def main() -> int:
     daemon = BenchDaemon(workdir, pool="1GiB")
     rc, ok = -1, False
     try:
-        daemon.connect().close()
+        c = daemon.connect()
+        pings = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            c.ping()
+            pings.append(time.perf_counter() - t0)
+        c.close()
+        ping_us = statistics.median(pings[50:]) * 1e6
+        print(f"one bare ecd control round trip (Client.ping), median: {ping_us:.0f} us")
         import sglang
         res: dict = {"env": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                             "sglang": sglang.__version__, "loadavg_start": os.getloadavg(), "dirs": dirs},
+                             "sglang": sglang.__version__, "ecd_ping_us": ping_us, "loadavg_start": os.getloadavg(), "dirs": dirs},
                      "results": [bench_geometry(gname, GEOMETRIES[gname], daemon.endpoint, dirs, args.reps, args.batch_reps)
                                  for gname in args.geometries.split(",")]}
         res["cross_process"] = cross_process(daemon.endpoint, dirs)

@@ -2,7 +2,7 @@
 tiny seeded Llama, with HiCache's L3 on ecd (the two settings docs/sglang.md gives) and without it:
 the same greedy tokens; after /flush_cache empties the device and host tiers, the prompt's pages come
 back from ecd (SGLang reports them as `storage` cached tokens); a second server process on the same
-daemon gets them from ecd on its first request. Slow (~4-6 min on 2 vCPUs: three server starts).
+daemon gets them from ecd on its first request. Slow: three server starts (~100 s on 2 idle vCPUs).
 
 SGLang's CPU path needs pieces this machine lacks (Intel's sgl-kernel CPU build; HiCache's CPU
 host-pool and copy paths): tests/sglang/cpu_shims stands in for them, in the server processes only
