@@ -41,6 +41,9 @@ class PoolPages:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        if hasattr(pool, "kv_buffer") and pool.kv_buffer is None:  # DeepSeek V4's logical KV anchor
+            raise ValueError(f"ecd HiCache storage cannot page {type(pool).__name__}: it has no KV buffer "
+                             f"(a logical anchor whose data lives in side pools), which ecd does not support")
         try:
             probe = pool.get_data_page(0, flat=False)
         except Exception as exc:  # e.g. MHA's page_unified layout, which has no data page view
