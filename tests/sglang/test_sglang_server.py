@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -99,6 +100,13 @@ class Server:
         except ValueError:
             return raw.decode()
 
+    def flush(self) -> str:
+        """/flush_cache's answer; SGLang answers a refused flush (requests still running) with 400."""
+        try:
+            return str(self.post("/flush_cache"))
+        except urllib.error.HTTPError as exc:
+            return f"{exc.code} {exc.read().decode(errors='replace')}"
+
     def generate(self) -> list[dict]:
         out = []
         for p in PROMPTS:
@@ -150,7 +158,7 @@ def test_real_sglang_server_on_ecd(server_stack, daemon, tmp_path):
         # write-through backs pages up asynchronously: wait until flush_cache is taken (it is refused
         # while requests run), then the device and host tiers are empty
         deadline = time.monotonic() + 60
-        while "Cache flushed" not in str(first.post("/flush_cache")):
+        while "Cache flushed" not in first.flush():
             assert time.monotonic() < deadline, first.tail()
             time.sleep(1)
         run2 = first.generate()
