@@ -114,15 +114,22 @@ class EcdHiCacheStorage(HiCacheStorage):
 
     # ---- the page transfers (v1, v2) ---------------------------------------------------------
 
+    def _page_indices(self, op: str, pages: PoolPages, keys: List[str], host_indices: Any, verb: str):
+        """Each key's first host index, or None (logged) when the host indices do not cover the keys."""
+        indices = pages.indices(host_indices, len(keys))
+        if indices is None:
+            self._log.warning(f"{op}:indices", "%s: %d keys but %s host indices (page size %d): nothing %s", op,
+                              len(keys), None if host_indices is None else host_indices.numel(), pages.page_size,
+                              verb)
+        return indices
+
     def _store_pages(self, op: str, pages: PoolPages | None, suffix: str, keys: List[str],
                      host_indices: Any) -> List[bool]:
         if pages is None:
             self._log.warning(f"{op}:nopool", "%s before a host pool was registered: nothing stored", op)
             return [False] * len(keys)
-        indices = pages.indices(host_indices, len(keys))
+        indices = self._page_indices(op, pages, keys, host_indices, "stored")
         if indices is None:
-            self._log.warning(f"{op}:indices", "%s: %d keys but %s host indices (page size %d): nothing stored", op,
-                              len(keys), None if host_indices is None else host_indices.numel(), pages.page_size)
             return [False] * len(keys)
         if not self.is_writer:  # MLA: one rank writes the bytes every rank holds
             return [True] * len(keys)
@@ -160,10 +167,8 @@ class EcdHiCacheStorage(HiCacheStorage):
                     host_indices: Any) -> List[bool]:
         if pages is None:
             return [False] * len(keys)
-        indices = pages.indices(host_indices, len(keys))
+        indices = self._page_indices(op, pages, keys, host_indices, "loaded")
         if indices is None:
-            self._log.warning(f"{op}:indices", "%s: %d keys but %s host indices (page size %d): nothing loaded", op,
-                              len(keys), None if host_indices is None else host_indices.numel(), pages.page_size)
             return [False] * len(keys)
         names = [k + suffix for k in keys]
         start = time.perf_counter()
