@@ -26,8 +26,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolHitPolicy, PoolName, PoolTransferResult
 
-from ...errors import IntegrityError
-from ..vllm.lazy_client import LOG_INTERVAL_S, LazyClient, batches
+from ..vllm.lazy_client import LOG_INTERVAL_S, LazyClient, batches, skipping_corrupt
 from ..vllm.ratelimit import RateLimitedLog
 from .pages import PoolPages, load_into
 from .settings import HiCacheSettings, derive_namespace, parse_settings, sidecar_tag
@@ -136,32 +135,25 @@ class EcdHiCacheStorage(HiCacheStorage):
         names = [k + suffix for k in keys]
         start = time.perf_counter()
 
-        def store(c: Any) -> List[bool]:
-            done = [False] * len(names)
-            stored = skipped = 0
-            for chunk in batches(list(range(len(names))), c.limits.max_batch):
-                present = c.exists([names[i] for i in chunk])
-                items = {}
-                for i, here in zip(chunk, present):
-                    if here:
-                        done[i] = True
-                        skipped += 1
-                    else:
-                        items[names[i]] = pages.source(indices[i])
-                if items:
-                    c.put_many(items, checksum=self.settings.verify)
-                    stored += len(items)
-                    for i in chunk:
-                        done[i] = True
-            self._count(stored_pages=stored, skipped_pages=skipped, stored_bytes=stored * pages.page_bytes)
-            self._metric("backup", stored, stored * pages.page_bytes, time.perf_counter() - start)
-            return done
-
-        result = self._call(op, store)
-        if result is None:
+        if self._call(op, lambda c: self._put_absent(c, names, lambda i: pages.source(indices[i]), start)) is None:
             self._count(failed_pages=len(keys))
             return [False] * len(keys)
-        return result
+        return [True] * len(keys)  # every page is stored now, by this call or an earlier one
+
+    def _put_absent(self, c: Any, names: List[str], value: Callable[[int], torch.Tensor], start: float) -> bool:
+        """Store the entries of `names` the daemon does not hold yet (value(i): names[i]'s tensor),
+        one exists and one put_many per batch, and count them (pages already there are skipped)."""
+        stored = nbytes = 0
+        for chunk in batches(list(range(len(names))), c.limits.max_batch):
+            present = c.exists([names[i] for i in chunk])
+            items = {names[i]: value(i) for i, here in zip(chunk, present) if not here}
+            if items:
+                c.put_many(items, checksum=self.settings.verify)
+                stored += len(items)
+                nbytes += sum(v.numel() * v.element_size() for v in items.values())
+        self._count(stored_pages=stored, skipped_pages=len(names) - stored, stored_bytes=nbytes)
+        self._metric("backup", stored, nbytes, time.perf_counter() - start)
+        return True
 
     def _load_pages(self, op: str, pages: PoolPages | None, suffix: str, keys: List[str],
                     host_indices: Any) -> List[bool]:
@@ -185,29 +177,27 @@ class EcdHiCacheStorage(HiCacheStorage):
         failing verification is a miss; the others are viewed again without it (the check runs
         before any copy of its batch is made)."""
         ok = [False] * len(names)
-        todo = list(range(len(names)))
         missed = 0
-        while todo:
-            chunk = todo[:c.limits.max_batch]
-            try:
-                with c.view_many([names[i] for i in chunk], missing_ok=True, verify=self.settings.verify) as views:
-                    for i, view in zip(chunk, views):
-                        if view is None:
-                            missed += 1
-                        elif not copy(i, view):
-                            self._log.warning(f"{op}:size", "%s: entry %r has %d bytes, not a page of this pool: "
-                                              "treated as a miss", op, names[i], view.numel() * view.element_size())
-                        else:
-                            ok[i] = True
-            except IntegrityError as exc:
-                bad = {i for i in chunk if names[i] == exc.key}
-                if not bad:
-                    raise
+
+        def read(chunk: List[int]) -> None:
+            nonlocal missed
+            with c.view_many([names[i] for i in chunk], missing_ok=True, verify=self.settings.verify) as views:
+                for i, view in zip(chunk, views):
+                    if view is None:
+                        missed += 1
+                    elif not copy(i, view):
+                        self._log.warning(f"{op}:size", "%s: entry %r has %d bytes, not a page of this pool: "
+                                          "treated as a miss", op, names[i], view.numel() * view.element_size())
+                    else:
+                        ok[i] = True
+
+        for chunk in batches(list(range(len(names))), c.limits.max_batch):
+            # a verify failure raises before any copy of the batch: the rest is viewed again without it
+            _, corrupt = skipping_corrupt([names[i] for i in chunk], lambda picked: read([chunk[p] for p in picked]))
+            for p in corrupt:
                 self._count(integrity_failures=1)
-                self._log.warning(f"{op}:integrity", "%s: %s: treated as a miss", op, exc)
-                todo = [i for i in todo if i not in bad]
-                continue
-            todo = todo[len(chunk):]
+                self._log.warning(f"{op}:integrity", "%s: entry %r failed verification: treated as a miss", op,
+                                  names[chunk[p]])
         self._count(loaded_pages=sum(ok), missed_pages=missed)
         if self.settings.pin_seconds > 0:  # the pins batch_exists took for this load
             c.send_unpin([n for n, done in zip(names, ok) if done])
@@ -306,22 +296,7 @@ class EcdHiCacheStorage(HiCacheStorage):
         if not self.is_writer:
             return True
         start = time.perf_counter()
-
-        def store(c: Any) -> bool:
-            stored = 0
-            nbytes = 0
-            for chunk in batches(list(range(len(keys))), c.limits.max_batch):
-                present = c.exists([keys[i] for i in chunk])
-                items = {keys[i]: values[i] for i, here in zip(chunk, present) if not here}
-                if items:
-                    c.put_many(items, checksum=self.settings.verify)
-                    stored += len(items)
-                    nbytes += sum(v.numel() * v.element_size() for v in items.values())
-            self._count(stored_pages=stored, skipped_pages=len(keys) - stored, stored_bytes=nbytes)
-            self._metric("backup", stored, nbytes, time.perf_counter() - start)
-            return True
-
-        done = self._call("batch_set", store)
+        done = self._call("batch_set", lambda c: self._put_absent(c, keys, lambda i: values[i], start))
         if done is None:
             self._count(failed_pages=len(keys))
         return bool(done)

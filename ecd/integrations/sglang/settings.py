@@ -5,14 +5,12 @@ servers that agree on those share pages through one daemon and servers that do n
 each other's bytes. Imports neither SGLang nor torch."""
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import msgspec
 
 from ...errors import InvalidRequest
-from ..vllm.settings import DEFAULT_ENDPOINT, ConnectorSettings
+from ..vllm.settings import DEFAULT_ENDPOINT, ConnectorSettings, convert_settings, fingerprint
 
 # Keys SGLang itself reads from the same extra_config (the dynamic backend's three, the zero-copy
 # switch, and the prefetch / TP options its cache controller pops): accepted and ignored here.
@@ -53,13 +51,7 @@ def parse_settings(extra_config: dict[str, Any] | None) -> HiCacheSettings:
         raise InvalidRequest(f"hicache-storage-backend-extra-config: must be a JSON object, got "
                              f"{type(extra_config).__name__}")
     ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
-    try:
-        return msgspec.convert(ours, HiCacheSettings)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        if message.startswith("Object contains unknown field"):
-            message = f"{message.split('`')[1]}: unknown key (known: {', '.join(KNOWN_KEYS)})"
-        raise InvalidRequest(f"hicache-storage-backend-extra-config (ecd): {message}") from None
+    return convert_settings(ours, HiCacheSettings, "hicache-storage-backend-extra-config (ecd)", KNOWN_KEYS)
 
 
 def shard_facts(config: Any, *, replicated: bool) -> dict[str, Any]:
@@ -80,19 +72,15 @@ def shard_facts(config: Any, *, replicated: bool) -> dict[str, Any]:
     return facts
 
 
-def digest(facts: dict[str, Any], size: int = 8) -> str:
-    return hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=size).hexdigest()
-
-
 def derive_namespace(config: Any, pool_facts: dict[str, Any] | None) -> str:
     """e.g. "sglang-hicache-3f2a…": hash of the KV pool's shard and page facts (pool_facts None: no
     host pool registered yet, the configuration's facts alone)."""
     mla = bool(getattr(config, "is_mla_model", False))
     facts = {"kind": "sglang-hicache", "mla": mla, **shard_facts(config, replicated=mla), "pool": pool_facts}
-    return f"sglang-hicache-{digest(facts)}"
+    return f"sglang-hicache-{fingerprint(facts)}"
 
 
 def sidecar_tag(config: Any, name: str, pool_facts: dict[str, Any]) -> str:
     """The key suffix of a sidecar pool's pages (e.g. mamba): its name and a hash of its own page
     facts, with TP always in (mamba state is TP-sharded even where MLA KV is not)."""
-    return f"{name}.{digest({'name': name, **shard_facts(config, replicated=False), 'pool': pool_facts}, 6)}"
+    return f"{name}.{fingerprint({'name': name, **shard_facts(config, replicated=False), 'pool': pool_facts}, 6)}"

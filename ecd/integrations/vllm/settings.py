@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 import msgspec
 
@@ -48,16 +48,29 @@ class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             raise ValueError("namespace: longer than 256 characters")
 
 
-def parse_settings(extra_config: dict[str, Any] | None, which: str) -> ConnectorSettings:
-    """`which` names the vLLM option in errors, e.g. "ec_connector_extra_config"."""
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def convert_settings(raw: dict[str, Any], kind: type[S], which: str, known: Sequence[str]) -> S:
+    """`raw` as the settings struct `kind`; InvalidRequest prefixed with `which` (the option the
+    user wrote) naming the key of an unknown key (listing `known`) or of a bad value."""
     try:
-        return msgspec.convert(extra_config or {}, ConnectorSettings)
+        return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
         if message.startswith("Object contains unknown field"):
-            known = ", ".join(ConnectorSettings.__struct_fields__)
-            message = f"{message.split('`')[1]}: unknown key (known: {known})"
+            message = f"{message.split('`')[1]}: unknown key (known: {', '.join(known)})"
         raise InvalidRequest(f"{which}: {message}") from None
+
+
+def parse_settings(extra_config: dict[str, Any] | None, which: str) -> ConnectorSettings:
+    """`which` names the vLLM option in errors, e.g. "ec_connector_extra_config"."""
+    return convert_settings(extra_config or {}, ConnectorSettings, which, ConnectorSettings.__struct_fields__)
+
+
+def fingerprint(facts: dict[str, Any], size: int = 8) -> str:
+    """A short stable hash of `facts` (JSON, keys sorted): what default namespaces are made of."""
+    return hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=size).hexdigest()
 
 
 def default_namespace(kind: str, vllm_config: Any, layout: dict[str, Any]) -> str:
@@ -70,8 +83,7 @@ def default_namespace(kind: str, vllm_config: Any, layout: dict[str, Any]) -> st
         "dtype": str(getattr(model_config, "dtype", None)),
         **layout,
     }
-    digest = hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=8)
-    return f"vllm-{kind}-{digest.hexdigest()}"
+    return f"vllm-{kind}-{fingerprint(facts)}"
 
 
 def kv_namespace(settings: ConnectorSettings, vllm_config: Any) -> str:
