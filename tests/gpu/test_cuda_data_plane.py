@@ -67,7 +67,7 @@ def test_host_tier_d2h_then_h2d(gpu_daemon):
 
 def test_producer_sigkill_after_publish_leaves_the_entry_readable(gpu_daemon):
     ep = gpu_daemon.endpoint
-    proc = subprocess.Popen([sys.executable, str(WORKER), ep, "put", "k", 11, 1 << 22, "bfloat16", "cuda:0",
+    proc = subprocess.Popen([sys.executable, str(WORKER), ep, "put", "k", "11", str(1 << 22), "bfloat16", "cuda:0",
                              "none", "hold"], stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
