@@ -113,8 +113,15 @@ class CudaPoolSection(Section):
     # UUIDs ("GPU-8d0b…", as `nvidia-smi -L` prints them), which do not depend on it.
     devices: list[int | str] = msgspec.field(default_factory=list)
     size: ByteSize = ByteSize(0)  # per device
+    # How clients get the arenas: "fd" exports each as a file descriptor handed out on the fd
+    # socket (CUDA virtual memory management: reaches clients in other pods and pid namespaces),
+    # "ipc" as a legacy CUDA IPC handle in Welcome (clients must share the daemon's pid and IPC
+    # namespaces), "auto" is "fd" where the devices and the fd socket allow it, else "ipc".
+    export: str = "auto"
 
     def __post_init__(self) -> None:
+        check_field(self.export in ("auto", "fd", "ipc"), "export",
+                    f'must be "auto", "fd" or "ipc", got {self.export!r}')
         check_field(len(self.devices) > 0, "devices", "must name at least one device (an ordinal or a GPU UUID)")
         for device in self.devices:
             check_field(isinstance(device, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", device) is not None
@@ -298,6 +305,9 @@ class Config(Section):
     def __post_init__(self) -> None:
         # Quotas and guaranteed shares count an entry's bytes in every tier (host and CUDA arenas).
         pool, what = int(self.pool.host.size), "pool.host.size"
+        check_field(self.pool.cuda is None or self.pool.cuda.export != "fd" or self.pool.host.backing == "memfd",
+                    "pool.cuda.export", '"fd" hands the arenas out on the fd socket, which needs '
+                    '[pool.host] backing = "memfd"')
         if self.pool.cuda is not None:
             pool += int(self.pool.cuda.size) * len(self.pool.cuda.devices)
             what = "pool.host.size plus the CUDA arenas"

@@ -25,8 +25,8 @@ MAX_HEADER_BYTES = 64 << 10
 
 
 class FdItem(msgspec.Struct, array_like=True):
-    kind: str  # "ring" (a read-only descriptor) or "pool" (read-write)
-    index: int  # the pool segment's number (0 for the ring)
+    kind: str  # "ring" (a read-only descriptor), "pool" (read-write) or "arena" (a CUDA VMM export)
+    index: int  # the pool segment's or arena's pool number (0 for the ring)
     size: int
 
 

@@ -56,16 +56,19 @@ class PoolInfo(Struct, array_like=True):
 
 
 class ArenaInfo(Struct, array_like=True):
-    """A daemon-owned CUDA arena: one device allocation exported once as a CUDA IPC handle.
+    """A daemon-owned CUDA arena: one device allocation exported once.
 
     `index` is its pool number (Extent.pool / Location.pool): host segments come first, arenas
     after them. Processes see different device ordinals under different CUDA_VISIBLE_DEVICES, so
-    clients find the arena's device by `device_uuid` ("GPU-…", as nvidia-smi -L prints it)."""
+    clients find the arena's device by `device_uuid` ("GPU-…", as nvidia-smi -L prints it).
+    `export` says how a client opens it: "ipc", the 64-byte cudaIpcMemHandle_t in `handle`; "fd",
+    a file descriptor from the fd socket (an FdItem of kind "arena" with this index and size)."""
 
     index: int
     device_uuid: str
     size: int
-    handle: bytes  # the 64-byte cudaIpcMemHandle_t of the arena's base pointer
+    handle: bytes  # the 64-byte cudaIpcMemHandle_t of the arena's base pointer (b"" with "fd")
+    export: str = "ipc"
 
 
 class RingInfo(Struct, array_like=True):

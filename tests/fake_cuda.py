@@ -12,8 +12,12 @@ UUIDS = ["GPU-8d0b3c5e-1f2a-4b6c-9d7e-0f1a2b3c4d5e", "GPU-11111111-2222-3333-444
 
 
 class FakeDriver:
-    def __init__(self, uuids=UUIDS, fail_alloc_on: int | None = None, log: str | None = None) -> None:
+    def __init__(self, uuids=UUIDS, fail_alloc_on: int | None = None, log: str | None = None,
+                 fd_export: bool = False) -> None:
+        """`fd_export`: devices that export memory as file descriptors (a memfd per allocation,
+        its first bytes naming the device), so `[pool.cuda] export = "auto"` picks "fd"."""
         self.uuids = list(uuids)
+        self.fd_export = fd_export
         self.fail_alloc_on = fail_alloc_on
         self.log = log
         self.live: dict[int, tuple[int, int]] = {}  # ptr -> (ordinal, size)
@@ -52,10 +56,24 @@ class FakeDriver:
         assert ptr in self.live
         return ptr.to_bytes(8, "little") + bytes([ordinal]) * 56
 
+    def fd_export_supported(self, ordinal: int) -> bool:
+        return self.fd_export
+
+    def vmm_alloc_exported(self, ordinal: int, size: int):
+        from ecd.memory.cuda_vmm import VmmMapping
+        ptr = self.mem_alloc(ordinal, size)
+        fd = os.memfd_create(f"fake-cuda-arena-{ordinal}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, f"fake arena on device {ordinal}".encode(), 0)
+        return VmmMapping(ordinal, ptr, size, handle=ptr), fd
+
+    def vmm_free(self, mapping) -> None:
+        self.mem_free(mapping.ordinal, mapping.ptr)
+
 
 if __name__ == "__main__":
     from ecd.memory import cuda
-    driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"))
+    driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"), fd_export=os.environ.get("ECD_FAKE_CUDA_FD") == "1")
     cuda.load_driver = lambda: driver
     from ecd.cli.commands import app
     sys.exit(app(prog_name="ecd"))

@@ -92,6 +92,9 @@ class Client(ControlClient):
                 self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
             raise
         self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
+        if self._res.close_arena_fds is not None:
+            self._res.close_arena_fds()
+        self._res.close_arena_fds = mapping.close_arena_fds
         mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()
@@ -156,7 +159,7 @@ class Client(ControlClient):
                 from .cuda import CudaPlane
                 self._res.close_cuda()
                 plane = CudaPlane(mapping.epoch, mapping.arenas if mapping.local else [], mapping.rw,
-                                  len(mapping.sizes))
+                                  len(mapping.sizes), mapping.arena_fds)
                 self._res.cuda = plane
             return plane
 

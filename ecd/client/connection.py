@@ -14,7 +14,7 @@ import stat
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -177,6 +177,9 @@ class Resources:
         self.handshake_drops = 0  # consecutive NO_DETAIL handshake failures of `sock`
         self.stop = threading.Event()  # ends the heartbeat thread
         self.cuda: CudaPlane | None = None  # of the current epoch, once CUDA was involved
+        # closes the current epoch's arena descriptors (EpochMapping.close_arena_fds): at close
+        # or when a new epoch replaces it, not whenever the old mapping is collected
+        self.close_arena_fds: Callable[[], object] | None = None
 
     def close_cuda(self) -> None:
         """Close the arena handles and unregister the host mappings (client close, new epoch)."""
@@ -228,6 +231,8 @@ class Resources:
     def close(self) -> None:
         self.stop.set()
         self.close_cuda()
+        if self.close_arena_fds is not None:
+            self.close_arena_fds()
         self.drop_socket(say_bye=True)
         self.ctx.term()
 

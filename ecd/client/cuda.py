@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -173,14 +173,19 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
 class CudaPlane:
     """One daemon epoch's arenas and host registration, as this process sees them."""
 
-    def __init__(self, epoch: int, arenas: list[ArenaInfo], host_bufs: list, n_host: int) -> None:
+    def __init__(self, epoch: int, arenas: list[ArenaInfo], host_bufs: list, n_host: int,
+                 arena_fds: Mapping[int, int] | None = None) -> None:
+        """`arena_fds`: pool index -> descriptor of the arenas exported as file descriptors (the
+        epoch's mapping owns them; they are only read here, when the arena is first opened)."""
         self.epoch = epoch
         self.arenas = {a.index: a for a in arenas}
         self.n_host = n_host
         self.by_pool = map_arenas(arenas, local_device_uuids()) if arenas else {}
         self.by_ordinal = arenas_by_ordinal(self.by_pool)
         self._host_bufs = host_bufs  # the writable mappings: kept mapped until they are unregistered
+        self._arena_fds = dict(arena_fds or {})
         self._bases: dict[int, int] = {}  # arena pool -> base pointer opened in this process
+        self._imported: dict[int, Any] = {}  # arena pool -> its VmmMapping (export "fd")
         self._registered: list[int] = []  # host addresses registered with the driver
         self._host_state = 0  # 0: not tried, 1: registered, -1: failed (copies still work, slower)
         self._lock = threading.Lock()
@@ -217,9 +222,21 @@ class CudaPlane:
             base = self._bases.get(pool)
             if base is None:
                 torch.cuda.init()  # the primary context torch uses is the one the handle opens in
-                base = _driver().ipc_open_handle(ordinal, self.arenas[pool].handle)
-                self._bases[pool] = base
+                base = self._bases[pool] = self._open_arena(pool, ordinal)
         return base
+
+    def _open_arena(self, pool: int, ordinal: int) -> int:
+        """Map the arena into this process: its IPC handle opened, or its descriptor imported."""
+        arena = self.arenas[pool]
+        if arena.export != "fd":
+            return _driver().ipc_open_handle(ordinal, arena.handle)
+        fd = self._arena_fds.get(pool)
+        if fd is None:
+            raise EcdError(f"the daemon exports its CUDA arena {pool} as a file descriptor, and this client "
+                           "got none: it reaches the daemon without its fd socket")
+        mapping = _driver().vmm.import_fd(ordinal, fd, arena.size)
+        self._imported[pool] = mapping
+        return mapping.ptr
 
     def arena_bytes(self, pool: int, offset: int, nbytes: int) -> torch.Tensor:
         """A zero-copy CUDA uint8 tensor over the arena's [offset, offset + nbytes)."""
@@ -326,7 +343,11 @@ class CudaPlane:
             return
         for pool, base in bases.items():
             try:
-                driver.ipc_close_handle(self.by_pool[pool], base)
+                imported = self._imported.pop(pool, None)
+                if imported is not None:
+                    driver.vmm.unmap(imported)
+                else:
+                    driver.ipc_close_handle(self.by_pool[pool], base)
             except Exception:
                 pass
         for address in registered:

@@ -10,11 +10,13 @@ ring reader's) nor torch.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from .. import fd_passing
@@ -91,6 +93,10 @@ class EpochMapping:
         self.arena_sizes = {a.index: a.size for a in welcome.arenas}
         self.local = True
         self.sealed = bool(welcome.fd_socket)  # memfds: their size cannot change
+        # pool index -> descriptor of each arena exported as one (`[pool.cuda] export = "fd"`):
+        # ecd.client.cuda imports it on first use; closed with this mapping
+        self.arena_fds: dict[int, int] = {}
+        self.close_arena_fds: Any = _nothing  # closes them once (the Client at close or a new epoch, else GC)
         # `populate`: the pools' page tables built ahead of the first copies, in the background
         # where the kernel can (ecd.memory.prefault), else by MAP_POPULATE while mapping
         self.prefaulting: threading.Thread | None = None
@@ -176,11 +182,25 @@ class EpochMapping:
                        for p in welcome.pools]
             self.ro = [map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
                        for p in welcome.pools]
+            self._keep_arena_fds(welcome, fds, path)
         except (OSError, ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory from {path}: {exc}") from None
         finally:
             for _, fd in items:
                 os.close(fd)  # the mappings keep what they need
+
+    def _keep_arena_fds(self, welcome: Welcome, fds: dict[tuple[str, int], tuple[int, int]], path: str) -> None:
+        """Keep a duplicate of each exported arena's descriptor (the batch's own are closed)."""
+        for arena in welcome.arenas:
+            if arena.export != "fd":
+                continue
+            got = fds.get(("arena", arena.index))
+            if got is None or got[0] != arena.size:
+                raise ProtocolError(f"the fd socket {path} sent arena {arena.index} as {got and got[0]} bytes, "
+                                    f"Welcome says {arena.size}")
+            self.arena_fds[arena.index] = os.dup(got[1])
+        if self.arena_fds:
+            self.close_arena_fds = weakref.finalize(self, _close_all, list(self.arena_fds.values()))
 
     def require_local(self, what: str, inline_max: int) -> None:
         if not self.local:
@@ -212,6 +232,16 @@ class EpochMapping:
     def fits(self, extent: Extent, arena: int) -> bool:
         """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
         return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _reaching(buf: Any, pool: int, end: int) -> Any:

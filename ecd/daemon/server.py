@@ -40,7 +40,7 @@ from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
-from .wiring import handler_context, metrics_source, peer_context, reload_target
+from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import EventsStats
@@ -266,15 +266,21 @@ class Daemon:
         """One arena of `[pool.cuda] size` per device, exported once as a CUDA IPC handle."""
         if self.config.pool.cuda is None:
             return
-        from ..memory.cuda import CudaArenas, CudaError
+        from ..memory.cuda import CudaArenas, CudaError, choose_export
         size = int(self.config.pool.cuda.size)
         try:
-            self.arenas = CudaArenas(self.cuda_driver, self._cuda_ordinals, size)
+            export = choose_export(self.cuda_driver, self._cuda_ordinals, self.config.pool.cuda.export,
+                                   fd_socket=self.config.pool.host.backing == "memfd")
+        except CudaError as exc:
+            raise StartupError(f"pool.cuda.{exc}") from None
+        try:
+            self.arenas = CudaArenas(self.cuda_driver, self._cuda_ordinals, size, export)
         except CudaError as exc:
             raise StartupError(f"pool.cuda.size: cannot allocate and export {size} bytes on each of "
                                f"devices {self._cuda_ordinals}: {exc}") from None
         for arena in self.arenas:
-            log.info("CUDA arena on device %d (%s): %d bytes", arena.ordinal, arena.uuid, arena.size)
+            log.info("CUDA arena on device %d (%s): %d bytes, exported as %s", arena.ordinal, arena.uuid,
+                     arena.size, "a file descriptor" if arena.export == "fd" else "a CUDA IPC handle")
 
 
     def _bind(self) -> None:
@@ -324,7 +330,7 @@ class Daemon:
                 else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds"))
         try:
             self.fd_server = FdServer(path, self.gid, self.epoch, self.ring_file, self.pool.segments,
-                                      lambda: self.config.control)
+                                      lambda: self.config.control, arena_fds(self))
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
         self.fd_socket_name = os.path.basename(path) if ipc is not None else path

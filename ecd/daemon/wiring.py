@@ -25,7 +25,13 @@ def arena_infos(d: "Daemon") -> list[ArenaInfo]:
     if d.arenas is None:
         return []
     first = len(d.pool.segments)
-    return [ArenaInfo(first + i, a.uuid, a.size, a.handle) for i, a in enumerate(d.arenas)]
+    return [ArenaInfo(first + i, a.uuid, a.size, a.handle, a.export) for i, a in enumerate(d.arenas)]
+
+
+def arena_fds(d: "Daemon") -> list[tuple[int, int, int]]:
+    """(pool index, size, descriptor) of each arena exported as a file descriptor (the fd socket's)."""
+    return [(info.index, info.size, arena.fd) for info, arena in zip(arena_infos(d), d.arenas or [])
+            if arena.export == "fd"]
 
 
 def pool_labels(d: "Daemon") -> list[str]:

@@ -11,11 +11,13 @@ Imported only when `[pool.cuda]` is configured (daemon) or a client meets a CUDA
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, cast
 
 from ..errors import EcdError
+from .cuda_vmm import VmmCalls, VmmMapping
 
 LIBCUDA = "libcuda.so.1"
 
@@ -108,6 +110,7 @@ class Driver:
         self._cuMemHostUnregister = _proto(lib, "cuMemHostUnregister", ctypes.c_void_p)
         self._contexts: dict[int, int] = {}  # ordinal -> retained primary context
         self._uuids: dict[int, str] = {}
+        self.vmm = VmmCalls(self, lib)  # device memory exported as file descriptors
 
     # ---- plumbing -----------------------------------------------------------------------
 
@@ -221,6 +224,20 @@ class Driver:
     def ipc_close_handle(self, ordinal: int, ptr: int) -> None:
         self._in_context(ordinal, "cuIpcCloseMemHandle", self._cuIpcCloseMemHandle, CUdeviceptr(ptr))
 
+    # ---- device memory exported as a file descriptor (cuda_vmm.py) ------------------------
+
+    def fd_export_supported(self, ordinal: int) -> bool:
+        return self.vmm.fd_export_supported(ordinal)
+
+    def vmm_alloc_exported(self, ordinal: int, size: int) -> tuple[VmmMapping, int]:
+        """`size` bytes (rounded up to the device's granularity) mapped here and exported: (the
+        mapping, its file descriptor)."""
+        grain = self.vmm.granularity(ordinal)
+        return self.vmm.create_exported(ordinal, -(-size // grain) * grain)
+
+    def vmm_free(self, mapping: VmmMapping) -> None:
+        self.vmm.unmap(mapping)
+
     # ---- pinned host memory -------------------------------------------------------------
 
     def host_register(self, ptr: int, size: int) -> None:
@@ -287,6 +304,9 @@ class DriverApi(Protocol):
     def mem_alloc(self, ordinal: int, size: int) -> int: ...
     def mem_free(self, ordinal: int, ptr: int) -> None: ...
     def ipc_get_handle(self, ordinal: int, ptr: int) -> bytes: ...
+    def fd_export_supported(self, ordinal: int) -> bool: ...
+    def vmm_alloc_exported(self, ordinal: int, size: int) -> tuple[VmmMapping, int]: ...
+    def vmm_free(self, mapping: VmmMapping) -> None: ...
 
 
 class DeviceNotFound(EcdError):
@@ -318,33 +338,65 @@ def resolve_devices(driver: DriverApi, devices: Iterable[int | str]) -> list[int
     return ordinals
 
 
+EXPORTS = ("auto", "fd", "ipc")
+
+
 @dataclass
 class Arena:
-    """One daemon-owned device allocation and the IPC handle exported for it at start."""
+    """One daemon-owned device allocation, exported once at start: as a legacy CUDA IPC `handle`
+    (export "ipc": importers must share the daemon's pid and IPC namespaces), or as a file
+    descriptor `fd` handed out on the fd socket (export "fd": any process that reaches it)."""
 
     ordinal: int
     uuid: str
     size: int
     ptr: int = field(repr=False)
-    handle: bytes = field(repr=False)
+    handle: bytes = field(repr=False, default=b"")
+    export: str = "ipc"
+    fd: int = -1
+    vmm: VmmMapping | None = field(repr=False, default=None)
 
     @property
     def label(self) -> str:
         return f"cuda{self.ordinal}"  # the `pool` label of its metrics
 
 
+def choose_export(driver: DriverApi, ordinals: list[int], export: str, fd_socket: bool) -> str:
+    """`[pool.cuda] export` resolved: "fd" where every device can export a file descriptor and
+    the daemon has an fd socket to hand it out on, else "ipc" ("auto"); "fd" where it cannot
+    raises CudaError saying why."""
+    if export == "ipc":
+        return "ipc"
+    why = ("" if fd_socket else "it needs the fd socket ([pool.host] backing = \"memfd\", the default)")
+    if not why:
+        unsupported = [o for o in ordinals if not driver.fd_export_supported(o)]
+        if unsupported:
+            why = (f"device(s) {unsupported} cannot export memory as a POSIX file descriptor "
+                   "(CUDA virtual memory management; driver 450+ on Linux)")
+    if not why:
+        return "fd"
+    if export == "fd":
+        raise CudaError(f"export = \"fd\": {why}")
+    return "ipc"
+
+
 class CudaArenas:
     """One arena of `size` bytes per device, each exported once (the handle registry). On any
     failure, what was allocated so far is freed before the error propagates."""
 
-    def __init__(self, driver: DriverApi, ordinals: list[int], size: int) -> None:
+    def __init__(self, driver: DriverApi, ordinals: list[int], size: int, export: str = "ipc") -> None:
         self.driver = driver
         self.arenas: list[Arena] = []
         try:
             for ordinal in ordinals:
                 uuid = driver.device_uuid(ordinal)
+                if export == "fd":
+                    mapping, fd = driver.vmm_alloc_exported(ordinal, size)
+                    self.arenas.append(Arena(ordinal, uuid, mapping.size, mapping.ptr, export="fd", fd=fd,
+                                             vmm=mapping))
+                    continue
                 ptr = driver.mem_alloc(ordinal, size)
-                arena = Arena(ordinal, uuid, size, ptr, b"")
+                arena = Arena(ordinal, uuid, size, ptr)
                 self.arenas.append(arena)  # freed by close() even if the export fails
                 arena.handle = driver.ipc_get_handle(ordinal, ptr)
         except BaseException:
@@ -358,10 +410,18 @@ class CudaArenas:
         return len(self.arenas)
 
     def close(self) -> None:
-        """Free every arena (at exit: clients drop their mappings when the daemon's epoch changes)."""
+        """Free every arena (at exit: clients drop their mappings when the daemon's epoch changes;
+        an exported arena's memory lives on until every importer has unmapped it)."""
         while self.arenas:
             arena = self.arenas.pop()
             try:
-                self.driver.mem_free(arena.ordinal, arena.ptr)
+                if arena.vmm is not None:
+                    self.driver.vmm_free(arena.vmm)
+                else:
+                    self.driver.mem_free(arena.ordinal, arena.ptr)
             except CudaError:
                 pass  # exiting anyway: the driver reclaims a dead process's memory
+            finally:
+                if arena.fd >= 0:
+                    os.close(arena.fd)
+                    arena.fd = -1

@@ -2,8 +2,12 @@
  * so the ctypes marshalling of ecd/memory/cuda.py (64-bit CUdeviceptr, the 64-byte
  * CUipcMemHandle passed by value, primary-context push/pop) is tested on machines without a GPU.
  * Built by tests/unit/test_cuda_driver.py with the system C compiler. */
+#define _GNU_SOURCE
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -83,3 +87,74 @@ CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
     last_host_ptr = p; last_host_size = size; last_flags = flags; return 0;
 }
 CUresult cuMemHostUnregister(void *p) { return p == last_host_ptr && depth ? 0 : 1; }
+
+/* ---- CUDA virtual memory management (ecd/memory/cuda_vmm.py): a cuMemCreate'd allocation is a
+ * memfd here, exported as a real descriptor; every struct field ecd fills is checked. ---- */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } CUmemAllocFlags;
+typedef struct { int type; int requestedHandleTypes; CUmemLocation location; void *win32HandleMetaData; CUmemAllocFlags allocFlags; } CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+#define GRAIN (2ULL << 20)
+static int vmm_unsupported, live_handles, reserved_ranges, mapped_ranges, last_import_fd = -1;
+static CUdeviceptr next_va = 0x7e0000000000ULL;
+void fake_vmm_unsupported(int v) { vmm_unsupported = v; }
+int fake_live_handles(void) { return live_handles; }
+int fake_reserved_ranges(void) { return reserved_ranges; }
+int fake_mapped_ranges(void) { return mapped_ranges; }
+int fake_last_import_fd(void) { return last_import_fd; }
+static int prop_ok(const CUmemAllocationProp *p) {
+    /* pinned, POSIX fd, on a device that exists, nothing else set */
+    return p->type == 1 && p->requestedHandleTypes == 1 && p->location.type == 1 && p->location.id >= 0
+        && p->location.id < NDEV && p->win32HandleMetaData == 0 && p->allocFlags.usage == 0;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+    if (d < 0 || d >= NDEV) return 1;
+    *v = (attr == 102 || attr == 103) ? !vmm_unsupported : 0; return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option) {
+    if (!prop_ok(p) || option != 0) return 1;
+    *g = GRAIN; return 0;
+}
+/* The handle is the memfd's descriptor plus 1000 (so a handle mistaken for an fd fails). */
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *p, unsigned long long flags) {
+    int f = take_failure(); if (f) return f;
+    if (!depth) return 201;
+    if (!prop_ok(p) || flags || !size || size % GRAIN) return 1;
+    int fd = memfd_create("fake-cuda-vmm", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size)) return 2;
+    dprintf(fd, "fake vmm device %d", p->location.id); /* what an importer can check it got */
+    *h = (CUmemGenericAllocationHandle)fd + 1000; live_handles++; return 0;
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    if (!depth || h < 1000) return 1;
+    close((int)(h - 1000)); live_handles--; return 0;
+}
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+    int f = take_failure(); if (f) return f;
+    if (!depth || h < 1000 || type != 1 || flags) return 1;
+    int fd = dup((int)(h - 1000)); if (fd < 0) return 2;
+    *(int *)out = fd; return 0;
+}
+/* The descriptor arrives as the pointer-sized value of the fd itself. */
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type) {
+    if (!depth || type != 1) return 1;
+    int fd = dup((int)(intptr_t)os_handle); if (fd < 0) return 1;
+    last_import_fd = (int)(intptr_t)os_handle;
+    *h = (CUmemGenericAllocationHandle)fd + 1000; live_handles++; return 0;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    if (!depth || size % GRAIN || align || addr || flags) return 1;
+    *p = next_va; next_va += size; reserved_ranges++; return 0;
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { if (!depth || (p >> 40) != 0x7e) return 1; reserved_ranges--; return 0; }
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
+    int f = take_failure(); if (f) return f;
+    if (!depth || (p >> 40) != 0x7e || offset || flags || h < 1000) return 1;
+    mapped_ranges++; return 0;
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) { if (!depth || (p >> 40) != 0x7e) return 1; mapped_ranges--; return 0; }
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, size_t count) {
+    if (!depth || count != 1 || d->location.type != 1 || d->location.id < 0 || d->location.id >= NDEV || d->flags != 3) return 1;
+    return 0;
+}

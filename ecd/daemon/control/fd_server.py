@@ -1,4 +1,5 @@
-"""The fd socket: hands the host pool's memfds and the ring's read-only descriptor to local clients.
+"""The fd socket: hands the host pool's memfds, the ring's read-only descriptor and the CUDA arenas
+exported as file descriptors (`[pool.cuda] export = "fd"`) to local clients.
 
 Beside the control socket, `<control socket>.fds` (a tcp control endpoint: `<runtime_dir>/ecd.<node>.fds`),
 a SOCK_SEQPACKET unix socket with the control socket's group and mode (0660). The wire is
@@ -49,8 +50,9 @@ class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
     def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
-                 control: Callable[[], Any]) -> None:
-        """`control`: the daemon's `[control]` section as it is now (after any SIGHUP)."""
+                 control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = ()) -> None:
+        """`control`: the daemon's `[control]` section as it is now (after any SIGHUP); `arenas`:
+        (pool index, size, descriptor) of the CUDA arenas exported as file descriptors."""
         self.path = path
         self._control = control
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
@@ -80,6 +82,7 @@ class FdServer:
         self.sock = sock
         items = [(FdItem("ring", 0, ring.size), self._ring_fd)]
         items += [(FdItem("pool", i, seg.size), seg.fd) for i, seg in enumerate(segments)]
+        items += [(FdItem("arena", index, size), fd) for index, size, fd in arenas]
         self._batches = []
         for first in range(0, len(items), FDS_PER_MESSAGE):
             chunk = items[first:first + FDS_PER_MESSAGE]

@@ -1,0 +1,110 @@
+"""`[pool.cuda] export = "fd"` end to end without a GPU: a daemon on the fake driver
+(tests/fake_cuda.py, devices that export memory as file descriptors) announces its arenas as
+exported, hands each arena's descriptor out on the fd socket beside the pools' (so a client in
+another pod or pid namespace can import it), a real Client keeps them for its CUDA plane, and bad
+or impossible settings refuse the start with one line. On a GPU: tests/gpu/test_vmm_export.py."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from conftest import REPO, shm_files
+from ecd import fd_passing
+from ecd.protocol import PROTOCOL_VERSION, Hello, Welcome
+
+sys.path.insert(0, str(REPO / "tests"))
+from fake_cuda import UUIDS  # noqa: E402
+from test_cuda_arenas import FakeCudaDaemon, Raw  # noqa: E402
+
+CUDA = f'[pool.cuda]\ndevices = ["{UUIDS[1]}", 0]\nsize = "4MiB"\n'
+FD = {"ECD_FAKE_CUDA_FD": "1"}
+
+
+def first_bytes(fd: int) -> bytes:
+    return os.pread(fd, 64, 0).rstrip(b"\0")
+
+
+@pytest.fixture
+def fd_daemon():
+    d = FakeCudaDaemon("16MiB", CUDA)
+    d.start(env=FD)
+    yield d
+    d.cleanup()
+
+
+def test_arenas_travel_as_descriptors_on_the_fd_socket(fd_daemon):
+    raw = Raw(fd_daemon.endpoint)
+    try:
+        welcome = raw.ask(Hello(1, PROTOCOL_VERSION, os.getpid(), "test"))
+        assert isinstance(welcome, Welcome), welcome
+        host = len(welcome.pools)
+        assert [(a.index, a.device_uuid, a.size, a.handle, a.export) for a in welcome.arenas] == [
+            (host, UUIDS[1], 4 << 20, b"", "fd"), (host + 1, UUIDS[0], 4 << 20, b"", "fd")]
+        assert welcome.fd_socket
+    finally:
+        raw.close()
+    path = os.path.join(fd_daemon.runtime_dir, welcome.fd_socket)
+    header, items = fd_passing.receive(path, 5.0)
+    try:
+        assert header.epoch == welcome.epoch
+        arenas = {item.index: (item.size, fd) for item, fd in items if item.kind == "arena"}
+        assert sorted(arenas) == [host, host + 1]
+        # each descriptor is the daemon's allocation on that arena's device
+        assert first_bytes(arenas[host][1]) == b"fake arena on device 1"
+        assert first_bytes(arenas[host + 1][1]) == b"fake arena on device 0"
+        assert {size for size, _ in arenas.values()} == {4 << 20}
+        assert [item.kind for item, _ in items].count("pool") == host
+    finally:
+        for _, fd in items:
+            os.close(fd)
+
+
+def test_a_client_keeps_the_arena_descriptors_for_its_cuda_plane(fd_daemon):
+    with fd_daemon.client() as c:
+        fds = dict(c._map.arena_fds)
+        host = len(c.welcome.pools)
+        assert sorted(fds) == [host, host + 1]
+        assert first_bytes(fds[host]) == b"fake arena on device 1"
+        import torch
+        c.put("t", torch.arange(1000))  # the host pool works as ever beside them
+        assert torch.equal(c.get("t"), torch.arange(1000))
+    for fd in fds.values():  # closed with the client's mapping
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert fd_daemon.stop(signal.SIGTERM) == 0
+    log = open(fd_daemon.alloc_log).read().splitlines()
+    allocs = sorted(line.split()[2] for line in log if line.startswith("alloc"))
+    assert len(allocs) == 2 and allocs == sorted(line.split()[2] for line in log if line.startswith("free")), log
+    assert shm_files(fd_daemon.node) == []
+
+
+@pytest.mark.parametrize("extra, env, backing, expected", [
+    ('export = "fd"\n', {}, "",
+     'ecd: cannot start: pool.cuda.export = "fd": device(s) [1, 0] cannot export memory as a POSIX file descriptor'),
+    ('export = "fd"\n', FD, "named",
+     'pool.cuda.export: "fd" hands the arenas out on the fd socket, which needs [pool.host] backing = "memfd"'),
+    ('export = "posix"\n', FD, "", 'pool.cuda.export: must be "auto", "fd" or "ipc", got \'posix\''),
+])
+def test_impossible_exports_refuse_the_start_with_one_line(extra, env, backing, expected):
+    d = FakeCudaDaemon("16MiB", CUDA + extra, backing=backing)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            d.start(env=env)
+        assert expected in d.log(), d.log()
+        assert shm_files(d.node) == []
+    finally:
+        d.cleanup()
+
+
+def test_ipc_export_still_chosen_when_asked(tmp_path):
+    d = FakeCudaDaemon("16MiB", CUDA + 'export = "ipc"\n')
+    try:
+        d.start(env=FD)
+        with d.client() as c:
+            assert [a.export for a in c.welcome.arenas] == ["ipc", "ipc"]
+            assert all(len(a.handle) == 64 for a in c.welcome.arenas) and c._map.arena_fds == {}
+    finally:
+        d.cleanup()
