@@ -1,6 +1,7 @@
 """On a GPU node: the daemon started with `[pool.cuda]` announces one arena per device whose
-UUID is the one torch reports for it, and whose IPC handle opens in another process (this one)
-to device memory torch can read and write. Skipped without CUDA."""
+UUID is the one torch reports for it, and whose export (an IPC handle, or a file descriptor from
+the fd socket) opens in another process (this one) to device memory torch can read and write.
+Skipped without CUDA."""
 from __future__ import annotations
 
 import os
@@ -18,10 +19,29 @@ def torch_uuid(ordinal: int) -> str:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-@pytest.fixture
-def cuda_daemon(daemon_factory):
+@pytest.fixture(params=["ipc", "fd"])
+def cuda_daemon(daemon_factory, request):
     devices = list(range(min(torch.cuda.device_count(), 2)))
-    return daemon_factory("64MiB", f'[pool.cuda]\ndevices = {devices}\nsize = "64MiB"\n')
+    return daemon_factory("64MiB", f'[pool.cuda]\ndevices = {devices}\nsize = "64MiB"\nexport = "{request.param}"\n')
+
+
+def open_arena(driver, ordinal: int, arena, endpoint: str, welcome) -> tuple[int, object]:
+    """(base pointer, what to close it with) of an arena, as ecd.client.cuda opens it."""
+    if arena.export == "ipc":
+        assert len(arena.handle) == 64
+        ptr = driver.ipc_open_handle(ordinal, arena.handle)
+        return ptr, lambda: driver.ipc_close_handle(ordinal, ptr)
+    from ecd import fd_passing
+    assert arena.handle == b"" and welcome.fd_socket
+    path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), welcome.fd_socket)
+    _, items = fd_passing.receive(path, 5.0)
+    try:
+        (fd,) = [fd for item, fd in items if item.kind == "arena" and item.index == arena.index]
+        mapping = driver.vmm.import_fd(ordinal, fd, arena.size)
+    finally:
+        for _, fd in items:
+            os.close(fd)
+    return mapping.ptr, lambda: driver.vmm.unmap(mapping)
 
 
 def test_arena_uuids_match_torch_and_handles_open(cuda_daemon):
@@ -48,10 +68,10 @@ def test_arena_uuids_match_torch_and_handles_open(cuda_daemon):
             assert arena.device_uuid in by_uuid, (arena.device_uuid, by_uuid)
             ordinal = by_uuid[arena.device_uuid]
             assert driver.device_uuid(ordinal) == arena.device_uuid
-            assert arena.size == 64 << 20 and len(arena.handle) == 64
+            assert arena.size == 64 << 20
             torch.cuda.set_device(ordinal)
             torch.cuda.synchronize()
-            ptr = driver.ipc_open_handle(ordinal, arena.handle)
+            ptr, close = open_arena(driver, ordinal, arena, cuda_daemon.endpoint, welcome)
             try:
                 # write through torch into the opened arena and read it back through a second view
                 sock.send(encoder.encode(Alloc(2, "ns", [AllocItem("k", "uint8", [4096], 4096)],
@@ -64,7 +84,7 @@ def test_arena_uuids_match_torch_and_handles_open(cuda_daemon):
                 torch.cuda.synchronize()
                 assert torch.equal(_tensor_at(ptr + ext.offset, 4096, ordinal).cpu(), src.cpu())
             finally:
-                driver.ipc_close_handle(ordinal, ptr)
+                close()
     finally:
         sock.send(encoder.encode(Bye(0)))
         sock.close(linger=1000)
