@@ -400,6 +400,7 @@ def _run_pair(torch, producer, producer_args: tuple, consumer, consumer_args: tu
         if _recv(ctl_p, "producer") != "ready" or _recv(ctl_c, "consumer") != "ready":
             raise RuntimeError("a child did not start")
         torch.cuda.synchronize()
+
         def free() -> int:
             return torch.cuda.mem_get_info(0)[0]
 
