@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import line_within, wait_for
 from ecd.client.testing import acquire
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +79,45 @@ def test_producer_sigkill_after_publish_leaves_the_entry_readable(gpu_daemon):
         proc.wait(30)
     assert worker(ep, "get", "k", "cuda:0") == (int(digest), "cuda:0")
     assert worker(ep, "view", "k") == (int(digest), "cuda:0")
+
+
+def test_producer_sigkill_mid_put_gives_the_extent_back_and_publishes_nothing(daemon_factory):
+    # session_ttl: the bound should the daemon fall back to heartbeats (no pidfd for the worker)
+    d = daemon_factory(size="256MiB", extra=ARENA + '[leases]\nsession_ttl = "10s"\n')
+    ep, key, numel = d.endpoint, "m", 1 << 22  # bfloat16: 8 MiB
+    with d.client() as c:
+        (arena,) = arena_pools(c)
+        used_before = c.stats()["pools"][arena][1]
+        proc = subprocess.Popen([sys.executable, str(WORKER), ep, "put-stall", key, "13", str(numel), "bfloat16",
+                                 "cuda:0"], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        try:
+            status, pool, _ = line_within(proc, 120).split()
+            assert status == "allocated" and int(pool) == arena
+            stats = c.stats()
+            assert stats["entries_writing"] == 1
+            assert stats["pools"][arena][1] >= used_before + 2 * numel
+            assert c.exists(key) is False  # half-written: not published
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+
+        def reclaimed():
+            s = c.stats()
+            return s["entries_writing"] == 0 and s["pools"][arena][1] == used_before and s
+
+        stats = wait_for(reclaimed, timeout=30.0, interval=0.1)
+        assert stats, f"the dead producer's arena extent was not given back: {c.stats()}"
+        assert stats["reclaimed_sessions"] >= 1
+        assert c.exists(key) is False
+        assert c.get_many([key], missing_ok=True) == [None]
+        with pytest.raises(KeyError):  # KeyNotFound: nothing was ever published
+            c.get(key, timeout=0.5)
+    # the same key and size, put whole by another producer, reads back bit-identical
+    digest, device = worker(ep, "put", key, 14, numel, "bfloat16", "cuda:0", "cuda")
+    assert device == "cuda:0"
+    assert worker(ep, "get", key, "cuda:0") == (digest, "cuda:0")
+    assert worker(ep, "get", key, "cpu") == (digest, "cpu")
+    assert worker(ep, "view", key) == (digest, "cuda:0")
 
 
 def test_commit_waits_for_work_queued_on_the_current_stream(gpu_daemon):
