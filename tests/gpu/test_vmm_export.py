@@ -82,10 +82,10 @@ def test_producer_and_consumer_in_other_pid_namespaces(daemon_factory):
 def test_the_arena_outlives_a_consumer_that_dies_holding_its_mapping(daemon_factory):
     d = daemon_factory(size="256MiB", extra=arena_config("fd"))
     digest, _ = run_worker(d.endpoint, "put", "k", "5", str(1 << 20), "bfloat16", "cuda:0", "cuda")
-    for _ in range(3):  # each consumer imports the descriptor and exits without unmapping
+    for _ in range(2):  # each consumer imports the descriptor and exits without unmapping
         assert run_worker(d.endpoint, "view", "k") == (digest, "cuda:0")
     free_before = torch.cuda.mem_get_info(0)[0]
-    for _ in range(5):
+    for _ in range(3):
         assert run_worker(d.endpoint, "get", "k", "cuda:0") == (digest, "cuda:0")
     # imports by processes that are gone leave no device memory behind (within allocator noise)
     assert free_before - torch.cuda.mem_get_info(0)[0] < 64 << 20
