@@ -107,6 +107,11 @@ class Client(ControlClient):
         `ring` (the event ring reader, its `overruns`)."""
         return cast(EpochMapping, self._map)  # connected: set
 
+    def cuda_plane(self):
+        """The current daemon run's CUDA plane (ecd.client.cuda.CudaPlane: its arenas as this
+        process maps them), made on first use. Imports torch's CUDA side."""
+        return self._cuda_plane(self.mapping)
+
     @property
     def location_cache(self) -> LocationCache:
         """The locations this client learnt (keyhash -> namespace, key, generation): what its

@@ -263,7 +263,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
 
     def _create_arenas(self) -> None:
-        """One arena of `[pool.cuda] size` per device, exported once as a CUDA IPC handle."""
+        """One arena of `[pool.cuda] size` per device, exported once (memory/cuda.py: choose_export)."""
         if self.config.pool.cuda is None:
             return
         from ..memory.cuda import CudaArenas, CudaError, choose_export
@@ -271,17 +271,12 @@ class Daemon:
         try:
             export = choose_export(self.cuda_driver, self._cuda_ordinals, self.config.pool.cuda.export,
                                    fd_socket=self.config.pool.host.backing == "memfd")
-        except CudaError as exc:
-            raise StartupError(f"pool.cuda.{exc}") from None
-        try:
             self.arenas = CudaArenas(self.cuda_driver, self._cuda_ordinals, size, export)
         except CudaError as exc:
-            raise StartupError(f"pool.cuda.size: cannot allocate and export {size} bytes on each of "
-                               f"devices {self._cuda_ordinals}: {exc}") from None
+            raise StartupError(str(exc) if exc.field else f"pool.cuda.size: cannot allocate and export {size} "
+                               f"bytes on each of devices {self._cuda_ordinals}: {exc}") from None
         for arena in self.arenas:
-            log.info("CUDA arena on device %d (%s): %d bytes, exported as %s", arena.ordinal, arena.uuid,
-                     arena.size, "a file descriptor" if arena.export == "fd" else "a CUDA IPC handle")
-
+            log.info("CUDA arena on device %d (%s): %d bytes, export %s", arena.ordinal, arena.uuid, arena.size, arena.export)
 
     def _bind(self) -> None:
         self.ctx = zmq.Context(io_threads=1)

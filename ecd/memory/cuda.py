@@ -48,9 +48,10 @@ class CudaUnavailable(EcdError):
 class CudaError(EcdError):
     """A CUDA driver call failed; the message names the call, the error and its description."""
 
-    def __init__(self, message: str = "", *, result: int = 0) -> None:
+    def __init__(self, message: str = "", *, result: int = 0, field: str = "") -> None:
         super().__init__(message)
         self.result = result
+        self.field = field  # a configuration error: the message names this `[pool.cuda]` key
 
 
 def format_uuid(raw: bytes) -> str:
@@ -376,7 +377,7 @@ def choose_export(driver: DriverApi, ordinals: list[int], export: str, fd_socket
     if not why:
         return "fd"
     if export == "fd":
-        raise CudaError(f"export = \"fd\": {why}")
+        raise CudaError(f"pool.cuda.export = \"fd\": {why}", field="export")
     return "ipc"
 
 

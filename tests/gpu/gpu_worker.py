@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
         seed, numel, dtype, device = rest
         t = make(int(seed), int(numel), dtype, device)
         nbytes = t.numel() * t.element_size()
-        plane = c._cuda_plane(c._map)
+        plane = c.cuda_plane()
         arena = plane.tier_for(t, "cuda")  # the arena on the tensor's device (raises without one)
         item = AllocItem(key, dtype_name(t.dtype), list(t.shape), nbytes)
         (ext,) = c.request(Alloc(0, c.namespace, [item], arena=arena)).results

@@ -64,7 +64,7 @@ def test_arenas_travel_as_descriptors_on_the_fd_socket(fd_daemon):
 
 def test_a_client_keeps_the_arena_descriptors_for_its_cuda_plane(fd_daemon):
     with fd_daemon.client() as c:
-        fds = dict(c._map.arena_fds)
+        fds = dict(c.mapping.arena_fds)
         host = len(c.welcome.pools)
         assert sorted(fds) == [host, host + 1]
         assert first_bytes(fds[host]) == b"fake arena on device 1"
@@ -105,6 +105,6 @@ def test_ipc_export_still_chosen_when_asked(tmp_path):
         d.start(env=FD)
         with d.client() as c:
             assert [a.export for a in c.welcome.arenas] == ["ipc", "ipc"]
-            assert all(len(a.handle) == 64 for a in c.welcome.arenas) and c._map.arena_fds == {}
+            assert all(len(a.handle) == 64 for a in c.welcome.arenas) and c.mapping.arena_fds == {}
     finally:
         d.cleanup()

@@ -72,7 +72,7 @@ def test_arenas_exported_as_descriptors_and_freed(driver, fake):  # noqa: F811
     assert choose_export(driver, [0, 1], "auto", fd_socket=True) == "fd"
     assert choose_export(driver, [0, 1], "auto", fd_socket=False) == "ipc"
     assert choose_export(driver, [0, 1], "ipc", fd_socket=True) == "ipc"
-    with pytest.raises(CudaError, match=r'export = "fd": it needs the fd socket'):
+    with pytest.raises(CudaError, match=r'^pool.cuda.export = "fd": it needs the fd socket'):
         choose_export(driver, [0], "fd", fd_socket=False)
     arenas = CudaArenas(driver, [1, 0], 2 << 20, "fd")
     fds = [a.fd for a in arenas]
