@@ -108,3 +108,59 @@ def test_ipc_export_still_chosen_when_asked(tmp_path):
             assert all(len(a.handle) == 64 for a in c.welcome.arenas) and c.mapping.arena_fds == {}
     finally:
         d.cleanup()
+
+
+ARENA_READER = """
+import json, os, sys
+from ecd import Client
+c = Client(sys.argv[1], timeout=10)
+print(json.dumps({"pid": os.getpid(), "arenas": {str(index): os.pread(fd, 64, 0).rstrip(b"\\0").decode()
+                                              for index, fd in c.mapping.arena_fds.items()}}))
+c.close()
+"""
+
+
+def test_a_client_in_another_pid_namespace_gets_the_arenas(fd_daemon):
+    """What a client in another pod sees: its own pid namespace (it is pid 1 there), the socket
+    directory shared; the arena descriptors reach it as the pool's do."""
+    import json
+    import shutil
+    import subprocess
+    unshare = shutil.which("unshare")
+    prefix = [unshare, "--pid", "--fork", "--mount-proc"] if unshare else []
+    if not prefix or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root or user namespaces)")
+    out = subprocess.run([*prefix, sys.executable, "-c", ARENA_READER, fd_daemon.endpoint], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["pid"] == 1  # really another pid namespace
+    with fd_daemon.client() as c:
+        host = len(c.welcome.pools)
+    assert seen["arenas"] == {str(host): "fake arena on device 1", str(host + 1): "fake arena on device 0"}
+
+
+def fake_arena_fds() -> list[str]:
+    """This process's descriptors of the fake driver's arenas (memfds named fake-cuda-arena-N)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor
+    return sorted(link for link in links if "fake-cuda-arena" in link)
+
+
+def test_a_restarted_daemon_hands_new_arenas_and_the_old_descriptors_close(fd_daemon):
+    with fd_daemon.client() as c:
+        first = dict(c.mapping.arena_fds)
+        assert len(fake_arena_fds()) == 2
+        epoch = c.welcome.epoch
+        assert fd_daemon.stop(signal.SIGTERM) == 0
+        fd_daemon.start(env=FD)
+        c.ping()  # reconnects: a new epoch, new arenas
+        assert c.welcome.epoch != epoch
+        assert sorted(c.mapping.arena_fds) == sorted(first)
+        assert len(fake_arena_fds()) == 2  # the old run's two are closed, the new run's two kept
+        assert first_bytes(c.mapping.arena_fds[len(c.welcome.pools)]) == b"fake arena on device 1"
+    assert fake_arena_fds() == []
