@@ -18,7 +18,6 @@ import pstats
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,34 +38,6 @@ def median_us(fn, reps: int = 300, warm: int = 20) -> float:
         fn()
         samples.append(now_ns() - t0)
     return round(statistics.median(samples) / 1e3, 1)
-
-
-def bare_round_trip_us() -> float:
-    import zmq
-    ctx = zmq.Context()
-    path = f"ipc://{tempfile.mkdtemp()}/bare.sock"
-    rep = ctx.socket(zmq.REP)
-    rep.bind(path)
-
-    def echo() -> None:
-        while True:
-            message = rep.recv()
-            rep.send(message)
-            if message == b"quit":
-                return
-
-    threading.Thread(target=echo, daemon=True).start()
-    req = ctx.socket(zmq.REQ)
-    req.connect(path)
-
-    def round_trip() -> None:
-        req.send(b"x" * 64)
-        req.recv()
-
-    result = median_us(round_trip, 2000)
-    req.send(b"quit")
-    req.recv()
-    return result
 
 
 def profile(fn, calls: int = 300, top: int = 28) -> str:
@@ -190,7 +161,9 @@ def main() -> int:
         print("benchmarks/gpu_breakdown.py: no CUDA device: nothing to measure", file=sys.stderr)
         return 2
     from bench_daemon import BenchDaemon
-    print(f"bare pyzmq REQ/REP round trip over ipc: {bare_round_trip_us()} us", flush=True)
+    from gpu import bench_bare_rtt
+    bare = bench_bare_rtt(tempfile.mkdtemp())
+    print(f"bare pyzmq REQ/REP round trip over ipc: {bare['p50_us']:.1f} us", flush=True)
     daemon = BenchDaemon(tempfile.mkdtemp(), node_prefix="breakdown", pool="1GiB",
                          extra='\n[pool.cuda]\ndevices = [0]\nsize = "1GiB"\n')
     try:

@@ -38,18 +38,25 @@ def summary_us(lat_ns: list[int], warm: int) -> dict:
             "items": len(timed_part)}
 
 
-def _ecd_producer(endpoint: str, items: int, warm: int, peer, ctl) -> None:
-    import torch
-    from ecd import Client
-    c = Client(endpoint, timeout=30, name="gpu-bench-producer")
-    x = torch.randint(0, 255, (ITEM_MIB * MIB,), dtype=torch.uint8, device="cuda:0")
-    torch.cuda.synchronize()
+def _phased(ctl, items: int, warm: int):
+    """A producer's item numbers, with the parent told "ready" before the first and "warm" before
+    item `warm` (each answered before going on): it reads device memory at those points."""
     ctl.send("ready")
     ctl.recv()
     for i in range(items):
         if i == warm:
             ctl.send("warm")
             ctl.recv()
+        yield i
+
+
+def _ecd_producer(endpoint: str, items: int, warm: int, peer, ctl) -> None:
+    import torch
+    from ecd import Client
+    c = Client(endpoint, timeout=30, name="gpu-bench-producer")
+    x = torch.randint(0, 255, (ITEM_MIB * MIB,), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    for i in _phased(ctl, items, warm):
         key = f"xp/{i % 8}"
         t0 = now_ns()
         c.put(key, x)
@@ -94,12 +101,7 @@ def _seed_producer(items: int, warm: int, fresh: bool, peer, ctl) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
     base = torch.randint(0, 255, (ITEM_MIB * MIB,), dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
-    ctl.send("ready")
-    ctl.recv()
-    for i in range(items):
-        if i == warm:
-            ctl.send("warm")
-            ctl.recv()
+    for i in _phased(ctl, items, warm):
         t = base.clone()  # a fresh output per item, as an encoder produces
         torch.cuda.synchronize()
         t0 = now_ns()
