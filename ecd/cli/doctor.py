@@ -393,7 +393,27 @@ def check_cuda(config: Config, driver: Any = None) -> list[Finding]:
         key, _, message = str(exc).partition(": ")
         return [Finding("error", key, message)]
     listed = ", ".join(f"{o} {driver.device_uuid(o)}" for o in ordinals)
-    return [Finding("ok", "pool.cuda", f"driver loaded; devices {listed}")]
+    return [Finding("ok", "pool.cuda", f"driver loaded; devices {listed}"), check_cuda_export(config, driver, ordinals)]
+
+
+def check_cuda_export(config: Config, driver: Any, ordinals: list[int]) -> Finding:
+    """How the arenas will reach clients: a warning where `export = "auto"` falls back to legacy
+    IPC handles, which clients in other pods (pid and IPC namespaces) cannot open."""
+    from ..memory.cuda import CudaError, choose_export
+    cuda = config.pool.cuda
+    assert cuda is not None
+    try:
+        export = choose_export(driver, ordinals, cuda.export, fd_socket=config.pool.host.backing == "memfd")
+    except CudaError as exc:
+        key, _, message = str(exc).partition(" = ")
+        return Finding("error", key, message)
+    if export == "fd":
+        return Finding("ok", "pool.cuda.export", "fd: arenas are handed out as file descriptors on the fd socket "
+                       "(clients in other pods map them)")
+    if cuda.export == "ipc":
+        return Finding("ok", "pool.cuda.export", "ipc: clients must share the daemon's pid and IPC namespaces")
+    return Finding("warning", "pool.cuda.export", "auto chose ipc (the devices cannot export file descriptors, or "
+                   "[pool.host] backing is \"named\"): clients in other pods cannot open the arenas")
 
 
 # ---- all of them ----------------------------------------------------------------------------

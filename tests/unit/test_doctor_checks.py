@@ -185,10 +185,25 @@ def test_cuda_with_a_fake_driver():
     from tests.fake_cuda import UUIDS, FakeDriver
     assert check_cuda(config()) == []
     found = check_cuda(config(pool={"cuda": {"devices": [UUIDS[1], 0], "size": "2MiB"}}), FakeDriver())
-    assert [f.level for f in found] == ["ok"] and UUIDS[1] in found[0].message
+    assert [f.level for f in found] == ["ok", "warning"] and UUIDS[1] in found[0].message
+    assert found[1].key == "pool.cuda.export" and "auto chose ipc" in found[1].message
     found = check_cuda(config(pool={"cuda": {"devices": [7], "size": "2MiB"}}), FakeDriver())
     assert [(f.level, f.key) for f in found] == [("error", "pool.cuda.devices")]
     assert found[0].message.startswith("no CUDA device 7 on this node (2 visible:")
+
+
+@pytest.mark.parametrize("export, backing, fd_export, expected", [
+    ("auto", "memfd", True, ("ok", "fd: arenas are handed out as file descriptors")),
+    ("ipc", "memfd", True, ("ok", "ipc: clients must share the daemon's pid and IPC namespaces")),
+    ("auto", "named", True, ("warning", "auto chose ipc")),
+    ("fd", "memfd", False, ("error", '"fd": device(s) [0] cannot export memory as a POSIX file descriptor')),
+])
+def test_cuda_export_says_how_arenas_reach_clients(export, backing, fd_export, expected):
+    from tests.fake_cuda import FakeDriver
+    cfg = config(pool={"host": {"backing": backing}, "cuda": {"devices": [0], "size": "2MiB", "export": export}})
+    level, text = expected
+    found = check_cuda(cfg, FakeDriver(fd_export=fd_export))
+    assert [(f.level, f.key) for f in found][1] == (level, "pool.cuda.export") and text in found[1].message
 
 
 def test_cuda_driver_missing_is_the_line_serve_prints(monkeypatch):
