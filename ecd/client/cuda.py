@@ -234,7 +234,10 @@ class CudaPlane:
         if fd is None:
             raise EcdError(f"the daemon exports its CUDA arena {pool} as a file descriptor, and this client "
                            "got none: it reaches the daemon without its fd socket")
-        mapping = _driver().vmm.import_fd(ordinal, fd, arena.size)
+        # Copies to the other devices of this process read the arena through their own access.
+        peers = tuple(other for other in range(torch.cuda.device_count())
+                      if other != ordinal and torch.cuda.can_device_access_peer(other, ordinal))
+        mapping = _driver().vmm.import_fd(ordinal, fd, arena.size, peers)
         self._imported[pool] = mapping
         return mapping.ptr
 

@@ -146,20 +146,23 @@ class VmmCalls:
             raise
         return mapping, fd.value
 
-    def import_fd(self, ordinal: int, fd: int, size: int) -> VmmMapping:
-        """Map another process's exported allocation (`fd`, `size` bytes) into this one. The
+    def import_fd(self, ordinal: int, fd: int, size: int, peers: tuple[int, ...] = ()) -> VmmMapping:
+        """Map another process's exported allocation (`fd`, `size` bytes, on device `ordinal`)
+        into this one, accessible from that device and from `peers` (other devices of this
+        process with peer access to it: a copy between devices reads through their mapping). The
         descriptor stays the caller's: the driver holds its own reference once imported."""
         handle = CUmemGenericAllocationHandle()
         self._call(ordinal, "cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         try:
-            return self._map(ordinal, handle.value, size)
+            return self._map(ordinal, handle.value, size, peers)
         except BaseException:
             self._call_quietly(ordinal, "cuMemRelease", handle)
             raise
 
-    def _map(self, ordinal: int, handle: int, size: int) -> VmmMapping:
-        """Reserve an address range, map the allocation there and make it read-write for the device."""
+    def _map(self, ordinal: int, handle: int, size: int, peers: tuple[int, ...] = ()) -> VmmMapping:
+        """Reserve an address range, map the allocation there and make it read-write for the device
+        (and `peers`)."""
         from .cuda import CUdeviceptr
         ptr = CUdeviceptr()
         self._call(ordinal, "cuMemAddressReserve", ctypes.byref(ptr), size, 0, CUdeviceptr(0), 0)
@@ -167,11 +170,13 @@ class VmmCalls:
         try:
             self._call(ordinal, "cuMemMap", ptr, size, 0, CUmemGenericAllocationHandle(handle), 0)
             mapped = True
-            access = CUmemAccessDesc()
-            access.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = ordinal
-            access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            self._call(ordinal, "cuMemSetAccess", ptr, size, ctypes.byref(access), 1)
+            devices = [ordinal] + [peer for peer in peers if peer != ordinal]
+            access = (CUmemAccessDesc * len(devices))()
+            for desc, device in zip(access, devices):
+                desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = device
+                desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._call(ordinal, "cuMemSetAccess", ptr, size, access, len(devices))
         except BaseException:
             if mapped:
                 self._call_quietly(ordinal, "cuMemUnmap", ptr, size)

@@ -154,7 +154,16 @@ CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocat
     mapped_ranges++; return 0;
 }
 CUresult cuMemUnmap(CUdeviceptr p, size_t size) { if (!depth || (p >> 40) != 0x7e) return 1; mapped_ranges--; return 0; }
+static int last_access[NDEV + 1]; static size_t last_access_count;
+size_t fake_last_access_count(void) { return last_access_count; }
+int fake_last_access(int i) { return last_access[i]; }
+/* Every descriptor of the array is checked: read-write on a device that exists, none twice. */
 CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, size_t count) {
-    if (!depth || count != 1 || d->location.type != 1 || d->location.id < 0 || d->location.id >= NDEV || d->flags != 3) return 1;
-    return 0;
+    if (!depth || count < 1 || count > NDEV) return 1;
+    for (size_t i = 0; i < count; i++) {
+        if (d[i].location.type != 1 || d[i].location.id < 0 || d[i].location.id >= NDEV || d[i].flags != 3) return 1;
+        for (size_t j = 0; j < i; j++) if (d[j].location.id == d[i].location.id) return 1;
+        last_access[i] = d[i].location.id;
+    }
+    last_access_count = count; return 0;
 }

@@ -40,8 +40,12 @@ def test_export_then_import_in_the_primary_context(driver, fake):  # noqa: F811
         assert stat.S_ISREG(os.fstat(fd).st_mode) and fd_text(fd) == b"fake vmm device 1"
         assert fake.fake_depth() == 0  # every call pushed and popped the primary context
         assert (fake.fake_live_handles(), fake.fake_reserved_ranges(), fake.fake_mapped_ranges()) == (1, 1, 1)
-        imported = driver.vmm.import_fd(1, fd, mapping.size)
+        assert fake.fake_last_access_count() == 1 and fake.fake_last_access(0) == 1  # its own device
+        imported = driver.vmm.import_fd(1, fd, mapping.size, peers=(0, 1))
         assert fake.fake_last_import_fd() == fd  # the descriptor's value, passed as the handle
+        # read-write from the arena's device first, then each peer once (copies between devices)
+        assert fake.fake_last_access_count() == 2
+        assert (fake.fake_last_access(0), fake.fake_last_access(1)) == (1, 0)
         assert imported.ptr != mapping.ptr and imported.size == mapping.size
         assert (fake.fake_live_handles(), fake.fake_mapped_ranges()) == (2, 2)
         driver.vmm.unmap(imported)
