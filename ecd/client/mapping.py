@@ -182,25 +182,14 @@ class EpochMapping:
                        for p in welcome.pools]
             self.ro = [map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
                        for p in welcome.pools]
-            self._keep_arena_fds(welcome, fds, path)
+            self.arena_fds = arena_descriptors(welcome, fds, path)
+            if self.arena_fds:
+                self.close_arena_fds = weakref.finalize(self, _close_all, list(self.arena_fds.values()))
         except (OSError, ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory from {path}: {exc}") from None
         finally:
             for _, fd in items:
                 os.close(fd)  # the mappings keep what they need
-
-    def _keep_arena_fds(self, welcome: Welcome, fds: dict[tuple[str, int], tuple[int, int]], path: str) -> None:
-        """Keep a duplicate of each exported arena's descriptor (the batch's own are closed)."""
-        for arena in welcome.arenas:
-            if arena.export != "fd":
-                continue
-            got = fds.get(("arena", arena.index))
-            if got is None or got[0] != arena.size:
-                raise ProtocolError(f"the fd socket {path} sent arena {arena.index} as {got and got[0]} bytes, "
-                                    f"Welcome says {arena.size}")
-            self.arena_fds[arena.index] = os.dup(got[1])
-        if self.arena_fds:
-            self.close_arena_fds = weakref.finalize(self, _close_all, list(self.arena_fds.values()))
 
     def require_local(self, what: str, inline_max: int) -> None:
         if not self.local:
@@ -232,6 +221,27 @@ class EpochMapping:
     def fits(self, extent: Extent, arena: int) -> bool:
         """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
         return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
+
+
+def arena_descriptors(welcome: Welcome, fds: dict[tuple[str, int], tuple[int, int]],
+                      path: str) -> dict[int, int]:
+    """{pool index: a duplicate of its descriptor} of the arenas Welcome says are exported as file
+    descriptors, from the fd socket's items `fds` ((kind, index) -> (size, fd); those stay the
+    caller's). ProtocolError, with nothing left open, where one is missing or of another size."""
+    kept: dict[int, int] = {}
+    try:
+        for arena in welcome.arenas:
+            if arena.export != "fd":
+                continue
+            got = fds.get(("arena", arena.index))
+            if got is None or got[0] != arena.size:
+                raise ProtocolError(f"the fd socket {path} sent arena {arena.index} as {got and got[0]} bytes, "
+                                    f"Welcome says {arena.size}")
+            kept[arena.index] = os.dup(got[1])
+    except BaseException:
+        _close_all(list(kept.values()))
+        raise
+    return kept
 
 
 def _nothing() -> None:

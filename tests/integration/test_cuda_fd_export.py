@@ -164,3 +164,36 @@ def test_a_restarted_daemon_hands_new_arenas_and_the_old_descriptors_close(fd_da
         assert len(fake_arena_fds()) == 2  # the old run's two are closed, the new run's two kept
         assert first_bytes(c.mapping.arena_fds[len(c.welcome.pools)]) == b"fake arena on device 1"
     assert fake_arena_fds() == []
+
+
+def test_a_missing_or_wrong_sized_arena_descriptor_is_refused_and_nothing_leaks():
+    """What a client does with a daemon (or an impostor on its socket) whose fd batch does not
+    match its Welcome: ProtocolError naming the arena, and none of the duplicates kept open."""
+    from ecd.client.mapping import arena_descriptors
+    from ecd.errors import ProtocolError
+    from ecd.protocol import ArenaInfo
+    arenas = [ArenaInfo(3, UUIDS[0], 4 << 20, b"", "fd"), ArenaInfo(4, UUIDS[1], 4 << 20, b"", "fd"),
+              ArenaInfo(5, UUIDS[1], 4 << 20, bytes(64), "ipc")]
+    memfds = [os.memfd_create(f"arena{i}") for i in range(2)]
+    try:
+        good = {("arena", 3): (4 << 20, memfds[0]), ("arena", 4): (4 << 20, memfds[1])}
+        open_before = len(os.listdir("/proc/self/fd"))
+        for broken, why in (({("arena", 3): good["arena", 3]}, "sent arena 4 as None bytes"),
+                            ({**good, ("arena", 4): (2 << 20, memfds[1])}, "sent arena 4 as 2097152 bytes")):
+            with pytest.raises(ProtocolError, match=why):
+                arena_descriptors(_WelcomeArenas(arenas), broken, "/run/ecd/ecd.sock.fds")
+            assert len(os.listdir("/proc/self/fd")) == open_before  # the first arena's duplicate closed
+        kept = arena_descriptors(_WelcomeArenas(arenas), good, "/run/ecd/ecd.sock.fds")
+        assert sorted(kept) == [3, 4] and kept[3] not in memfds  # duplicates, the ipc arena left out
+        for fd in kept.values():
+            os.close(fd)
+    finally:
+        for fd in memfds:
+            os.close(fd)
+
+
+class _WelcomeArenas:
+    """The one field of a Welcome that arena_descriptors reads."""
+
+    def __init__(self, arenas) -> None:
+        self.arenas = arenas
