@@ -263,20 +263,14 @@ class Daemon:
             raise StartupError(str(exc)) from None
 
     def _create_arenas(self) -> None:
-        """One arena of `[pool.cuda] size` per device, exported once (memory/cuda.py: choose_export)."""
-        if self.config.pool.cuda is None:
-            return
-        from ..memory.cuda import CudaArenas, CudaError, choose_export
-        size = int(self.config.pool.cuda.size)
-        try:
-            export = choose_export(self.cuda_driver, self._cuda_ordinals, self.config.pool.cuda.export,
-                                   fd_socket=self.config.pool.host.backing == "memfd")
-            self.arenas = CudaArenas(self.cuda_driver, self._cuda_ordinals, size, export)
-        except CudaError as exc:
-            raise StartupError(str(exc) if exc.field else f"pool.cuda.size: cannot allocate and export {size} "
-                               f"bytes on each of devices {self._cuda_ordinals}: {exc}") from None
-        for arena in self.arenas:
-            log.info("CUDA arena on device %d (%s): %d bytes, export %s", arena.ordinal, arena.uuid, arena.size, arena.export)
+        """One arena of `[pool.cuda] size` per device, exported once (memory/cuda.py)."""
+        if self.config.pool.cuda is not None:
+            from ..memory.cuda import CudaError, create_arenas
+            try:
+                self.arenas = create_arenas(self.cuda_driver, self._cuda_ordinals, self.config.pool.cuda,
+                                            fd_socket=self.config.pool.host.backing == "memfd", log=log)
+            except CudaError as exc:
+                raise StartupError(str(exc)) from None
 
     def _bind(self) -> None:
         self.ctx = zmq.Context(io_threads=1)

@@ -11,10 +11,11 @@ Imported only when `[pool.cuda]` is configured (daemon) or a client meets a CUDA
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, cast
+from typing import Any, Iterable, Protocol, cast
 
 from ..errors import EcdError
 from .cuda_vmm import VmmCalls, VmmMapping
@@ -379,6 +380,27 @@ def choose_export(driver: DriverApi, ordinals: list[int], export: str, fd_socket
     if export == "fd":
         raise CudaError(f"pool.cuda.export = \"fd\": {why}", field="export")
     return "ipc"
+
+
+def create_arenas(driver: DriverApi, ordinals: list[int], section: Any, fd_socket: bool,
+                  log: logging.Logger) -> "CudaArenas":
+    """The daemon's arenas for `[pool.cuda]` (`section`), each logged with its export; a warning
+    where "auto" fell back to IPC handles (clients in other pods cannot open them). CudaError
+    with the configuration key that cannot be met."""
+    size = int(section.size)
+    export = choose_export(driver, ordinals, section.export, fd_socket)
+    try:
+        arenas = CudaArenas(driver, ordinals, size, export)
+    except CudaError as exc:
+        raise CudaError(f"pool.cuda.size: cannot allocate and export {size} bytes on each of devices {ordinals}: "
+                        f"{exc}", result=exc.result, field="size") from None
+    for arena in arenas:
+        log.info("CUDA arena on device %d (%s): %d bytes, export %s", arena.ordinal, arena.uuid, arena.size,
+                 arena.export)
+    if section.export == "auto" and export == "ipc":
+        log.warning("pool.cuda.export: auto chose CUDA IPC handles (the devices cannot export file descriptors, "
+                    "or [pool.host] backing is \"named\"): clients in other pods cannot open the arenas")
+    return arenas
 
 
 class CudaArenas:

@@ -197,3 +197,16 @@ class _WelcomeArenas:
 
     def __init__(self, arenas) -> None:
         self.arenas = arenas
+
+
+@pytest.mark.parametrize("export, fd_devices, warned", [("auto", False, True), ("ipc", False, False),
+                                                         ("auto", True, False)])
+def test_the_log_says_how_each_arena_is_exported_and_warns_when_auto_falls_back(export, fd_devices, warned):
+    d = FakeCudaDaemon("16MiB", CUDA + f'export = "{export}"\n')
+    try:
+        d.start(env=FD if fd_devices else {})
+        chosen = "fd" if fd_devices else "ipc"
+        assert d.log().count(f"bytes, export {chosen}") == 2, d.log()
+        assert ("auto chose CUDA IPC handles" in d.log()) == warned
+    finally:
+        d.cleanup()
