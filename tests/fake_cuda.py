@@ -73,7 +73,9 @@ class FakeDriver:
 
 if __name__ == "__main__":
     from ecd.memory import cuda
-    driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"), fd_export=os.environ.get("ECD_FAKE_CUDA_FD") == "1")
+    fail_on = os.environ.get("ECD_FAKE_CUDA_FAIL_ALLOC_ON")  # a device whose allocation fails (out of memory)
+    driver = FakeDriver(log=os.environ.get("ECD_FAKE_CUDA_LOG"), fd_export=os.environ.get("ECD_FAKE_CUDA_FD") == "1",
+                        fail_alloc_on=int(fail_on) if fail_on else None)
     cuda.load_driver = lambda: driver
     from ecd.cli.commands import app
     sys.exit(app(prog_name="ecd"))

@@ -210,3 +210,18 @@ def test_the_log_says_how_each_arena_is_exported_and_warns_when_auto_falls_back(
         assert ("auto chose CUDA IPC handles" in d.log()) == warned
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize("env", [{}, FD], ids=["ipc", "fd"])
+def test_an_arena_that_does_not_fit_is_one_line_and_frees_the_others(env):
+    d = FakeCudaDaemon("16MiB", CUDA)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            d.start(env={**env, "ECD_FAKE_CUDA_FAIL_ALLOC_ON": "0"})  # the second device listed
+        assert ("ecd: cannot start: pool.cuda.size: cannot allocate and export 4194304 bytes on each of devices "
+                "[1, 0]: cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory") in d.log(), d.log()
+        log = open(d.alloc_log).read().splitlines()
+        assert [line.split()[:2] for line in log] == [["alloc", "1"], ["free", "1"]]  # the first one went back
+        assert shm_files(d.node) == []
+    finally:
+        d.cleanup()
