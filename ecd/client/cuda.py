@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch
 from ..errors import EcdError, InvalidRequest
 from ..integrity import EMPTY_CHECKSUM, checksum
 from ..memory.cuda import format_uuid as raw_uuid
+from ..memory.cuda_vmm import VmmMapping
 from ..protocol import ArenaInfo, Extent
 from .tensors import _numpy_view, dtype_name, host_tensor, torch_dtype
 
@@ -185,7 +186,7 @@ class CudaPlane:
         self._host_bufs = host_bufs  # the writable mappings: kept mapped until they are unregistered
         self._arena_fds = dict(arena_fds or {})
         self._bases: dict[int, int] = {}  # arena pool -> base pointer opened in this process
-        self._imported: dict[int, Any] = {}  # arena pool -> its VmmMapping (export "fd")
+        self._imported: dict[int, VmmMapping] = {}  # arena pool -> its mapping here (export "fd")
         self._registered: list[int] = []  # host addresses registered with the driver
         self._host_state = 0  # 0: not tried, 1: registered, -1: failed (copies still work, slower)
         self._lock = threading.Lock()

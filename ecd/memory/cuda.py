@@ -15,10 +15,13 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, cast
+from typing import TYPE_CHECKING, Iterable, Protocol, cast
 
 from ..errors import EcdError
 from .cuda_vmm import VmmCalls, VmmMapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..config import CudaPoolSection
 
 LIBCUDA = "libcuda.so.1"
 
@@ -49,10 +52,9 @@ class CudaUnavailable(EcdError):
 class CudaError(EcdError):
     """A CUDA driver call failed; the message names the call, the error and its description."""
 
-    def __init__(self, message: str = "", *, result: int = 0, field: str = "") -> None:
+    def __init__(self, message: str = "", *, result: int = 0) -> None:
         super().__init__(message)
         self.result = result
-        self.field = field  # a configuration error: the message names this `[pool.cuda]` key
 
 
 def format_uuid(raw: bytes) -> str:
@@ -340,9 +342,6 @@ def resolve_devices(driver: DriverApi, devices: Iterable[int | str]) -> list[int
     return ordinals
 
 
-EXPORTS = ("auto", "fd", "ipc")
-
-
 @dataclass
 class Arena:
     """One daemon-owned device allocation, exported once at start: as a legacy CUDA IPC `handle`
@@ -369,20 +368,20 @@ def choose_export(driver: DriverApi, ordinals: list[int], export: str, fd_socket
     raises CudaError saying why."""
     if export == "ipc":
         return "ipc"
-    why = ("" if fd_socket else "it needs the fd socket ([pool.host] backing = \"memfd\", the default)")
-    if not why:
+    if not fd_socket:
+        why = "it needs the fd socket ([pool.host] backing = \"memfd\", the default)"
+    else:
         unsupported = [o for o in ordinals if not driver.fd_export_supported(o)]
-        if unsupported:
-            why = (f"device(s) {unsupported} cannot export memory as a POSIX file descriptor "
-                   "(CUDA virtual memory management; driver 450+ on Linux)")
-    if not why:
-        return "fd"
+        if not unsupported:
+            return "fd"
+        why = (f"device(s) {unsupported} cannot export memory as a POSIX file descriptor "
+               "(CUDA virtual memory management; driver 450+ on Linux)")
     if export == "fd":
-        raise CudaError(f"pool.cuda.export = \"fd\": {why}", field="export")
+        raise CudaError(f"pool.cuda.export = \"fd\": {why}")
     return "ipc"
 
 
-def create_arenas(driver: DriverApi, ordinals: list[int], section: Any, fd_socket: bool,
+def create_arenas(driver: DriverApi, ordinals: list[int], section: "CudaPoolSection", fd_socket: bool,
                   log: logging.Logger) -> "CudaArenas":
     """The daemon's arenas for `[pool.cuda]` (`section`), each logged with its export; a warning
     where "auto" fell back to IPC handles (clients in other pods cannot open them). CudaError
@@ -393,7 +392,7 @@ def create_arenas(driver: DriverApi, ordinals: list[int], section: Any, fd_socke
         arenas = CudaArenas(driver, ordinals, size, export)
     except CudaError as exc:
         raise CudaError(f"pool.cuda.size: cannot allocate and export {size} bytes on each of devices {ordinals}: "
-                        f"{exc}", result=exc.result, field="size") from None
+                        f"{exc}", result=exc.result) from None
     for arena in arenas:
         log.info("CUDA arena on device %d (%s): %d bytes, export %s", arena.ordinal, arena.uuid, arena.size,
                  arena.export)
