@@ -23,14 +23,11 @@ import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
 from vllm.forward_context import get_forward_context, set_forward_context  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 
 try:  # vLLM 0.33; 0.32 has it in kv_cache_utils
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 except ImportError:  # pragma: no cover
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -40,35 +37,24 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from ecd.integrations.vllm import EcdKVConnector  # noqa: E402
 from ecd.integrations.vllm.metadata import NULL_BLOCK_ID, kv_groups  # noqa: E402
+from test_kv_connector import BS, bits, tokens  # noqa: E402
+from test_kv_connector import make_request as kv_request  # noqa: E402
 
-BS = 16
 WINDOW = 2 * BS  # the sliding window, in tokens: the window of a hit ending at block e is blocks e-2, e-1
 FULL_LAYER = "language_model.model.layers.1.self_attn.attn"
 SLIDING_LAYER = "language_model.model.layers.0.self_attn.attn"
 LAYER_GROUP = {FULL_LAYER: 0, SLIDING_LAYER: 1}
 NUM_BLOCKS = 48
 
-_HASH = get_hash_fn_by_name("sha256")
-init_none_hash(_HASH)
-_HASHER = get_request_block_hasher(BS, _HASH)
-
 
 def make_request(req_id: str, toks: list[int], max_tokens: int = 1) -> Request:
-    return Request(req_id, list(toks), SamplingParams(max_tokens=max_tokens), None, block_hasher=_HASHER)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 30000, (n,), generator=g).tolist()
+    """test_kv_connector's request (its block hasher, BS tokens a block), one new token by default."""
+    return kv_request(req_id, toks, max_tokens)
 
 
 def token_kv(prefix: list[int], layer: str, shape: tuple[int, ...]) -> torch.Tensor:
     seed = zlib.crc32(torch.tensor(prefix, dtype=torch.int64).numpy().tobytes()) ^ (LAYER_GROUP[layer] + 1 << 20)
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
 
 
 class HybridEngine:
