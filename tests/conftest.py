@@ -23,6 +23,8 @@ from bench_daemon import proc_memory_kib  # noqa: E402,F401
 
 ACTOR = REPO / "tests" / "actor.py"
 _counter = itertools.count()
+_DAEMONS_OF_THIS_TEST: list["DaemonProcess"] = []  # for the failure report (pytest_runtest_makereport)
+LOG_TAIL_LINES = 40
 
 
 def shm_files(node: str) -> list[str]:
@@ -123,6 +125,19 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def describe(self) -> str:
+        """State and log tail, for a failed test's report: a daemon that hung and one that died
+        (UCX aborting, an OOM kill) fail the client the same way, by a timeout."""
+        state = "not started"
+        if self.proc is not None:
+            rc = self.proc.poll()
+            state = "running" if rc is None else f"exited with {rc}"
+        try:
+            tail = self.log().splitlines()[-LOG_TAIL_LINES:]
+        except OSError as exc:
+            tail = [f"(no log: {exc})"]
+        return "\n".join([f"daemon {self.node} ({self.endpoint}): {state}", *tail])
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -191,6 +206,16 @@ def holders_of_this_run() -> list[int]:
     return pids
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries each of its daemons' state and log tail."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call":
+        for d in _DAEMONS_OF_THIS_TEST:
+            report.sections.append((f"daemon {d.node}", d.describe()))
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pid in holders_of_this_run():  # SIGTERM: a holder lets the pool go and exits
         try:
@@ -226,6 +251,7 @@ def daemon_factory():
     def make(size: str = "64MiB", extra: str = "", start: bool = True, backing: str = "") -> DaemonProcess:
         d = DaemonProcess(size, extra, backing)
         made.append(d)
+        _DAEMONS_OF_THIS_TEST.append(d)
         if start:
             d.start()
         return d
@@ -233,6 +259,7 @@ def daemon_factory():
     yield make
     for d in made:
         d.cleanup()
+        _DAEMONS_OF_THIS_TEST.remove(d)
 
 
 @pytest.fixture
