@@ -9,7 +9,19 @@ import time
 import pytest
 import torch
 
+from conftest import wait_for
+
 BIG_KEYS = [f"blk-{i}" for i in range(8)]  # 8 x 64 MiB: a transfer long enough to kill mid-way
+
+
+def leases_back(client, timeout: float = 10) -> bool:
+    """Whether the owner behind `client` gives every read and transfer lease back within
+    `timeout`. Never checked once, right after a fetch: the owner learns that a send ended (tcp)
+    or a READ did (nixl: the puller's peer_done) only after the puller has answered its client."""
+    def back() -> bool:
+        s = client.stats()
+        return s["read_leases"] == 0 and s["transfer_leases"] == 0
+    return bool(wait_for(back, timeout=timeout))
 
 
 def free_port() -> int:

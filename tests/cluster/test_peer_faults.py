@@ -9,7 +9,7 @@ import pytest
 import torch
 from peerutil import BIG_KEYS as KEYS
 from peerutil import cluster  # noqa: F401 - the fixture
-from peerutil import fetch_in_thread, put_big
+from peerutil import fetch_in_thread, leases_back, put_big
 
 from conftest import OPEN_POOL, REPO, pool_target, wait_for
 from ecd.errors import DaemonUnavailable, KeyNotFound
@@ -47,8 +47,7 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(cluster):
         assert wait_for(lambda: ca.stats()["transfer_leases"] > 0, timeout=30, interval=0.005)
         b.stop(signal.SIGKILL)
         # the data connection breaks (or the session goes silent: peer_ttl = 3 s)
-        assert wait_for(lambda: ca.stats()["transfer_leases"] == 0 and ca.stats()["read_leases"] == 0,
-                        timeout=20), ca.stats()
+        assert leases_back(ca, timeout=20), ca.stats()
         # evictable again: a delete frees the bytes at once (no reader left)
         assert ca.delete(KEYS) == [True] * len(KEYS)
         s = ca.stats()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peerutil import cluster  # noqa: F401 - the fixture
-from peerutil import fetch_concurrently
+from peerutil import fetch_concurrently, leases_back
 
 from conftest import wait_for
 from ecd.errors import InvalidRequest
@@ -34,10 +34,10 @@ def test_fetch_from_named_peer_is_bit_identical(cluster):
         node = cb.stats()["peers"][0]["node"]
         assert node == a.node
         assert cb.fetch(["f32", "absent"], peer=a.node, timeout=10) == [True, False]
-        sa, sb = ca.stats(), cb.stats()
+        assert leases_back(ca), ca.stats()
+        sb = cb.stats()
         # a names b once its own link to b has shaken hands (b may have started after a)
         served = wait_for(lambda: {p["node"]: p for p in ca.stats()["peers"]}.get(b.node), timeout=15)
-    assert sa["read_leases"] == 0 and sa["transfer_leases"] == 0
     assert sb["entries_writing"] == 0 and sb["fetches_in_flight"] == 0
     assert served["served_entries"] == len(tensors)
 
@@ -54,8 +54,7 @@ def test_fetch_from_configured_peers_first_holder_wins(cluster):
         assert torch.equal(cc.get("only-b"), torch.arange(50, dtype=torch.int32))
         # the loser's lease on "both" was given back
         for client in (ca, cb):
-            s = client.stats()
-            assert s["read_leases"] == 0 and s["transfer_leases"] == 0, s
+            assert leases_back(client), client.stats()
 
 
 def test_large_entry_over_64mib(cluster):

@@ -23,7 +23,7 @@ import pytest
 import torch
 from peerutil import BIG_KEYS as KEYS
 from peerutil import cluster  # noqa: F401 - the fixture
-from peerutil import fetch_concurrently, fetch_in_thread, put_big
+from peerutil import fetch_concurrently, fetch_in_thread, leases_back, put_big
 
 from conftest import wait_for, write_config
 from ecd.errors import DaemonUnavailable, KeyNotFound
@@ -109,8 +109,7 @@ def test_fetch_from_named_peer_is_bit_identical(only_lo, cluster):
                 assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), key
         assert cb.fetch(["absent", "f32"], peer=a.node, timeout=10) == [False, True]
         # the owner's leases come back by peer_done (asynchronous), and it counts what it served
-        assert wait_for(lambda: ca.stats()["transfer_leases"] == 0 and ca.stats()["read_leases"] == 0,
-                        timeout=10), ca.stats()
+        assert leases_back(ca, timeout=10), ca.stats()
         served = wait_for(lambda: {p["node"]: p for p in ca.stats()["peers"]}.get(b.node), timeout=15)
         assert served["served_entries"] == len(tensors), served
         sb = cb.stats()
@@ -139,8 +138,7 @@ def test_configured_peers_first_holder_wins_and_concurrent_fetches_pull_once(onl
         assert results == [True] * 6
         assert torch.equal(cc.get("hot"), ca.get("hot"))
         for client in (ca, cb):  # the loser's lease on "both" was released, the winners' done
-            assert wait_for(lambda: client.stats()["read_leases"] == 0 and client.stats()["transfer_leases"] == 0,
-                            timeout=10), client.stats()
+            assert leases_back(client, timeout=10), client.stats()
         served = wait_for(lambda: {p["node"]: p for p in ca.stats()["peers"]}.get(c.node), timeout=15)
         served_b = wait_for(lambda: {p["node"]: p for p in cb.stats()["peers"]}.get(c.node), timeout=15)
         # only-a, only-b, "both" from whichever won, and "hot" once: 4 in all
@@ -238,8 +236,7 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(only_lo, cluster):
         b.stop(signal.SIGKILL)
         assert a.alive(), f"the owner died with its puller (UCX aborted?): {a.log()[-3000:]}"
         # no peer_done ever comes: the session goes silent (peer_ttl = 3 s) and the leases go back
-        assert wait_for(lambda: ca.stats()["transfer_leases"] == 0 and ca.stats()["read_leases"] == 0,
-                        timeout=20), ca.stats()
+        assert leases_back(ca, timeout=20), ca.stats()
         assert ca.delete(KEYS) == [True] * len(KEYS)
         s = ca.stats()
         assert s["used_bytes"] - s["reserved_bytes"] == 0 and s["entries_retired"] == 0, s
