@@ -23,7 +23,7 @@ require_engine()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cluster"))
 from peerutil import cluster  # noqa: E402,F401 - the fixture
 
-from conftest import metric, scrape_metrics  # noqa: E402
+from conftest import metric, scrape_metrics, wait_for  # noqa: E402
 from engine_env import (checkpoint_dir, engine_workdir, tiny_llama)  # noqa: E402,F401
 from engine_runner import kv_transfer_config, run_engine, start_engine  # noqa: E402
 from test_kv_engines import (BLOCK, PREFILL, PROMPTS, RESCHEDULED_LOGPROB_TOLERANCE,  # noqa: E402,F401
@@ -81,7 +81,13 @@ def test_prefill_on_node_a_decode_on_node_b(cluster, tiny_llama, engine_workdir,
     entry_bytes = fetched["fetched_bytes"] / blocks
     assert daemon_counters(b)["read_bytes"] >= blocks * entry_bytes  # and the worker read them from B
     # A's own account: the entries it served to B, by B's node name.
-    assert metric(scrape_metrics(a.metrics_port), "ecd_peer_served_entries_total", peer=b.node) == blocks
+    # (counted when each send ends, which A may learn after B's fetch returned)
+    def served() -> float:
+        try:
+            return metric(scrape_metrics(a.metrics_port), "ecd_peer_served_entries_total", peer=b.node)
+        except KeyError:  # no send ended yet
+            return 0.0
+    assert wait_for(lambda: served() == blocks, timeout=10), served()
 
 
 def test_owner_killed_between_prefill_and_decode_costs_a_recompute(cluster, tiny_llama, engine_workdir,
