@@ -332,8 +332,13 @@ def run(args) -> dict:
         if alive:
             res["daemon_rss_end"] = rss(daemon.proc.pid)
             # Every worker has said Bye (or exited): nothing they held may remain.
-            time.sleep(0.3)  # fire-and-forget releases of the last ops are on their way
+            # Their last fire-and-forget releases and Byes travel on their own connections: wait
+            # (up to 10 s) for the sessions to end rather than guess how long that takes.
+            settle_until = time.monotonic() + 10
             s = c.stats()
+            while s["clients"] != 1 and time.monotonic() < settle_until:
+                time.sleep(0.05)
+                s = c.stats()
             res["after_workers"] = {k: s[k] for k in ("clients", "read_leases", "pins", "waiters",
                                                       "entries_writing", "reservations", "reserved_bytes",
                                                       "entries_ready", "entries_retired", "used_bytes",

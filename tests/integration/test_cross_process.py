@@ -34,9 +34,8 @@ def test_bfloat16_and_int_tensors_round_trip_bit_identical(daemon, actors):
 def test_get_waits_for_a_producer_in_another_process(daemon, actors):
     consumer, producer = actors(daemon.endpoint), actors(daemon.endpoint)
     consumer.send("get late 21 200000 10")
-    time.sleep(0.3)  # the consumer is parked in the daemon by now
     with daemon.client() as c:
-        assert c.stats()["waiters"] == 1
+        assert wait_for(lambda: c.stats()["waiters"] == 1, timeout=10)  # the consumer is parked in the daemon
     started = time.monotonic()
     assert producer.ask("put late 21 200000") == "ok"
     assert consumer.read() == "ok"

@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 
-from conftest import REPO, DaemonProcess, metric, scrape_metrics, shm_files
+from conftest import REPO, DaemonProcess, metric, scrape_metrics, shm_files, wait_for
 from ecd.errors import Code
 from ecd.protocol import (PROTOCOL_VERSION, Alloc, AllocItem, Bye, Commit, Committed, Error, Extent,
                           Hello, Stats, StatsReply, Welcome, encoder, reply_decoder)
@@ -126,9 +126,11 @@ def test_fake_driver_daemon_serves_arenas(fake_daemon):
         assert stats.stats.pools[host + 1] == (4 << 20, 4096 + 8192)
     finally:
         raw.close()
+    # the reservation goes with the Bye, which nothing orders before the scrape
+    assert wait_for(lambda: metric(scrape_metrics(fake_daemon.metrics_port), "ecd_pool_used_bytes", pool="cuda0")
+                    == 4096, timeout=10)
     body = scrape_metrics(fake_daemon.metrics_port)
     assert metric(body, "ecd_pool_capacity_bytes", pool="cuda1") == 4 << 20
-    assert metric(body, "ecd_pool_used_bytes", pool="cuda0") == 4096  # the reservation went with Bye
     assert metric(body, "ecd_pool_capacity_bytes", pool="host0") == 16 << 20
     assert metric(body, "ecd_cuda_arena_info", pool="cuda0", device_uuid=UUIDS[0]) == 1
     assert metric(body, "ecd_cuda_arena_info", pool="cuda1", device_uuid=UUIDS[1]) == 1

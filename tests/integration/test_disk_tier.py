@@ -146,7 +146,8 @@ def test_a_flipped_byte_on_disk_is_never_served(disk_daemon, disk_dir):
         assert c.stats()["disk"]["integrity_failures"] == 1
         body = scrape_metrics(disk_daemon.metrics_port)
         assert metric(body, "ecd_integrity_failures_total", where="disk") == 1
-    assert records(disk_dir) == []
+    # the file goes on a disk thread after the miss is answered
+    assert wait_for(lambda: records(disk_dir) == [], timeout=10), records(disk_dir)
     assert disk_daemon.log().count("failed its check and is removed") == 1
 
 
