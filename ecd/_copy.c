@@ -1,23 +1,24 @@
-/* ecd._copy: one bytes copy into a writable buffer (a pool mapping), with non-temporal stores for
- * large copies.
+/* ecd._copy: the client's bytes copies into and out of pool memory: glibc's memcpy, or
+ * non-temporal (streaming) stores for large copies where they are faster on this CPU.
  *
- * glibc's memcpy uses ordinary stores below its non-temporal threshold (3/4 of the L3 share), so
- * a put of a few to tens of MiB into the pool goes through the cache: it reads each destination
- * line before writing it and evicts everything the daemon and the client use next (the Publish
- * round trip after a 16 MiB copy cost ~400 us instead of ~100 us). Nobody on this core reads the
- * pool extent right after a put, so for copies of at least `stream_min` bytes the stores bypass
- * the cache (SSE2 `movntdq`, AVX2 `vmovntdq` where the CPU has it, chosen once at import).
- * The streaming loops also prefetch the source non-temporally a little ahead (PREFETCH_AHEAD).
- * Smaller copies, and every CPU that is not x86, use memcpy. An sfence at the end orders the
- * streamed bytes before any later store (the Publish that makes them visible to readers).
- * A get's copy out of the pool into a new tensor goes through here too: the same reasons hold
- * for a destination of several MiB (a 16 MiB get: ~0.6-0.7x the time of numpy's copy).
+ * Why streaming at all: glibc's memcpy uses ordinary stores below its non-temporal threshold (3/4
+ * of the L3 share it believes in: 288 MiB on a VM that reports 384 MiB), so a put of a few to
+ * tens of MiB goes through the cache: it reads each destination line before writing it and
+ * evicts what the daemon and the client use next. On an AMD EPYC (Zen 5) streaming stores copy 16
+ * MiB in 0.75-0.85x memcpy's time. Why not always: on an Intel Xeon (ERMS/FSRM) the same routine
+ * with a non-temporal source prefetch was 2.6x slower than memcpy, and on the AMD streaming
+ * loses below ~16 MiB. What wins depends on the CPU, so this module decides nothing by itself:
+ * copies of `large_from` bytes or more use `large_routine` (set_large), memcpy below; both start
+ * as memcpy, and ecd/client/copy_strategy.py sets them from a calibration on this machine (or from
+ * ECD_COPY_ROUTINE).
  *
- * copy(dst, dst_offset, src, stream_min=STREAM_MIN, isa=None): dst[dst_offset:dst_offset + len(src)]
- * = src. `dst`: a writable contiguous buffer; `src`: a contiguous buffer (bytes, numpy array,
- * mmap); they must not overlap. `isa` picks a routine other than the CPU's best (one of ISAS: the
- * tests run each). The GIL is released while a large copy runs; both buffers stay exported
- * meanwhile, so neither can be closed or resized under it.
+ * copy(dst, dst_offset, src, stream_min=STREAM_MIN, routine=None): dst[dst_offset:dst_offset +
+ * len(src)] = src; dst a writable contiguous buffer, src a contiguous buffer, not overlapping.
+ * `routine` (one of ROUTINES) is used from stream_min up instead of the large routine (tests and
+ * the calibration); without it the large routine from max(stream_min, large_from) up. The GIL is
+ * released while a large copy runs; both buffers stay exported meanwhile, so neither can be closed
+ * or resized under it. Every streaming routine ends with an sfence: the streamed bytes are ordered
+ * before any later store (the Publish that makes them visible to readers).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,102 +31,119 @@
 #include <immintrin.h>
 #endif
 
-/* Below this many bytes the copy fits the caches and memcpy is as fast or faster (measured on the
- * development VM, a Zen 5 EPYC with 2 MiB L2 and 32 MiB L3: streaming wins from ~4 MiB). */
+/* Below this many bytes memcpy is used whatever the routine: streaming never wins in the caches. */
 #define STREAM_MIN_DEFAULT (4 << 20)
 /* Copies this small keep the GIL: releasing and taking it back costs more than they do. */
 #define NOGIL_MIN (64 << 10)
-/* How far ahead of the loads the source is prefetched, non-temporally (PREFETCHNTA): the loads
- * find their lines already on the way instead of waiting for DRAM one miss at a time, and the
- * source, read once, does not push the daemon's and the client's working sets out of the caches
- * (a 16 MiB put from a source the caches had let go of: 12-19% faster than without, on the
- * development VM; distances of 512-2048 bytes did about as well). */
+/* How far ahead of the loads the -prefetch routines prefetch the source, non-temporally. */
 #define PREFETCH_AHEAD 1024
+typedef void (*copy_fn)(char *dst, const char *src, size_t n);
 
-typedef void (*stream_fn)(char *dst, const char *src, size_t n);
+static void plain_memcpy(char *dst, const char *src, size_t n)
+{
+    memcpy(dst, src, n);
+}
 
 #ifdef ECD_X86
-/* Aligns dst to 16 bytes with memcpy, streams 64-byte blocks, memcpys the tail. A prefetch past
- * the end of src is harmless: prefetches never fault. */
-__attribute__((target("sse2"))) static void stream_sse2(char *dst, const char *src, size_t n)
-{
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    for (; n >= 64; n -= 64, src += 64, dst += 64) {
-        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    _mm_sfence();
+/* Aligns dst with memcpy, streams blocks of four registers, memcpys the tail. A prefetch past the
+ * end of src is harmless: prefetches never fault. `prefetch` is a constant in each instance. */
+#define STREAM_BODY(REG, LOADU, STOREU_NT, WIDTH)                                                 \
+    size_t head = (WIDTH - ((uintptr_t)dst & (WIDTH - 1))) & (WIDTH - 1);                         \
+    if (head > n)                                                                                 \
+        head = n;                                                                                 \
+    memcpy(dst, src, head);                                                                       \
+    dst += head;                                                                                  \
+    src += head;                                                                                  \
+    n -= head;                                                                                    \
+    for (; n >= 4 * WIDTH; n -= 4 * WIDTH, src += 4 * WIDTH, dst += 4 * WIDTH) {                  \
+        if (prefetch)                                                                             \
+            for (int p = 0; p < 4 * WIDTH; p += 64)                                               \
+                _mm_prefetch(src + PREFETCH_AHEAD + p, _MM_HINT_NTA);                             \
+        REG a = LOADU((const REG *)src);                                                          \
+        REG b = LOADU((const REG *)(src + WIDTH));                                                \
+        REG c = LOADU((const REG *)(src + 2 * WIDTH));                                            \
+        REG d = LOADU((const REG *)(src + 3 * WIDTH));                                            \
+        STOREU_NT((REG *)dst, a);                                                                 \
+        STOREU_NT((REG *)(dst + WIDTH), b);                                                       \
+        STOREU_NT((REG *)(dst + 2 * WIDTH), c);                                                   \
+        STOREU_NT((REG *)(dst + 3 * WIDTH), d);                                                   \
+    }                                                                                             \
+    _mm_sfence();                                                                                 \
     memcpy(dst, src, n);
+
+__attribute__((target("sse2"))) static inline void stream_sse2(char *dst, const char *src, size_t n, int prefetch)
+{
+    STREAM_BODY(__m128i, _mm_loadu_si128, _mm_stream_si128, 16)
 }
 
-/* The same with 32-byte registers and 128-byte blocks. */
-__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, size_t n)
+__attribute__((target("avx2"))) static inline void stream_avx2(char *dst, const char *src, size_t n, int prefetch)
 {
-    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    for (; n >= 128; n -= 128, src += 128, dst += 128) {
-        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
-        _mm_prefetch(src + PREFETCH_AHEAD + 64, _MM_HINT_NTA);
-        __m256i a = _mm256_loadu_si256((const __m256i *)src);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_stream_si256((__m256i *)dst, a);
-        _mm256_stream_si256((__m256i *)(dst + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + 96), d);
-    }
-    _mm_sfence();
-    memcpy(dst, src, n);
+    STREAM_BODY(__m256i, _mm256_loadu_si256, _mm256_stream_si256, 32)
 }
+
+__attribute__((target("sse2"))) static void nt_sse2(char *d, const char *s, size_t n) { stream_sse2(d, s, n, 0); }
+__attribute__((target("sse2"))) static void nt_sse2_pf(char *d, const char *s, size_t n) { stream_sse2(d, s, n, 1); }
+__attribute__((target("avx2"))) static void nt_avx2(char *d, const char *s, size_t n) { stream_avx2(d, s, n, 0); }
+__attribute__((target("avx2"))) static void nt_avx2_pf(char *d, const char *s, size_t n) { stream_avx2(d, s, n, 1); }
 #endif
 
-static stream_fn stream = NULL; /* the CPU's best; NULL: no streaming stores (memcpy always) */
-static int has_avx2 = 0;
+/* Every routine this build knows; `fn` NULL where this CPU lacks it (set at import). */
+enum { R_MEMCPY, R_NT_SSE2, R_NT_SSE2_PF, R_NT_AVX2, R_NT_AVX2_PF, N_ROUTINES };
+static struct {
+    const char *name;
+    copy_fn fn;
+} routines[N_ROUTINES] = {
+    {"memcpy", plain_memcpy}, {"nt-sse2", NULL}, {"nt-sse2-prefetch", NULL},
+    {"nt-avx2", NULL}, {"nt-avx2-prefetch", NULL},
+};
+
+/* Copies of large_from bytes or more use large_routine (set_large); memcpy until it is set. */
+static int large_routine = R_MEMCPY;
+static size_t large_from = STREAM_MIN_DEFAULT;
+
+/* The routine for a copy of n bytes: memcpy below stream_min; from there `forced` if given, else
+ * the large routine from large_from up. */
+static copy_fn routine_for(size_t n, size_t stream_min, int forced)
+{
+    if (n < stream_min)
+        return plain_memcpy;
+    if (forced >= 0)
+        return routines[forced].fn;
+    return n >= large_from ? routines[large_routine].fn : plain_memcpy;
+}
+
+/* routine name (or None) -> index; -1 with ValueError set if this CPU has no such routine. */
+static int routine_index(const char *name, int *index)
+{
+    *index = -1;
+    if (name == NULL)
+        return 0;
+    for (int r = 0; r < N_ROUTINES; r++)
+        if (routines[r].fn != NULL && strcmp(name, routines[r].name) == 0) {
+            *index = r;
+            return 0;
+        }
+    PyErr_Format(PyExc_ValueError, "copy routine %s is not available here (ROUTINES lists those that are)", name);
+    return -1;
+}
 
 static PyObject *copy(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"dst", "dst_offset", "src", "stream_min", "isa", NULL};
+    static char *kwlist[] = {"dst", "dst_offset", "src", "stream_min", "routine", NULL};
     PyObject *dst_obj, *src_obj;
     Py_ssize_t offset, stream_min = STREAM_MIN_DEFAULT;
-    const char *isa = NULL;
+    const char *name = NULL;
+    int forced;
     Py_buffer dst, src;
-    stream_fn routine = stream;
     (void)self;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnO|nz:copy", kwlist, &dst_obj, &offset, &src_obj,
-                                     &stream_min, &isa))
+                                     &stream_min, &name))
         return NULL;
-    if (isa != NULL) {
-        if (strcmp(isa, "memcpy") == 0)
-            routine = NULL;
-#ifdef ECD_X86
-        else if (strcmp(isa, "sse2") == 0 && stream != NULL)
-            routine = stream_sse2;
-        else if (strcmp(isa, "avx2") == 0 && has_avx2)
-            routine = stream_avx2;
-#endif
-        else
-            return PyErr_Format(PyExc_ValueError, "copy routine %s is not available here", isa);
-    }
+    if (routine_index(name, &forced) < 0)
+        return NULL;
+    if (stream_min < 0)
+        stream_min = 0;
     if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0)
         return NULL;
     if (PyObject_GetBuffer(src_obj, &src, PyBUF_SIMPLE) < 0) {
@@ -142,94 +160,99 @@ static PyObject *copy(PyObject *self, PyObject *args, PyObject *kwargs)
     char *d = (char *)dst.buf + offset;
     const char *s = (const char *)src.buf;
     size_t n = (size_t)src.len;
-    stream_fn fn = (routine != NULL && src.len >= stream_min) ? routine : NULL;
+    copy_fn fn = routine_for(n, (size_t)stream_min, forced);
     if (n >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        if (fn != NULL)
-            fn(d, s, n);
-        else
-            memcpy(d, s, n);
-        Py_END_ALLOW_THREADS
-    } else if (fn != NULL) {
         fn(d, s, n);
+        Py_END_ALLOW_THREADS
     } else if (n) {
-        memcpy(d, s, n);
+        fn(d, s, n);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     Py_RETURN_NONE;
 }
 
-/* ---- many small copies in one call (issue 26: per-entry cost) ----------------------------------
+/* ---- many copies in one call (put_many / get_many of hundreds of KV blocks, PagedKV) -----------
  *
- * copy_many_in(dst, offsets, addresses, sizes): for each i, dst[offsets[i]:offsets[i] + sizes[i]]
- * = the sizes[i] bytes at memory address addresses[i]; copy_many_out(src, offsets, addresses,
- * sizes): the sizes[i] bytes at addresses[i] = src[offsets[i]:offsets[i] + sizes[i]]. `dst`/`src`
- * is a buffer (the pool mapping), the addresses are those of live contiguous tensors the caller
- * holds (tensor.data_ptr()): what a put_many or get_many of hundreds of KV blocks does with one
- * call instead of one Python-level copy (and its buffer and tensor objects) per entry. Every range
- * is checked against the buffer before anything is copied: a bad one raises ValueError with
- * nothing written. Pieces of at least STREAM_MIN go into the buffer with non-temporal stores, as
- * copy() does. The GIL is released while the copies run if they add up to NOGIL_MIN. */
+ * copy_many_in(dst, offsets, addresses, sizes, routine=None): for each i, dst[offsets[i]:offsets[i]
+ * + sizes[i]] = the sizes[i] bytes at memory address addresses[i]; copy_many_out(src, offsets,
+ * addresses, sizes, routine=None): the sizes[i] bytes at addresses[i] = src[offsets[i]:offsets[i] +
+ * sizes[i]]. `dst`/`src` is a buffer (the pool mapping), the addresses are those of live contiguous
+ * tensors the caller holds (tensor.data_ptr()): one call instead of one Python-level copy (and its
+ * buffer and tensor objects) per entry. Every range is checked against the buffer before anything
+ * is copied: a bad one raises ValueError with nothing written. copy_many_between(dst_addresses,
+ * src_addresses, sizes, routine=None): memory the caller holds and has checked (PagedKV.scatter:
+ * pool views into the blocks of a paged KV cache, a row per layer). Each piece is copied as copy()
+ * would copy it (memcpy below STREAM_MIN, the chosen routine from there); the GIL is released while
+ * the copies run if they add up to NOGIL_MIN. */
 typedef struct {
-    Py_ssize_t *offsets, *sizes;
-    char **addresses;
+    char **dst, **src;
+    Py_ssize_t *sizes;
     Py_ssize_t n, total;
 } many_args;
 
 static void many_free(many_args *m)
 {
-    PyMem_Free(m->offsets);
+    PyMem_Free(m->dst);
+    PyMem_Free(m->src);
     PyMem_Free(m->sizes);
-    PyMem_Free(m->addresses);
 }
 
-static int many_parse(PyObject *offsets_obj, PyObject *addresses_obj, PyObject *sizes_obj, Py_ssize_t buf_len,
-                      many_args *m)
+/* Fills m from three sequences of ints. buf != NULL: `firsts` are offsets into it (checked), on
+ * the side `base_is_dst` says; else both are addresses, firsts the destinations. */
+static int many_parse(PyObject *firsts_obj, PyObject *addresses_obj, PyObject *sizes_obj, Py_buffer *buf,
+                      int base_is_dst, many_args *m)
 {
-    PyObject *offs = NULL, *addrs = NULL, *sizes = NULL;
+    char *base = buf != NULL ? (char *)buf->buf : NULL;
+    Py_ssize_t buf_len = buf != NULL ? buf->len : 0;
+    PyObject *firsts = NULL, *addrs = NULL, *sizes = NULL;
     int rc = -1;
     memset(m, 0, sizeof(*m));
-    offs = PySequence_Fast(offsets_obj, "offsets must be a sequence of ints");
-    addrs = offs ? PySequence_Fast(addresses_obj, "addresses must be a sequence of ints") : NULL;
+    firsts = PySequence_Fast(firsts_obj, "offsets and addresses must be sequences of ints");
+    addrs = firsts ? PySequence_Fast(addresses_obj, "addresses must be a sequence of ints") : NULL;
     sizes = addrs ? PySequence_Fast(sizes_obj, "sizes must be a sequence of ints") : NULL;
     if (sizes == NULL)
         goto done;
-    m->n = PySequence_Fast_GET_SIZE(offs);
+    m->n = PySequence_Fast_GET_SIZE(firsts);
     if (PySequence_Fast_GET_SIZE(addrs) != m->n || PySequence_Fast_GET_SIZE(sizes) != m->n) {
-        PyErr_SetString(PyExc_ValueError, "offsets, addresses and sizes must have the same length");
+        PyErr_SetString(PyExc_ValueError, "the offsets or addresses and the sizes must have the same length");
         goto done;
     }
-    m->offsets = PyMem_New(Py_ssize_t, m->n + 1);
+    m->dst = PyMem_New(char *, m->n + 1);
+    m->src = PyMem_New(char *, m->n + 1);
     m->sizes = PyMem_New(Py_ssize_t, m->n + 1);
-    m->addresses = PyMem_New(char *, m->n + 1);
-    if (m->offsets == NULL || m->sizes == NULL || m->addresses == NULL) {
+    if (m->dst == NULL || m->src == NULL || m->sizes == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < m->n; i++) {
-        Py_ssize_t off = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offs, i));
+        PyObject *first = PySequence_Fast_GET_ITEM(firsts, i);
         Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
-        void *addr = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(addrs, i));
+        char *addr = (char *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(addrs, i));
+        char *other = buf == NULL ? (char *)PyLong_AsVoidPtr(first) : NULL;
+        Py_ssize_t off = buf != NULL ? PyLong_AsSsize_t(first) : 0;
         if (PyErr_Occurred())
             goto done;
-        if (off < 0 || size < 0 || off > buf_len || size > buf_len - off) {
+        if (size < 0 || (buf != NULL && (off < 0 || off > buf_len || size > buf_len - off))) {
             PyErr_Format(PyExc_ValueError, "copy %zd of %zd bytes at offset %zd does not fit a buffer of %zd bytes",
                          i, size, off, buf_len);
             goto done;
         }
-        if (size > 0 && addr == NULL) {
+        if (buf != NULL)
+            other = base + off;
+        if (size > 0 && (addr == NULL || other == NULL)) {
             PyErr_Format(PyExc_ValueError, "copy %zd: address 0 for %zd bytes", i, size);
             goto done;
         }
-        m->offsets[i] = off;
+        m->dst[i] = base_is_dst ? other : addr;
+        m->src[i] = base_is_dst ? addr : other;
         m->sizes[i] = size;
-        m->addresses[i] = (char *)addr;
         m->total += size;
     }
     rc = 0;
 done:
-    Py_XDECREF(offs);
+    Py_XDECREF(firsts);
     Py_XDECREF(addrs);
     Py_XDECREF(sizes);
     if (rc < 0)
@@ -237,187 +260,154 @@ done:
     return rc;
 }
 
-static void many_run(char *base, many_args *m, int into)
+static void many_run(many_args *m, int forced)
 {
-    for (Py_ssize_t i = 0; i < m->n; i++) {
-        size_t n = (size_t)m->sizes[i];
-        if (n == 0)
-            continue;
-        char *pool = base + m->offsets[i];
-        if (!into)
-            memcpy(m->addresses[i], pool, n);
-        else if (stream != NULL && m->sizes[i] >= STREAM_MIN_DEFAULT)
-            stream(pool, m->addresses[i], n);
-        else
-            memcpy(pool, m->addresses[i], n);
-    }
+    for (Py_ssize_t i = 0; i < m->n; i++)
+        if (m->sizes[i])
+            routine_for((size_t)m->sizes[i], STREAM_MIN_DEFAULT, forced)(m->dst[i], m->src[i], (size_t)m->sizes[i]);
 }
 
-static PyObject *copy_many(PyObject *args, int into)
+/* kind: 'i' copy_many_in, 'o' copy_many_out, 'b' copy_many_between */
+static PyObject *copy_many(PyObject *args, PyObject *kwargs, char kind)
 {
-    PyObject *buf_obj, *offsets, *addresses, *sizes;
-    Py_buffer buf;
+    static char *kwlist[] = {"buf", "offsets", "addresses", "sizes", "routine", NULL};
+    static char *between_kwlist[] = {"dst_addresses", "src_addresses", "sizes", "routine", NULL};
+    PyObject *buf_obj = NULL, *firsts, *addresses, *sizes;
+    const char *name = NULL;
+    int forced, got;
+    Py_buffer buf = {0};
     many_args m;
-    if (!PyArg_ParseTuple(args, into ? "OOOO:copy_many_in" : "OOOO:copy_many_out", &buf_obj, &offsets,
-                          &addresses, &sizes))
+    if (kind == 'b')
+        got = PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|z:copy_many_between", between_kwlist, &firsts,
+                                          &addresses, &sizes, &name);
+    else
+        got = PyArg_ParseTupleAndKeywords(args, kwargs, kind == 'i' ? "OOOO|z:copy_many_in" : "OOOO|z:copy_many_out",
+                                          kwlist, &buf_obj, &firsts, &addresses, &sizes, &name);
+    if (!got || routine_index(name, &forced) < 0)
         return NULL;
-    if (PyObject_GetBuffer(buf_obj, &buf, into ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+    if (buf_obj != NULL && PyObject_GetBuffer(buf_obj, &buf, kind == 'i' ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
         return NULL;
-    if (many_parse(offsets, addresses, sizes, buf.len, &m) < 0) {
-        PyBuffer_Release(&buf);
+    if (many_parse(firsts, addresses, sizes, buf_obj != NULL ? &buf : NULL, kind != 'o', &m) < 0) {
+        if (buf_obj != NULL)
+            PyBuffer_Release(&buf);
         return NULL;
     }
     if (m.total >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        many_run((char *)buf.buf, &m, into);
+        many_run(&m, forced);
         Py_END_ALLOW_THREADS
     } else {
-        many_run((char *)buf.buf, &m, into);
+        many_run(&m, forced);
     }
     many_free(&m);
-    PyBuffer_Release(&buf);
+    if (buf_obj != NULL)
+        PyBuffer_Release(&buf);
     Py_RETURN_NONE;
 }
 
-static PyObject *copy_many_in(PyObject *self, PyObject *args)
+static PyObject *copy_many_in(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    return copy_many(args, 1);
+    return copy_many(args, kwargs, 'i');
 }
 
-static PyObject *copy_many_out(PyObject *self, PyObject *args)
+static PyObject *copy_many_out(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    return copy_many(args, 0);
+    return copy_many(args, kwargs, 'o');
 }
 
-/* copy_many_between(dst_addresses, src_addresses, sizes): for each i, the sizes[i] bytes at
- * src_addresses[i] to dst_addresses[i], memory of live tensors the caller holds and has checked
- * (PagedKV.scatter: pool views into the blocks of a paged KV cache, a row per layer). */
-static PyObject *copy_many_between(PyObject *self, PyObject *args)
+static PyObject *copy_many_between(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *dst_obj, *src_obj, *sizes_obj, *dsts = NULL, *srcs = NULL, *sizes = NULL, *result = NULL;
-    many_args m;
     (void)self;
-    memset(&m, 0, sizeof(m));
-    if (!PyArg_ParseTuple(args, "OOO:copy_many_between", &dst_obj, &src_obj, &sizes_obj))
+    return copy_many(args, kwargs, 'b');
+}
+
+/* set_large(routine, from_bytes): copies of from_bytes or more (and of the caller's stream_min or
+ * more) use `routine` when they name none; large() -> (routine, from_bytes). */
+static PyObject *set_large(PyObject *self, PyObject *args)
+{
+    const char *name;
+    Py_ssize_t from;
+    int index;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "sn:set_large", &name, &from) || routine_index(name, &index) < 0)
         return NULL;
-    dsts = PySequence_Fast(dst_obj, "dst_addresses must be a sequence of ints");
-    srcs = dsts ? PySequence_Fast(src_obj, "src_addresses must be a sequence of ints") : NULL;
-    sizes = srcs ? PySequence_Fast(sizes_obj, "sizes must be a sequence of ints") : NULL;
-    if (sizes == NULL)
-        goto done;
-    m.n = PySequence_Fast_GET_SIZE(dsts);
-    if (PySequence_Fast_GET_SIZE(srcs) != m.n || PySequence_Fast_GET_SIZE(sizes) != m.n) {
-        PyErr_SetString(PyExc_ValueError, "dst_addresses, src_addresses and sizes must have the same length");
-        goto done;
-    }
-    m.offsets = PyMem_New(Py_ssize_t, m.n + 1); /* unused here */
-    m.sizes = PyMem_New(Py_ssize_t, m.n + 1);
-    m.addresses = PyMem_New(char *, 2 * m.n + 1); /* sources, then destinations */
-    if (m.offsets == NULL || m.sizes == NULL || m.addresses == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < m.n; i++) {
-        void *dst = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(dsts, i));
-        void *src = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(srcs, i));
-        Py_ssize_t size = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
-        if (PyErr_Occurred())
-            goto done;
-        if (size < 0 || (size > 0 && (dst == NULL || src == NULL))) {
-            PyErr_Format(PyExc_ValueError, "copy %zd: %zd bytes between addresses %p and %p", i, size, src, dst);
-            goto done;
-        }
-        m.sizes[i] = size;
-        m.addresses[i] = (char *)src;
-        m.addresses[m.n + i] = (char *)dst;
-        m.total += size;
-    }
-    if (m.total >= NOGIL_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < m.n; i++)
-            if (m.sizes[i])
-                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (Py_ssize_t i = 0; i < m.n; i++)
-            if (m.sizes[i])
-                memcpy(m.addresses[m.n + i], m.addresses[i], (size_t)m.sizes[i]);
-    }
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    Py_XDECREF(dsts);
-    Py_XDECREF(srcs);
-    Py_XDECREF(sizes);
-    many_free(&m);
-    return result;
+    if (from < 0)
+        return PyErr_Format(PyExc_ValueError, "set_large: from_bytes must be >= 0, got %zd", from);
+    large_routine = index;
+    large_from = (size_t)from;
+    Py_RETURN_NONE;
+}
+
+static PyObject *large(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("(sn)", routines[large_routine].name, (Py_ssize_t)large_from);
 }
 
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_VARARGS | METH_KEYWORDS,
-     "copy(dst, dst_offset, src, stream_min=STREAM_MIN, isa=None)\n--\n\n"
-     "dst[dst_offset:dst_offset + len(src)] = src (contiguous buffers, not overlapping), with\n"
-     "non-temporal stores when len(src) >= stream_min and the CPU has them (ISA: the routine\n"
-     "used; isa: one of ISAS instead)."},
-    {"copy_many_in", copy_many_in, METH_VARARGS,
-     "copy_many_in(dst, offsets, addresses, sizes)\n--\n\n"
-     "dst[offsets[i]:offsets[i] + sizes[i]] = the sizes[i] bytes at address addresses[i], for every i\n"
+     "copy(dst, dst_offset, src, stream_min=STREAM_MIN, routine=None)\n--\n\n"
+     "dst[dst_offset:dst_offset + len(src)] = src (contiguous buffers, not overlapping): memcpy below\n"
+     "stream_min, from there the routine strategy() names (or `routine`, one of ROUTINES)."},
+    {"copy_many_in", (PyCFunction)(void (*)(void))copy_many_in, METH_VARARGS | METH_KEYWORDS,
+     "copy_many_in(buf, offsets, addresses, sizes, routine=None)\n--\n\n"
+     "buf[offsets[i]:offsets[i] + sizes[i]] = the sizes[i] bytes at address addresses[i], for every i\n"
      "(every range is checked before anything is copied)."},
-    {"copy_many_between", copy_many_between, METH_VARARGS,
-     "copy_many_between(dst_addresses, src_addresses, sizes)\n--\n\n"
+    {"copy_many_out", (PyCFunction)(void (*)(void))copy_many_out, METH_VARARGS | METH_KEYWORDS,
+     "copy_many_out(buf, offsets, addresses, sizes, routine=None)\n--\n\n"
+     "the sizes[i] bytes at address addresses[i] = buf[offsets[i]:offsets[i] + sizes[i]], for every i\n"
+     "(every range is checked before anything is copied)."},
+    {"copy_many_between", (PyCFunction)(void (*)(void))copy_many_between, METH_VARARGS | METH_KEYWORDS,
+     "copy_many_between(dst_addresses, src_addresses, sizes, routine=None)\n--\n\n"
      "the sizes[i] bytes at src_addresses[i] to dst_addresses[i], for every i (addresses the caller checked)."},
-    {"copy_many_out", copy_many_out, METH_VARARGS,
-     "copy_many_out(src, offsets, addresses, sizes)\n--\n\n"
-     "the sizes[i] bytes at address addresses[i] = src[offsets[i]:offsets[i] + sizes[i]], for every i\n"
-     "(every range is checked before anything is copied)."},
+    {"set_large", set_large, METH_VARARGS,
+     "set_large(routine, from_bytes)\n--\n\nCopies of from_bytes or more that name no routine use `routine`."},
+    {"large", large, METH_NOARGS, "large() -> (routine, from_bytes)\n--\n\nWhat set_large set (memcpy, STREAM_MIN at import)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ecd._copy",
-    .m_doc = "Bytes copies into pool memory; non-temporal stores for large ones.",
+    .m_doc = "Bytes copies into and out of pool memory: memcpy, or streaming stores where they win.",
     .m_size = -1,
     .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__copy(void)
 {
-    const char *isa = "memcpy";
-    PyObject *isas;
+    PyObject *names, *m;
 #ifdef ECD_X86
     __builtin_cpu_init();
-    has_avx2 = __builtin_cpu_supports("avx2");
-    if (has_avx2) {
-        stream = stream_avx2;
-        isa = "avx2";
-    } else if (__builtin_cpu_supports("sse2")) {
-        stream = stream_sse2;
-        isa = "sse2";
+    if (__builtin_cpu_supports("sse2")) {
+        routines[R_NT_SSE2].fn = nt_sse2;
+        routines[R_NT_SSE2_PF].fn = nt_sse2_pf;
     }
-    if (has_avx2)
-        isas = Py_BuildValue("(sss)", "memcpy", "sse2", "avx2");
-    else if (stream != NULL)
-        isas = Py_BuildValue("(ss)", "memcpy", "sse2");
-    else
+    if (__builtin_cpu_supports("avx2")) {
+        routines[R_NT_AVX2].fn = nt_avx2;
+        routines[R_NT_AVX2_PF].fn = nt_avx2_pf;
+    }
 #endif
-        isas = Py_BuildValue("(s)", "memcpy");
-    if (isas == NULL)
+    PyObject *list = PyList_New(0);
+    for (int r = 0; list != NULL && r < N_ROUTINES; r++) {
+        PyObject *name = routines[r].fn ? PyUnicode_FromString(routines[r].name) : NULL;
+        if (routines[r].fn && (name == NULL || PyList_Append(list, name) < 0))
+            Py_CLEAR(list);
+        Py_XDECREF(name);
+    }
+    names = list ? PyList_AsTuple(list) : NULL;
+    Py_XDECREF(list);
+    if (names == NULL)
         return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) {
-        Py_DECREF(isas);
+    if ((m = PyModule_Create(&module)) == NULL || PyModule_AddObject(m, "ROUTINES", names) < 0) {
+        Py_DECREF(names);
+        Py_XDECREF(m);
         return NULL;
     }
-    if (PyModule_AddObject(m, "ISAS", isas) < 0) {
-        Py_DECREF(isas);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN_DEFAULT) < 0 ||
-        PyModule_AddStringConstant(m, "ISA", isa) < 0) {
+    if (PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN_DEFAULT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

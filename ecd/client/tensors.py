@@ -6,9 +6,10 @@ copies go through numpy views of the same memory (a plain memcpy for contiguous 
 numpy lacks (bfloat16, float8) are viewed as unsigned integers of the same width: bytes are bytes.
 
 A contiguous tensor goes into the pool, and a get's copy comes out of it, through `write_bytes`:
-the compiled ecd._copy where it was built (non-temporal stores from 4 MiB up, so a large copy
-neither reads the destination's lines first nor evicts what the client and daemon use next; the
-source prefetched ahead), else numpy's copy (memcpy).
+the compiled ecd._copy where it was built, else numpy's copy (memcpy). ecd._copy uses memcpy, or
+non-temporal stores for large copies where a calibration at the first large copy showed them
+faster on this machine (copy_strategy.py): such a copy neither reads the destination's lines
+first nor evicts what the client and daemon use next.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import xxhash
 from ..errors import InvalidRequest, ProtocolError
 from ..integrity import EMPTY_CHECKSUM, checksum, finish
 from ..protocol import DTYPE_ITEMSIZE
+from . import copy_strategy
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
@@ -54,11 +56,15 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 # The compiled copy (ecd._copy, built from ecd/_copy.c by setup.py), or None: installed without a
 # C compiler, numpy's memcpy does the same, a bit slower. Tests set it to None to check the fallback.
-try:
-    from .. import _copy as compiled_copy
-except ImportError:
-    compiled_copy = None
+compiled_copy = copy_strategy.compiled_copy
+if compiled_copy is None:
     logging.getLogger(__name__).debug("ecd._copy is not built: copies into the pool use numpy")
+
+
+def _choose_large_copy(largest: int) -> None:
+    """Before the first copy of STREAM_MIN bytes or more: which routine large copies use here."""
+    if largest >= copy_strategy.STREAM_MIN:
+        copy_strategy.choose()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -103,6 +109,8 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def write_bytes(buf, offset: int, src: np.ndarray) -> None:
     """buf[offset:offset + src.size] = src, a flat contiguous uint8 array."""
     if compiled_copy is not None:
+        if copy_strategy.pending:
+            _choose_large_copy(src.size)
         compiled_copy.copy(buf, offset, src)
     else:
         np.copyto(np.frombuffer(buf, np.uint8, count=src.size, offset=offset), src)
@@ -200,6 +208,8 @@ def copy_many_into(buf, offsets: list[int], tensors: list[torch.Tensor], nbytes:
             dst.append(offset + row * piece)
             src.append(address + row * stride)
             sizes.append(piece)
+    if copy_strategy.pending:
+        _choose_large_copy(max(sizes, default=0))
     compiled_copy.copy_many_in(buf, dst, src, sizes)
     return one_by_one
 
@@ -218,6 +228,8 @@ def copy_many_out(buf, offsets: list[int], nbytes: list[int], dtypes: list[str],
         if tensor.numel() * tensor.element_size() != size:  # copied by address: never past its end
             raise ProtocolError(f"daemon sent a location of {size} bytes for a {dtype} tensor of shape {shape}")
         out.append(tensor)
+    if copy_strategy.pending:
+        _choose_large_copy(max(nbytes, default=0))
     compiled_copy.copy_many_out(buf, offsets, [t.data_ptr() for t in out], nbytes)
     return out
 
@@ -227,6 +239,8 @@ def copy_rows_between(dst_addresses: list[int], src_addresses: list[int], sizes:
     compiled copy; False (nothing copied) without it: the caller copies its own way."""
     if compiled_copy is None:
         return False
+    if copy_strategy.pending:
+        _choose_large_copy(max(sizes, default=0))
     compiled_copy.copy_many_between(dst_addresses, src_addresses, sizes)
     return True
 

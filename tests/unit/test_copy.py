@@ -1,9 +1,13 @@
-"""The client's copy into pool memory: ecd._copy (streaming stores from STREAM_MIN up, every routine
-the CPU has) and the numpy fallback write exactly the source's bytes, at every size and alignment,
-and nothing outside the destination range."""
+"""The client's copy into pool memory: ecd._copy (every routine the CPU has, memcpy and streaming
+stores) and the numpy fallback write exactly the source's bytes, at every size and alignment, and
+nothing outside the destination range; the routine for large copies is chosen by a calibration or
+forced by ECD_COPY_ROUTINE (ecd/client/copy_strategy.py)."""
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -51,12 +55,12 @@ def check_copy(copy, size: int, dst_off: int, src_off: int) -> None:
 @needs_ext
 @pytest.mark.parametrize("size", SIZES)
 def test_compiled_copy_is_exact_with_every_routine(size):
-    assert _copy.ISA in _copy.ISAS
-    for isa in _copy.ISAS:
+    assert "memcpy" in _copy.ROUTINES
+    for routine in _copy.ROUTINES:
         for dst_off, src_off in OFFSETS if size < 4 * MIB else OFFSETS[:3]:
             # stream_min=0: the streaming routine even for the smallest copies (head, body, tail)
-            check_copy(lambda b, o, s: _copy.copy(b, o, s, stream_min=0, isa=isa), size, dst_off, src_off)
-    check_copy(_copy.copy, size, 3, 5)  # the default: memcpy below STREAM_MIN, streaming above
+            check_copy(lambda b, o, s: _copy.copy(b, o, s, stream_min=0, routine=routine), size, dst_off, src_off)
+    check_copy(_copy.copy, size, 3, 5)  # the default: memcpy below the large routine's threshold
 
 
 @needs_ext
@@ -69,7 +73,7 @@ def test_compiled_copy_refuses_what_does_not_fit():
     with pytest.raises(ValueError):
         _copy.copy(buf, 17, b"")
     with pytest.raises(ValueError):
-        _copy.copy(buf, 0, b"x", isa="no-such-routine")
+        _copy.copy(buf, 0, b"x", routine="no-such-routine")
     with pytest.raises((TypeError, BufferError)):
         _copy.copy(b"read-only", 0, b"x")  # not a writable buffer
     with pytest.raises((TypeError, BufferError, ValueError)):
@@ -141,10 +145,10 @@ def test_streaming_copy_reads_nothing_past_its_source():
     try:
         src = np.frombuffer(region, np.uint8, count=size)
         src[:] = pattern(size, 11)
-        for isa in _copy.ISAS:
+        for routine in _copy.ROUTINES:
             for length in (size, size - 1, size - 100):  # ending at, or just before, the guard page
                 dst = bytearray(length)
-                _copy.copy(dst, 0, src[size - length:], stream_min=0, isa=isa)
+                _copy.copy(dst, 0, src[size - length:], stream_min=0, routine=routine)
                 assert np.array_equal(np.frombuffer(dst, np.uint8), src[size - length:])
         del src
     finally:
@@ -158,8 +162,6 @@ def test_views_of_read_only_pool_memory_warn_nothing_and_leave_the_filters_alone
     read-only pool mapping must neither surface that to an engine running with -W error (or a
     test runner that turns warnings into errors after ecd is imported) nor change the process's
     warning filters. A fresh interpreter: torch raises the warning once per process."""
-    import subprocess
-    import sys
     script = tmp_path / "view.py"
     script.write_text(
         "import mmap, warnings\n"
@@ -277,3 +279,103 @@ def test_copy_many_in_streams_a_large_piece_exactly():
     view = np.frombuffer(buf, np.uint8)
     assert (view[at_big:at_small] == big.numpy()).all() and (view[at_small:at_small + 100] == small.numpy()).all()
     assert (view[:at_big] == FILL).all() and (view[at_small + 100:] == FILL).all()
+
+
+# ---- which routine large copies use (ecd/client/copy_strategy.py) -------------------------------
+
+@needs_ext
+@pytest.mark.parametrize("size", [0, 1, 4097, 4 * MIB + 5])
+def test_batched_copies_are_exact_with_every_routine(size):
+    """copy_many_in/out/between with each routine forced (large pieces and a small one beside)."""
+    for routine in _copy.ROUTINES:
+        src = [torch.from_numpy(pattern(n, n + 7)) for n in (size, 33)]
+        offsets = [64, 64 + size + 100]
+        buf = mmap.mmap(-1, offsets[1] + 33 + 64)
+        buf[:] = bytes([FILL]) * len(buf)
+        _copy.copy_many_in(buf, offsets, [t.data_ptr() for t in src], [t.numel() for t in src], routine=routine)
+        view = np.frombuffer(buf, np.uint8)
+        assert all((view[o:o + t.numel()] == t.numpy()).all() for o, t in zip(offsets, src)), routine
+        assert view[63] == FILL and view[64 + size] == FILL and view[-64] == FILL
+        back = [torch.empty(t.numel(), dtype=torch.uint8) for t in src]
+        _copy.copy_many_out(buf, offsets, [t.data_ptr() for t in back], [t.numel() for t in back], routine=routine)
+        assert all(torch.equal(a, b) for a, b in zip(src, back)), routine
+        again = [torch.zeros(t.numel(), dtype=torch.uint8) for t in src]
+        _copy.copy_many_between([t.data_ptr() for t in again], [t.data_ptr() for t in back],
+                                [t.numel() for t in back], routine=routine)
+        assert all(torch.equal(a, b) for a, b in zip(src, again)), routine
+        del view
+        buf.close()
+    with pytest.raises(ValueError, match="not available"):
+        _copy.copy_many_between([], [], [], routine="nt-quantum")
+
+
+@needs_ext
+def test_set_large_routes_copies_by_size_and_refuses_what_it_cannot_use():
+    before = _copy.large()
+    try:
+        _copy.set_large("memcpy", 0)
+        assert _copy.large() == ("memcpy", 0)
+        streaming = [r for r in _copy.ROUTINES if r != "memcpy"]
+        if streaming:
+            _copy.set_large(streaming[0], 8 * MIB)
+            assert _copy.large() == (streaming[0], 8 * MIB)
+            check_copy(_copy.copy, 8 * MIB + 3, 5, 1)  # the streaming routine, through the default path
+            check_copy(_copy.copy, 8 * MIB - 1, 5, 1)  # memcpy, just below the threshold
+        with pytest.raises(ValueError, match="not available"):
+            _copy.set_large("no-such-routine", 0)
+        with pytest.raises(ValueError, match=">= 0"):
+            _copy.set_large("memcpy", -1)
+        assert _copy.large()[0] in _copy.ROUTINES
+    finally:
+        _copy.set_large(*before)
+
+
+@needs_ext
+def test_calibration_picks_streaming_only_where_it_beat_memcpy():
+    from ecd.client import copy_strategy
+    s = copy_strategy.calibrate(sizes=(4 * MIB, 8 * MIB), rounds=3)
+    assert s.routine in _copy.ROUTINES and s.ratios, s
+    measured = [size for size in s.ratios]
+    assert measured == sorted(measured) and set(measured) <= {4 * MIB, 8 * MIB}
+    if s.routine == "memcpy":
+        assert all(min(by.values()) >= copy_strategy.WIN for by in s.ratios.values()), s.describe()
+    else:  # the threshold is the first size at which the chosen routine won, and nothing before it did
+        assert s.from_bytes == measured[-1] and s.ratios[s.from_bytes][s.routine] < copy_strategy.WIN, s.describe()
+        assert all(min(s.ratios[size].values()) >= copy_strategy.WIN for size in measured[:-1]), s.describe()
+    assert s.describe().startswith("memcpy" if s.routine == "memcpy" else s.routine)
+
+
+def _strategy_in_a_fresh_process(env_value: str | None, script: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ECD_COPY_ROUTINE"}
+    if env_value is not None:
+        env["ECD_COPY_ROUTINE"] = env_value
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+
+
+@needs_ext
+def test_the_first_large_copy_calibrates_once_and_the_variable_forces_a_routine():
+    script = ("import numpy as np, torch\n"
+              "from ecd import _copy\n"
+              "from ecd.client import copy_strategy, tensors\n"
+              "assert copy_strategy.current() is None or copy_strategy.current().decided_by.startswith('forced')\n"
+              "buf = bytearray(5 << 20)\n"
+              "tensors.copy_into(buf, 0, torch.ones(1024))  # small: decides nothing\n"
+              "print(copy_strategy.pending)\n"
+              "tensors.copy_into(buf, 0, torch.ones(5 << 18))  # 5 MiB\n"
+              "s = copy_strategy.current()\n"
+              "assert bytes(buf[:4]) == bytes(np.float32(1).tobytes())\n"
+              "print(copy_strategy.pending, s.routine, s.decided_by.split(':')[0], _copy.large()[0], sep='|')\n")
+    auto = _strategy_in_a_fresh_process(None, script)
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    first, second = auto.stdout.split("\n")[:2]
+    pending, routine, how, large = second.split("|")
+    assert first == "True" and pending == "False" and how == "calibrated" and routine == large, auto.stdout
+    for value, expect in [("memcpy", "memcpy"), ("stream", None)]:
+        out = _strategy_in_a_fresh_process(value, script)
+        assert out.returncode == 0, out.stderr[-2000:]
+        first, second = out.stdout.split("\n")[:2]
+        pending, routine, how, large = second.split("|")
+        assert first == "False" and how == f"forced by ECD_COPY_ROUTINE={value}" and routine == large
+        assert routine == expect if expect else routine.startswith("nt-") and "prefetch" not in routine
+    bad = _strategy_in_a_fresh_process("fastest-please", "from ecd import Client")
+    assert bad.returncode != 0 and "ECD_COPY_ROUTINE='fastest-please': expected auto, memcpy" in bad.stderr
