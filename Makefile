@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -81,6 +81,17 @@ redis-server:
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_core.py
+
+# each compiled copy routine against memcpy and numpy's copy, 4 KiB to 256 MiB, warm and cold
+# pages, paired (~30 s; BENCH_COPY_ARGS="--json PATH" every figure)
+BENCH_COPY_ARGS ?=
+bench-copy: $(VENV)/.installed
+	$(PY) benchmarks/bench_copy.py $(BENCH_COPY_ARGS)
+
+# The CI guard (.ci/run): fails if any compiled copy routine takes over 1.3x memcpy's time on this
+# machine (median of 15 paired samples per size): noise cannot fail it, a 2.6x loss cannot pass.
+check-copy: $(VENV)/.installed
+	$(PY) benchmarks/bench_copy.py --guard --samples 15
 
 # ecd vs the other ways of handing a tensor to another process; rows whose packages (safetensors,
 # redis + redis-server) are not installed are skipped with the reason

@@ -15,7 +15,7 @@
  * copy(dst, dst_offset, src, stream_min=STREAM_MIN, routine=None): dst[dst_offset:dst_offset +
  * len(src)] = src; dst a writable contiguous buffer, src a contiguous buffer, not overlapping.
  * `routine` (one of ROUTINES) is used from stream_min up instead of the large routine (tests and
- * the calibration); without it the large routine from max(stream_min, large_from) up. The GIL is
+ * the calibration); without it, the large routine from large_from up (stream_min unused). The GIL is
  * released while a large copy runs; both buffers stay exported meanwhile, so neither can be closed
  * or resized under it. Every streaming routine ends with an sfence: the streamed bytes are ordered
  * before any later store (the Publish that makes them visible to readers).
@@ -25,6 +25,8 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define ECD_X86 1
@@ -101,15 +103,41 @@ static struct {
 static int large_routine = R_MEMCPY;
 static size_t large_from = STREAM_MIN_DEFAULT;
 
-/* The routine for a copy of n bytes: memcpy below stream_min; from there `forced` if given, else
- * the large routine from large_from up. */
+/* The routine for a copy of n bytes: `forced` (if given) from stream_min up, else the large
+ * routine from large_from up; memcpy below. */
 static copy_fn routine_for(size_t n, size_t stream_min, int forced)
 {
-    if (n < stream_min)
-        return plain_memcpy;
     if (forced >= 0)
-        return routines[forced].fn;
+        return n >= stream_min ? routines[forced].fn : plain_memcpy;
     return n >= large_from ? routines[large_routine].fn : plain_memcpy;
+}
+
+/* Whether the pages at the start, middle and end of dst are already in memory (mincore: three
+ * syscalls, ~1 us, for a copy of megabytes). Streaming into pages never touched loses to memcpy
+ * (6-13% on the AMD: the kernel zeroes each page through the cache on first touch, where memcpy's
+ * stores then hit and streaming stores must evict), so such a copy (a get's fresh tensor of 64
+ * MiB, which the allocator maps new) uses memcpy. */
+static int dst_is_warm(char *dst, size_t n)
+{
+    static long page = 0;
+    unsigned char resident;
+    if (page <= 0)
+        page = sysconf(_SC_PAGESIZE);
+    char *probes[3] = {dst, dst + n / 2, dst + n - 1};
+    for (int i = 0; i < 3; i++) {
+        void *start = (void *)((uintptr_t)probes[i] & ~(uintptr_t)(page - 1));
+        if (mincore(start, (size_t)page, &resident) == 0 && !(resident & 1))
+            return 0;
+    }
+    return 1;
+}
+
+/* fn(dst, src, n), falling back to memcpy where fn streams into pages not yet in memory. */
+static void run_copy(copy_fn fn, char *dst, const char *src, size_t n)
+{
+    if (fn != plain_memcpy && !dst_is_warm(dst, n))
+        fn = plain_memcpy;
+    fn(dst, src, n);
 }
 
 /* routine name (or None) -> index; -1 with ValueError set if this CPU has no such routine. */
@@ -163,10 +191,10 @@ static PyObject *copy(PyObject *self, PyObject *args, PyObject *kwargs)
     copy_fn fn = routine_for(n, (size_t)stream_min, forced);
     if (n >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        fn(d, s, n);
+        run_copy(fn, d, s, n);
         Py_END_ALLOW_THREADS
     } else if (n) {
-        fn(d, s, n);
+        run_copy(fn, d, s, n);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -184,7 +212,7 @@ static PyObject *copy(PyObject *self, PyObject *args, PyObject *kwargs)
  * is copied: a bad one raises ValueError with nothing written. copy_many_between(dst_addresses,
  * src_addresses, sizes, routine=None): memory the caller holds and has checked (PagedKV.scatter:
  * pool views into the blocks of a paged KV cache, a row per layer). Each piece is copied as copy()
- * would copy it (memcpy below STREAM_MIN, the chosen routine from there); the GIL is released while
+ * would copy it (`routine` from STREAM_MIN up, else the large routine from large_from up); the GIL is released while
  * the copies run if they add up to NOGIL_MIN. */
 typedef struct {
     char **dst, **src;
@@ -264,7 +292,8 @@ static void many_run(many_args *m, int forced)
 {
     for (Py_ssize_t i = 0; i < m->n; i++)
         if (m->sizes[i])
-            routine_for((size_t)m->sizes[i], STREAM_MIN_DEFAULT, forced)(m->dst[i], m->src[i], (size_t)m->sizes[i]);
+            run_copy(routine_for((size_t)m->sizes[i], STREAM_MIN_DEFAULT, forced), m->dst[i], m->src[i],
+                     (size_t)m->sizes[i]);
 }
 
 /* kind: 'i' copy_many_in, 'o' copy_many_out, 'b' copy_many_between */
@@ -323,8 +352,8 @@ static PyObject *copy_many_between(PyObject *self, PyObject *args, PyObject *kwa
     return copy_many(args, kwargs, 'b');
 }
 
-/* set_large(routine, from_bytes): copies of from_bytes or more (and of the caller's stream_min or
- * more) use `routine` when they name none; large() -> (routine, from_bytes). */
+/* set_large(routine, from_bytes): copies of from_bytes or more use `routine` when they name none;
+ * large() -> (routine, from_bytes). */
 static PyObject *set_large(PyObject *self, PyObject *args)
 {
     const char *name;
@@ -350,8 +379,8 @@ static PyObject *large(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_VARARGS | METH_KEYWORDS,
      "copy(dst, dst_offset, src, stream_min=STREAM_MIN, routine=None)\n--\n\n"
-     "dst[dst_offset:dst_offset + len(src)] = src (contiguous buffers, not overlapping): memcpy below\n"
-     "stream_min, from there the routine strategy() names (or `routine`, one of ROUTINES)."},
+     "dst[dst_offset:dst_offset + len(src)] = src (contiguous buffers, not overlapping): `routine`\n"
+     "(one of ROUTINES) from stream_min up if given, else the routine large() names from its size up."},
     {"copy_many_in", (PyCFunction)(void (*)(void))copy_many_in, METH_VARARGS | METH_KEYWORDS,
      "copy_many_in(buf, offsets, addresses, sizes, routine=None)\n--\n\n"
      "buf[offsets[i]:offsets[i] + sizes[i]] = the sizes[i] bytes at address addresses[i], for every i\n"
