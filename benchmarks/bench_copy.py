@@ -94,7 +94,7 @@ def bench_size(nbytes: int, samples: int) -> dict[str, dict[str, float]]:
     vs_memcpy("many-in", lambda r: _copy.copy_many_in(dst_map, [0], [src_addr], [nbytes], routine=r))
     vs_memcpy("many-out", lambda r: _copy.copy_many_out(src_map, [0], [dst_addr], [nbytes], routine=r))
     vs_memcpy("many-between", lambda r: _copy.copy_many_between([dst_addr], [src_addr], [nbytes], routine=r))
-    del src, dst
+    src = dst = None  # (the closures above hold the cells: this lets the maps close)
 
     cold_maps: list[mmap.mmap] = []
 
