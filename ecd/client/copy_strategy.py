@@ -124,6 +124,8 @@ def calibrate(sizes: tuple[int, ...] = CALIBRATION_SIZES, rounds: int = ROUNDS) 
 
 
 _lock = threading.Lock()
+# a child forked while another thread calibrated would find the lock held for ever
+os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
 _chosen: Strategy | None = None
 # True until a strategy is set: the copy paths call choose() before a copy of STREAM_MIN or more
 pending = compiled_copy is not None
