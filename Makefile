@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional venvs test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -211,6 +211,9 @@ $(ENGINE_VENV)/.installed: $(BUILD_INPUTS) $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) 
 	$(ENGINE_PY) requirements/torchvision_no_ops.py
 	$(ENGINE_PY) -m pip install --quiet -c "$(ENGINE_CONSTRAINTS)" -e ".[dev]"
 	touch $@
+
+# The three engine venvs at once (independent: `make -j3 venvs` builds them side by side, as .ci/run does).
+venvs: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.server $(ENGINE_VENV)/.installed
 
 # tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
 test-engine: $(ENGINE_VENV)/.installed
