@@ -216,8 +216,14 @@ $(ENGINE_VENV)/.installed: $(BUILD_INPUTS) $(ENGINE_REQS) $(ENGINE_CONSTRAINTS) 
 venvs: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.server $(ENGINE_VENV)/.installed
 
 # tests/vllm runs here too: the connectors against vLLM 0.32's classes (test-vllm: 0.33's), ~1 min.
+# The engine tests run ENGINE_TEST_JOBS modules at a time (pytest-xdist, --dist loadfile: a module's
+# tests stay in one worker, in order): an engine's start is mostly one busy core (imports, model
+# setup), so two modules side by side took 14 min where one after another took 22 on a 2-vCPU VM.
+# ENGINE_TEST_JOBS=0 runs them in this process, one by one.
+ENGINE_TEST_JOBS ?= 2
 test-engine: $(ENGINE_VENV)/.installed
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine tests/vllm $(PYTEST_ARGS)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine -n $(ENGINE_TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 	$(ENGINE_PY) tests/vllm_upstream/run.py
 
 # benchmarks/bench_engine.py: the same engines and models handing off P->D (KV) and E->PD (EC)
