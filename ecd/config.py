@@ -308,6 +308,13 @@ class Config(Section):
         check_field(self.pool.cuda is None or self.pool.cuda.export != "fd" or self.pool.host.backing == "memfd",
                     "pool.cuda.export", '"fd" hands the arenas out on the fd socket, which needs '
                     '[pool.host] backing = "memfd"')
+        # named /dev/shm files open to the daemon's group: a member the lists refuse at the socket
+        # would still open, read and overwrite the pool (issue 40, attack 3)
+        for key in ("allowed_uids", "allowed_gids"):
+            check_field(not getattr(self.control, key) or self.pool.host.backing == "memfd", f"control.{key}",
+                        'protects nothing with [pool.host] backing = "named": the pool\'s /dev/shm files open '
+                        "to every member of the daemon's group, whatever the lists say; use backing = \"memfd\" "
+                        "(the default: the fd socket hands the pool only to admitted clients)")
         if self.pool.cuda is not None:
             pool += int(self.pool.cuda.size) * len(self.pool.cuda.devices)
             what = "pool.host.size plus the CUDA arenas"

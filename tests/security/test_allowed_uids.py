@@ -90,3 +90,20 @@ def test_bad_allowed_ids_are_one_line_config_errors(tmp_path, key, value, messag
     path.write_text(f"[control]\n{key} = {value}\n")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config_file(path)
+
+
+@pytest.mark.parametrize("key", ["allowed_uids", "allowed_gids"])
+def test_allowed_lists_with_named_pool_files_are_refused_at_start(daemon_factory, key):
+    """Issue 40, attack 3: with backing = "named" a group member the lists refuse opened
+    /dev/shm/ecd.<node>.0 read-write and overwrote an entry. The daemon now refuses to start on
+    that combination, saying why, and creates no pool file; with memfd (the default) it serves."""
+    d = daemon_factory(start=False, backing="named")
+    write_node_toml(d, control=f"{key} = [{NOBODY}]")
+    proc = subprocess.run([sys.executable, "-m", "ecd", "serve", "--config", str(d.config)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert f'control.{key}: protects nothing with [pool.host] backing = "named"' in proc.stderr, proc.stderr[-2000:]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"ecd.{d.node}.")]
+    memfd = daemon_factory(start=False)
+    start(memfd, f"{key} = [{NOBODY}]")
+    assert memfd.alive()
