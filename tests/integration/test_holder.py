@@ -420,3 +420,59 @@ def test_release_from_outside_the_lease_is_refused(node):
     assert holder.poll() is None
     finish(daemon, "release")
     assert holder.wait(10) == 0
+
+
+FAKE_HOLDER = r"""
+import json, os, socket, sys
+path, uid = sys.argv[1], int(sys.argv[2])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)  # before listen(): SO_PEERCRED names who listened
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.bind(path); sock.listen(4)
+print("listening", flush=True)
+sock.settimeout(4)  # then it reports what it got
+got = {"connections": 0, "bytes": 0, "fds": 0}
+try:
+    while True:
+        conn, _ = sock.accept()
+        got["connections"] += 1
+        conn.settimeout(2)
+        try:
+            while True:
+                data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 64)
+                if not data and not fds:
+                    break
+                got["bytes"] += len(data); got["fds"] += len(fds)
+                for fd in fds:
+                    os.close(fd)
+        except (TimeoutError, OSError):
+            pass
+except TimeoutError:
+    pass
+print(json.dumps(got), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the impostor drops from root to another uid")
+def test_a_holder_socket_of_another_uid_is_never_trusted(node):
+    """Issue 40, attack 1: a user who may create names in the runtime directory binds its own
+    socket under the holder's name. The daemon's side must neither take a (forged) pool from it nor
+    hand it the real one: it sees the listener's uid (SO_PEERCRED) and refuses, saying so, having
+    sent nothing. Fails before the check: take() asked the impostor and keep() sent it the memfd."""
+    os.chmod(node.dir, 0o777)  # the attack's premise: a directory others can create names in
+    nobody = 65534
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_HOLDER, node.socket, str(nobody)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    node.procs.append(fake)
+    assert line_within(fake, 30) == "listening", fake.stderr.read()
+    keeper = HolderKeeper(node.name, node.dir, spawn=False, external_wait=0.5)
+    with pytest.raises(KeeperUnavailable, match=f"served by uid {nobody} .* no pool is taken from it or handed to it"):
+        keeper.take()
+    pool = MemfdFile.create_sealed("impostor-test", SIZE, seals=POOL_SEALS)
+    try:
+        with pytest.raises(KeeperUnavailable, match=f"served by uid {nobody}"):
+            keeper.keep({"pool.0": pool.fd})
+    finally:
+        keeper.close()
+        pool.unlink()
+    report = json.loads(line_within(fake, 40))
+    assert report["bytes"] == 0 and report["fds"] == 0, report  # it connected, then said nothing

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -198,10 +199,19 @@ class HolderKeeper:
         sock.settimeout(REPLY_TIMEOUT_S)
         try:
             sock.connect(self.path)
-            return sock
         except OSError:
             sock.close()
             return None
+        # Who listens there, as the kernel recorded it at listen(): anyone who may create names in
+        # the runtime directory could have bound a socket of their own under the holder's name, to
+        # hand this daemon a forged pool and take its real one (issue 40, attack 1). Only a holder
+        # of this daemon's uid or root is one; the holder checks the daemon the same way.
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid not in (os.geteuid(), 0):
+            sock.close()
+            raise KeeperUnavailable(f"the holder socket {self.path} is served by uid {uid} (pid {pid}), neither this "
+                                    f"daemon's uid ({os.geteuid()}) nor root: no pool is taken from it or handed to it")
+        return sock
 
     def _connect(self) -> socket.socket:
         sock = self._connect_once()
