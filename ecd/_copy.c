@@ -33,7 +33,8 @@
 #include <immintrin.h>
 #endif
 
-/* Below this many bytes memcpy is used whatever the routine: streaming never wins in the caches. */
+/* STREAM_MIN: where a routine named by the caller starts (copy's default stream_min, and every
+ * batched piece), and large_from until set_large moves it: streaming never wins in the caches. */
 #define STREAM_MIN_DEFAULT (4 << 20)
 /* Copies this small keep the GIL: releasing and taking it back costs more than they do. */
 #define NOGIL_MIN (64 << 10)

@@ -85,7 +85,7 @@ def forced_strategy(value: str | None) -> Strategy | None:
     return Strategy(routine, STREAM_MIN, f"forced by {ENV}={value}")
 
 
-def paired_ratio(routine: str, dst, src, nbytes: int, rounds: int) -> float:
+def paired_ratio(routine: str, dst, src, rounds: int) -> float:
     """Median over `rounds` of (routine twice) / (memcpy twice), timed ABBA on the same buffers."""
     def timed(name: str) -> int:
         t = time.perf_counter_ns()
@@ -114,10 +114,10 @@ def calibrate(sizes: tuple[int, ...] = CALIBRATION_SIZES, rounds: int = ROUNDS) 
         np.frombuffer(dst_map, np.uint8).fill(0xA5)
         with memoryview(src_map) as src, memoryview(dst_map) as dst:
             for size in sorted(sizes):
-                ratios[size] = {names[0]: paired_ratio(names[0], dst, src[:size], size, rounds)}
+                ratios[size] = {names[0]: paired_ratio(names[0], dst, src[:size], rounds)}
                 if ratios[size][names[0]] >= WIN:
                     continue
-                ratios[size][names[1]] = paired_ratio(names[1], dst, src[:size], size, rounds)
+                ratios[size][names[1]] = paired_ratio(names[1], dst, src[:size], rounds)
                 best = min(ratios[size], key=ratios[size].__getitem__)
                 return Strategy(best, size, f"calibrated: under {WIN:.2f}x memcpy from here", ratios)
     return Strategy("memcpy", STREAM_MIN, f"calibrated: no streaming routine under {WIN:.2f}x memcpy", ratios)

@@ -29,7 +29,6 @@ import selectors
 import signal
 import socket
 import stat
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .holder_wire import (HOLDER_WIRE_VERSION, OPS, HolderReply, HolderRequest, WireError, close_all, name_problem,
-                          path_problem, receive, request_decoder, send, socket_path)
+                          path_problem, peer_ids, receive, request_decoder, send, socket_path)
 from ...fd_passing import FDS_PER_MESSAGE
 
 MAX_HELD = 65536  # descriptors (16 TiB of pool in 1 GiB segments is 16384)
@@ -247,7 +246,7 @@ class Holder:
         except OSError:
             return False  # EAGAIN, EMFILE: the pool is not at stake, try at the next wake
         sock.setblocking(False)
-        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = peer_ids(sock)
         conn = Connection(sock, pid, uid, time.monotonic() + SILENCE_S)
         if uid not in (self.uid, 0):
             # Answered once its first message is read (or its silence ends): a unix socket closed

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Sequence
 
 import msgspec
 
-from .holder_wire import (HOLDER_WIRE_VERSION, HolderReply, HolderRequest, WireError, close_all, receive,
+from .holder_wire import (HOLDER_WIRE_VERSION, HolderReply, HolderRequest, WireError, close_all, peer_ids, receive,
                           reply_decoder, send, socket_path)
 from .keeper import KeeperUnavailable
 from ...fd_passing import FDS_PER_MESSAGE
@@ -206,7 +205,7 @@ class HolderKeeper:
         # the runtime directory could have bound a socket of their own under the holder's name, to
         # hand this daemon a forged pool and take its real one (issue 40, attack 1). Only a holder
         # of this daemon's uid or root is one; the holder checks the daemon the same way.
-        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = peer_ids(sock)
         if uid not in (os.geteuid(), 0):
             sock.close()
             raise KeeperUnavailable(f"the holder socket {self.path} is served by uid {uid} (pid {pid}), neither this "

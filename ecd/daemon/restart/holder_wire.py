@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import struct
 from typing import Sequence
 
 import msgspec
@@ -56,6 +57,13 @@ class HolderReply(msgspec.Struct, kw_only=True):
 
 class WireError(Exception):
     """A message that could not be sent or received whole; the text says why."""
+
+
+def peer_ids(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the other end as the kernel recorded them (SO_PEERCRED): the client's at
+    connect(), the listener's at listen(). Both ends of the holder's socket check the other's uid."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
 
 
 def socket_path(runtime_dir: str, node: str) -> str:
