@@ -6,7 +6,7 @@ import re
 
 from msgspec import Struct
 
-from .config_types import WILDCARD_HOSTS, ByteSize, Duration, Section, check_field, endpoint_is_loopback, split_tcp_endpoint
+from .config_types import ByteSize, Duration, Section, check_field, split_tcp_endpoint
 
 _IPC = re.compile(r"ipc://.+")
 
@@ -36,8 +36,9 @@ class EventsSection(Section):
     # for a replay). Batches, not events: at most batch_events each; 1000 is 20 s of batches.
     hwm: int = 1000
     # CURVE, as in [control] and [cluster]: this node's secret key and the directory of the
-    # subscribers' public keys it admits (*.key). A tcp bind on a non-loopback address needs them,
-    # or insecure = true (then anyone who reaches the port reads which keys this node holds).
+    # subscribers' public keys it admits (*.key). A tcp bind needs them, on loopback too, or
+    # insecure = true (then anyone who reaches the port reads what this node holds, token ids
+    # included); an ipc:// socket is the control socket's group's (0660) and needs neither.
     curve_secret_key: str = ""
     curve_allowed_keys: str = ""
     insecure: bool = False
@@ -72,14 +73,15 @@ class EventsSection(Section):
                     "curve_secret_key and curve_allowed_keys must be set together")
         for key in ("publish", "replay"):
             endpoint = getattr(self, key)
-            if not endpoint or self.curve or self.insecure:
+            if not endpoint or self.curve or self.insecure or not endpoint.startswith("tcp://"):
                 continue
-            where = split_tcp_endpoint(endpoint)
-            wildcard = where is not None and where[0] in WILDCARD_HOSTS
-            check_field(endpoint_is_loopback(endpoint) and not wildcard, key,
-                        f"{endpoint} is not a loopback address: set events.curve_secret_key and "
-                        "events.curve_allowed_keys (CURVE), or events.insecure = true, under which any "
-                        "process that reaches the port reads which keys this node holds")
+            # Loopback is no boundary: every local user reaches 127.0.0.1 and would read the token ids
+            # of every stored block and every namespace's key names (issue 40, attack 2).
+            check_field(False, key, f"{endpoint}: a tcp endpoint (loopback included) is open to every local "
+                        "user, who would read the token ids and key names of what this node holds; use "
+                        "ipc://PATH (its socket is 0660, node.group's, like the control socket), or set "
+                        "events.curve_secret_key and events.curve_allowed_keys (CURVE), or events.insecure = "
+                        "true to publish to everyone who can reach the port")
 
     @property
     def enabled(self) -> bool:

@@ -210,7 +210,8 @@ class Daemon:
             if not os.path.isdir(path):
                 os.makedirs(path, exist_ok=True)
                 os.chown(path, -1, self.gid)  # node.group: engines join it
-                os.chmod(path, 0o770)  # owner and group only
+                # owner and group only; sticky: a member may not remove or rename what it does not own
+                os.chmod(path, 0o1770)
             elif os.stat(path).st_mode & 0o007:
                 log.warning("node.runtime_dir: %s is accessible to all users; the control socket "
                             "in it is not (0660, group %s)", path, self.gid)
@@ -349,7 +350,7 @@ class Daemon:
             return
         from .events.service import Events
         try:
-            self.events = Events(self.config.events)
+            self.events = Events(self.config.events, self.gid)
             self.events.open()
         except ConfigError as exc:
             raise StartupError(str(exc)) from None

@@ -13,9 +13,12 @@ is zeroed when its extent stops holding it (the entry leaves the index, the writ
 before the extent can be handed out again, since the daemon is single-threaded. An entry that
 leaves the index while readers still hold it goes back to WRITING until it is freed.
 
-Trust: every record carries a MAC (keyed BLAKE2b-64, the key a random salt in the journal's
-header, which only the daemon maps: clients never get this memory) over all of it but the state,
-checksum and key-hash words. A record torn by a kill in the middle of its write, or bytes a bug
+Trust: every record carries a MAC (keyed BLAKE2b-64) over all of it but the state, checksum and
+key-hash words. The key is a secret of 32 random bytes that is never written beside what it
+authenticates: the daemon keeps it in a sealed memfd of its own ("journal.key", new_key_file)
+and hands that to the keeper with the pool (issue 40: a journal that carried its own key could
+be forged by anyone who could write one, a fake holder's in particular). Clients never get the
+journal nor the key. A record torn by a kill in the middle of its write, or bytes a bug
 left behind, fail it and are skipped, never adopted; a client-chosen key cannot smuggle a record
 in. The commit stores the checksum and key hash first, the state last (one byte): a kill between
 them leaves a WRITING record, never a COMMITTED one without its checksum. The header names the
@@ -43,7 +46,9 @@ from .allocator import ALIGNMENT, align_up
 
 GRANULE = 64
 HEADER_BYTES = 4096
-FORMAT = 1  # the records' layout: a daemon that reads another refuses the journal (a cold start)
+FORMAT = 2  # the records' layout: a daemon that reads another refuses the journal (a cold start)
+# (1: its MAC key was in its header)
+KEY_BYTES = 32
 MAGIC = b"ECDJRNL\x00"
 _PREFIX = b"\xecJ\x01"  # records start with _PREFIX + a kind byte
 ENTRY_MAGIC = _PREFIX + b"E"
@@ -52,7 +57,8 @@ _HEAD = struct.Struct("<4sHH")  # magic, granules, payload bytes (the MAC follow
 _ENTRY = struct.Struct("<QIQQBBHH")  # generation, pool, offset, nbytes, ndim, dtype, ns, key lengths
 # generation, pool, offset and size in ALIGNMENT units (extents are aligned): one granule in all
 _INTENT = struct.Struct("<QHII")
-_HEADER = struct.Struct("<8sII32sQ8s")  # magic, format, layout bytes, salt, size, MAC
+_HEADER = struct.Struct("<8sII32sQ8s")  # magic, format, layout bytes, 32 reserved (zero), size, MAC
+_RESERVED = bytes(32)
 ENTRY_SHARE = 0.875  # entry records may fill this much of the journal; the rest is the intents'
 MAX_CLASS = 8  # records of up to 2**8 granules (16 KiB): a 1 KiB namespace and a 1 KiB key fit easily
 _ZEROS = [bytes(GRANULE << cls) for cls in range(MAX_CLASS + 1)]  # what a forgotten record's run becomes
@@ -109,15 +115,17 @@ class IntentRecord:
 
 
 class Journal:
-    """Records in `buf` (a writable mapping of `size` bytes); `salt` keys their MACs."""
+    """Records in `buf` (a writable mapping of `size` bytes); `key` (KEY_BYTES, secret) keys
+    their MACs and the header's."""
 
-    def __init__(self, buf: Any, size: int, salt: bytes, pools: int) -> None:
+    def __init__(self, buf: Any, size: int, key: bytes, pools: int) -> None:
         if size < HEADER_BYTES + (GRANULE << MAX_CLASS):
             raise ValueError(f"a journal needs at least {HEADER_BYTES + (GRANULE << MAX_CLASS)} bytes, got {size}")
         self.buf = buf
         self.size = size
-        self.salt = salt
-        self._keyed = hashlib.blake2b(key=salt, digest_size=8)  # copied per record: half a keyed init's cost
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a journal key is {KEY_BYTES} bytes, got {len(key)}")
+        self._keyed = hashlib.blake2b(key=key, digest_size=8)  # copied per record: half a keyed init's cost
         self._shapes: dict[Any, bytes] = {}  # shape -> its packed bytes
         self.pools = pools  # host pool segments: extents in other pools (CUDA arenas) die with the process
         # per class: a stack of its free runs' offsets (runs aligned to their size from
@@ -133,24 +141,26 @@ class Journal:
     # ---- creating and opening -----------------------------------------------------------
 
     @classmethod
-    def create(cls, buf: Any, size: int, layout: Layout) -> "Journal":
-        """A new journal for `layout` in fresh (zeroed) memory: its header written."""
-        salt = os.urandom(32)
+    def create(cls, buf: Any, size: int, layout: Layout, key: bytes) -> "Journal":
+        """A new journal for `layout` in fresh (zeroed) memory, its MACs keyed by `key`
+        (new_key()): its header written."""
         layout_bytes = layout.encode()
         if _HEADER.size + len(layout_bytes) > HEADER_BYTES:
             raise ValueError("the pool has too many segments for the journal's header")
-        head = _HEADER.pack(MAGIC, FORMAT, len(layout_bytes), salt, size, b"\0" * 8)
-        mac = _mac(salt, head[:-8] + layout_bytes)
-        buf[:_HEADER.size] = head[:-8] + mac
+        journal = cls(buf, size, key, len(layout.segments))
+        head = _HEADER.pack(MAGIC, FORMAT, len(layout_bytes), _RESERVED, size, b"\0" * 8)
+        buf[:_HEADER.size] = head[:-8] + journal._sign(head[:-8] + layout_bytes)
         buf[_HEADER.size:_HEADER.size + len(layout_bytes)] = layout_bytes
-        return cls(buf, size, salt, len(layout.segments))
+        return journal
 
     @classmethod
-    def open(cls, buf: Any, size: int, layout: Layout) -> "tuple[Journal, list[EntryRecord], list[IntentRecord], int]":
-        """Adopt the journal in `buf`: its valid records, and how many were skipped (torn or
-        stray). JournalRefused when the header is not a journal of `layout`."""
+    def open(cls, buf: Any, size: int, layout: Layout,
+             key: bytes) -> "tuple[Journal, list[EntryRecord], list[IntentRecord], int]":
+        """Adopt the journal in `buf`, keyed by `key`: its valid records, and how many were
+        skipped (torn or stray). JournalRefused when the header is not a journal of `layout`
+        signed with `key`."""
         head = bytes(buf[:_HEADER.size])
-        magic, fmt, layout_len, salt, recorded_size, mac = _HEADER.unpack(head)
+        magic, fmt, layout_len, _reserved, recorded_size, mac = _HEADER.unpack(head)
         if magic != MAGIC:
             raise JournalRefused("the journal has no valid header")
         if fmt != FORMAT:
@@ -159,14 +169,15 @@ class Journal:
         if recorded_size != size or _HEADER.size + layout_len > HEADER_BYTES:
             raise JournalRefused(f"the journal is {size} bytes, its header says {recorded_size}")
         layout_bytes = bytes(buf[_HEADER.size:_HEADER.size + layout_len])
-        if _mac(salt, head[:-8] + layout_bytes) != mac:
-            raise JournalRefused("the journal's header fails its checksum")
+        journal = cls(buf, size, key, len(layout.segments))
+        if journal._sign(head[:-8] + layout_bytes) != mac:
+            raise JournalRefused("the journal's header fails its MAC: it was not written with the key kept beside "
+                                 "it (forged, or corrupted)")
         theirs, ours = json.loads(layout_bytes), json.loads(layout.encode())
         for field in ("node", "backing", "segments"):
             if theirs.get(field) != ours[field]:
                 raise JournalRefused(f"the pool was made with {field} = {theirs.get(field)!r}, the config now "
                                      f"gives {ours[field]!r}")
-        journal = cls(buf, size, salt, len(layout.segments))
         entries, intents, skipped = journal._scan()
         return journal, entries, intents, skipped
 
@@ -407,5 +418,6 @@ def default_size(pool_size: int) -> int:
     return max(16 << 20, -(-(pool_size // 256) // 4096) * 4096)
 
 
-def _mac(salt: bytes, data: bytes) -> bytes:
-    return hashlib.blake2b(data, key=salt, digest_size=8).digest()
+def new_key() -> bytes:
+    """A fresh secret for a new journal's MACs."""
+    return os.urandom(KEY_BYTES)

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ecd.daemon.restart.holder_wire import socket_path
 from containers_util import (CLIENT_UID, CONFINED, DAEMON_UID, IMAGE, ContainerNode, podman, probe_features,
                              unavailable_reason)
 
@@ -81,7 +83,7 @@ class HeldNode:
         podman("run", "-d", "--name", self.holder, *CONFINED, "--read-only", "--no-healthcheck",
                "--user", f"{DAEMON_UID}:{DAEMON_UID}", "-v", f"{self.node.sockets}:/run/ecd", IMAGE,
                "hold", "--node", self.node.prefix, "--runtime-dir", "/run/ecd", "--hold", f"{self.hold_s:g}")
-        socket = self.node.sockets / f"ecd.{self.node.prefix}.holder"
+        socket = Path(socket_path(str(self.node.sockets), self.node.prefix))
         deadline = time.monotonic() + 60
         while not socket.exists():
             assert time.monotonic() < deadline, f"the holder did not listen on {socket}: {self.holder_logs()}"
@@ -181,7 +183,7 @@ def test_a_killed_daemon_container_is_replaced_and_the_new_one_adopts_every_entr
     assert n.wait_holder_exit(30) == 0, n.holder_logs()
     let_go = re.search(r"SIGTERM: let go of (\d+) descriptor", n.holder_logs())
     assert let_go and int(let_go.group(1)) >= 2, n.holder_logs()  # the pool's segment(s) and the journal
-    assert not (n.node.sockets / f"ecd.{n.node.prefix}.holder").exists()
+    assert not Path(socket_path(str(n.node.sockets), n.node.prefix)).exists()
 
 
 def test_the_holder_lets_go_by_itself_hold_seconds_after_the_daemon_died(held):
@@ -200,4 +202,4 @@ def test_the_holder_lets_go_by_itself_hold_seconds_after_the_daemon_died(held):
     assert waited >= 2.5, f"the holder let go {waited:.1f}s after the daemon died, before its 3 s hold"
     logs = n.holder_logs()
     assert "let go of" in logs, logs
-    assert not (n.node.sockets / f"ecd.{n.node.prefix}.holder").exists()
+    assert not Path(socket_path(str(n.node.sockets), n.node.prefix)).exists()

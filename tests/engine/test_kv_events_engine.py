@@ -96,7 +96,7 @@ class Subscriber:
 
 def test_ecd_publishes_the_engines_own_block_hashes(ecd_daemon_factory, tiny_llama, engine_workdir, tmp_path):
     ecd_events = f"tcp://127.0.0.1:{free_port()}"
-    daemon = ecd_daemon_factory(extra=f'[events]\npublish = "{ecd_events}"\n')
+    daemon = ecd_daemon_factory(extra=f'[events]\npublish = "{ecd_events}"\ninsecure = true\n')
     engine_events = f"ipc://{tmp_path}/engine-events"  # vLLM binds ipc:// (it connects to tcp://HOST)
     sub = Subscriber({"engine": engine_events, "ecd": ecd_events})
     try:

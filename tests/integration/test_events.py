@@ -228,19 +228,22 @@ def test_bad_events_config_is_refused_naming_the_key():
     for key, table in cases.items():
         with pytest.raises(ConfigError, match=f"^{key}: "):
             load_config({"events": table})
-    with pytest.raises(ConfigError, match=r"^events.publish: tcp://0.0.0.0:5557 is not a loopback address"):
+    with pytest.raises(ConfigError, match=r"^events.publish: tcp://0.0.0.0:5557: a tcp endpoint .* is open to"):
         load_config({"events": {"publish": "tcp://0.0.0.0:5557"}})
-    with pytest.raises(ConfigError, match=r"^events.replay: .* is not a loopback"):
-        load_config({"events": {"publish": "tcp://127.0.0.1:5557", "replay": "tcp://*:5558"}})
+    with pytest.raises(ConfigError, match=r"^events.publish: tcp://127.0.0.1:5557: a tcp endpoint \(loopback "
+                                          r"included\) is open to every local user"):
+        load_config({"events": {"publish": "tcp://127.0.0.1:5557"}})
+    with pytest.raises(ConfigError, match=r"^events.replay: tcp://\*:5558: a tcp endpoint"):
+        load_config({"events": {"publish": "ipc:///tmp/pub", "replay": "tcp://*:5558"}})
     assert load_config({"events": {"publish": "tcp://0.0.0.0:5557", "insecure": True}}).events.enabled
-    assert load_config({"events": {"publish": "tcp://127.0.0.1:5557"}}).events.topic == "kv"
+    assert load_config({"events": {"publish": "ipc:///tmp/pub", "replay": "ipc:///tmp/replay"}}).events.topic == "kv"
 
 
 def test_a_daemon_that_cannot_bind_its_events_endpoint_does_not_start(daemon_factory, evdir):
     blocker = zmq.Context().socket(zmq.PUB)
     blocker.bind("tcp://127.0.0.1:0")
     port = int(blocker.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
-    daemon = daemon_factory(extra=f'[events]\npublish = "tcp://127.0.0.1:{port}"\n', start=False)
+    daemon = daemon_factory(extra=f'[events]\npublish = "tcp://127.0.0.1:{port}"\ninsecure = true\n', start=False)
     with pytest.raises(RuntimeError, match="exited") as failed:
         daemon.start(timeout=10)
     assert "events.publish: cannot bind" in str(failed.value)
@@ -412,7 +415,7 @@ def test_garbage_bytes_on_the_replay_port_leave_it_serving(daemon_factory, evdir
         ports.append(s.getsockname()[1])
         s.close()
     daemon = daemon_factory(extra=f'[events]\npublish = "tcp://127.0.0.1:{ports[0]}"\n'
-                                  f'replay = "tcp://127.0.0.1:{ports[1]}"\n')
+                                  f'replay = "tcp://127.0.0.1:{ports[1]}"\ninsecure = true\n')
     for garbage in (b"\xff" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 40):
         with socket.create_connection(("127.0.0.1", ports[1])) as raw:
             raw.sendall(garbage)

@@ -7,6 +7,7 @@ import array
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,9 +111,7 @@ def node():
     made.cleanup()
     if made.answers():  # a holder a test's daemon spawned: let it go
         HolderKeeper(made.name, directory, spawn=False).release()
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
+    shutil.rmtree(directory)
 
 
 def finish(proc: subprocess.Popen, word: str) -> None:
@@ -204,6 +203,7 @@ def test_release_and_sigterm_let_go_at_once(node):
 
 
 def test_one_holder_per_node_and_a_stale_socket_is_replaced(node):
+    os.mkdir(os.path.dirname(node.socket), 0o700)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as dead:
         dead.bind(node.socket)  # a socket file nobody listens on: a holder that was SIGKILLed
     node.holder()
@@ -370,8 +370,9 @@ def test_a_peer_of_another_uid_is_refused(node):
     first = node.actor("--uid", str(nobody), "raw-connect", node.dir, node.name)
     assert first.wait(90) == 0, node.log()
     blocked = json.loads(first.stdout.read())
-    assert blocked == {"connect": "EACCES", "uid": nobody}  # the socket's mode 0600 stops it first
-    os.chmod(node.socket, 0o666)  # without that layer, the holder's own check (SO_PEERCRED) refuses it
+    assert blocked == {"connect": "EACCES", "uid": nobody}  # the directory's 0700, the socket's 0600 stop it first
+    os.chmod(os.path.dirname(node.socket), 0o711)  # without those layers, the holder's own check
+    os.chmod(node.socket, 0o666)  # (SO_PEERCRED) refuses it
     # 90 s: a process that imports torch (ecd does) can take long to start on a loaded machine
     second = node.actor("--uid", str(nobody), "raw-connect", node.dir, node.name)
     try:
@@ -381,6 +382,7 @@ def test_a_peer_of_another_uid_is_refused(node):
     assert refused["connect"] == "ok" and refused["fds"] == 0, refused
     assert f"uid {nobody} may not use the holder of node '{node.name}'" in refused["reply"]
     assert holder.poll() is None
+    os.chmod(os.path.dirname(node.socket), 0o700)
     second, taken = node.take()
     assert taken["taken"] == said["kept"]
 
@@ -424,10 +426,15 @@ def test_release_from_outside_the_lease_is_refused(node):
 
 FAKE_HOLDER = r"""
 import json, os, socket, sys
-path, uid = sys.argv[1], int(sys.argv[2])
-os.setgroups([]); os.setgid(uid); os.setuid(uid)  # before listen(): SO_PEERCRED names who listened
+path, uid, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-sock.bind(path); sock.listen(4)
+if where == "in-the-daemons-directory":  # bound by root (as if it could), listening as uid
+    sock.bind(path)
+os.setgroups([]); os.setgid(uid); os.setuid(uid)  # before listen(): SO_PEERCRED names who listened
+if where == "in-a-directory-of-its-own":  # made where the holder's directory would be
+    os.mkdir(os.path.dirname(path), 0o755)
+    sock.bind(path)
+sock.listen(4)
 print("listening", flush=True)
 sock.settimeout(4)  # then it reports what it got
 got = {"connections": 0, "bytes": 0, "fds": 0}
@@ -453,26 +460,43 @@ print(json.dumps(got), flush=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the impostor drops from root to another uid")
-def test_a_holder_socket_of_another_uid_is_never_trusted(node):
+@pytest.mark.parametrize("where", ["in-a-directory-of-its-own", "in-the-daemons-directory"])
+def test_a_holder_socket_of_another_uid_is_never_trusted(node, where):
     """Issue 40, attack 1: a user who may create names in the runtime directory binds its own
     socket under the holder's name. The daemon's side must neither take a (forged) pool from it nor
-    hand it the real one: it sees the listener's uid (SO_PEERCRED) and refuses, saying so, having
-    sent nothing. Fails before the check: take() asked the impostor and keep() sent it the memfd."""
-    os.chmod(node.dir, 0o777)  # the attack's premise: a directory others can create names in
-    nobody = 65534
-    fake = subprocess.Popen([sys.executable, "-c", FAKE_HOLDER, node.socket, str(nobody)], text=True,
+    hand it the real one, and say why, having sent nothing. Two layers: the holder's socket lives in
+    a directory only the daemon's uid owns and may write (a directory the attacker made is
+    refused), and the listener's uid (SO_PEERCRED) must be the daemon's or root's (checked even
+    where the directory is right). Fails before the checks: take() asked the impostor and keep()
+    sent it the memfd."""
+    os.chmod(node.dir, 0o777)  # the attack's premise: a runtime directory others can create names in
+    if where == "in-the-daemons-directory":
+        os.mkdir(os.path.dirname(node.socket), 0o700)
+        reason = f"served by uid {nobody_uid()} .* no pool is taken from it or handed to it"
+    else:
+        reason = (f"the holder's directory is not private .*belongs to uid {nobody_uid()}.* no pool is taken from a "
+                  f"socket there or handed to it")
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_HOLDER, node.socket, str(nobody_uid()), where], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     node.procs.append(fake)
     assert line_within(fake, 30) == "listening", fake.stderr.read()
     keeper = HolderKeeper(node.name, node.dir, spawn=False, external_wait=0.5)
-    with pytest.raises(KeeperUnavailable, match=f"served by uid {nobody} .* no pool is taken from it or handed to it"):
+    with pytest.raises(KeeperUnavailable, match=reason):
         keeper.take()
     pool = MemfdFile.create_sealed("impostor-test", SIZE, seals=POOL_SEALS)
     try:
-        with pytest.raises(KeeperUnavailable, match=f"served by uid {nobody}"):
+        with pytest.raises(KeeperUnavailable, match=reason):
             keeper.keep({"pool.0": pool.fd})
     finally:
         keeper.close()
         pool.unlink()
     report = json.loads(line_within(fake, 40))
-    assert report["bytes"] == 0 and report["fds"] == 0, report  # it connected, then said nothing
+    assert report["bytes"] == 0 and report["fds"] == 0, report  # it said nothing, if it was even reached
+    if where == "in-a-directory-of-its-own":  # and a holder refuses to serve from there
+        holder = node.holder(wait=False)
+        assert holder.wait(30) == 2
+        assert "the holder's directory is not private" in node.log()
+
+
+def nobody_uid() -> int:
+    return 65534

@@ -247,7 +247,7 @@ print(len(fds))
     with open(Path(d.runtime_dir) / "move.err", "w") as err:
         out = subprocess.run([sys.executable, "-c", move], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0 and out.stdout.strip() == "2", (Path(d.runtime_dir) / "move.err").read_text()
+    assert out.returncode == 0 and out.stdout.strip() == "3", (Path(d.runtime_dir) / "move.err").read_text()
     d.release_pool()  # node A's holder lets its copy go
     assert wait_for(lambda: holder_pids(node_a) == [], timeout=10)
     edit_config(d, f'name = "{node_a}"', f'name = "{node_b}"')
@@ -285,6 +285,45 @@ def test_a_journal_of_another_format_starts_cold(daemon_factory, backing):
     _assert_cold_and_serving(d, "format 99", old)
     if backing == "named":
         assert os.path.exists(f"/dev/shm/ecd.{d.node}.journal")  # a new one, for the next restart
+
+
+FORGE_JOURNAL = """
+import json, mmap, os, struct, sys
+from ecd.daemon.restart.holder_client import HolderKeeper
+from ecd.integrity import checksum
+from ecd.memory.journal import Journal, Layout, new_key
+from ecd.memory.ring import key_hash
+fds = HolderKeeper(sys.argv[1], sys.argv[2], spawn=False).take()
+size = os.fstat(fds["journal"]).st_size
+journal = mmap.mmap(fds["journal"], size)
+fields = json.loads(bytes(journal[64:64 + struct.unpack_from("<I", journal, 12)[0]]))
+layout = Layout(fields["node"], fields["backing"], tuple(fields["segments"]))
+forged = b"forged by someone without the daemon's key " * 64
+pool = mmap.mmap(fds["pool.0"], layout.segments[0])
+pool[:len(forged)] = forged
+journal[:] = bytes(size)  # a journal of its own, consistent in itself, under a key it chose
+Journal.create(journal, size, layout, new_key()).entry(
+    1 << 40, 0, 0, len(forged), "uint8", (len(forged),), "default", "kept#1", checksum=checksum(forged),
+    keyhash=key_hash("default", "kept#1"), committed=True)
+print("ok")
+"""
+
+
+def test_a_journal_forged_without_the_daemons_key_is_never_adopted(daemon_factory):
+    """Issue 40, attack 1: whoever can write the kept journal but does not hold the daemon's key
+    (it is a sealed memfd beside the journal, never in it) cannot make the next daemon adopt an
+    entry: the forged journal (with matching checksums) is refused as a whole and its bytes are
+    never served, even to get(..., verify=True). Before the key left the header, the forged entry
+    was adopted and served."""
+    d = daemon_factory(size="64MiB")
+    _put_kept(d)
+    old = _old_pool(d)
+    d.stop()
+    out = subprocess.run([sys.executable, "-c", FORGE_JOURNAL, d.node, d.runtime_dir], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    d.start()
+    _assert_cold_and_serving(d, "not written with the key kept beside it", old)
 
 
 # ---- 3. a final stop leaves nothing ----------------------------------------------------------

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from ecd.daemon.restart.holder_wire import socket_path
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
@@ -429,7 +431,7 @@ class HostNode:
             proc = subprocess.Popen(self.holder_argv, stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         deadline = time.monotonic() + 30
-        while not (self.runtime / f"ecd.{self.node}.holder").exists():
+        while not Path(socket_path(str(self.runtime), self.node)).exists():
             assert proc.poll() is None and time.monotonic() < deadline, self.log("holder.log")
             time.sleep(0.02)
         return proc
@@ -526,6 +528,6 @@ def test_a_killed_daemon_adopts_the_pool_the_holder_kept(tmp_path):
         holder.terminate()
         assert holder.wait(10) == 0, node.log("holder.log")
         assert not list(Path("/dev/shm").glob(f"ecd.{node.node}.*"))
-        assert not (node.runtime / f"ecd.{node.node}.holder").exists()
+        assert not Path(socket_path(str(node.runtime), node.node)).exists()
     finally:
         node.close()

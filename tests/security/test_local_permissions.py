@@ -44,13 +44,19 @@ def test_every_file_the_daemon_creates_is_owner_and_group_only(daemon_factory, w
     d.start()
 
     st = os.stat(run_dir)
-    assert stat.S_IMODE(st.st_mode) == 0o770 and st.st_gid == gid
+    # sticky (issue 40): a group member cannot rename or remove the daemon's names in it
+    assert stat.S_IMODE(st.st_mode) == 0o1770 and st.st_gid == gid
     created = [os.path.join(run_dir, n) for n in os.listdir(run_dir)]
     created += [f"/dev/shm/{n}" for n in shm_files(d.node)]
-    # The holder's socket, lock and log, and the restart journal ([restart]): the daemon's user's
-    # alone (0600), not the group's: the pool's descriptors and the journal are no client's business.
-    own = [p for p in created if ".holder" in os.path.basename(p) or p.endswith(".journal")]
-    created = [p for p in created if p not in own]
+    # The holder's directory (0700) with its socket, lock and log, and the restart journal
+    # ([restart]): the daemon's user's alone (0600), not the group's: the pool's descriptors and the
+    # journal are no client's business.
+    keeper_dir = os.path.join(run_dir, f"ecd.{d.node}.keeper")
+    st = os.lstat(keeper_dir)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), oct(st.st_mode)
+    own = [os.path.join(keeper_dir, n) for n in os.listdir(keeper_dir)] + [p for p in created if p.endswith(".journal")]
+    assert {os.path.basename(p) for p in own} >= {"holder", "holder.lock", "holder.log"}, own
+    created = [p for p in created if p not in own and p != keeper_dir]
     for path in own:
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid(), (path, oct(st.st_mode))

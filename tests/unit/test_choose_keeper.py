@@ -30,7 +30,7 @@ def test_auto_picks_systemds_store_only_when_the_unit_gave_it_room(tmp_path):
         for env in ({"NOTIFY_SOCKET": address}, {"NOTIFY_SOCKET": address, "FDSTORE": "0"}, {"FDSTORE": "64"}, {}):
             keeper = choose(tmp_path, env)  # systemd before 254, no FileDescriptorStoreMax=, or no systemd
             assert isinstance(keeper, HolderKeeper) and keeper.spawn, env
-            assert keeper.path == str(tmp_path / "ecd.n1.holder")
+            assert keeper.path == str(tmp_path / "ecd.n1.keeper" / "holder")
 
 
 def test_explicit_kinds(tmp_path):

@@ -4,6 +4,7 @@ Store over a real HostTier and RingWriter. The daemon-level restarts (real proce
 and SIGKILL, a keeper) are tests/integration/test_restart.py."""
 from __future__ import annotations
 
+import hashlib
 import mmap
 import random
 
@@ -17,17 +18,22 @@ from ecd.daemon.tiers.base import NullTier
 from ecd.daemon.tiers.host import HostTier
 from ecd.memory.allocator import ALIGNMENT, align_up
 from ecd.memory.journal import (ENTRY_MAGIC, ENTRY_SHARE, GRANULE, HEADER_BYTES, Journal, JournalRefused,
-                                Layout, _mac)
+                                Layout, new_key)
 from ecd.memory.ring import ASK, HERE, RingReader, RingWriter, key_hash, ring_bytes
 from ecd.protocol import AllocItem, Extent
 
 LAYOUT = Layout("n1", "memfd", (64 * ALIGNMENT, 64 * ALIGNMENT))
 SIZE = 1 << 20
+KEY = new_key()
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, key=key, digest_size=8).digest()
 
 
 def fresh(size: int = SIZE) -> tuple[mmap.mmap, Journal]:
     buf = mmap.mmap(-1, size)
-    return buf, Journal.create(buf, size, LAYOUT)
+    return buf, Journal.create(buf, size, LAYOUT, KEY)
 
 
 def record(journal: Journal, generation: int, key: str, pool: int = 0, offset: int = 0, ns: str = "ns",
@@ -43,7 +49,7 @@ def test_entries_survive_and_forgotten_ones_do_not():
         journal.forget(at)
     intent = journal.intent(99, 1, 7 * ALIGNMENT, 512)
     assert intent >= HEADER_BYTES
-    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert skipped == 0
     assert sorted(e.generation for e in entries) == [g for g in range(1, 40) if g % 3]
     e = next(e for e in entries if e.generation == 4)
@@ -55,13 +61,13 @@ def test_entries_survive_and_forgotten_ones_do_not():
 def test_a_put_not_committed_reads_back_as_writing_and_its_commit_flips_it():
     buf, journal = fresh()
     at = record(journal, 7, "k", committed=False)
-    (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
+    (e,) = Journal.open(buf, SIZE, LAYOUT, KEY)[1]
     assert (e.committed, e.checksum) == (False, 0)
     journal.commit(at, 0xFEED, key_hash("ns", "k"))
-    (e,) = Journal.open(buf, SIZE, LAYOUT)[1]
+    (e,) = Journal.open(buf, SIZE, LAYOUT, KEY)[1]
     assert (e.committed, e.checksum, e.key, e.keyhash) == (True, 0xFEED, "k", key_hash("ns", "k"))
     buf[at + 24] ^= 1  # the checksum word is not under the MAC: the state and checksum are the commit's
-    assert Journal.open(buf, SIZE, LAYOUT)[1][0].checksum == 0xFEED ^ 1
+    assert Journal.open(buf, SIZE, LAYOUT, KEY)[1][0].checksum == 0xFEED ^ 1
 
 
 def test_a_torn_record_is_skipped_and_its_neighbours_kept():
@@ -70,18 +76,18 @@ def test_a_torn_record_is_skipped_and_its_neighbours_kept():
     torn = record(journal, 2, "b" * 300)
     last = record(journal, 3, "c")
     buf[torn + 40] ^= 0xFF  # a kill in the middle of writing it
-    reopened, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT)
+    reopened, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert skipped == 1
     assert sorted((e.at, e.key) for e in entries) == [(first, "a"), (last, "c")]
     # the torn record's space was zeroed and is reused, and the journal still reads back
     again = record(reopened, 4, "d")
-    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert skipped == 0 and sorted(e.key for e in entries) == ["a", "c", "d"] and again >= HEADER_BYTES
 
 
 def test_a_record_smuggled_in_a_key_is_never_adopted():
     """A client picks its keys: one that spells a record (with a MAC made without the journal's
-    secret salt) must not be taken for one, neither inside its live record nor after that one
+    secret key) must not be taken for one, neither inside its live record nor after that one
     was torn or deleted."""
     buf, journal = fresh()
     body = b"\x01" * 60
@@ -89,10 +95,10 @@ def test_a_record_smuggled_in_a_key_is_never_adopted():
     forged = head + _mac(b"\0" * 32, head + body) + body
     key = "x" * (GRANULE - 20) + forged.decode("latin-1")
     carrier = record(journal, 1, key)
-    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert [e.key for e in entries] == [key] and skipped == 0
     buf[carrier + 10] ^= 0xFF  # the carrier torn: the scan walks through its bytes
-    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert entries == [] and skipped >= 1
 
 
@@ -103,20 +109,39 @@ def test_a_journal_of_another_layout_is_refused_with_the_reason(field, other):
     buf, journal = fresh()
     record(journal, 1, "a")
     with pytest.raises(JournalRefused, match=field):
-        Journal.open(buf, SIZE, other)
+        Journal.open(buf, SIZE, other, KEY)
 
 
 def test_a_journal_of_another_format_or_a_damaged_header_is_refused():
     buf, _ = fresh()
     buf[8] = 99  # the format number
     with pytest.raises(JournalRefused, match="format 99"):
-        Journal.open(buf, SIZE, LAYOUT)
+        Journal.open(buf, SIZE, LAYOUT, KEY)
     buf, _ = fresh()
     buf[60] ^= 1  # inside the header's MACed part
-    with pytest.raises(JournalRefused, match="checksum"):
-        Journal.open(buf, SIZE, LAYOUT)
+    with pytest.raises(JournalRefused, match="fails its MAC"):
+        Journal.open(buf, SIZE, LAYOUT, KEY)
     with pytest.raises(JournalRefused, match="no valid header"):
-        Journal.open(mmap.mmap(-1, SIZE), SIZE, LAYOUT)
+        Journal.open(mmap.mmap(-1, SIZE), SIZE, LAYOUT, KEY)
+
+
+def test_a_journal_written_with_another_key_is_refused_whatever_its_header_says():
+    """Issue 40: the MAC key is not in the journal. One written by someone without the daemon's
+    key (a fake holder's, say) is refused as a whole, even with every record and the header
+    consistent with the key it was made with; and a record forged the way format 1 allowed (its
+    MAC keyed by bytes of the header) is not adopted from a genuine journal either."""
+    buf = mmap.mmap(-1, SIZE)
+    forger = Journal.create(buf, SIZE, LAYOUT, new_key())
+    forger.entry(5, 0, 0, 100, "float32", (5, 5), "ns", "victim", checksum=0xABC, committed=True)
+    with pytest.raises(JournalRefused, match="not written with the key kept beside it"):
+        Journal.open(buf, SIZE, LAYOUT, KEY)
+    buf, journal = fresh()
+    body = b"\x01" * 60
+    head = ENTRY_MAGIC + (2).to_bytes(2, "little") + len(body).to_bytes(2, "little")
+    header_bytes = bytes(buf[16:48])  # where format 1 kept its key
+    buf[HEADER_BYTES:HEADER_BYTES + 128] = head + _mac(header_bytes, head + body) + body + bytes(128 - 16 - len(body))
+    _, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
+    assert entries == [] and skipped == 1
 
 
 def test_a_full_journal_keeps_quarantining_what_it_cannot_record_and_records_again_once_freed():
@@ -130,7 +155,7 @@ def test_a_full_journal_keeps_quarantining_what_it_cannot_record_and_records_aga
     while (at := record(journal, 1000 + len(intents), "k")) >= 0:
         intents.append(at)
     assert journal.full == len(intents) + 1 and len(intents) == 2 * (runs - len(entries))
-    _, read_entries, read_intents, skipped = Journal.open(buf, size, LAYOUT)
+    _, read_entries, read_intents, skipped = Journal.open(buf, size, LAYOUT, KEY)
     assert (len(read_entries), len(read_intents), skipped) == (len(entries), len(intents), 0)
     assert record(journal, 1999, "k") == -1  # nothing fits now, not even an intent
     for at in [*intents, entries[5]]:  # space freed: below the entries' share again, recorded whole
@@ -139,7 +164,7 @@ def test_a_full_journal_keeps_quarantining_what_it_cannot_record_and_records_aga
     assert again == entries[5]  # the lowest free run of its size
     # a record larger than any run is never an entry: it is quarantined by an intent
     big = journal.entry(2001, 0, 0, 1, "u8", (), "ns", "k" * 20000)
-    _, read_entries, read_intents, _ = Journal.open(buf, size, LAYOUT)
+    _, read_entries, read_intents, _ = Journal.open(buf, size, LAYOUT, KEY)
     assert again in [e.at for e in read_entries] and [i.generation for i in read_intents] == [2001]
     assert big == read_intents[0].at
 
@@ -154,7 +179,7 @@ def test_freed_runs_merge_so_records_of_other_sizes_fit_again():
         journal.forget(at)
     # a record of the largest size: it fits only if the one-granule runs merged back
     big = journal.entry(6000, 0, 0, 1, "u8", (), "ns", "k" * 12000)
-    (e,) = Journal.open(buf, size, LAYOUT)[1]
+    (e,) = Journal.open(buf, size, LAYOUT, KEY)[1]
     assert (big, e.at, e.generation) == (HEADER_BYTES, HEADER_BYTES, 6000)
 
 
@@ -172,7 +197,7 @@ def test_random_records_and_forgets_read_back_exactly():
             at = record(journal, generation, key)
             assert at >= 0
             live[at] = key
-    reopened, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT)
+    reopened, entries, _, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert skipped == 0 and {e.at: e.key for e in entries} == live
     assert reopened.records == len(live)
 
@@ -226,10 +251,10 @@ def test_a_new_store_adopts_what_was_committed_and_nothing_else():
     old.reserve(writer, 500)  # a reservation of the writer's: also dies
     before = snapshot(old)
 
-    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert all(e.keyhash == key_hash(e.ns, e.key) for e in entries if e.committed)  # as the commit recorded it
     new, scheduler = new_store(journal)
-    stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 60.0)  # type: ignore[arg-type]
+    stats = adopt_entries(new, Kept(None, None, journal, -1, entries, intents, skipped, 0.0), 60.0)  # type: ignore[arg-type]
     assert snapshot(new) == before
     assert stats.entries == len(before) == 28 and stats.bytes == sum(v[3] for v in before.values())
     assert stats.quarantined == 2 and stats.skipped_records == 0
@@ -249,7 +274,7 @@ def test_a_new_store_adopts_what_was_committed_and_nothing_else():
     # generations go on above every adopted one; the journal follows the new store
     session = new.open_session(9, 0)
     assert put(new, session, "later", 10) > max(unfinished, *(v[0] for v in before.values()))
-    _, entries, intents, _ = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, _ = Journal.open(buf, SIZE, LAYOUT, KEY)
     assert {(e.ns, e.key) for e in entries} == set(before) | {("ns", "later")} and intents == []
 
 
@@ -257,11 +282,11 @@ def test_a_replace_killed_between_its_two_records_adopts_the_newer():
     buf, journal = fresh()
     older = record(journal, 5, "k", offset=0)
     record(journal, 9, "k", offset=4 * ALIGNMENT)
-    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     new, _ = new_store(journal)
-    adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 1.0)  # type: ignore[arg-type]
+    adopt_entries(new, Kept(None, None, journal, -1, entries, intents, skipped, 0.0), 1.0)  # type: ignore[arg-type]
     assert new.index[("ns", "k")].generation == 9
-    assert [e.at for e in Journal.open(buf, SIZE, LAYOUT)[1]] != [older]
+    assert [e.at for e in Journal.open(buf, SIZE, LAYOUT, KEY)[1]] != [older]
     assert new.host.allocators[0].used == align_up(100)
 
 
@@ -273,9 +298,9 @@ def test_records_that_do_not_fit_the_pool_are_dropped_not_trusted():
     assert record(journal, 4, "no-such-pool", pool=7) == -1  # a CUDA arena's: never journaled
     journal.pools = 8  # as a journal written by a bug (or an arena record) would have it
     record(journal, 4, "no-such-pool", pool=7)
-    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     new, _ = new_store(journal)
-    stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 1.0)  # type: ignore[arg-type]
+    stats = adopt_entries(new, Kept(None, None, journal, -1, entries, intents, skipped, 0.0), 1.0)  # type: ignore[arg-type]
     assert [key for (_, key), _ in new.index.items()] in (["ok"], ["overlaps"])
     assert stats.entries == 1 and stats.skipped_records == 3
 
@@ -307,9 +332,9 @@ def test_an_entry_deleted_while_read_is_quarantined_not_adopted_nor_free():
     reader = old.open_session(2, 0)
     (loc,) = old.acquire(reader, "ns", ["read"], 0, lambda r: None)
     old.delete("ns", ["read", "gone"])  # "read" is retired: its reader still holds the bytes
-    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT)
+    _, entries, intents, skipped = Journal.open(buf, SIZE, LAYOUT, KEY)
     new, scheduler = new_store(journal)
-    stats = adopt_entries(new, Kept(None, None, journal, entries, intents, skipped, 0.0), 30.0)  # type: ignore[arg-type]
+    stats = adopt_entries(new, Kept(None, None, journal, -1, entries, intents, skipped, 0.0), 30.0)  # type: ignore[arg-type]
     assert stats.entries == 0 and stats.quarantined == 1
     assert new.host.allocators[loc.pool].used == align_up(5000)  # the read extent is not handed out
     (_, end_quarantine), = scheduler.later
@@ -324,6 +349,6 @@ def test_a_retired_entry_leaves_the_journal_with_its_last_reader():
     put(store, session, "read", 5000)
     store.acquire(reader, "ns", ["read"], 0, lambda r: None)
     store.delete("ns", ["read"])
-    assert [e.committed for e in Journal.open(buf, SIZE, LAYOUT)[1]] == [False]
+    assert [e.committed for e in Journal.open(buf, SIZE, LAYOUT, KEY)[1]] == [False]
     store.close_session(reader)  # its lease goes: the entry is freed, its record with it
-    assert Journal.open(buf, SIZE, LAYOUT)[1] == []
+    assert Journal.open(buf, SIZE, LAYOUT, KEY)[1] == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -46,9 +47,10 @@ Item = tuple[bytes, float, list[Any]]  # (topic, ts, events)
 
 
 class Publisher:
-    def __init__(self, config: "EventsSection", curve: "CurveAuth | None") -> None:
+    def __init__(self, config: "EventsSection", curve: "CurveAuth | None", gid: int = -1) -> None:
         self.config = config
         self.curve = curve
+        self.gid = gid  # node.group: an ipc endpoint's socket belongs to it (-1: the process's own)
         self.topics = (config.topic.encode(), config.encoder_topic.encode())
         self.queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self.taken = 0  # events this thread took off the queue (the feed subtracts it from what it put)
@@ -94,13 +96,20 @@ class Publisher:
         sock.copy_threshold = 0
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
             sock.ipv6 = True
+        old_umask = os.umask(0o007)  # an ipc socket file: owner and group only, from birth
         try:
             if self.curve is not None:
                 self.curve.apply(sock)
             sock.bind(endpoint)
+            if endpoint.startswith("ipc://"):  # node.group's, like the control socket (issue 40)
+                path = endpoint[len("ipc://"):]
+                os.chown(path, -1, self.gid)
+                os.chmod(path, 0o660)
         except BaseException:
             sock.close(linger=0)  # else the context's term() waits for it forever
             raise
+        finally:
+            os.umask(old_umask)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         return sock
 

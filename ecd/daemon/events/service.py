@@ -3,6 +3,7 @@ serves, its stats, SIGHUP and close. The parts: wire.py, publisher.py, feed.py (
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import zmq
@@ -18,14 +19,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Events"]
 
+log = logging.getLogger("ecd.daemon")
+
 
 class Events:
-    def __init__(self, config: "EventsSection") -> None:
+    def __init__(self, config: "EventsSection", gid: int = -1) -> None:
         from ..ops.security import CurveAuth
         self.config = config
         self.curve = (CurveAuth.from_files(config.curve_secret_key, config.curve_allowed_keys, "events")
                       if config.curve else None)
-        self.publisher = Publisher(config, self.curve)
+        self.publisher = Publisher(config, self.curve, gid)
         self.feed: EventsFeed | None = None
 
     def open(self) -> None:
@@ -36,6 +39,11 @@ class Events:
             key = "replay" if self.publisher.pub is not None or self.publisher.endpoints else "publish"
             raise ConfigError(f"events.{key}: cannot bind {getattr(self.config, key)}: {exc}") from None
         self.publisher.start()
+        open_tcp = [e for e in self.publisher.endpoints if e.startswith("tcp://")]
+        if open_tcp and self.curve is None:  # the config admitted it only with insecure = true
+            log.warning("events.insecure = true: %s publish(es) without authentication: every process that reaches "
+                        "the port (any local user on loopback) reads the token ids and key names of what this node "
+                        "holds", ", ".join(open_tcp))
 
     def attach(self, store: "Store", loop: asyncio.AbstractEventLoop) -> None:
         """Follow the store's holdings; the daemon calls store.holdings.cleared() once it serves."""

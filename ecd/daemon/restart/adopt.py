@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ...memory.allocator import align_up
-from ...memory.host import HostPool, ShmFile, segment_name, shm_path
-from ...memory.journal import EntryRecord, IntentRecord, Journal, JournalRefused, Layout, default_size
-from ...memory.memfd import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, POOL_SEALS, MemfdFile
+from ...memory.host import HostPool, ShmError, ShmFile, segment_name, shm_path
+from ...memory.journal import (KEY_BYTES, EntryRecord, IntentRecord, Journal, JournalRefused, Layout, default_size,
+                               new_key)
+from ...memory.memfd import (F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, POOL_SEALS, MemfdFile,
+                             sealed_secret)
 from ...protocol import RestartStats
 from ..registry.entries import Entry, State
 
@@ -39,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ecd.daemon")
 
 JOURNAL_FD = "journal"
+JOURNAL_KEY_FD = "journal.key"  # the journal's MAC key (memory/journal.py): a sealed memfd, never a file
+KEY_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL
 
 
 def pool_fd_name(index: int) -> str:
@@ -70,6 +74,7 @@ class Kept:
     pool: HostPool
     journal_file: ShmFile
     journal: Journal
+    key_fd: int  # the journal's key, handed to the keeper again at this run's start
     entries: list[EntryRecord]
     intents: list[IntentRecord]
     skipped: int  # records that failed their checks (torn, stray)
@@ -84,24 +89,40 @@ def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
     layout = layout_of(config)
     if JOURNAL_FD not in fds:
         raise JournalRefused("the keeper holds no journal")
+    if JOURNAL_KEY_FD not in fds:
+        raise JournalRefused("the keeper holds no journal key (a journal of an older ecd, or not the daemon's)")
     wanted = [pool_fd_name(i) for i in range(len(layout.segments))]
     missing = [name for name in wanted if name not in fds]
-    if missing or len(fds) != len(wanted) + 1:
-        raise JournalRefused(f"the keeper holds {len(fds) - 1} pool segment(s), the config gives "
+    if missing or len(fds) != len(wanted) + 2:
+        raise JournalRefused(f"the keeper holds {len(fds) - 2} pool segment(s), the config gives "
                              f"{len(layout.segments)}")
+    key = read_key(fds[JOURNAL_KEY_FD])
     size = journal_size(config)
     journal_file = _map(fds[JOURNAL_FD], journal_name(config.node.name), size, config.pool.host.backing,
                         pool=False)
     try:
         with gc_paused():
-            journal, entries, intents, skipped = Journal.open(journal_file.buf, size, layout)
+            journal, entries, intents, skipped = Journal.open(journal_file.buf, size, layout, key)
         segments = [_map(fds[pool_fd_name(i)], segment_name(config.node.name, i), seg_size, config.pool.host.backing)
                     for i, seg_size in enumerate(layout.segments)]
     except BaseException:
         journal_file.buf.close()
         raise
-    return Kept(HostPool.from_segments(segments), journal_file, journal, entries, intents, skipped,
-                time.perf_counter() - began)
+    return Kept(HostPool.from_segments(segments), journal_file, journal, fds[JOURNAL_KEY_FD], entries, intents,
+                skipped, time.perf_counter() - began)
+
+
+def read_key(fd: int) -> bytes:
+    """The journal key in a kept descriptor, after checking it is one: KEY_BYTES in a memfd sealed
+    against writes (JournalRefused otherwise)."""
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError:
+        seals = 0
+    key = os.pread(fd, KEY_BYTES + 1, 0)
+    if seals & KEY_SEALS != KEY_SEALS or len(key) != KEY_BYTES:
+        raise JournalRefused("the kept journal key is not a sealed memfd of the key's size")
+    return key
 
 
 def _map(fd: int, name: str, size: int, backing: str, *, pool: bool = True) -> ShmFile:
@@ -130,21 +151,28 @@ def _map(fd: int, name: str, size: int, backing: str, *, pool: bool = True) -> S
     return cls(name, size, buf, fd)
 
 
-def create_journal(config: "Config") -> tuple[ShmFile, Journal]:
+def create_journal(config: "Config") -> tuple[ShmFile, Journal, int]:
     """A new, empty journal (a cold start): a memfd, or /dev/shm/ecd.<node>.journal 0600 (only
-    the daemon's user: clients never map it)."""
+    the daemon's user: clients never map it); and a new key's sealed memfd (the caller owns it)."""
     size = journal_size(config)
     name = journal_name(config.node.name)
     if config.pool.host.backing == "memfd":
         journal_file: ShmFile = MemfdFile.create_sealed(name, size, seals=F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
     else:
         journal_file = ShmFile.create(name, size, mode=0o600)
-    return journal_file, Journal.create(journal_file.buf, size, layout_of(config))
+    key = new_key()
+    try:
+        key_fd = sealed_secret(f"ecd.{config.node.name}.journal.key", key)
+    except OSError as exc:
+        journal_file.unlink()
+        raise ShmError(f"cannot create the journal key's memfd: {exc.strerror}") from None
+    return journal_file, Journal.create(journal_file.buf, size, layout_of(config), key), key_fd
 
 
-def kept_fds(pool: HostPool, journal_file: ShmFile) -> dict[str, int]:
+def kept_fds(pool: HostPool, journal_file: ShmFile, key_fd: int) -> dict[str, int]:
     fds = {pool_fd_name(i): seg.fd for i, seg in enumerate(pool.segments)}
     fds[JOURNAL_FD] = journal_file.fd
+    fds[JOURNAL_KEY_FD] = key_fd
     return fds
 
 

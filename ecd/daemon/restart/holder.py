@@ -3,8 +3,9 @@
     ecd hold --node NAME --runtime-dir DIR [--hold SECONDS]
     python -m ecd.daemon.restart.holder --node NAME --runtime-dir DIR [--hold SECONDS] [--spawned]
 
-It listens on `<runtime_dir>/ecd.<node>.holder` (SOCK_SEQPACKET, mode 0600; peers of another uid
-than its own or root are refused: the descriptors give write access to every entry). The wire is
+It listens on `<runtime_dir>/ecd.<node>.keeper/holder` (SOCK_SEQPACKET, mode 0600, in a directory
+of mode 0700 that it refuses to use when another user owns it or may write to it; peers of another
+uid than its own or root are refused: the descriptors give write access to every entry). The wire is
 restart/holder_wire.py's. A daemon takes what the holder holds at its start and keeps its pool
 with it; its connection stays open as its lease. When the lease closes (the daemon exited, was
 killed) the holder waits `hold` seconds for the next daemon, then closes every descriptor,
@@ -13,7 +14,7 @@ the memory returns to the machine. `release` or SIGTERM/SIGINT lets go at once.
 
 A holder someone else runs (a sidecar, a unit of its own) waits without a deadline until a daemon
 first connects; one a daemon spawned (`--spawned`) starts its clock at once, so a daemon that died
-before reaching it leaves no process behind. One holder per node: a lock file beside the socket.
+before reaching it leaves no process behind. One holder per node: a lock file beside the socket (its log is there too).
 
 Only the standard library and msgspec: it starts in milliseconds and never imports torch, zmq or
 numpy. Nothing a client sends can make it lose the pool: a bad message gets a reply with the
@@ -35,8 +36,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .holder_wire import (HOLDER_WIRE_VERSION, OPS, HolderReply, HolderRequest, WireError, close_all, name_problem,
-                          path_problem, peer_ids, receive, request_decoder, send, socket_path)
+from .holder_wire import (HOLDER_WIRE_VERSION, OPS, HolderReply, HolderRequest, WireError, close_all,
+                          make_private_dir, name_problem, path_problem, peer_ids, receive, request_decoder, send,
+                          socket_path)
 from ...fd_passing import FDS_PER_MESSAGE
 
 MAX_HELD = 65536  # descriptors (16 TiB of pool in 1 GiB segments is 16384)
@@ -97,7 +99,13 @@ class Holder:
         if len(self.path.encode()) > 107:
             raise SystemExit(self.fail(f"the holder socket path {self.path} is longer than 107 bytes", 2))
         try:
-            os.makedirs(directory, mode=0o770, exist_ok=True)
+            os.makedirs(os.path.dirname(directory), mode=0o770, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(self.fail(f"cannot use {os.path.dirname(directory)}: {exc.strerror}", 2)) from None
+        problem = make_private_dir(directory)
+        if problem:
+            raise SystemExit(self.fail(f"the holder's directory is not private: {problem}", 2))
+        try:
             self.lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise SystemExit(self.fail(f"cannot use {directory}: {exc.strerror}", 2)) from None

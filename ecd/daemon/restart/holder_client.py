@@ -1,6 +1,6 @@
 """The daemon's side of the holder (restart/holder.py): `HolderKeeper`, a PoolKeeper.
 
-One connection to `<runtime_dir>/ecd.<node>.holder` for the daemon's whole run: the first
+One connection to `<runtime_dir>/ecd.<node>.keeper/holder` for the daemon's whole run: the first
 `take` or `keep` on it makes it the lease, and the holder holds the pool as long as it stays
 open; when the daemon's process ends, however it ends, the kernel closes it and the holder's
 `hold` clock starts. `close()` is that same ending said on purpose; `release()` a final stop.
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import msgspec
 
-from .holder_wire import (HOLDER_WIRE_VERSION, HolderReply, HolderRequest, WireError, close_all, peer_ids, receive,
-                          reply_decoder, send, socket_path)
+from .holder_wire import (HOLDER_WIRE_VERSION, HolderReply, HolderRequest, WireError, close_all, make_private_dir,
+                          peer_ids, private_dir_problem, receive, reply_decoder, send, socket_path)
 from .keeper import KeeperUnavailable
 from ...fd_passing import FDS_PER_MESSAGE
 
@@ -194,6 +194,12 @@ class HolderKeeper:
             raise
 
     def _connect_once(self) -> socket.socket | None:
+        problem = private_dir_problem(os.path.dirname(self.path))
+        if problem == "missing":
+            return None  # no holder yet
+        if problem:
+            raise KeeperUnavailable(f"the holder's directory is not private ({problem}): no pool is taken from a "
+                                    "socket there or handed to it")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(REPLY_TIMEOUT_S)
         try:
@@ -244,6 +250,9 @@ class HolderKeeper:
         # Its log goes to a file beside its socket: it outlives the daemon, and holding the daemon's
         # stderr (a pipe someone reads to its end) would keep that reader waiting for it.
         log_path = self.path + ".log"
+        problem = make_private_dir(os.path.dirname(self.path))
+        if problem:
+            raise KeeperUnavailable(f"cannot start a holder for node {self.node!r}: {problem}")
         try:
             with open(log_path, "ab") as holder_log:
                 os.chmod(log_path, 0o600)

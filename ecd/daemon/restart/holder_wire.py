@@ -1,6 +1,7 @@
 """The holder's wire: what a daemon and `ecd hold` (restart/holder.py) say on the holder socket.
 
-`<runtime_dir>/ecd.<node>.holder`, a SOCK_SEQPACKET unix socket (mode 0600). Each message is one
+`<runtime_dir>/ecd.<node>.keeper/holder`, a SOCK_SEQPACKET unix socket (mode 0600) in a directory
+of the holder's user, mode 0700 (only that user can create or replace names in it: issue 40). Each message is one
 msgspec msgpack map (unknown fields are ignored, so a newer peer may add some) with at most
 FDS_PER_MESSAGE descriptors attached (SCM_RIGHTS), as on the fd socket (ecd/fd_passing.py).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import stat
 import struct
 from typing import Sequence
 
@@ -26,7 +28,8 @@ import msgspec
 from ...fd_passing import FDS_PER_MESSAGE, MAX_HEADER_BYTES
 
 HOLDER_WIRE_VERSION = 1
-HOLDER_SOCKET_FORMAT = "ecd.{node}.holder"
+HOLDER_DIR_FORMAT = "ecd.{node}.keeper"
+HOLDER_SOCKET = "holder"
 OPS = ("take", "keep", "release", "status")
 MAX_NAME_CHARS = 255  # systemd's limit for FDNAME, kept the same so the two keepers name alike
 MAX_PATH_CHARS = 4095
@@ -67,7 +70,37 @@ def peer_ids(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def socket_path(runtime_dir: str, node: str) -> str:
-    return os.path.join(runtime_dir, HOLDER_SOCKET_FORMAT.format(node=node))
+    return os.path.join(runtime_dir, HOLDER_DIR_FORMAT.format(node=node), HOLDER_SOCKET)
+
+
+def private_dir_problem(path: str) -> str:
+    """Why `path` is not a directory that only this process's user can create names in ("" when
+    it is one; "missing" when there is none). The runtime directory is the engines' group's: a
+    member could otherwise bind a socket of its own under the holder's name."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot inspect {path}: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory (a link or a file in its place)"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
+    if st.st_mode & 0o077:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: others than its owner may create names in it"
+    return ""
+
+
+def make_private_dir(path: str) -> str:
+    """Make `path` mode 0700 (it may exist already): "" when it is then private, else why not."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create {path}: {exc.strerror}"
+    return private_dir_problem(path)
 
 
 def name_problem(name: object) -> str:

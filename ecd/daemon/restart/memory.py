@@ -40,6 +40,7 @@ class Memory:
     keeper: PoolKeeper = field(default_factory=NoKeeper)
     journal: Journal | NullJournal = field(default_factory=NullJournal)
     journal_file: ShmFile | None = None
+    journal_key_fd: int = -1  # the journal's MAC key (restart/adopt.py): a sealed memfd
     kept: Kept | None = None  # the previous run's pool, until adopt_entries
     restart: RestartStats = field(default_factory=RestartStats)
     held: bool = False  # the keeper holds this pool (adopted from it, or handed to it)
@@ -64,7 +65,7 @@ class Memory:
         named = [] if backing == "memfd" else [shm_path(s.name) for s in self.pool.segments] + [
             shm_path(self.journal_file.name)]
         try:
-            self.keeper.keep(kept_fds(self.pool, self.journal_file), named)
+            self.keeper.keep(kept_fds(self.pool, self.journal_file, self.journal_key_fd), named)
             self.held = True
         except Exception as exc:
             log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
@@ -81,6 +82,9 @@ class Memory:
         self.ring.close()
         self.ring_file.unlink()
         keeping = self.held  # a start that failed before the hand-over keeps nothing: named files go
+        if self.journal_key_fd >= 0:
+            os.close(self.journal_key_fd)
+            self.journal_key_fd = -1
         if self.journal_file is not None:
             if keeping:
                 self.journal_file.close_fd()
@@ -102,15 +106,16 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
     pool: HostPool | None = None
     journal_file: ShmFile | None = None
     journal: Journal | NullJournal = NullJournal()
+    key_fd = -1
     try:
         if kept is not None:
-            pool, journal_file, journal = kept.pool, kept.journal_file, kept.journal
+            pool, journal_file, journal, key_fd = kept.pool, kept.journal_file, kept.journal, kept.key_fd
         elif host.backing == "memfd":  # sealed: no one can truncate them (memory/memfd.py)
             pool = MemfdPool(node, int(host.size), int(host.segment_size))
         else:
             pool = HostPool(node, int(host.size), int(host.segment_size), gid)
         if kept is None and keeper.kind != "none":
-            journal_file, journal = create_journal(config)
+            journal_file, journal, key_fd = create_journal(config)
         ring_size = ring_bytes(config.ring.slots, config.ring.presence_buckets)
         if host.backing == "memfd":
             ring_file: ShmFile = MemfdFile.create_sealed(ring_name(node), ring_size, seals=RING_SEALS)
@@ -118,6 +123,8 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
             # 0640: clients map the ring read-only, so no engine in the group can write into it
             ring_file = ShmFile.create(ring_name(node), ring_size, gid, mode=RING_FILE_MODE)
     except BaseException:
+        if key_fd >= 0:
+            os.close(key_fd)
         if journal_file is not None:
             journal_file.unlink()
         if pool is not None:
@@ -128,7 +135,7 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
         log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                     "after a size check, and a pool file truncated in between would crash the daemon")
     ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch)
-    return Memory(pool, ring_file, ring, keeper, journal, journal_file, kept, restart, held=kept is not None)
+    return Memory(pool, ring_file, ring, keeper, journal, journal_file, key_fd, kept, restart, held=kept is not None)
 
 
 def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kept | None]:
