@@ -320,7 +320,7 @@ class Daemon:
                 else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds"))
         try:
             self.fd_server = FdServer(path, self.gid, self.epoch, self.ring_file, self.pool.segments,
-                                      lambda: self.config.control, arena_fds(self))
+                                      lambda: self.config.control, arena_fds(self), self.fd_limit)
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
         self.fd_socket_name = os.path.basename(path) if ipc is not None else path

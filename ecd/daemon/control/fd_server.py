@@ -15,20 +15,33 @@ peer gets one batch naming its uid and what to set, and no descriptor. The batch
 descriptors are the daemon's own, valid for its whole run, and the kernel duplicates them into
 each receiver.
 
-What a client can still do: connect again and again without reading. Each reply it leaves unread
-keeps the pool's descriptors in flight (the kernel counts them against the daemon's user, up to its
-open-file limit), bounded by how many sockets that client can hold open; sends that fail then are
-counted (`ecd_pool_fd_handouts{outcome="failed"}`) and affect only fd handouts, never the pool.
+Unread handouts (issue 40, attack 4). A reply the client leaves unread keeps the pool's descriptors
+in flight, and the kernel counts those against the daemon's user: past its open-file limit (for
+a daemon without CAP_SYS_RESOURCE) every further send fails, every new client's included. The
+kernel cannot take back descriptors queued to a reader that does not read, so the daemon keeps
+each connection open until its reply is read (the client closes, or the queue it sent is empty:
+SIOCOUTQ) and sends no more to a peer that leaves too many unread: at most MAX_UNREAD_PER_PID per
+process, a quarter of the budget per uid, and the budget in all (three quarters of the open-file
+limit, in descriptors, at most MAX_UNREAD connections). Past a bound the connection gets one
+batch without descriptors saying which bound and what to do, counted as
+`ecd_pool_fd_handouts{outcome="unread_limit"}`. So one flooding uid holds at most a quarter of
+what the kernel allows and other uids' clients keep being served; clients of the flooding uid
+share its quarter (separate tenants by uid).
 """
 from __future__ import annotations
 
 import array
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
+from collections import Counter
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import msgspec
@@ -44,19 +57,36 @@ log = logging.getLogger("ecd.daemon")
 ACCEPTS_PER_WAKE = 64  # then let the loop serve others; the listener stays readable
 EMFILE_PAUSE_S = 0.1  # out of descriptors: stop accepting this long instead of spinning
 BACKLOG = 128
+MAX_UNREAD_PER_PID = 8  # a client reads its one handout at once; a few threads may connect together
+MAX_UNREAD = 256  # connections kept open until read: each is one of the daemon's descriptors
+UID_SHARE = 4  # one uid may leave unread at most 1/UID_SHARE of the budget
+
+
+@dataclass(eq=False)
+class Handout:
+    """A reply sent and not yet read: the connection stays open until it is."""
+    conn: socket.socket
+    uid: int
+    pid: int  # 0: in another pid namespace (then only its uid's bound applies)
 
 
 class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
     def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
-                 control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = ()) -> None:
+                 control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
+                 fd_limit: int = 1024) -> None:
         """`control`: the daemon's `[control]` section as it is now (after any SIGHUP); `arenas`:
-        (pool index, size, descriptor) of the CUDA arenas exported as file descriptors."""
+        (pool index, size, descriptor) of the CUDA arenas exported as file descriptors; `fd_limit`:
+        the daemon's open-file limit (the kernel's bound on its descriptors in flight)."""
         self.path = path
         self._control = control
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
-        self.counts = {"sent": 0, "refused": 0, "failed": 0}
+        self.counts = {"sent": 0, "refused": 0, "failed": 0, "unread_limit": 0}
+        self._unread: dict[int, Handout] = {}  # by the connection's descriptor
+        self._unread_uids: Counter[int] = Counter()
+        self._unread_pids: Counter[int] = Counter()
+        self._limited_uids: set[int] = set()  # logged once each
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ring_fd = -1
         self._epoch = epoch
@@ -89,6 +119,9 @@ class FdServer:
             header = FdBatch(FD_WIRE_VERSION, epoch, [item for item, _ in chunk],
                              last=first + FDS_PER_MESSAGE >= len(items))
             self._batches.append((msgspec.msgpack.encode(header), array.array("i", [fd for _, fd in chunk])))
+        budget = fd_limit * 3 // 4 // max(1, len(items))  # unread handouts the kernel's in-flight limit allows
+        self.max_unread = max(UID_SHARE, min(MAX_UNREAD, budget))
+        self.max_unread_per_uid = max(1, self.max_unread // UID_SHARE)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -108,10 +141,11 @@ class FdServer:
                     self._loop.remove_reader(self.sock.fileno())
                     self._loop.call_later(EMFILE_PAUSE_S, self.start, self._loop)
                 return
-            with conn:
-                self._serve(conn)
+            if not self._serve(conn):
+                conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket) -> bool:
+        """Answer `conn`; True when it is kept open until its reply is read."""
         conn.setblocking(False)
         try:
             creds = peer_credentials(conn.fileno())
@@ -123,20 +157,93 @@ class FdServer:
                 if creds.uid not in self._logged_uids and len(self._logged_uids) < MAX_LOGGED_UIDS:
                     self._logged_uids.add(creds.uid)
                     log.warning("fd socket: refused the pool to pid %d: %s", creds.pid, why)
-                conn.send(msgspec.msgpack.encode(FdBatch(FD_WIRE_VERSION, self._epoch, [], error=why)))
-                return
+                self._refuse(conn, why)
+                return False
+            why = self._unread_bound(creds.uid, creds.pid)
+            if why:
+                self.counts["unread_limit"] += 1
+                if creds.uid not in self._limited_uids and len(self._limited_uids) < MAX_LOGGED_UIDS:
+                    self._limited_uids.add(creds.uid)
+                    log.warning("fd socket: no pool for pid %d (uid %d): %s", creds.pid, creds.uid, why)
+                self._refuse(conn, why)
+                return False
             for header, fds in self._batches:
                 conn.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except OSError as exc:
             self.counts["failed"] += 1
             log.debug("fd socket: a handout failed: %s", exc)
-            return
+            return False
         self.counts["sent"] += 1
+        self._track(Handout(conn, creds.uid, creds.pid))
+        return True
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        conn.send(msgspec.msgpack.encode(FdBatch(FD_WIRE_VERSION, self._epoch, [], error=why)))
+
+    # ---- handouts not yet read ----
+
+    def _unread_bound(self, uid: int, pid: int) -> str:
+        """Why this peer gets no handout now ("" when it does), after letting go of the handouts
+        that were read meanwhile."""
+        def over() -> str:
+            if pid and self._unread_pids[pid] >= MAX_UNREAD_PER_PID:
+                return (f"pid {pid} has {self._unread_pids[pid]} pool handouts unread (at most {MAX_UNREAD_PER_PID} "
+                        "per process): read or close its fd-socket connections")
+            if self._unread_uids[uid] >= self.max_unread_per_uid:
+                return (f"uid {uid} has {self._unread_uids[uid]} pool handouts unread (at most "
+                        f"{self.max_unread_per_uid} per uid): read or close its fd-socket connections")
+            if len(self._unread) >= self.max_unread:
+                return f"{len(self._unread)} pool handouts are unread (at most {self.max_unread}): try again"
+            return ""
+        if not over():
+            return ""
+        self._finish_read(uid if len(self._unread) < self.max_unread else None)
+        return over()
+
+    def _track(self, handout: Handout) -> None:
+        fd = handout.conn.fileno()
+        self._unread[fd] = handout
+        self._unread_uids[handout.uid] += 1
+        if handout.pid:
+            self._unread_pids[handout.pid] += 1
+        if self._loop is not None:  # the client closing (after reading) makes it readable: EOF
+            self._loop.add_reader(fd, self._finish, fd)
+
+    def _finish(self, fd: int) -> None:
+        handout = self._unread.pop(fd, None)
+        if handout is None:
+            return
+        for counts, key in ((self._unread_uids, handout.uid), (self._unread_pids, handout.pid)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
+        if self._loop is not None:
+            with suppress(Exception):
+                self._loop.remove_reader(fd)
+        handout.conn.close()
+
+    def _finish_read(self, uid: int | None) -> None:
+        """Let go of the handouts (of `uid`; None: all) whose reply was read though the client
+        keeps its connection open: nothing of ours is left in its queue."""
+        for fd, handout in list(self._unread.items()):
+            if uid is None or handout.uid == uid:
+                try:
+                    queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0" * 4))[0]
+                except OSError:
+                    queued = 0
+                if queued == 0:
+                    self._finish(fd)
+
+    @property
+    def unread(self) -> int:
+        return len(self._unread)
 
     def close(self) -> None:
         if self._loop is not None:
             with suppress(Exception):
                 self._loop.remove_reader(self.sock.fileno())
+        for fd in list(self._unread):
+            self._finish(fd)
         self.sock.close()
         with suppress(FileNotFoundError):
             os.unlink(self.path)

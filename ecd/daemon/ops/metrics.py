@@ -379,11 +379,14 @@ def connection_metrics(d: "MetricsSource"):
     yield watched
     if d.fd_server is not None:  # backing = "memfd"
         handouts = CounterMetricFamily("ecd_pool_fd_handouts", "Connections to the fd socket, by outcome: sent "
-                                       "(the pool's descriptors), refused (by admission), failed (the send "
+                                       "(the pool's descriptors), refused (by admission), unread_limit (its "
+                                       "process or uid left too many handouts unread), failed (the send "
                                        "failed: see docs/SECURITY.md)", labels=["outcome"])
         for outcome, count in d.fd_server.counts.items():
             handouts.add_metric([outcome], count)
         yield handouts
+        yield GaugeMetricFamily("ecd_pool_fd_handouts_unread", "Handouts sent on the fd socket whose client has "
+                                "not read them yet (their descriptors are in flight)", value=d.fd_server.unread)
 
 
 class MetricsServer:
