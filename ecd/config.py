@@ -223,6 +223,10 @@ class LimitsSection(Section):
     max_waiters_per_client: int = 4096
     max_leases_per_client: int = 1 << 20
     max_pins_per_client: int = 1 << 20
+    # Pinned entries may hold at most this share of each pool (host pool, each CUDA arena), and in
+    # the host pool never what guaranteed shares still lack: one client's pins cannot starve the
+    # others' puts. A pin past it is not taken (that key's pinned lookup answers "not found").
+    pinned_share: float = 0.5
     # Sessions (Hello) at once, in all and from one process; the excess is refused in Welcome's
     # place. Each costs the daemon a connection fd and a share of a pidfd.
     max_clients: int = 1024
@@ -242,6 +246,7 @@ class LimitsSection(Section):
             check_field(getattr(self, key) > 0, key, f"must be > 0, got {int(getattr(self, key))}")
         check_field(0 <= self.inline_max_bytes <= self.max_message_bytes // 2, "inline_max_bytes",
                "must be between 0 and half of max_message_bytes")
+        check_field(0 < self.pinned_share <= 1, "pinned_share", f"must be in (0, 1], got {self.pinned_share}")
 
 
 class MetricsSection(Section):

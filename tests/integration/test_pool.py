@@ -31,7 +31,8 @@ def test_lru_eviction_keeps_recently_used_entries(small):
         assert torch.equal(c.get("k0"), mib_tensor(2, 0))
 
 
-def test_pinned_entries_survive_eviction_until_unpinned(small):
+def test_pinned_entries_survive_eviction_until_unpinned(daemon_factory):
+    small = daemon_factory(size="8MiB", extra="[limits]\npinned_share = 1.0\n")  # pins may hold it all
     with small.client() as c:
         c.put("pinned", mib_tensor(4, 1))
         c.put("plain", mib_tensor(3, 2))
@@ -42,6 +43,20 @@ def test_pinned_entries_survive_eviction_until_unpinned(small):
         c.put("big2", mib_tensor(3, 3))  # evicts "plain" only
         assert c.exists(["pinned", "plain", "big2"]) == [True, False, True]
         assert c.stats()["pins"] == 1
+
+
+def test_pins_past_their_budget_are_not_taken_and_answer_not_found(small):
+    """pinned_share = 0.5 of 8 MiB: 4 MiB pinned fits, 3 more do not; that key answers False to the
+    pinned lookup (and stays evictable) while an unpinned lookup still sees it."""
+    with small.client() as c:
+        c.put("pinned", mib_tensor(4, 1))
+        c.put("plain", mib_tensor(3, 2))
+        assert c.exists(["pinned", "plain"], pin_s=30) == [True, False]
+        assert c.exists("plain") is True
+        c.put("big", mib_tensor(4, 3))  # evicts "plain": it was never pinned
+        assert c.exists(["pinned", "plain", "big"]) == [True, False, True]
+        assert c.unpin(["pinned"]) == [True]
+        assert c.exists("big", pin_s=30) is True  # the budget freed by the unpin
 
 
 def test_too_large_for_any_segment_is_invalid_not_an_eviction_storm(small):

@@ -203,6 +203,15 @@ class DaemonCollector:
             leases.add_metric([kind], n)
         yield leases
 
+        pinned = GaugeMetricFamily("ecd_pinned_bytes", "Bytes of pinned entries, against their budget "
+                                   "([limits] pinned_share, less what guaranteed shares lack)", labels=["pool", "of"])
+        for group, held in sorted(store.deadlines.pinned.items()):
+            name = "host" if group < 0 else f"arena{group}"
+            pinned.add_metric([name, "held"], held)
+            pinned.add_metric([name, "budget"], store.deadlines.budget(group))
+        yield pinned
+        yield CounterMetricFamily("ecd_pins_refused", "Pins not taken for want of room in the pin budget (the "
+                                  "key answered not found)", value=c["pins_refused"])
         yield counter_by("ecd_leases_reclaimed", "Leases taken back from clients", "reason",
                          ((reason, c[f"reclaimed_{reason}"]) for reason in
                           ("client_exit", "connection_closed", "session_ttl", "write_ttl", "pin_expired")))

@@ -1,11 +1,19 @@
 """Pins and deadlines: a pin from exists(pin_s) keeps an entry from eviction until its deadline
 and follows the key across replacement; an uncommitted write is aborted at its write TTL. Both
-kinds of deadline live on one heap, swept by expire(). A part the Store owns (store.deadlines)."""
+kinds of deadline live on one heap, swept by expire(). A part the Store owns (store.deadlines).
+
+Pins have a budget (issue 40, attack 5: one client re-pinning every key of every namespace made
+other namespaces' puts fail, a guaranteed share's included). The bytes of pinned entries may fill
+at most `[limits] pinned_share` of each pool (the host pool, each CUDA arena), and in the host pool
+never what the namespaces' guaranteed shares still lack; a pin past it is not taken (the lookup
+answers that key as not found: nothing promises it stays loadable). An entry counts once however
+many sessions pin it."""
 from __future__ import annotations
 
 import heapq
 from typing import TYPE_CHECKING, cast
 
+from ...memory.allocator import align_up
 from .entries import Entry, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,21 +25,56 @@ class Deadlines:
         self.r = records
         self._heap: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._compact_at = 4096  # heap size at which stale deadlines are swept out
+        self.pinned: dict[int, int] = {-1: 0}  # bytes of pinned entries per pool group (-1: the host pool; an arena)
 
     def __len__(self) -> int:
         """Deadlines on the heap, live or not yet swept."""
         return len(self._heap)
 
-    def pin(self, session: Session, entry: Entry, deadline: float) -> None:
-        """Keep `entry` from eviction until `deadline` (a later deadline extends the pin)."""
+    def pin(self, session: Session, entry: Entry, deadline: float) -> bool:
+        """Keep `entry` from eviction until `deadline` (a later deadline extends the pin). False
+        when the pin budget has no room for it (nothing changes then)."""
         previous = session.pins.get(entry.generation)
         if previous is None:
+            if not entry.pins:
+                group, size = self._group(entry.pool), align_up(max(entry.nbytes, 1))
+                if self.pinned.get(group, 0) + size > self.budget(group):
+                    self.r.counters["pins_refused"] += 1
+                    return False
+                self.pinned[group] = self.pinned.get(group, 0) + size
             entry.pins += 1
             self.r.placement.make_unevictable(entry)
         elif previous >= deadline:
-            return
+            return True
         session.pins[entry.generation] = deadline
         self.push(deadline, entry.generation, session.id)
+        return True
+
+    def release(self, entry: Entry) -> None:
+        """One pin of `entry` ends (its entry leaves the budget with its last pin)."""
+        entry.pins -= 1
+        if entry.pins == 0:
+            group = self._group(entry.pool)
+            self.pinned[group] -= align_up(max(entry.nbytes, 1))
+
+    def forget(self, entry: Entry) -> None:
+        """`entry` is freed with pins on it (an operator's forced eviction): its bytes leave the
+        budget; the sessions' pins of it lapse at their deadlines."""
+        if entry.pins:
+            entry.pins = 1
+            self.release(entry)
+
+    def budget(self, group: int) -> int:
+        """Bytes the pins of a pool group may hold."""
+        r = self.r
+        pools = r.host.host_pools if group == -1 else (group,)
+        budget = int(sum(r.host.allocators[p].capacity for p in pools) * r.limits.pinned_share)
+        if group == -1:  # what guaranteed shares still lack must stay evictable or free
+            budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items())
+        return budget
+
+    def _group(self, pool: int) -> int:
+        return -1 if pool in self.r.host.host_pools else pool
 
     def push(self, deadline: float, generation: int, session_id: int) -> None:
         """Deadlines are deleted lazily (a commit or unpin leaves its tuple in the heap), so at
@@ -60,8 +103,8 @@ class Deadlines:
         for session in self.r.each_session():
             deadline = session.pins.pop(old.generation, None)
             if deadline is not None:
-                old.pins -= 1
-                self.pin(session, new, deadline)
+                self.release(old)
+                self.pin(session, new, deadline)  # a bigger value may find no room: the pin lapses
 
     def unpin(self, session: Session, ns: str, keys: list[str]) -> list[bool]:
         r = self.r
@@ -71,8 +114,8 @@ class Deadlines:
             entry = r.index.get((ns, key))
             pinned = entry is not None and session.pins.pop(entry.generation, None) is not None
             if pinned:
-                entry.pins -= 1
-                r.after_unhold(cast(Entry, entry))  # pinned: entry is not None
+                self.release(cast(Entry, entry))  # pinned: entry is not None
+                r.after_unhold(cast(Entry, entry))
             result.append(pinned)
         return result
 
@@ -98,5 +141,5 @@ class Deadlines:
                 del session.pins[generation]
                 r.counters["reclaimed_pin_expired"] += 1
                 if entry is not None:
-                    entry.pins -= 1
+                    self.release(entry)
                     r.after_unhold(entry)

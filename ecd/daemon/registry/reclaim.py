@@ -37,6 +37,6 @@ def reclaim(store: "Store", session: Session, reclaimed: bool, reason: str) -> N
     for generation in session.pins:
         entry = store.by_generation.get(generation)
         if entry is not None:
-            entry.pins -= 1
+            store.deadlines.release(entry)
             store.after_unhold(entry)
     session.pins.clear()

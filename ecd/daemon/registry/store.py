@@ -405,7 +405,8 @@ class Store:
             self.counters["hits"] += 1
             entry.last_access = now
             if pin_s > 0:
-                self.deadlines.pin(session, entry, now + min(pin_s, self.leases.max_pin))
+                if not self.deadlines.pin(session, entry, now + min(pin_s, self.leases.max_pin)):
+                    found[-1] = False  # no room for the pin: nothing promises it stays loadable
             elif entry.generation in self.evictable:
                 self.placement.make_evictable(entry)  # to the most recently used end
         return found
@@ -501,6 +502,8 @@ class Store:
         if entry.journal >= 0:  # a write's record, or a retired entry's
             self.journal.forget(entry.journal)
         self.host.free(entry.pool, entry.offset, entry.nbytes)
+        if entry.pins:  # freed with pins on it (a forced eviction): they hold nothing any more
+            self.deadlines.forget(entry)
         del self.by_generation[entry.generation]
         self.uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
 
