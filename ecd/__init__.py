@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from .errors import (AuthenticationFailed, DaemonUnavailable, EcdError, InvalidRequest, KeyNotFound, LimitExceeded,  # noqa: E402
                      NotOwner, PoolFull, ProtocolError, ShuttingDown, StaleGeneration)
 from .errors import IntegrityError, PermissionDenied, PersistFailed, QuotaExceeded  # noqa: E402
+from .errors import InvalidEndpoint, PoolNotVisible, SocketPermissionDenied  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -26,5 +27,6 @@ def __getattr__(name: str):
 __all__ = ["Client", "AuthenticationFailed", "EcdError", "KeyNotFound", "PoolFull", "DaemonUnavailable", "ProtocolError",
            "InvalidRequest", "LimitExceeded", "NotOwner", "ShuttingDown", "StaleGeneration",
            "__version__", "IntegrityError"]
-__all__ += ["QuotaExceeded", "PersistFailed", "PermissionDenied"]
+__all__ += ["QuotaExceeded", "PersistFailed", "PermissionDenied", "InvalidEndpoint", "PoolNotVisible",
+            "SocketPermissionDenied"]
 __all__ += ["ControlClient", "FetchOutcome"]

@@ -111,6 +111,20 @@ def split_tcp_endpoint(endpoint: str) -> tuple[str, int] | None:
     return match.group("host").strip("[]"), int(match.group("port"))
 
 
+def client_endpoint(endpoint: object, what: str = "endpoint") -> str:
+    """The daemon endpoint a client connects to, checked before any socket exists: "ipc://PATH"
+    or "tcp://HOST:PORT"; a bare absolute path means ipc://PATH. InvalidEndpoint (one line, the
+    form expected) for anything else: libzmq's own "Invalid argument" says neither."""
+    from .errors import InvalidEndpoint
+    if isinstance(endpoint, str) and endpoint.startswith("/") and "\0" not in endpoint:
+        return "ipc://" + endpoint
+    if isinstance(endpoint, str) and (endpoint.startswith("ipc://") and len(endpoint) > len("ipc://")
+                                      and "\0" not in endpoint or split_tcp_endpoint(endpoint) is not None):
+        return endpoint
+    raise InvalidEndpoint(f"{what} {endpoint!r:.200}: expected ipc:///path/to/ecd.sock (a bare /path means that) "
+                          "or tcp://HOST:PORT")
+
+
 def endpoint_is_loopback(endpoint: str) -> bool:
     """True for ipc:// and for tcp:// on a loopback address (127.0.0.0/8, ::1, localhost)."""
     if not endpoint.startswith("tcp://"):

@@ -119,9 +119,28 @@ class PermissionDenied(EcdError, PermissionError):
 
 
 class DaemonUnavailable(EcdError):
-    """The daemon is down or did not answer within the client's timeout."""
+    """The daemon is down (no socket where the endpoint says) or did not answer within the
+    client's timeout: worth retrying."""
 
     code = Code.INTERNAL
+
+
+class SocketPermissionDenied(PermissionDenied):
+    """This process may not connect to the daemon's ipc socket (EACCES): libzmq would retry the
+    connect forever in silence and the caller see only a timeout, so the client looks first. Not
+    a DaemonUnavailable: retrying does not help; the message says what to change."""
+
+
+class InvalidEndpoint(EcdError, ValueError):
+    """An endpoint that is neither ipc://PATH nor tcp://HOST:PORT (a bare absolute path is read as
+    ipc://PATH): refused before any socket exists."""
+
+    code = Code.INVALID
+
+
+class PoolNotVisible(EcdError):
+    """A client on the daemon's own host (it reached it over ipc://) cannot see the daemon's named
+    /dev/shm pool files: another IPC or mount namespace (a container with its own /dev/shm)."""
 
 
 class AuthenticationFailed(EcdError):

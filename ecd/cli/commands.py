@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Iterator, NoReturn, Optional
+from typing import Annotated, Iterator, NamedTuple, NoReturn, Optional
 
 import typer
 
@@ -16,8 +16,9 @@ from .. import __version__
 from .output import (percent, print_json, render_bench, render_evict, render_keys, render_status,
                          stderr_console, stdout_console)
 from ..config import ControlSection, dumps_toml, load_config_file
-from ..config_types import parse_size
-from ..errors import AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError
+from ..config_types import client_endpoint, parse_size
+from ..errors import (AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError, InvalidEndpoint,
+                      SocketPermissionDenied)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ecd: per-node tensor hand-off daemon for disaggregated LLM serving.")
@@ -201,28 +202,43 @@ CurveServerOpt = Annotated[Optional[str], typer.Option(
     help="the daemon's CURVE public key: its .key file or the 40-character Z85 text")]
 
 
-def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> str:
+class Target(NamedTuple):
+    endpoint: str
+    source: str  # where it came from, said when the daemon cannot be reached
+
+
+def _endpoint(config: Optional[Path], endpoint: Optional[str]) -> Target:
+    """Where the daemon is: --endpoint, else --config's (or $ECD_CONFIG's, which the image and the
+    unit set) [control] endpoint, else ecd's default."""
     if config is not None and endpoint is not None:
         _fail("give --config or --endpoint, not both", EXIT_USAGE)
+    if endpoint is not None:
+        try:
+            return Target(client_endpoint(endpoint, "--endpoint"), "--endpoint")
+        except InvalidEndpoint as exc:
+            _fail(str(exc), EXIT_USAGE)
+    source = f"--config {config}" if config is not None else ""
+    if config is None and os.environ.get("ECD_CONFIG"):
+        config, source = Path(os.environ["ECD_CONFIG"]), f"ECD_CONFIG={os.environ['ECD_CONFIG']}"
     if config is not None:
         try:
-            return load_config_file(config).control.endpoint
+            return Target(load_config_file(config).control.endpoint, f"[control] endpoint of {source}")
         except ConfigError as exc:
-            _fail(f"config error: {exc}", EXIT_USAGE)
-    return endpoint or DEFAULT_ENDPOINT
+            _fail(f"config error ({source}): {exc}", EXIT_USAGE)
+    return Target(DEFAULT_ENDPOINT, "the default; --endpoint, --config or $ECD_CONFIG name another")
 
 
 @contextlib.contextmanager
-def _daemon_errors(endpoint: str, timeout: float) -> Iterator[None]:
+def _daemon_errors(target: Target, timeout: float) -> Iterator[None]:
     """Daemon trouble as one line and an exit code, never a traceback."""
-    from ..client.connection import SocketPermissionDenied
+    endpoint = f"{target.endpoint} ({target.source})"
     try:
         yield
     except SocketPermissionDenied as exc:  # the daemon may well be running: the socket refuses us
         _fail(f"daemon unreachable at {endpoint}: {exc}", EXIT_UNREACHABLE)
     except DaemonUnavailable as exc:
-        why = f"no answer within {timeout:g}s" if "within" in str(exc) else str(exc)
-        _fail(f"daemon unreachable at {endpoint}: {why} (is `ecd serve` running?)", EXIT_UNREACHABLE)
+        why = f"no answer within {timeout:g}s (is `ecd serve` running?)" if "within" in str(exc) else str(exc)
+        _fail(f"daemon unreachable at {endpoint}: {why}", EXIT_UNREACHABLE)
     except AuthenticationFailed as exc:
         _fail(f"authentication failed: {exc}", EXIT_DAEMON)
     except EcdError as exc:
@@ -259,8 +275,9 @@ def status(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Time
            as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
            curve_server_key: CurveServerOpt = None) -> None:
     """Pools, entries, clients, holds, hit rate and request rate of the daemon."""
-    ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
+    target = _endpoint(config, endpoint)
+    ep = target.endpoint
+    with _daemon_errors(target, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         first, t_first = client.stats(), time.monotonic()
         last, t_last = first, t_first
         if interval > 0:
@@ -318,8 +335,9 @@ def keys(config: ConfigOpt = None, endpoint: EndpointOpt = None, timeout: Timeou
          as_json: JsonOpt = False, curve_secret_key: CurveSecretOpt = None,
          curve_server_key: CurveServerOpt = None) -> None:
     """List ready entries by namespace and key, and keys on the disk tier (the tier column says where)."""
-    ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
+    target = _endpoint(config, endpoint)
+    ep = target.endpoint
+    with _daemon_errors(target, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         total, entries = client.keys(namespace=namespace, limit=limit)
     if as_json:
         print_json({"total": total, "shown": len(entries), "namespace": namespace, "entries": entries})
@@ -349,8 +367,9 @@ def evict(keys: Annotated[Optional[list[str]], typer.Argument(help="keys to evic
         _fail("--all evicts everything: give no keys and no --namespace with it", EXIT_USAGE)
     if not keys and namespace is None and not everything:
         _fail("name the keys to evict, a --namespace to empty, or --all", EXIT_USAGE)
-    ep = _endpoint(config, endpoint)
-    with _daemon_errors(ep, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
+    target = _endpoint(config, endpoint)
+    ep = target.endpoint
+    with _daemon_errors(target, timeout), _client(ep, timeout, "default", curve_secret_key, curve_server_key) as client:
         if everything:
             result = client.evict(everything=True, force=force)
         elif keys:
@@ -424,11 +443,12 @@ def bench(size: Annotated[Optional[list[str]], typer.Option(
         if n <= 0:
             _fail(f"--size: must be > 0, got {text!r}", EXIT_USAGE)
         sizes.append(n)
-    ep = _endpoint(config, endpoint)
+    target = _endpoint(config, endpoint)
+    ep = target.endpoint
     # Checked here, once, so a bad key file is a usage error rather than N failing workers.
     _check_curve_options(curve_secret_key, curve_server_key)
     curve = {"curve_secret_key": curve_secret_key, "curve_server_key": curve_server_key}
-    with _daemon_errors(ep, timeout):
+    with _daemon_errors(target, timeout):
         try:
             if as_json:
                 doc = run_bench(ep, timeout, sizes, clients, seconds, op.value, namespace, client_options=curve)

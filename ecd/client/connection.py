@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from ..errors import DaemonUnavailable, EcdError
+from ..errors import DaemonUnavailable, EcdError, PoolNotVisible, SocketPermissionDenied  # noqa: F401 (re-exported)
 from ..protocol import Bye, encoder
 
 if TYPE_CHECKING:
@@ -32,16 +32,6 @@ HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
 HANDSHAKE_RETRIES = 3  # consecutive NO_DETAIL failures that count as a refusal
 
 
-class SocketPermissionDenied(DaemonUnavailable):
-    """This process may not connect to the daemon's ipc socket (EACCES): libzmq would retry the
-    connect forever in silence and the caller see only a timeout, so the client looks first."""
-
-
-class PoolNotVisible(EcdError):
-    """A client on the daemon's own host (it reached it over ipc://) cannot see the daemon's named
-    /dev/shm pool files: another IPC or mount namespace (a container with its own /dev/shm)."""
-
-
 def _who() -> str:
     return f"uid {os.geteuid()}, groups {sorted({os.getegid(), *os.getgroups()})}"
 
@@ -52,8 +42,8 @@ def _mode_of(st: os.stat_result) -> str:
 
 def check_socket_access(endpoint: str) -> None:
     """Raise SocketPermissionDenied, naming the path, its mode and owner and this process's ids,
-    where an ipc:// endpoint's socket (or a directory above it) refuses this process. A socket not
-    there yet is no error: the daemon may be starting, and ZMQ connects once it is."""
+    where an ipc:// endpoint's socket (or a directory above it) refuses this process, and
+    DaemonUnavailable at once where no socket is there (rather than a whole timeout's wait)."""
     if not endpoint.startswith("ipc://") or endpoint[len("ipc://"):].startswith("@"):
         return  # tcp, or an abstract socket (no file permissions)
     path = os.path.abspath(endpoint[len("ipc://"):])
@@ -65,7 +55,8 @@ def check_socket_access(endpoint: str) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return
+        raise DaemonUnavailable(f"no daemon socket at {path}: is `ecd serve` running, with [control] endpoint = "
+                                f"\"ipc://{path}\"? (`ecd doctor --config node.toml` checks the daemon's side)") from None
     except PermissionError:
         # a directory on the way does not let this process through: name the first one
         while directory != "/" and not os.access(directory, os.X_OK):

@@ -37,6 +37,7 @@ from ..protocol import (PROTOCOL_VERSION, Abort, Acquire, Bye, Commit, Delete, E
                         Fetch, Flags, Held, Hello, KeyInfo, KeyList, Keys, Ping, Publish, Release, Report, Stats,
                         StatsReply, Unpin, Welcome, encoder, reply_decoder)
 from .. import protocol
+from ..config_types import client_endpoint
 from .connection import HANDSHAKE_EVENTS, Resources, check_socket_access, curve_keys, heartbeat
 
 # Requests that name generations: after a daemon restart they mean nothing (or something else).
@@ -120,7 +121,7 @@ class ControlClient:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self._curve = curve_keys(curve_secret_key, curve_server_key)
         _check_encodable("namespace", [namespace])
-        self.endpoint = endpoint
+        self.endpoint = client_endpoint(endpoint)  # before any socket or context exists
         self.namespace = namespace
         self.timeout = float(timeout)
         self.name = name
@@ -136,8 +137,12 @@ class ControlClient:
         self._heartbeat_s = 0.0  # from Welcome: ping when idle this long (0: not needed)
         self._last_sent = time.monotonic()  # any message sent counts as activity
         self._heartbeat_thread: threading.Thread | None = None
-        with self._lock:
-            self._connect()
+        try:
+            with self._lock:
+                self._connect()
+        except BaseException:
+            self._finalizer()  # now: nothing of a client that never was may keep the process from exiting
+            raise
 
     # ---- connection ---------------------------------------------------------------------
 
@@ -147,14 +152,18 @@ class ControlClient:
         if self._res.sock is None:
             check_socket_access(self.endpoint)  # EACCES now, not a timeout: libzmq retries it silently
             sock = self._res.ctx.socket(zmq.DEALER)
+            self._res.sock = sock  # from now on drop_socket closes it and its monitor, whatever fails
             sock.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
-            # Before connect, so the first handshake's failure is seen.
-            self._res.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
-            self._res.handshake_drops = 0
-            sock.connect(self.endpoint)
-            self._res.sock = sock
+            try:
+                # Before connect, so the first handshake's failure is seen.
+                self._res.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+                self._res.handshake_drops = 0
+                sock.connect(self.endpoint)
+            except BaseException:
+                self._res.drop_socket()
+                raise
         reply = self._roundtrip(Hello(next(self._ids), PROTOCOL_VERSION, os.getpid(), self.name, self._pid_ns),
                                 self.timeout)
         if isinstance(reply, Error):
