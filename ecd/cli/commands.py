@@ -20,7 +20,7 @@ from ..config_types import client_endpoint, parse_size
 from ..errors import (AuthenticationFailed, ConfigError, DaemonUnavailable, EcdError, InvalidEndpoint,
                       SocketPermissionDenied)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="ecd: per-node tensor hand-off daemon for disaggregated LLM serving.")
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3

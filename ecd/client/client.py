@@ -21,6 +21,7 @@ inline-sized puts work, bulk put/get/view raise InvalidRequest.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import threading
@@ -310,7 +311,9 @@ class Client(ControlClient):
     def view(self, key: str, timeout: float | None = None, *, verify: bool = False) -> Iterator[torch.Tensor]:
         """A zero-copy, read-only tensor over the entry, valid inside the `with` block only.
 
-        Writing to it faults (the memory is mapped read-only): copy it to modify it. With
+        Writing to it kills the process with SIGSEGV (the memory is mapped read-only, and torch
+        has no read-only tensors): copy it to modify it. The first view turns on Python's
+        faulthandler (unless the process did), so that death prints the Python line that wrote. With
         `verify` (always in a verify namespace) the mapped bytes are checked against the stored
         checksum before the view is handed out (one read of the entry): IntegrityError.
 
@@ -331,6 +334,8 @@ class Client(ControlClient):
         copying entries somewhere of its own wants: one copy, out of the pool."""
         keys = list(keys)
         verify = self._verifies(verify)
+        if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
+            faulthandler.enable()
         results, session, mapping = self._acquire(keys, timeout)
         on_gpu: list[torch.Tensor] = []
         held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
