@@ -12,7 +12,7 @@ import time
 import pytest
 
 import ecd
-from conftest import REPO
+from conftest import REPO, wait_for
 
 ECD = [sys.executable, "-m", "ecd"]
 
@@ -110,3 +110,19 @@ def test_writing_into_a_view_dies_saying_where(daemon):
     assert "Segmentation fault" in out.stderr and 'File "<string>", line 6' in out.stderr, out.stderr[-2000:]
     with daemon.client() as c:  # the daemon and the entry are unharmed
         assert bool((c.get("v") == 0).all())
+
+
+def test_a_stop_says_who_keeps_the_pool_and_how_to_return_it(daemon_factory):
+    from ecd.config import load_config_file
+    from pool_holders import holder_pids
+    d = daemon_factory()
+    assert d.stop() == 0
+    line = next(line for line in d.log().splitlines() if "shutting down" in line)
+    assert "keeper (pid " in line and "keeps the host pool (67108864 bytes)" in line, line
+    assert "for up to 300 s" in line and f"`ecd release --config {d.config}`" in line, line
+    assert holder_pids(d.node), "the holder the line names is not there"
+    released = run(ECD + ["release", "--config", str(d.config)])
+    assert released.returncode == 0, released.stderr
+    assert wait_for(lambda: holder_pids(d.node) == [], timeout=10)
+    # the development config (`make serve`) holds briefly: a laptop's stops do not pile up pools
+    assert float(load_config_file(str(REPO / "configs" / "node.toml")).restart.hold) <= 30
