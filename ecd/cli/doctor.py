@@ -165,6 +165,25 @@ def check_memory(config: Config, limit: MemoryLimit | None) -> Finding:
         f"(podman/docker --memory, Kubernetes resources.limits.memory, systemd MemoryMax=)"))
 
 
+def check_pool_room(config: Config) -> list[Finding]:
+    """backing = "memfd": the node's available memory must hold a new pool (what `ecd serve`
+    refuses otherwise: MemfdPool.check_room); a pool a holder keeps for this node is adopted
+    instead of made. (backing = "named": /dev/shm's room, check_shm.)"""
+    from ..daemon.restart.holder_wire import socket_path
+    from ..memory.host import ShmError
+    from ..memory.memfd import check_memory_room
+    if getattr(config.pool.host, "backing", "named") != "memfd":
+        return []
+    if config.restart.adopt and os.path.exists(socket_path(config.node.runtime_dir, config.node.name)):
+        return [Finding("ok", "pool.host.size", "a holder keeps this node's pool: a start adopts it, nothing new "
+                                                "is allocated")]
+    try:
+        check_memory_room(int(config.pool.host.size))
+    except ShmError as exc:
+        return [Finding("error", "pool.host.size", str(exc))]
+    return [Finding("ok", "pool.host.size", "the node's available memory holds the pool")]
+
+
 # ---- /dev/shm -------------------------------------------------------------------------------
 
 def _writable(directory: str) -> str | None:
@@ -422,6 +441,7 @@ def preflight(config: Config, gid: int, *, cuda: bool = True, cuda_driver: Any =
     """Every check, on this process's own cgroup, limits and view of the files. `cuda=False`: the
     caller opens CUDA itself (ecd serve keeps the driver it loads)."""
     findings = [check_memory(config, cgroup_memory_limit())]
+    findings += check_pool_room(config)
     findings += check_shm(config)
     findings += check_memlock(config)
     findings.append(check_open_files(config))

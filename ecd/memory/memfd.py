@@ -75,6 +75,15 @@ def sealed_secret(name: str, data: bytes) -> int:
     return fd
 
 
+def check_memory_room(size: int) -> None:
+    """ShmError when the node has less memory available (MemAvailable) than a new pool of `size`
+    bytes: `ecd serve` refuses such a pool, and `ecd doctor` says so first (the same check)."""
+    free = available_memory()
+    if free is not None and size > free:
+        raise ShmError(f"the node has {format_size(free)} ({free} bytes) of memory available, the host pool "
+                       f"needs {format_size(size)} ({size} bytes): shrink pool.host.size")
+
+
 class MemfdFile(ShmFile):
     """A ShmFile whose file is a sealed memfd: the same interface for the daemon's copies
     (write_at, read_into, current_size), no name to unlink, and a size nobody can change."""
@@ -142,10 +151,7 @@ class MemfdPool(HostPool):
     has no path for a permission to guard, its descriptors are what is handed out)."""
 
     def check_room(self, size: int) -> None:
-        free = available_memory()
-        if free is not None and size > free:
-            raise ShmError(f"the node has {format_size(free)} ({free} bytes) of memory available, the host pool "
-                           f"needs {format_size(size)} ({size} bytes): shrink pool.host.size")
+        check_memory_room(size)
 
     def create_segment(self, name: str, size: int, group: int) -> ShmFile:
         return MemfdFile.create_sealed(name, size)

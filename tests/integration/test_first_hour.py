@@ -126,3 +126,22 @@ def test_a_stop_says_who_keeps_the_pool_and_how_to_return_it(daemon_factory):
     assert wait_for(lambda: holder_pids(d.node) == [], timeout=10)
     # the development config (`make serve`) holds briefly: a laptop's stops do not pile up pools
     assert float(load_config_file(str(REPO / "configs" / "node.toml")).restart.hold) <= 30
+
+
+def test_doctor_refuses_the_pool_serve_refuses_with_the_same_line(tmp_path):
+    from ecd.memory.memfd import available_memory
+    available = available_memory()
+    if available is None:
+        pytest.skip("no MemAvailable in /proc/meminfo")
+    size = (4 * available >> 30) + 1  # GiB, well past what the node has
+    config = tmp_path / "big.toml"
+    config.write_text(f'[node]\nname = "big{os.getpid()}"\nruntime_dir = "{tmp_path}/run"\n[control]\n'
+                      f'endpoint = "ipc://{tmp_path}/run/ecd.sock"\n[pool.host]\nsize = "{size}GiB"\n'
+                      f'segment_size = "1GiB"\n')
+    doctor = run(ECD + ["doctor", "--config", str(config)])
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    line = next(line for line in (doctor.stdout + doctor.stderr).splitlines() if line.startswith("error: pool.host.size"))
+    serve = run(ECD + ["serve", "--config", str(config)], timeout=60)
+    assert serve.returncode == 2, serve.stderr
+    said = line.removeprefix("error: pool.host.size: ").split(" of memory available")[1]
+    assert "pool.host.size" in serve.stderr and said in serve.stderr, (line, serve.stderr)

@@ -174,7 +174,9 @@ def test_clear_removes_this_namespace_only(daemon):
     ({"endpoint": "ipc:///tmp/x.sock", "colour": "red"}, "colour: unknown key (known: endpoint, namespace"),
     ({"pin_seconds": "long"}, "pin_seconds"),
     ({"pin_seconds": -1}, "pin_seconds"),
-    ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": 0}, "load_timeout_s"),
+    ({"load_timeout_s": 0}, "load_timeout_s"),
+    ({"load_timeout_s": 1, "timeout_s": 1}, "name the same setting"),
     ({"endpoint": "/run/ecd.sock"}, "endpoint"),
     ({"verify": "yes"}, "verify"),
 ])

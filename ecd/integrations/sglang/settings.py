@@ -24,7 +24,7 @@ class HiCacheSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     endpoint: str = DEFAULT_ENDPOINT  # the daemon's control endpoint
     namespace: str = ""  # "" = derived from model, shard and page geometry
     pin_seconds: float = 30.0  # how long batch_exists keeps its hits from eviction for the prefetch
-    timeout_s: float = 5.0  # per daemon round trip
+    load_timeout_s: float = 5.0  # per daemon round trip (vLLM's connectors' name; `timeout_s` is read too)
     verify: bool = False  # checksum every page on store, check it on load (a mismatch is a miss)
 
     def __post_init__(self) -> None:
@@ -32,17 +32,17 @@ class HiCacheSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"endpoint: must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
         if not 0 <= self.pin_seconds <= 86400:
             raise ValueError(f"pin_seconds: must be in [0, 86400], got {self.pin_seconds}")
-        if not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"timeout_s: must be in (0, 3600], got {self.timeout_s}")
+        if not 0 < self.load_timeout_s <= 3600:
+            raise ValueError(f"load_timeout_s: must be in (0, 3600], got {self.load_timeout_s}")
         if len(self.namespace) > 256:
             raise ValueError("namespace: longer than 256 characters")
 
     def connector_settings(self) -> ConnectorSettings:
         """What the shared LazyClient (ecd.integrations.vllm.lazy_client) reads."""
-        return ConnectorSettings(endpoint=self.endpoint, namespace=self.namespace, load_timeout_s=self.timeout_s)
+        return ConnectorSettings(endpoint=self.endpoint, namespace=self.namespace, load_timeout_s=self.load_timeout_s)
 
 
-KNOWN_KEYS = (*HiCacheSettings.__struct_fields__, *sorted(SGLANG_KEYS))
+KNOWN_KEYS = (*HiCacheSettings.__struct_fields__, "timeout_s", *sorted(SGLANG_KEYS))
 
 
 def parse_settings(extra_config: dict[str, Any] | None) -> HiCacheSettings:
@@ -51,6 +51,11 @@ def parse_settings(extra_config: dict[str, Any] | None) -> HiCacheSettings:
         raise InvalidRequest(f"hicache-storage-backend-extra-config: must be a JSON object, got "
                              f"{type(extra_config).__name__}")
     ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    if "timeout_s" in ours:  # the name this backend first had for load_timeout_s
+        if "load_timeout_s" in ours:
+            raise InvalidRequest("hicache-storage-backend-extra-config (ecd): timeout_s and load_timeout_s name the "
+                                 "same setting: give one")
+        ours["load_timeout_s"] = ours.pop("timeout_s")
     return convert_settings(ours, HiCacheSettings, "hicache-storage-backend-extra-config (ecd)", KNOWN_KEYS)
 
 
