@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch: a plain `pip install torch` would pull several GB of CUDA packages.
+# The torch the venv gets (the CPU build where there is no NVIDIA driver: TORCH_INDEX below).
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
@@ -14,9 +14,21 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Install torch first (only if the venv has none), so resolving ecd's "torch>=2.1" finds it.
+# Install torch first (only if the venv has none), so resolving ecd's "torch>=2.1" finds it. On
+# PyPI torch is the CUDA build (several GB): a machine without an NVIDIA driver gets the CPU build
+# from PyTorch's CPU index (TORCH_INDEX) when that answers within 5 s, else what pip finds
+# (a local CPU wheel where one is provided). TORCH_INDEX= (empty) always takes pip's choice.
+TORCH_INDEX ?= $(shell [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1 || echo https://download.pytorch.org/whl/cpu)
 $(VENV)/.torch: | $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || { \
+	  if [ -n "$(TORCH_INDEX)" ] && $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=5)" 2>/dev/null; then \
+	    echo "installing $(TORCH_SPEC), the CPU build from $(TORCH_INDEX)"; \
+	    $(PY) -m pip install --progress-bar on --index-url "$(TORCH_INDEX)" --extra-index-url https://pypi.org/simple "$(TORCH_SPEC)" || \
+	      $(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"; \
+	  else \
+	    echo "installing $(TORCH_SPEC) as pip finds it$(if $(TORCH_INDEX), ($(TORCH_INDEX) does not answer))"; \
+	    $(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"; \
+	  fi; }
 	touch $@
 
 # What the editable install builds from: setup.py compiles ecd/_copy.c in place (optional: without

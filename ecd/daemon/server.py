@@ -493,17 +493,8 @@ class Daemon:
     # ---- stats and shutdown -------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        memory = self.memory
-        if memory is not None and memory.held:
-            keeper = memory.keeper
-            holder = getattr(keeper, "holder_pid", 0)
-            log.info("shutting down: the %s keeper%s keeps the host pool (%d bytes) for the next start, for up to %s "
-                     "s (`[restart] hold`); `ecd release --config %s` returns its memory now (systemd: `systemctl "
-                     "stop` does)", keeper.kind, f" (pid {holder})" if holder else "",
-                     sum(segment.size for segment in memory.pool.segments),
-                     f"{float(self.config.restart.hold):g}", self.config_path or "node.toml")
-        else:
-            log.info("shutting down: unlinking shared memory and the control socket")
+        kept = self.memory.kept_line(float(self.config.restart.hold), self.config_path) if self.memory else None
+        log.info("shutting down: %s", kept or "unlinking shared memory and the control socket")
         if self.store is not None:
             self.store.fail_waiters(Code.SHUTTING_DOWN, "daemon is shutting down")
         if self.sessions is not None:

@@ -73,6 +73,16 @@ class Memory:
             self.keeper = NoKeeper()
             self.restart.keeper = "none"
 
+    def kept_line(self, hold_s: float, config_path: str | None) -> str | None:
+        """What a stop leaves behind and how to return it, for the shutdown's log line (None: nothing)."""
+        if not self.held:
+            return None
+        holder = getattr(self.keeper, "holder_pid", 0)
+        return (f"the {self.keeper.kind} keeper{f' (pid {holder})' if holder else ''} keeps the host pool "
+                f"({sum(segment.size for segment in self.pool.segments)} bytes) for the next start, for up to "
+                f"{hold_s:g} s (`[restart] hold`); `ecd release --config {config_path or 'node.toml'}` returns its "
+                "memory now (systemd: `systemctl stop` does)")
+
     def stats(self) -> RestartStats:
         return msgspec.structs.replace(self.restart, journal_records=self.journal.records,
                                        journal_full=self.journal.full)
