@@ -177,7 +177,7 @@ def test_clear_removes_this_namespace_only(daemon):
     ({"timeout_s": 0}, "load_timeout_s"),
     ({"load_timeout_s": 0}, "load_timeout_s"),
     ({"load_timeout_s": 1, "timeout_s": 1}, "name the same setting"),
-    ({"endpoint": "/run/ecd.sock"}, "endpoint"),
+    ({"endpoint": "run/ecd.sock"}, "endpoint 'run/ecd.sock': expected ipc://"),
     ({"verify": "yes"}, "verify"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra, named):

@@ -179,7 +179,7 @@ def test_factory_creates_the_connector_in_every_role(tiny_model_dir):
 @pytest.mark.parametrize("extra, key", [
     ({"pin_secs": 5}, "pin_secs"),
     ({"pin_seconds": -1}, "pin_seconds"),
-    ({"endpoint": "/run/ecd/ecd.sock"}, "endpoint"),
+    ({"endpoint": "run/ecd/ecd.sock"}, "endpoint 'run/ecd/ecd.sock': expected ipc://"),
     ({"load_timeout_s": "soon"}, "load_timeout_s"),
 ])
 def test_bad_extra_config_fails_at_construction_naming_the_key(tiny_model_dir, extra, key):

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from ...config_types import client_endpoint
 from ...errors import InvalidRequest
 from ..vllm.settings import DEFAULT_ENDPOINT, ConnectorSettings, convert_settings, fingerprint
 
@@ -28,8 +29,7 @@ class HiCacheSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verify: bool = False  # checksum every page on store, check it on load (a mismatch is a miss)
 
     def __post_init__(self) -> None:
-        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://")):
-            raise ValueError(f"endpoint: must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        self.endpoint = client_endpoint(self.endpoint)  # ipc://PATH, tcp://HOST:PORT, or a bare /path
         if not 0 <= self.pin_seconds <= 86400:
             raise ValueError(f"pin_seconds: must be in [0, 86400], got {self.pin_seconds}")
         if not 0 < self.load_timeout_s <= 3600:
