@@ -46,10 +46,12 @@ serve: $(VENV)/.installed
 
 # Test modules run side by side (pytest-xdist, whole modules per worker: their daemons and fixtures
 # stay together). Most of a test's time is waiting for daemons and processes, so three workers fit
-# two vCPUs; TEST_JOBS=1 runs them one after another.
+# two vCPUs; TEST_JOBS=1 runs them one after another. Tests marked `timing` (they bound how long
+# something takes) run afterwards, alone, so that their neighbours' load cannot fail them.
 TEST_JOBS ?= 3
 test: $(VENV)/.installed promtool kubectl redis-server nixl-optional
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not timing" $(PYTEST_ARGS)
+	$(PY) -m pytest -m timing $(PYTEST_ARGS)
 
 # [cluster] transport = "nixl": NIXL's wheel (UCX inside; no GPU needed for host memory), with
 # --no-deps so pip never replaces the CPU torch (its requirements, torch and numpy, are ecd's

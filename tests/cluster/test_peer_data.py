@@ -128,6 +128,7 @@ def test_reused_connection_never_uses_a_token_twice(pair):
     assert len(owner.grants) == 0
 
 
+@pytest.mark.timing
 def test_dead_owner_with_a_pooled_connection_fails_cleanly(pair):
     owner, puller, segment, grant = pair
     token = grant(1)

@@ -59,6 +59,7 @@ def test_puller_killed_mid_fetch_gives_the_owners_leases_back(cluster):
     assert isinstance(out.get("error"), DaemonUnavailable), out
 
 
+@pytest.mark.timing
 def test_stopped_peer_does_not_stall_other_clients(cluster):
     a, b = cluster(2)
     with a.client() as ca:

@@ -191,6 +191,7 @@ def _killed_holder_comes_back(node, observer, hold: str, released) -> float:
     return waited
 
 
+@pytest.mark.timing
 def test_client_container_killed_while_pinning_releases_within_2s(node, producer, observer):
     producer.ok(f"put pinned-1 {SMALL} 9")
     waited = _killed_holder_comes_back(node, observer, "pin pinned-1 60", lambda s: s["pins"] == 0)
@@ -198,6 +199,7 @@ def test_client_container_killed_while_pinning_releases_within_2s(node, producer
     assert waited < 2.0, f"the killed container's pin came back after {waited:.2f}s, not within 2 s"
 
 
+@pytest.mark.timing
 def test_client_container_killed_while_viewing_gives_the_space_back_within_2s(need_memfd, node, producer,
                                                                              observer):
     base = stats(observer)["used_bytes"]

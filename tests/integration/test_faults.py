@@ -40,6 +40,7 @@ def test_graceful_cold_restart_forgets_the_pool(daemon_factory):
         assert c.exists(["x", "y"]) == [False, True]
 
 
+@pytest.mark.timing
 def test_client_without_daemon_raises_daemon_unavailable(tmp_path):
     started = time.monotonic()
     with pytest.raises(ecd.DaemonUnavailable):

@@ -44,6 +44,7 @@ def test_version():
     assert result.returncode == 0 and result.stdout.strip() == __version__
 
 
+@pytest.mark.timing
 def test_status_of_an_idle_daemon_shows_zero_ops_per_s(daemon):
     rc, doc = ecd_json("status", "--config", daemon.config, "--interval", "0.5")
     assert rc == 0
@@ -62,6 +63,7 @@ def test_status_of_an_idle_daemon_shows_zero_ops_per_s(daemon):
     assert "0 ready" in out and "n/a (no lookups yet)" in out and "total" in out
 
 
+@pytest.mark.timing
 def test_status_hit_rate_holds_and_ops_per_s_under_load(daemon):
     with daemon.client() as c, daemon.client() as pinger:
         c.put("a", torch.ones(1 << 18))  # 1 MiB

@@ -195,6 +195,7 @@ def client_as(uid: int, what: str, endpoint: str, wrap=lambda argv: argv) -> dic
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("blocked_at", ["directory", "socket"])
 def test_client_without_permission_is_told_at_once_with_the_reason(node, blocked_at):
     """Measured on main: DaemonUnavailable "no answer ... within 5s" after the whole timeout."""

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from conftest import metric, scrape_metrics
@@ -23,6 +24,7 @@ def daemon_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.timing
 def test_idle_connection_flood_is_shed_and_the_daemon_keeps_serving(daemon_factory):
     d = daemon_factory(start=False)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

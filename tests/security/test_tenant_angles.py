@@ -398,6 +398,7 @@ def park(endpoint: str, n: int, nkeys: int, tag: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.timing
 def test_ten_thousand_parked_waiters_of_killed_clients_are_dropped(daemon_factory):
     per_client = 2500
     d = daemon_factory(extra=f"[limits]\nmax_waiters_per_client = {per_client}\n")

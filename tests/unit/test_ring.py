@@ -486,6 +486,7 @@ def _welcome(epoch: int):
     return SimpleNamespace(epoch=epoch, ring=SimpleNamespace(slots=SLOTS, buckets=BUCKETS))
 
 
+@pytest.mark.timing
 def test_attach_waits_for_the_daemon_to_repair_a_scribbled_header(buf, writer):
     import threading
     from ecd.client.mapping import open_ring
@@ -500,6 +501,7 @@ def test_attach_waits_for_the_daemon_to_repair_a_scribbled_header(buf, writer):
         assert ring is not None and ring.epoch == 7 and time.monotonic() - started < 0.45
 
 
+@pytest.mark.timing
 def test_attach_gives_up_in_bounded_time(buf, writer):
     from ecd.client.mapping import RING_REPAIR_WAIT_S, open_ring
     ring_file = type("F", (), {"buf": buf})()
