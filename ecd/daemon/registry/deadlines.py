@@ -25,6 +25,7 @@ class Deadlines:
         self.r = records
         self._heap: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._compact_at = 4096  # heap size at which stale deadlines are swept out
+        self._capacity: dict[int, int] = {}  # bytes of each pool group (budget)
         self.pinned: dict[int, int] = {-1: 0}  # bytes of pinned entries per pool group (-1: the host pool; an arena)
 
     def __len__(self) -> int:
@@ -67,8 +68,11 @@ class Deadlines:
     def budget(self, group: int) -> int:
         """Bytes the pins of a pool group may hold."""
         r = self.r
-        pools = r.host.host_pools if group == -1 else (group,)
-        budget = int(sum(r.host.allocators[p].capacity for p in pools) * r.limits.pinned_share)
+        capacity = self._capacity.get(group)
+        if capacity is None:  # pools never change size: summed once per group, not per pin
+            pools = r.host.host_pools if group == -1 else (group,)
+            capacity = self._capacity[group] = sum(r.host.allocators[p].capacity for p in pools)
+        budget = int(capacity * r.limits.pinned_share)
         if group == -1:  # what guaranteed shares still lack must stay evictable or free
             budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items())
         return budget
