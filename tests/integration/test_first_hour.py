@@ -145,3 +145,24 @@ def test_doctor_refuses_the_pool_serve_refuses_with_the_same_line(tmp_path):
     assert serve.returncode == 2, serve.stderr
     said = line.removeprefix("error: pool.host.size: ").split(" of memory available")[1]
     assert "pool.host.size" in serve.stderr and said in serve.stderr, (line, serve.stderr)
+
+
+def test_a_machine_without_an_nvidia_driver_installs_cpu_torch(tmp_path):
+    """`make serve`'s venv: PyTorch's CPU index where there is no NVIDIA driver (PyPI's torch is the
+    CUDA build, several GB), and pip's own choice, said, when that index does not answer. Run on a
+    venv-less copy of the Makefile with an index that cannot answer and a pip that only echoes."""
+    import shutil
+    has_driver = os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+    index = subprocess.run(["make", "-s", "-f", str(REPO / "Makefile"), "--eval", "show-index: ; @echo $(TORCH_INDEX)",
+                            "show-index"], cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout.strip()
+    assert index == ("" if has_driver else "https://download.pytorch.org/whl/cpu"), index
+    fake = tmp_path / "venv" / "bin"
+    fake.mkdir(parents=True)
+    (fake / "python").write_text('#!/bin/sh\n[ "$1" = "-c" ] && exit 1\necho "pip $*"\n')  # no torch, no index
+    (fake / "python").chmod(0o755)
+    out = subprocess.run(["make", "-f", str(REPO / "Makefile"), "venv/.torch", "VENV=venv",
+                          "TORCH_INDEX=http://127.0.0.1:9/whl/cpu"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "installing torch==2.13.0 as pip finds it (http://127.0.0.1:9/whl/cpu does not answer)" in out.stdout
+    assert "pip -m pip install --progress-bar on torch==2.13.0" in out.stdout, out.stdout
