@@ -116,11 +116,13 @@ def client_endpoint(endpoint: object, what: str = "endpoint") -> str:
     or "tcp://HOST:PORT"; a bare absolute path means ipc://PATH. InvalidEndpoint (one line, the
     form expected) for anything else: libzmq's own "Invalid argument" says neither."""
     from .errors import InvalidEndpoint
-    if isinstance(endpoint, str) and endpoint.startswith("/") and "\0" not in endpoint:
-        return "ipc://" + endpoint
-    if isinstance(endpoint, str) and (endpoint.startswith("ipc://") and len(endpoint) > len("ipc://")
-                                      and "\0" not in endpoint or split_tcp_endpoint(endpoint) is not None):
-        return endpoint
+    if isinstance(endpoint, str) and "\0" not in endpoint:
+        if endpoint.startswith("/"):
+            return "ipc://" + endpoint
+        if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+            return endpoint
+        if split_tcp_endpoint(endpoint) is not None:
+            return endpoint
     raise InvalidEndpoint(f"{what} {endpoint!r:.200}: expected ipc:///path/to/ecd.sock (a bare /path means that) "
                           "or tcp://HOST:PORT")
 

@@ -73,11 +73,10 @@ class EventsSection(Section):
                     "curve_secret_key and curve_allowed_keys must be set together")
         for key in ("publish", "replay"):
             endpoint = getattr(self, key)
-            if not endpoint or self.curve or self.insecure or not endpoint.startswith("tcp://"):
-                continue
             # Loopback is no boundary: every local user reaches 127.0.0.1 and would read the token ids
             # of every stored block and every namespace's key names (issue 40, attack 2).
-            check_field(False, key, f"{endpoint}: a tcp endpoint (loopback included) is open to every local "
+            check_field(not endpoint.startswith("tcp://") or self.curve or self.insecure, key,
+                        f"{endpoint}: a tcp endpoint (loopback included) is open to every local "
                         "user, who would read the token ids and key names of what this node holds; use "
                         "ipc://PATH (its socket is 0660, node.group's, like the control socket), or set "
                         "events.curve_secret_key and events.curve_allowed_keys (CURVE), or events.insecure = "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from ..errors import DaemonUnavailable, EcdError, PoolNotVisible, SocketPermissionDenied  # noqa: F401 (re-exported)
+from ..errors import DaemonUnavailable, EcdError, PoolNotVisible, SocketPermissionDenied
 from ..protocol import Bye, encoder
 
 if TYPE_CHECKING:

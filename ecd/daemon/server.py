@@ -24,6 +24,7 @@ import zmq
 
 from ..config import Config
 from ..errors import Code, ConfigError
+from ..listeners import group_socket_file
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile
 from ..memory.memfd import MemfdFile
 from ..memory.ring import RingWriter
@@ -292,21 +293,15 @@ class Daemon:
         sock.setsockopt(zmq.RCVHWM, request_hwm(limits))
         self.connections = Connections(sock, self.max_connections, int(limits.client_queue_bytes),
                                        self._on_connection_gone)
-        old_umask = os.umask(0o007)  # the ipc socket file: owner and group only, from birth
         try:
-            sock.bind(self.endpoint)
+            with group_socket_file(self._ipc_path(), self.gid):
+                sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self.connections.close_monitor()
             sock.close(0)
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise StartupError(f"control.endpoint: cannot bind {self.endpoint}: {reason}") from None
-        finally:
-            os.umask(old_umask)
-        path = self._ipc_path()
-        if path is not None:
-            os.chown(path, -1, self.gid)
-            os.chmod(path, 0o660)
-        else:  # tcp: port 0 picks a free port; log the one bound
+        if self._ipc_path() is None:  # tcp: port 0 picks a free port; log the one bound
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
 

@@ -15,7 +15,7 @@ leaves the index while readers still hold it goes back to WRITING until it is fr
 
 Trust: every record carries a MAC (keyed BLAKE2b-64) over all of it but the state, checksum and
 key-hash words. The key is a secret of 32 random bytes that is never written beside what it
-authenticates: the daemon keeps it in a sealed memfd of its own ("journal.key", new_key_file)
+authenticates: the daemon keeps it in a sealed memfd of its own ("journal.key": restart/adopt.py)
 and hands that to the keeper with the pool (issue 40: a journal that carried its own key could
 be forged by anyone who could write one, a fake holder's in particular). Clients never get the
 journal nor the key. A record torn by a kill in the middle of its write, or bytes a bug

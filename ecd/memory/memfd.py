@@ -37,6 +37,7 @@ F_SEAL_FUTURE_WRITE = 0x0010
 MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3: not executable, said explicitly (else the kernel logs a warning)
 
 POOL_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+SECRET_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL  # no change of any kind
 RING_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL
 
 
@@ -68,11 +69,19 @@ def sealed_secret(name: str, data: bytes) -> int:
     fd = _memfd(name)
     try:
         os.write(fd, data)
-        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)
+        fcntl.fcntl(fd, F_ADD_SEALS, SECRET_SEALS)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def seals_of(fd: int) -> int:
+    """The seals on `fd` (0 for a descriptor that is no memfd, or cannot be asked)."""
+    try:
+        return fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError:
+        return 0
 
 
 def check_memory_room(size: int) -> None:

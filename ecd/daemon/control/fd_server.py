@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 import msgspec
 
 from ...fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
+from ...listeners import group_socket_file
 from .admission import MAX_LOGGED_UIDS, admit as admit_ids
 from .connections import peer_credentials
 from ...memory.host import ShmFile
@@ -95,13 +96,8 @@ class FdServer:
         try:
             with suppress(FileNotFoundError):
                 os.unlink(path)  # a socket file left by a daemon that died (the node lock is held)
-            old_umask = os.umask(0o007)  # owner and group only, from birth
-            try:
+            with group_socket_file(path, gid):
                 sock.bind(path)
-            finally:
-                os.umask(old_umask)
-            os.chown(path, -1, gid)
-            os.chmod(path, 0o660)
             sock.listen(BACKLOG)
             self._ring_fd = ring.read_only_fd()
         except BaseException:

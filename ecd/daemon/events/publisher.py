@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from ...listeners import group_socket_file
 from .wire import END_SEQ, EventBatch, AllBlocksCleared, removed_event, seq_bytes, stored_event
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,20 +96,15 @@ class Publisher:
         sock.copy_threshold = 0
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
             sock.ipv6 = True
-        old_umask = os.umask(0o007)  # an ipc socket file: owner and group only, from birth
+        ipc_path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
         try:
             if self.curve is not None:
                 self.curve.apply(sock)
-            sock.bind(endpoint)
-            if endpoint.startswith("ipc://"):  # node.group's, like the control socket (issue 40)
-                path = endpoint[len("ipc://"):]
-                os.chown(path, -1, self.gid)
-                os.chmod(path, 0o660)
+            with group_socket_file(ipc_path, self.gid):  # node.group's, like the control socket (issue 40)
+                sock.bind(endpoint)
         except BaseException:
             sock.close(linger=0)  # else the context's term() waits for it forever
             raise
-        finally:
-            os.umask(old_umask)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         return sock
 

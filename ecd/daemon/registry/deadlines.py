@@ -55,15 +55,17 @@ class Deadlines:
         """One pin of `entry` ends (its entry leaves the budget with its last pin)."""
         entry.pins -= 1
         if entry.pins == 0:
-            group = self._group(entry.pool)
-            self.pinned[group] -= align_up(max(entry.nbytes, 1))
+            self._unbudget(entry)
 
     def forget(self, entry: Entry) -> None:
         """`entry` is freed with pins on it (an operator's forced eviction): its bytes leave the
         budget; the sessions' pins of it lapse at their deadlines."""
         if entry.pins:
-            entry.pins = 1
-            self.release(entry)
+            entry.pins = 0
+            self._unbudget(entry)
+
+    def _unbudget(self, entry: Entry) -> None:
+        self.pinned[self._group(entry.pool)] -= align_up(max(entry.nbytes, 1))
 
     def budget(self, group: int) -> int:
         """Bytes the pins of a pool group may hold."""

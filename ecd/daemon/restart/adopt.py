@@ -14,7 +14,6 @@ sessions died with the old daemon), CUDA arenas (device memory dies with its pro
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import logging
 import mmap
@@ -29,8 +28,8 @@ from ...memory.allocator import align_up
 from ...memory.host import HostPool, ShmError, ShmFile, segment_name, shm_path
 from ...memory.journal import (KEY_BYTES, EntryRecord, IntentRecord, Journal, JournalRefused, Layout, default_size,
                                new_key)
-from ...memory.memfd import (F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, POOL_SEALS, MemfdFile,
-                             sealed_secret)
+from ...memory.memfd import (F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, POOL_SEALS, SECRET_SEALS, MemfdFile,
+                             sealed_secret, seals_of)
 from ...protocol import RestartStats
 from ..registry.entries import Entry, State
 
@@ -42,7 +41,6 @@ log = logging.getLogger("ecd.daemon")
 
 JOURNAL_FD = "journal"
 JOURNAL_KEY_FD = "journal.key"  # the journal's MAC key (memory/journal.py): a sealed memfd, never a file
-KEY_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL
 
 
 def pool_fd_name(index: int) -> str:
@@ -115,12 +113,8 @@ def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
 def read_key(fd: int) -> bytes:
     """The journal key in a kept descriptor, after checking it is one: KEY_BYTES in a memfd sealed
     against writes (JournalRefused otherwise)."""
-    try:
-        seals = fcntl.fcntl(fd, F_GET_SEALS)
-    except OSError:
-        seals = 0
     key = os.pread(fd, KEY_BYTES + 1, 0)
-    if seals & KEY_SEALS != KEY_SEALS or len(key) != KEY_BYTES:
+    if seals_of(fd) & SECRET_SEALS != SECRET_SEALS or len(key) != KEY_BYTES:
         raise JournalRefused("the kept journal key is not a sealed memfd of the key's size")
     return key
 
@@ -133,11 +127,7 @@ def _map(fd: int, name: str, size: int, backing: str, *, pool: bool = True) -> S
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         raise JournalRefused(f"{name}: the kept descriptor is {st.st_size} bytes, {size} expected")
     if backing == "memfd" and pool:
-        try:
-            seals = fcntl.fcntl(fd, F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if seals & POOL_SEALS != POOL_SEALS:
+        if seals_of(fd) & POOL_SEALS != POOL_SEALS:
             raise JournalRefused(f"{name}: the kept descriptor is not a sealed memfd")
     if backing == "named" and pool:
         try:
