@@ -13,8 +13,10 @@ control socket path, so a pod that mounts the socket directory elsewhere still f
 from __future__ import annotations
 
 import array
+import errno
 import os
 import socket
+import time
 
 import msgspec
 
@@ -46,6 +48,30 @@ def fd_socket_path(control_socket_path: str) -> str:
     return control_socket_path + FD_SOCKET_SUFFIX
 
 
+CONNECT_RETRY_S = 0.005  # the first wait for room in a full listen queue; doubles up to 0.1 s
+
+
+def _connect_within(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect within `timeout`. A unix socket with a timeout is non-blocking, and its connect
+    fails at once (EAGAIN) while the daemon's listen queue is full, as under a burst of clients:
+    that is a wait, not an answer."""
+    deadline = time.monotonic() + timeout
+    pause = CONNECT_RETRY_S
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN and time.monotonic() + pause < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+                continue
+            why = exc.strerror or exc
+            if exc.errno == errno.EAGAIN:
+                why = f"its listen queue stayed full for {timeout:g} s"
+            raise FdFetchError(f"cannot connect to the daemon's fd socket {path}: {why}") from None
+
+
 def receive(path: str, timeout: float) -> tuple[FdBatch, list[tuple[FdItem, int]]]:
     """Connect to the fd socket at `path` and collect every batch: the first header (epoch) and
     each item with its descriptor (the caller closes them). FdFetchError with the reason."""
@@ -53,10 +79,7 @@ def receive(path: str, timeout: float) -> tuple[FdBatch, list[tuple[FdItem, int]
     got: list[tuple[FdItem, int]] = []
     try:
         sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            raise FdFetchError(f"cannot connect to the daemon's fd socket {path}: {exc.strerror or exc}") from None
+        _connect_within(sock, path, timeout)
         first: FdBatch | None = None
         decoder = msgspec.msgpack.Decoder(FdBatch)
         while True:
