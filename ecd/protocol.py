@@ -91,6 +91,7 @@ class Limits(Struct, array_like=True):
 
 # vLLM's ExternalBlockHash: the u64 it publishes by default, or the hash's bytes (msgpack bounds the int).
 BlockHash = Union[int, Annotated[bytes, Meta(max_length=64)]]
+MAX_LOCAL_READS = 1024  # generations one Report may tell (client/local_read.py sends 512 at most)
 MAX_BLOCK_TOKENS = 1 << 16  # token ids one KV block's metadata may carry
 
 
@@ -387,6 +388,8 @@ class Report(_Msg, tag="report"):
     id: int
     ring_overruns: Annotated[int, Meta(ge=0, le=2**31)] = 0
     integrity_failures: Annotated[int, Meta(ge=0, le=2**31)] = 0  # reads that failed verification
+    # generations read without a round trip (client/local_read.py): hits, and recently used
+    local_reads: Annotated[list[U64], Meta(max_length=MAX_LOCAL_READS)] = msgspec.field(default_factory=list)
 
 
 class Fetch(_Msg, tag="fetch"):

@@ -40,10 +40,11 @@ from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flag
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
+from .local_read import LocalReads, copy_from_pools, get_cached
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
-from .tensors import PoolViews, copy_many_out, copy_out_checked, parse_device
+from .tensors import PoolViews, copy_out_checked, parse_device
 
 log = logging.getLogger("ecd.client")
 
@@ -76,6 +77,7 @@ class Client(ControlClient):
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
         # LRU (location_cache.py), kept current by ring events; exists() answers from it
         self._cache = LocationCache()
+        self._local_reads = LocalReads()  # gets made without a round trip, until told to the daemon
         self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
         self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
@@ -99,6 +101,7 @@ class Client(ControlClient):
         mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()
+        self._local_reads.drop()
         self._puts.forget_reservation()
 
     @property
@@ -169,13 +172,37 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
-    def _remember_locked(self, ns: str, keys: list[str], generations: list[int], ring_pos: int) -> None:
+    def _remember_locked(self, ns: str, locations: list[tuple[str, Location]], ring_pos: int) -> None:
         """Cache locations learnt from a reply, unless ring events were consumed while the request
         was out: one of them may have been this entry's eviction, read before it was cached."""
         ring = self._map.ring
         if ring.next_seq == ring_pos:  # else remember_reply keeps nothing: no key hashed for it
-            self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys], generations,
-                                       catch_up=self._map.local)
+            keys = [key for key, _ in locations]
+            self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys],
+                                       [loc.generation for _, loc in locations], catch_up=self._map.local,
+                                       locations=[loc for _, loc in locations])
+
+    def _cached_locations(self, ns: str, keys: list[str], mapping: EpochMapping,
+                          same_as: list[Location] | None = None) -> list[Location] | None:
+        """Under the lock: apply the ring's unread events, then each key's cached host location
+        (the very objects of `same_as`, if given); None at any doubt (local_read.py)."""
+        trusted, overrun = self._cache.sync(mapping.ring)
+        if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
+            self._send_quietly(Report(0, 1))
+        if not trusted:
+            return None
+        found = []
+        for i, key in enumerate(keys):
+            loc = self._cache.located(key_hash(ns, key), ns, key)
+            if loc is None or mapping.is_arena(loc.pool) or (same_as is not None and loc is not same_as[i]):
+                return None
+            found.append(loc)
+        return found
+
+    def _call_locked(self, request, wait_s: float = 0.0):
+        if self._local_reads:  # the daemon hears of this client's reads before what it asks next
+            self._local_reads.tell(self)
+        return super()._call_locked(request, wait_s)
 
     # ---- get / view ---------------------------------------------------------------------
 
@@ -192,8 +219,8 @@ class Client(ControlClient):
             # the old daemon's pools) would be read from the new daemon's: other entries' bytes.
             reply: Acquired = self._call_locked(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
             session, mapping = self._session, self._map
-            found = [(key, r.generation) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
-            self._remember_locked(self.namespace, [k for k, _ in found], [g for _, g in found], ring_pos)
+            found = [(key, r) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
+            self._remember_locked(self.namespace, found, ring_pos)
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
@@ -254,13 +281,17 @@ class Client(ControlClient):
         verify = self._verifies(verify)
         target = parse_device(device)
         to_gpu = target is not None and target.type == "cuda"
+        if not to_gpu:
+            copies = get_cached(self, keys, verify)  # no round trip for what this client knows
+            if copies is not None:
+                return copies
         results, session, mapping = self._acquire(keys, timeout)
         held = [r.generation for r in results if isinstance(r, Location)]
         batch = None
         try:
             out: list[torch.Tensor | None] = []
             checks: list[tuple[int, str, Location]] = []  # copies made on a GPU, verified after the wait
-            host: dict[int, list[tuple[int, Location]]] = {}  # pool -> (place in out, location): copied together
+            host: dict[int, Location] = {}  # place in out -> location: copied together, per pool
             for key, result in zip(keys, results):
                 if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
                     out.append(None)
@@ -285,15 +316,10 @@ class Client(ControlClient):
                         raise self._corrupt(key, loc, actual)
                     out.append(tensor)
                 else:
-                    host.setdefault(loc.pool, []).append((len(out), loc))
+                    host[len(out)] = loc
                     out.append(None)
-            for pool, located in host.items():  # one compiled copy per pool segment, not one per entry
-                locs = [loc for _, loc in located]
-                src = mapping.rw_for(pool, max(loc.offset + loc.nbytes for loc in locs), 0)
-                copies = copy_many_out(src, [loc.offset for loc in locs], [loc.nbytes for loc in locs],
-                                       [loc.dtype for loc in locs], [loc.shape for loc in locs])
-                for (i, _), tensor in zip(located, copies):
-                    out[i] = tensor
+            for i, tensor in zip(host, copy_from_pools(mapping, list(host.values()))):
+                out[i] = tensor
             if batch is not None:
                 batch.wait()
                 from .cuda import tensor_checksum

@@ -7,6 +7,12 @@ deletion or replacement it has not read from the ring since. It also keeps a rin
 being believed for such a key: a presence word someone overwrote with a well-formed ABSENT, or an
 eviction whose event is not read yet, is then asked about.
 
+It also holds where the entry lives (a `Location`: pool, offset, size, dtype, shape, checksum)
+when the put or reply told it, so a repeated `get` copies without asking (Client._get_cached):
+the copy is validated afterwards against the ring (the seqlock pattern: the daemon announces an
+eviction, deletion or replacement on the ring before the extent can be reused, so a copy that
+saw reused bytes finds that event when it reads the ring after the copy, and is thrown away).
+
 So an entry here is only ever a shortcut. Dropping one (or all: `clear`) never changes an answer;
 it costs the next unpinned `exists` of that key one round trip. Keeping one is safe only while
 every ring event since the reply it came from is applied (`apply`), which the client ensures.
@@ -28,6 +34,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..memory.ring import EventKind
+from ..protocol import Location
 
 # Locations kept per Client: enough for the unpinned exists() an engine asks of what it handled
 # recently (a step's embeddings or blocks: thousands at most); ~2.5 MiB when full.
@@ -44,7 +51,7 @@ RING_SYNC_BACKLOG = 1024
 
 
 class LocationCache:
-    """keyhash -> (namespace, key, generation), least recently used first."""
+    """keyhash -> (namespace, key, generation, location or None), least recently used first."""
 
     __slots__ = ("capacity", "_entries")
 
@@ -52,26 +59,30 @@ class LocationCache:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._entries: OrderedDict[int, tuple[str, str, int]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[str, str, int, Location | None]] = OrderedDict()
 
-    def remember(self, keyhash: int, namespace: str, key: str, generation: int) -> None:
-        """This client put or read `generation` of (namespace, key): it is the most recent entry."""
+    def remember(self, keyhash: int, namespace: str, key: str, generation: int,
+                 location: Location | None = None) -> None:
+        """This client put or read `generation` of (namespace, key) (at `location`, if known):
+        it is the most recent entry."""
         entries = self._entries
-        entries[keyhash] = (namespace, key, generation)
+        entries[keyhash] = (namespace, key, generation, location)
         entries.move_to_end(keyhash)
         if len(entries) > self.capacity:
             entries.popitem(last=False)
 
     def remember_reply(self, ring, ring_pos: int, namespace: str, keys: list[str], keyhashes: list[int],
-                       generations: list[int], *, catch_up: bool) -> None:
+                       generations: list[int], *, catch_up: bool,
+                       locations: list[Location] | None = None) -> None:
         """Locations a reply brought, unless ring events were consumed while its request was out
         (`ring.next_seq` moved on from `ring_pos`, where it stood before the request): one of
         them may have been this entry's eviction, read before it was cached. Then, with
         `catch_up` (a ring that is mapped), `catch_up` on it."""
         if ring.next_seq != ring_pos:
             return
-        for keyhash, key, generation in zip(keyhashes, keys, generations):
-            self.remember(keyhash, namespace, key, generation)
+        places = locations if locations is not None else [None] * len(keys)
+        for keyhash, key, generation, location in zip(keyhashes, keys, generations, places):
+            self.remember(keyhash, namespace, key, generation, location)
         if catch_up:
             self.catch_up(ring)
 
@@ -83,6 +94,15 @@ class LocationCache:
             return False
         self._entries.move_to_end(keyhash)
         return True
+
+    def located(self, keyhash: int, namespace: str, key: str) -> Location | None:
+        """Where exactly (namespace, key) was, as of the ring events applied so far (None: not
+        known); a hit becomes the most recent entry. The caller validates what it copies."""
+        cached = self._entries.get(keyhash)
+        if cached is None or cached[3] is None or cached[0] != namespace or cached[1] != key:
+            return None
+        self._entries.move_to_end(keyhash)
+        return cached[3]
 
     def forget(self, keyhash: int) -> None:
         self._entries.pop(keyhash, None)

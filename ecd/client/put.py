@@ -35,8 +35,8 @@ import torch
 from ..errors import RESTARTED, Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
-from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure, Publish,
-                        PutInline)
+from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure,
+                        Location, Publish, PutInline)
 from .control import _check_encodable
 from .mapping import EpochMapping
 from .tensors import copy_into, copy_many_into, dtype_name, host_tensor
@@ -316,8 +316,13 @@ class PutRoute:
             if dest.kind == INLINE:
                 cache.forget(dest.keyhashes[0])  # generation unknown: ask next time
             elif failure is None:
+                # where each entry lives: a later get of it copies without asking (local_read.py)
+                locations = [Location(e.generation, e.pool, e.offset, it.nbytes, it.dtype, list(it.shape),
+                                      digest if checksum else 0)
+                             for e, it, digest in zip(dest.extents, dest.items, digests)]
                 cache.remember_reply(c.mapping.ring, dest.ring_pos, c.namespace, dest.keys, dest.keyhashes,
-                                     [e.generation for e in dest.extents], catch_up=c.mapping.local)
+                                     [e.generation for e in dest.extents], catch_up=c.mapping.local,
+                                     locations=locations)
         if failure is not None and dest.kind == RESERVED and failure.code in (Code.STALE, Code.INVALID):
             return False  # the reservation was gone or unfit: put it the ordinary way
         _raise_first(reply.results)

@@ -400,6 +400,7 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
             fill = {f"f{i}": payload(f"f{i}", 0, MIB) for i in range(free // MIB - 3)}  # room for reservations
             for key, tensor in fill.items():
                 c.put(key, tensor)
+            c.location_cache.clear()  # each get asks the daemon where its entry is (none is read locally)
             for key in [*adopted, *fill]:
                 c.get(key)
             assert time.monotonic() - restarted < WRITE_TTL, "too slow to check within the quarantine"
@@ -430,6 +431,7 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
             placed = []
             for i in range(3):
                 fresh.put(f"after{i}", payload(f"after{i}", 0, MIB))
+                fresh.location_cache.clear()  # the get asks the daemon (the interceptor sees where)
                 fresh.get(f"after{i}")
                 placed.append(locations.seen[f"after{i}"])
             assert extent in placed, (extent, placed)

@@ -144,8 +144,10 @@ class Handlers:
                 return self.fetch(identity, session, rid, ns, keys, peer, timeout_s)
             case Held(id=rid, generations=generations):
                 return Flags(rid, store.held(generations))
-            case Report(ring_overruns=overruns, integrity_failures=corrupt):
+            case Report(ring_overruns=overruns, integrity_failures=corrupt, local_reads=local_reads):
                 self.counters.ring_overruns += overruns
+                if local_reads:
+                    store.placement.read_locally(local_reads)
                 if corrupt:
                     self.counters.integrity_failures["read"] += corrupt
                     log.warning("client pid %d (session %d) read %d entr%s whose bytes do not match "

@@ -124,8 +124,12 @@ class DaemonCollector:
         yield latency
 
         yield CounterMetricFamily("ecd_written_bytes", "Bytes of entries published", value=c["written_bytes"])
-        yield CounterMetricFamily("ecd_read_bytes", "Bytes of entries handed out under read leases",
+        yield CounterMetricFamily("ecd_read_bytes", "Bytes of entries read: handed out under read leases, or "
+                                  "copied by clients without a round trip (as they report them)",
                                   value=c["read_bytes"])
+        yield CounterMetricFamily("ecd_local_reads", "Gets that clients made without a round trip, as they "
+                                  "report them (batched, after the reads; also counted in ecd_lookups)",
+                                  value=c["local_reads"])
 
         states = store.count_states()
         reservations, reserved_bytes = store.reservation_totals()

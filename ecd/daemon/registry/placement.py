@@ -13,7 +13,7 @@ from ...errors import Code
 from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.ring import EventKind
 from ...protocol import AllocItem, Failure
-from .entries import Entry
+from .entries import Entry, State
 
 if TYPE_CHECKING:  # pragma: no cover
     from .state import RecordSet
@@ -45,6 +45,24 @@ class Placement:
             if lru is not None:
                 lru[entry.generation] = entry
                 self.quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
+
+    def read_locally(self, generations: list[int]) -> None:
+        """Entries a client copied without a round trip (client/local_read.py): hits, and the
+        recently used end of the eviction order. Generations that are gone or not READY are
+        skipped: the report comes after the reads, and a client may name anything."""
+        r = self.r
+        now, by_generation, evictable = r.clock(), r.by_generation, r.evictable
+        hits = read_bytes = 0
+        for generation in generations:
+            entry = by_generation.get(generation)
+            if entry is None or entry.state is not State.READY:
+                continue
+            hits += 1
+            read_bytes += entry.nbytes
+            entry.last_access = now
+            if generation in evictable:
+                self.make_evictable(entry)  # to the most recently used end
+        r.counters.update(hits=hits, read_bytes=read_bytes, local_reads=hits)
 
     def make_evictable(self, entry: Entry) -> None:
         """An unheld READY entry (or one just used: to the most recently used end)."""

@@ -1,0 +1,129 @@
+"""Gets without a round trip: a copy out of the pool, validated against the event ring afterwards.
+
+A client that put or read an entry keeps where it lives (its `Location`, in the location cache,
+kept current by ring events). A later `get` of it asks the daemon nothing:
+
+    1. sync: apply the ring's unread events; take the cached location (any doubt: step 0 below)
+    2. copy the bytes out of the pool mapping into a new tensor
+    3. fence (loads of the copy before the load of write_seq; free on x86, see memory/fence.py)
+    4. sync again: if the ring is still live and of the same epoch, nothing was lost (no overrun),
+       and the location is still cached (no EVICTED/DELETED/replacing event named the entry),
+       the copy is the entry's bytes.
+
+Why a copy that passes step 4 is right (the seqlock argument, with write_seq as the sequence):
+the daemon appends an entry's EVICTED or DELETED event (Store.unindex) before it frees the
+extent (Store.retire_or_free), and the extent reaches a new writer only through a later reply
+to an Alloc, a chain of syscalls. So any byte a new writer stored there is ordered after the
+store of write_seq that published the event. If the copy (2) read such a byte, the load of
+write_seq in (4), ordered after the copy by (3), sees that event, which drops the location:
+the copy is thrown away. An adopting restart reuses extents without an event on the old ring;
+it marks the old ring closed before it serves (restart/memory.py: `close_old_ring`), and a
+closed ring fails step 4 the same way.
+
+Step 0, the fallback, is today's route: Acquire (a read lease), copy, Release. It is taken for
+any key not cached with its location, an arena entry, a copy to a GPU, a ring that is not
+usable (silent daemon, closed, scribbled), an overrun, and a batch larger than limits.max_batch.
+
+The daemon does not see these reads, so the client tells it in batches (`LocalReads`): a
+fire-and-forget Report of the generations read, which counts them as hits and moves them to the
+recently used end of the eviction order. It goes before this client's next request (so its own
+put after a get evicts as if the get had been a round trip), and at least every REPORT_EVERY_S
+or REPORT_BATCH reads while reads go on: another client's put may see the order up to that late.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ..memory.fence import barrier as memory_barrier
+from ..protocol import Location, Report
+from .tensors import copy_many_out, copy_out_checked
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Client
+    from .mapping import EpochMapping
+
+REPORT_BATCH = 512  # local reads told to the daemon in one Report (protocol.MAX_LOCAL_READS at most)
+REPORT_EVERY_S = 0.5  # and at least this often while reads go on
+
+
+def copy_from_pools(mapping: "EpochMapping", locations: Sequence[Location]) -> list[torch.Tensor]:
+    """New tensors holding the bytes at host `locations`: one compiled copy per pool segment."""
+    out: list[torch.Tensor | None] = [None] * len(locations)
+    by_pool: dict[int, list[int]] = {}
+    for i, loc in enumerate(locations):
+        by_pool.setdefault(loc.pool, []).append(i)
+    for pool, places in by_pool.items():
+        locs = [locations[i] for i in places]
+        src = mapping.rw_for(pool, max(loc.offset + loc.nbytes for loc in locs), 0)
+        copies = copy_many_out(src, [loc.offset for loc in locs], [loc.nbytes for loc in locs],
+                               [loc.dtype for loc in locs], [loc.shape for loc in locs])
+        for i, tensor in zip(places, copies):
+            out[i] = tensor
+    return out  # type: ignore[return-value]  # every place is filled
+
+
+def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor] | None:
+    """Copies of `keys` made without a round trip, or None: take the round trip (nothing was
+    told to anyone, nothing is held). Raises IntegrityError for a validated copy whose bytes do
+    not match the checksum its producer stored (with `verify`)."""
+    ns = c.namespace
+    if not keys or len(keys) > c.limits.max_batch:
+        return None
+    with c._lock:
+        mapping = c._map
+        if mapping is None or not mapping.local or c._res.sock is None:
+            return None
+        locations = c._cached_locations(ns, keys, mapping)
+        if locations is None:
+            return None
+    if verify:
+        copied = [copy_out_checked(mapping.rw_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes,
+                                   loc.dtype, loc.shape, with_checksum=bool(loc.checksum)) for loc in locations]
+        out = [tensor for tensor, _ in copied]
+    else:
+        out = copy_from_pools(mapping, locations)
+    if memory_barrier is not None:
+        memory_barrier()  # the copy's loads before the ring's write_seq is read again
+    with c._lock:
+        if c._map is not mapping or c._cached_locations(ns, keys, mapping, same_as=locations) is None:
+            return None  # evicted, replaced, deleted, a restart, or a ring in doubt: ask
+        c._local_reads.add([loc.generation for loc in locations], c)
+    if verify:
+        for key, loc, (_, actual) in zip(keys, locations, copied):
+            if loc.checksum and actual != loc.checksum:
+                raise c._corrupt(key, loc, actual)
+    return out
+
+
+class LocalReads:
+    """Generations this client read without asking, until they are told to the daemon."""
+
+    __slots__ = ("_generations", "_told_at")
+
+    def __init__(self) -> None:
+        self._generations: list[int] = []
+        self._told_at = time.monotonic()
+
+    def add(self, generations: list[int], c: "Client") -> None:
+        """Under the client's lock."""
+        self._generations += generations
+        if len(self._generations) >= REPORT_BATCH or time.monotonic() - self._told_at >= REPORT_EVERY_S:
+            self.tell(c)
+
+    def __bool__(self) -> bool:
+        return bool(self._generations)
+
+    def tell(self, c: "Client") -> None:
+        """Send what is pending (fire-and-forget; under the client's lock)."""
+        pending, self._generations = self._generations, []
+        self._told_at = time.monotonic()
+        for first in range(0, len(pending), REPORT_BATCH):
+            c._send_quietly(Report(0, local_reads=pending[first:first + REPORT_BATCH]))
+
+    def drop(self) -> None:
+        """A new daemon run: these generations named the old one's entries."""
+        self._generations = []
+
