@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from ..memory.ring import EventKind
+from ..memory.ring import READER_TRUST_S, EventKind
 from ..protocol import Location
 
 # Locations kept per Client: enough for the unpinned exists() an engine asks of what it handled
@@ -42,7 +42,7 @@ LOCATION_CACHE_ENTRIES = 8192
 
 _PUBLISHED = int(EventKind.PUBLISHED)
 
-RING_SILENCE_S = 1.0  # a ring whose heartbeat is older than this is not trusted for negatives
+RING_SILENCE_S = READER_TRUST_S  # a ring whose heartbeat is older than this is not trusted
 RING_MAX_BACKLOG = 4096  # more unread events than this: drop the location cache instead
 # A put or get that finds this many unread ring events applies them to the location cache, so a
 # client that never calls exists() keeps its cached locations current (pruned of evictions)

@@ -127,9 +127,27 @@ MAX_SEQ = 1 << 62
 # A heartbeat this far in the future of the reader's clock was not written by the daemon (the
 # slack leaves room for clients in a time namespace a little behind the daemon's).
 FUTURE_SLACK_NS = 1_000_000_000
+# How long a ring whose heartbeat stopped is still believed by its readers (RingReader.usable):
+# an adopting restart waits this long after the old ring's last beat before it serves
+# (`old_ring_silent_in`), so that no reader validates a copy against a ring no one writes.
+READER_TRUST_S = 1.0
 # Presence buckets the daemon compares with its own counts per heartbeat: 64 Ki buckets (256 KiB)
 # cost ~0.1 ms every 0.1 s; the default 1 Mi buckets are swept every 1.6 s.
 AUDIT_BUCKETS = 1 << 16
+
+
+def old_ring_silent_in(buf) -> float:
+    """Seconds until no reader trusts the ring in `buf` (a previous run's, mapped read-only) any
+    more: 0 when it was closed or beat long enough ago; at most READER_TRUST_S + slack for a
+    header that is not a ring's, or a beat in the future (not the daemon's: wait it out)."""
+    trust_ns = int(READER_TRUST_S * 1e9) + 50_000_000  # readers compare with their own clock: slack
+    words = np.frombuffer(buf, np.uint64, count=_CLOSED + 1)
+    if int(words[_MAGIC]) == MAGIC and int(words[_CLOSED]) == 1:
+        return 0.0
+    age_ns = time.monotonic_ns() - int(words[_HEARTBEAT])
+    if int(words[_MAGIC]) != MAGIC or age_ns < 0:
+        return trust_ns / 1e9
+    return max(0, trust_ns - age_ns) / 1e9
 
 
 class EventKind(enum.IntEnum):

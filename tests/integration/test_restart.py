@@ -241,13 +241,13 @@ def test_a_pool_of_another_node_is_refused(daemon_factory):
 from ecd.daemon.restart.holder_client import HolderKeeper
 fds = HolderKeeper({node_a!r}, {d.runtime_dir!r}, spawn=False).take()
 HolderKeeper({node_b!r}, {d.runtime_dir!r}, hold=120.0).keep(fds)
-print(len(fds))
+print(len(fds))  # one segment, the journal, its key, the ring
 """
     # stderr to a file: the holder it spawns inherits it and outlives it
     with open(Path(d.runtime_dir) / "move.err", "w") as err:
         out = subprocess.run([sys.executable, "-c", move], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0 and out.stdout.strip() == "3", (Path(d.runtime_dir) / "move.err").read_text()
+    assert out.returncode == 0 and out.stdout.strip() == "4", (Path(d.runtime_dir) / "move.err").read_text()
     d.release_pool()  # node A's holder lets its copy go
     assert wait_for(lambda: holder_pids(node_a) == [], timeout=10)
     edit_config(d, f'name = "{node_a}"', f'name = "{node_b}"')

@@ -30,6 +30,7 @@ from ...memory.journal import (KEY_BYTES, EntryRecord, IntentRecord, Journal, Jo
                                new_key)
 from ...memory.memfd import (F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, POOL_SEALS, SECRET_SEALS, MemfdFile,
                              sealed_secret, seals_of)
+from ...memory.ring import HEADER_BYTES, READER_TRUST_S, old_ring_silent_in
 from ...protocol import RestartStats
 from ..registry.entries import Entry, State
 
@@ -41,6 +42,10 @@ log = logging.getLogger("ecd.daemon")
 
 JOURNAL_FD = "journal"
 JOURNAL_KEY_FD = "journal.key"  # the journal's MAC key (memory/journal.py): a sealed memfd, never a file
+# The run's event ring: the next run reads its last heartbeat, and serves only once no reader
+# trusts that ring any more (client/local_read.py validates copies against it). Optional: a
+# keeper of an older ecd holds none, and the next run then waits the whole READER_TRUST_S.
+RING_FD = "ring"
 
 
 def pool_fd_name(index: int) -> str:
@@ -77,6 +82,7 @@ class Kept:
     intents: list[IntentRecord]
     skipped: int  # records that failed their checks (torn, stray)
     opened_s: float  # mapping the memory and reading the journal
+    old_ring_quiet_at: float = 0.0  # time.monotonic() when no reader trusts the previous run's ring
 
 
 def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
@@ -91,9 +97,11 @@ def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
         raise JournalRefused("the keeper holds no journal key (a journal of an older ecd, or not the daemon's)")
     wanted = [pool_fd_name(i) for i in range(len(layout.segments))]
     missing = [name for name in wanted if name not in fds]
-    if missing or len(fds) != len(wanted) + 2:
-        raise JournalRefused(f"the keeper holds {len(fds) - 2} pool segment(s), the config gives "
+    others = 2 + (RING_FD in fds)
+    if missing or len(fds) != len(wanted) + others:
+        raise JournalRefused(f"the keeper holds {len(fds) - others} pool segment(s), the config gives "
                              f"{len(layout.segments)}")
+    quiet_at = time.monotonic() + old_ring_silent_in_fd(fds.pop(RING_FD, -1))
     key = read_key(fds[JOURNAL_KEY_FD])
     size = journal_size(config)
     journal_file = _map(fds[JOURNAL_FD], journal_name(config.node.name), size, config.pool.host.backing,
@@ -107,7 +115,20 @@ def open_kept(config: "Config", fds: dict[str, int]) -> Kept:
         journal_file.buf.close()
         raise
     return Kept(HostPool.from_segments(segments), journal_file, journal, fds[JOURNAL_KEY_FD], entries, intents,
-                skipped, time.perf_counter() - began)
+                skipped, time.perf_counter() - began, quiet_at)
+
+
+def old_ring_silent_in_fd(fd: int) -> float:
+    """old_ring_silent_in of the ring file `fd` (closed here; -1: none was kept, wait it all)."""
+    if fd < 0:
+        return READER_TRUST_S
+    try:
+        with mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as header:
+            return old_ring_silent_in(header)
+    except (OSError, ValueError):  # not a ring's file: wait as long as any reader could trust one
+        return READER_TRUST_S
+    finally:
+        os.close(fd)
 
 
 def read_key(fd: int) -> bytes:
@@ -159,10 +180,11 @@ def create_journal(config: "Config") -> tuple[ShmFile, Journal, int]:
     return journal_file, Journal.create(journal_file.buf, size, layout_of(config), key), key_fd
 
 
-def kept_fds(pool: HostPool, journal_file: ShmFile, key_fd: int) -> dict[str, int]:
+def kept_fds(pool: HostPool, journal_file: ShmFile, key_fd: int, ring_fd: int) -> dict[str, int]:
     fds = {pool_fd_name(i): seg.fd for i, seg in enumerate(pool.segments)}
     fds[JOURNAL_FD] = journal_file.fd
     fds[JOURNAL_KEY_FD] = key_fd
+    fds[RING_FD] = ring_fd
     return fds
 
 

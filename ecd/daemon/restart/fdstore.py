@@ -13,7 +13,8 @@ Spoken directly, as sd_notify(3) and sd_listen_fds(3) document it (no libsystemd
   (FileDescriptorStorePreserve=restart, the default; "yes" keeps it even across a stop, and then
   only release() or `systemctl clean --what=fdstore` returns the memory).
 
-The unit needs FileDescriptorStoreMax= of at least the pool's segment count plus two (the journal, its key):
+The unit needs FileDescriptorStoreMax= of at least the pool's segment count plus three (the journal,
+its key, the ring):
 systemd closes what does not fit, saying so only in its own log. systemd 254 and later tell the
 service that maximum in $FDSTORE, and keeper = "auto" picks this keeper only when it is set and
 positive; here a keep that would not fit is refused before anything is sent.

@@ -51,6 +51,13 @@ class Memory:
         kept, self.kept = self.kept, None
         if kept is None:
             return
+        # Clients still map the previous run's ring, and validate copies against it until its
+        # heartbeat is READER_TRUST_S old (client/local_read.py). An adopted extent must not be
+        # reused before then: this run serves (and frees) only after.
+        quiet_in = kept.old_ring_quiet_at - time.monotonic()
+        if quiet_in > 0:
+            log.info("restart: waiting %.2fs for clients to stop trusting the previous run's event ring", quiet_in)
+            time.sleep(quiet_in)
         stats = adopt_entries(store, kept, quarantine_s)
         self.restart = msgspec.structs.replace(stats, keeper=self.restart.keeper)
         log.info("restart: adopted %d entries (%d bytes) of the previous run's pool in %.3fs; %d unfinished "
@@ -65,7 +72,7 @@ class Memory:
         named = [] if backing == "memfd" else [shm_path(s.name) for s in self.pool.segments] + [
             shm_path(self.journal_file.name)]
         try:
-            self.keeper.keep(kept_fds(self.pool, self.journal_file, self.journal_key_fd), named)
+            self.keeper.keep(kept_fds(self.pool, self.journal_file, self.journal_key_fd, self.ring_file.fd), named)
             self.held = True
         except Exception as exc:
             log.warning("restart: the %s keeper did not take the pool (%s): it will not be adopted after a "
