@@ -1,0 +1,165 @@
+"""Processes for the local-read chaos test (test_local_reads.py), and the mutants it runs them with.
+
+Values encode (key, generation): every int64 word of key K's value number V is (K << 32) | V, so
+a copy that mixes two values, or read another key's extent, or a half-written one, is caught.
+
+  writer ENDPOINT KEYS SECONDS SEED
+      puts random keys (a new value number each time) and deletes some, until SECONDS are up;
+      prints {"puts": N, "deletes": N}
+  reader ENDPOINT KEYS SECONDS SEED MUTANT
+      gets random keys with delays injected between every step of the local read (before the
+      location is taken, between it and the copy, after the copy, before the ring is read
+      again), until SECONDS are up; prints {"reads", "local", "thrown", "wrong", "first_wrong"}
+  daemon MUTANT -- PYTHON -m ecd serve ...
+      the daemon, with MUTANT applied (`DaemonProcess.start(prefix=...)`)
+
+Mutants (each must make the test fail; `none` is the real build):
+  no-recheck   the client returns the copy without reading the ring again after it
+  late-event   the daemon announces an eviction/deletion/replacement 20 ms after it frees the
+               extent (the order the protocol forbids: free, then event)
+  no-fence     the client skips the fence between the copy and the ring read. On x86 (TSO) that
+               fence is no instruction at all (memory/fence.py), so this mutant cannot fail there:
+               the test runs it only on weakly ordered CPUs.
+"""
+from __future__ import annotations
+
+import json
+import random
+import runpy
+import sys
+import time
+
+import torch
+
+NUMEL = 8192  # 64 KiB of int64 words
+
+
+def value(key_id: int, number: int) -> torch.Tensor:
+    return torch.full((NUMEL,), (key_id << 32) | number, dtype=torch.int64)
+
+
+def wrong_bytes(key_id: int, got: torch.Tensor) -> str:
+    """"" when `got` is one whole value of key `key_id`, else what is wrong with it."""
+    if got.dtype != torch.int64 or got.numel() != NUMEL:
+        return f"{got.dtype} x {got.numel()}"
+    words = got.unique()
+    if words.numel() != 1:
+        return f"{words.numel()} different words: {[hex(w) for w in words[:4].tolist()]}"
+    word = int(words[0])
+    return "" if word >> 32 == key_id else f"key {word >> 32}'s value {word & 0xFFFFFFFF}"
+
+
+def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
+    """Delays between the read protocol's steps (always), and the client mutant `name`. Returns
+    counters the patched steps keep: copies made, copies returned."""
+    from ecd.client import client as client_module, local_read
+    counts = {"copies": 0, "returned": 0}
+
+    def pause() -> None:
+        time.sleep(rng.choice((0.0, 0.0, 0.0001, 0.0005, 0.002)))
+
+    real_copy, real_get, real_locations = local_read.copy_from_pools, local_read.get_cached, \
+        client_module.Client._cached_locations
+
+    def slow_copy(mapping, locations):
+        pause()  # between taking the location and the copy: an eviction and a new write fit here
+        counts["copies"] += 1
+        out = real_copy(mapping, locations)
+        pause()  # between the copy and the ring read
+        return out
+
+    def counted_get(c, keys, verify):
+        out = real_get(c, keys, verify)
+        counts["returned"] += out is not None
+        return out
+
+    def locations(self, ns, keys, mapping, same_as=None):
+        if same_as is not None and name == "no-recheck":
+            return same_as
+        pause()
+        return real_locations(self, ns, keys, mapping, same_as)
+
+    local_read.copy_from_pools = slow_copy
+    local_read.get_cached = counted_get
+    client_module.get_cached = counted_get
+    client_module.Client._cached_locations = locations
+    if name == "no-fence":
+        local_read.memory_barrier = None
+    return counts
+
+
+def apply_daemon_mutant(name: str) -> None:
+    if name != "late-event":
+        return
+    import asyncio
+
+    from ecd.daemon.registry import announce
+    from ecd.memory.ring import EventKind
+    real = announce.Announcer.announce
+
+    def late(self, kind, entry, keyhash=None):
+        if kind is EventKind.PUBLISHED:
+            return real(self, kind, entry, keyhash)
+        asyncio.get_running_loop().call_later(0.02, real, self, kind, entry, keyhash)
+
+    announce.Announcer.announce = late
+
+
+def writer(endpoint: str, keys: int, seconds: float, seed: int) -> None:
+    import ecd
+    rng = random.Random(seed)
+    numbers = [0] * keys
+    puts = deletes = 0
+    with ecd.Client(endpoint, timeout=30) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            k = rng.randrange(keys)
+            if rng.random() < 0.1:
+                c.delete(f"k{k}")
+                deletes += 1
+                continue
+            numbers[k] += 1
+            try:
+                c.put(f"k{k}", value(k, numbers[k] * 1000 + seed))
+                puts += 1
+            except ecd.PoolFull:  # every extent read-leased for a moment
+                time.sleep(0.001)
+    print(json.dumps({"puts": puts, "deletes": deletes}), flush=True)
+
+
+def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> None:
+    import ecd
+    rng = random.Random(seed)
+    counts = apply_client_mutant(mutant, rng)
+    reads = wrong = 0
+    first_wrong = ""
+    with ecd.Client(endpoint, timeout=30) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            k = rng.randrange(keys)
+            try:
+                got = c.get(f"k{k}")
+            except ecd.KeyNotFound:
+                continue
+            reads += 1
+            problem = wrong_bytes(k, got)
+            if problem:
+                wrong += 1
+                first_wrong = first_wrong or f"k{k}: {problem}"
+    print(json.dumps({"reads": reads, "local": counts["returned"], "thrown": counts["copies"] - counts["returned"],
+                      "wrong": wrong, "first_wrong": first_wrong}), flush=True)
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "writer":
+        writer(args[0], int(args[1]), float(args[2]), int(args[3]))
+    elif mode == "reader":
+        reader(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
+    elif mode == "daemon":
+        apply_daemon_mutant(args[0])
+        command = args[args.index("--") + 1:]
+        sys.argv = ["ecd", *command[command.index("ecd") + 1:]]  # after PYTHON -m ecd
+        runpy.run_module("ecd", run_name="__main__", alter_sys=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
