@@ -10,13 +10,17 @@ a copy that mixes two values, or read another key's extent, or a half-written on
       gets random keys with delays injected between every step of the local read (before the
       location is taken, between it and the copy, after the copy, before the ring is read
       again), until SECONDS are up; prints {"reads", "local", "thrown", "wrong", "first_wrong"}
-  daemon MUTANT -- PYTHON -m ecd serve ...
-      the daemon, with MUTANT applied (`DaemonProcess.start(prefix=...)`)
+  daemon MUTANT [--after FILE] -- PYTHON -m ecd serve ...
+      the daemon, with MUTANT applied (`DaemonProcess.start(prefix=...)`); with --after, its
+      modules are imported first, FILE.ready is made, and it serves once FILE exists (a restart
+      faster than Python's imports allow)
 
 Mutants (each must make the test fail; `none` is the real build):
   no-recheck   the client returns the copy without reading the ring again after it
   late-event   the daemon announces an eviction/deletion/replacement 20 ms after it frees the
                extent (the order the protocol forbids: free, then event)
+  no-ring-wait an adopting daemon serves at once, while clients still trust the previous run's ring
+               (test_local_read_restart.py)
   no-fence     the client skips the fence between the copy and the ring read. On x86 (TSO) that
                fence is no instruction at all (memory/fence.py), so this mutant cannot fail there:
                the test runs it only on weakly ordered CPUs.
@@ -32,6 +36,7 @@ import time
 import torch
 
 NUMEL = 8192  # 64 KiB of int64 words
+CHURN_SCRIPT = __file__
 
 
 def value(key_id: int, number: int) -> torch.Tensor:
@@ -89,6 +94,11 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
 
 
 def apply_daemon_mutant(name: str) -> None:
+    if name == "no-ring-wait":
+        from ecd.daemon.restart import adopt
+        real_silent_in = adopt.old_ring_silent_in_fd
+        adopt.old_ring_silent_in_fd = lambda fd: real_silent_in(fd) * 0
+        return
     if name != "late-event":
         return
     import asyncio
@@ -158,6 +168,14 @@ if __name__ == "__main__":
         reader(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
     elif mode == "daemon":
         apply_daemon_mutant(args[0])
+        if args[1] == "--after":  # a warm standby: imported, then started the moment FILE appears
+            import importlib
+            import os
+            for module in ("ecd.cli.commands", "ecd.daemon.server", "ecd.daemon.wiring"):
+                importlib.import_module(module)
+            open(args[2] + ".ready", "w").close()
+            while not os.path.exists(args[2]):
+                time.sleep(0.001)
         command = args[args.index("--") + 1:]
         sys.argv = ["ecd", *command[command.index("ecd") + 1:]]  # after PYTHON -m ecd
         runpy.run_module("ecd", run_name="__main__", alter_sys=True)
