@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Gets without a round trip (issue 42, client/local_read.py): what a warm get costs now.
+
+Starts its own daemon and a bare pyzmq REQ/REP echo process, and measures, interleaved round by
+round so that each ratio compares samples taken side by side:
+  1. a warm get of a 64 KiB entry (its location known: no request) against one bare round trip,
+     and against the same get forced through the daemon (the location forgotten before each);
+  2. the same at 16 MiB against a memcpy of 16 MiB into a new tensor (torch.empty + copy_);
+  3. how many requests the daemon handles while another process makes 1000 gets of one key
+     (its stats' per-operation counters; the target is <= 1 % of the reads).
+Prints medians of the per-round ratios and PASS/MISS per target; `--json PATH` writes them.
+`make bench-local-reads` runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench_core import _echo_server, bare_socket, child_starter
+from bench_daemon import BenchDaemon, write_results
+from ecd.client.client import Client
+from ecd.memory.ring import key_hash
+
+KIB = 1 << 10
+ROUNDS, BLOCK = 40, 100
+TARGET_WARM_GET_RATIO = 0.5  # warm 64 KiB get <= 0.5 bare round trips
+TARGET_REQUESTS_PER_READ = 0.01
+READS = 1000
+
+
+def per_op_ns(fn, n: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter_ns() - start) / n
+
+
+def _reader(endpoint: str, key: str, conn) -> None:
+    """Another process: READS gets of `key` (the first asks the daemon where it is)."""
+    with Client(endpoint, timeout=10) as c:
+        conn.recv()
+        for _ in range(READS):
+            c.get(key)
+        c.ping()  # its batched report of the reads goes before this; then the counters are read
+        conn.send("done")
+        conn.recv()
+
+
+def requests_handled(c: Client) -> int:
+    return sum(n for op, n in c.stats()["ops"].items() if op != "stats")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    res: dict = {"cpu": platform.processor() or platform.machine()}
+    with open("/proc/cpuinfo") as f:
+        res["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), res["cpu"])
+    procs: list = []
+    start = child_starter(procs)
+    with tempfile.TemporaryDirectory(prefix="ecd-bench-") as workdir:
+        daemon = BenchDaemon(workdir, "benchlr", pool="256MiB")
+        try:
+            echo_endpoint = f"ipc://{workdir}/echo.sock"
+            echo = start(_echo_server, echo_endpoint, "REP")
+            assert echo.recv() == "ready"
+            ctx, req = bare_socket("REQ", echo_endpoint)
+            c = daemon.connect()
+            small, large = torch.arange(16 * KIB, dtype=torch.float32), torch.rand(4 * KIB * KIB)
+            c.put("k64", small)
+            c.put("k16m", large)
+            forget = c.location_cache.forget
+            k64_hash = key_hash(c.namespace, "k64")
+
+            def bare() -> None:
+                req.send(b"x")
+                req.recv()
+
+            def through_daemon() -> None:
+                forget(k64_hash)
+                c.get("k64")
+
+            def memcpy_16m() -> None:
+                torch.empty_like(large).copy_(large)
+
+            for fn in (bare, through_daemon, lambda: c.get("k64")):
+                per_op_ns(fn, 200)  # warm
+            warm, asked, copy_ratio = [], [], []
+            for _ in range(ROUNDS):
+                b = per_op_ns(bare, BLOCK)
+                warm.append(per_op_ns(lambda: c.get("k64"), BLOCK) / b)
+                asked.append(per_op_ns(through_daemon, BLOCK) / b)
+                m = per_op_ns(memcpy_16m, 5)
+                copy_ratio.append(per_op_ns(lambda: c.get("k16m"), 5) / m)
+            bare_us = per_op_ns(bare, 1000) / 1e3
+            res["bare_round_trip_us"] = round(bare_us, 1)
+            res["warm_get_64k_vs_round_trip"] = round(statistics.median(warm), 3)
+            res["asked_get_64k_vs_round_trip"] = round(statistics.median(asked), 3)
+            res["warm_get_16m_vs_memcpy"] = round(statistics.median(copy_ratio), 3)
+
+            reader = start(_reader, daemon.endpoint, "k64")
+            time.sleep(0.5)  # its session is open (Hello counted before the window)
+            before = requests_handled(c)
+            reader.send("go")
+            assert reader.recv() == "done"
+            handled = requests_handled(c) - before - 1  # less the ping that closes the window
+            reader.send("bye")
+            res["requests_per_read"] = round(handled / READS, 4)
+            res["requests_in_window"] = handled
+            c.close()
+            req.send(b"stop")
+            req.recv()
+            req.close(0)
+            ctx.term()
+        finally:
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+            rc = daemon.stop()
+    res["daemon_exit"] = rc
+    print(f"CPU: {res['cpu']}")
+    print(f"bare REQ/REP round trip: {res['bare_round_trip_us']} us")
+    rows = [("warm 64 KiB get / bare round trip", res["warm_get_64k_vs_round_trip"], TARGET_WARM_GET_RATIO),
+            ("64 KiB get through the daemon / bare round trip", res["asked_get_64k_vs_round_trip"], None),
+            ("warm 16 MiB get / memcpy into a new tensor", res["warm_get_16m_vs_memcpy"], None),
+            (f"daemon requests per read ({READS} gets from another process)", res["requests_per_read"],
+             TARGET_REQUESTS_PER_READ)]
+    for name, value, target in rows:
+        verdict = "" if target is None else ("PASS" if value <= target else "MISS") + f" (target <= {target})"
+        print(f"{name:<66} {value:>8}  {verdict}")
+    if args.json:
+        write_results(args.json, res)
+    sys.exit(0 if rc == 0 else 1)
+
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn", force=True)
+    main()
