@@ -168,11 +168,23 @@ class PoolSection(Section):
 class RingSection(Section):
     slots: int = 65536  # events kept before a slow reader is overrun
     presence_buckets: int = 1 << 20  # words clients read to answer unpinned exists() locally
+    # records of the entry index (memory/entry_index.py: 256 bytes each), where clients find an
+    # entry's location without asking; 0: none (every first get of a key asks the daemon)
+    index_records: int = 1 << 15
 
     def __post_init__(self) -> None:
         for key, value in (("slots", self.slots), ("presence_buckets", self.presence_buckets)):
             check_field(value >= 64 and value & (value - 1) == 0 and value <= 1 << 26, key,
                    f"must be a power of two between 64 and 2^26, got {value}")
+        check_field(self.index_records == 0 or (self.index_records >= 4 and self.index_records & (
+            self.index_records - 1) == 0 and self.index_records <= 1 << 22), "index_records",
+            f"must be 0 or a power of two between 4 and 2^22, got {self.index_records}")
+
+    def file_bytes(self) -> int:
+        """The ring's file: the ring, then the entry index."""
+        from .memory.entry_index import index_bytes
+        from .memory.ring import ring_bytes
+        return ring_bytes(self.slots, self.presence_buckets) + index_bytes(self.index_records)
 
 
 class RestartSection(Section):

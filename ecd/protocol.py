@@ -76,6 +76,7 @@ class RingInfo(Struct, array_like=True):
     size: int
     slots: int
     buckets: int
+    index_records: int = 0  # memory/entry_index.py
 
 
 class Limits(Struct, array_like=True):
@@ -91,7 +92,7 @@ class Limits(Struct, array_like=True):
 
 # vLLM's ExternalBlockHash: the u64 it publishes by default, or the hash's bytes (msgpack bounds the int).
 BlockHash = Union[int, Annotated[bytes, Meta(max_length=64)]]
-MAX_LOCAL_READS = 1024  # generations one Report may tell (client/local_read.py sends 512 at most)
+MAX_LOCAL_READS = 1024  # Report.local_reads: generations read without a round trip (client/local_read.py)
 MAX_BLOCK_TOKENS = 1 << 16  # token ids one KV block's metadata may carry
 
 
@@ -388,7 +389,6 @@ class Report(_Msg, tag="report"):
     id: int
     ring_overruns: Annotated[int, Meta(ge=0, le=2**31)] = 0
     integrity_failures: Annotated[int, Meta(ge=0, le=2**31)] = 0  # reads that failed verification
-    # generations read without a round trip (client/local_read.py): hits, and recently used
     local_reads: Annotated[list[U64], Meta(max_length=MAX_LOCAL_READS)] = msgspec.field(default_factory=list)
 
 

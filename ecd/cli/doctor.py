@@ -136,9 +136,8 @@ def _smallest_limit(directory: str, top: str, name: str) -> MemoryLimit | None:
 
 def memory_needed(config: Config) -> dict[str, int]:
     """What the daemon's cgroup must hold, by part."""
-    from ..memory.ring import ring_bytes
     parts = {"host pool": int(config.pool.host.size),
-             "event ring": ring_bytes(config.ring.slots, config.ring.presence_buckets),
+             "event ring": config.ring.file_bytes(),
              "daemon": DAEMON_BASE_BYTES + int(config.limits.max_message_bytes)}
     if config.pool.disk is not None:
         parts["spill buffer"] = int(config.pool.disk.spill_buffer)
@@ -202,7 +201,6 @@ def check_shm(config: Config, shm_dir: str | None = None, lock_dir: str | None =
     """The node lock's directory must be writable; with backing = "named", /dev/shm must have room
     for the pool and ring (the node's own files of a previous run count as room: start removes them)."""
     from ..memory import host
-    from ..memory.ring import ring_bytes
     shm_dir = shm_dir or host.SHM_DIR
     lock_dir = lock_dir or os.path.dirname(host.NodeLock(config.node.name).path)
     named = getattr(config.pool.host, "backing", "named") == "named"
@@ -226,7 +224,7 @@ def check_shm(config: Config, shm_dir: str | None = None, lock_dir: str | None =
                 reclaim += os.stat(os.path.join(shm_dir, name)).st_size
             except OSError:
                 pass
-    need = int(config.pool.host.size) + ring_bytes(config.ring.slots, config.ring.presence_buckets)
+    need = int(config.pool.host.size) + config.ring.file_bytes()
     if need > free + reclaim:
         return [Finding("error", shm_dir, (
             f"has {format_bytes(free + reclaim)} free, backing = \"named\" needs {format_bytes(need)} there for the "

@@ -65,13 +65,18 @@ class Client(ControlClient):
 
     def __init__(self, endpoint: str = "ipc:///tmp/ecd/ecd.sock", namespace: str = "default",
                  timeout: float = 5.0, *, name: str = "", populate: bool = True,
-                 curve_secret_key: str | None = None, curve_server_key: str | None = None) -> None:
+                 curve_secret_key: str | None = None, curve_server_key: str | None = None,
+                 local_reads: bool = True) -> None:
         """`curve_secret_key`: this client's key file (NAME.key_secret from `ecd keygen`) and
         `curve_server_key`: the daemon's public key (its .key file, or the 40-character Z85
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
         prefault the pool mappings ahead of first use: in a background thread where the kernel
-        can (ecd.memory.prefault; `mapping.prefaulting`), else when they are made (MAP_POPULATE)."""
+        can (ecd.memory.prefault; `mapping.prefaulting`), else when they are made (MAP_POPULATE).
+        `local_reads`: a get of an entry whose location the client knows (it put or read it, or
+        the ring's entry index shows it) copies without asking the daemon (client/local_read.py);
+        False: every get asks (a read lease, as views always take)."""
         self.populate = populate
+        self.local_reads = local_reads
         self._puts = PutRoute()  # the put route, and the reservation for this client's next put
         self._map: EpochMapping | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
@@ -181,23 +186,6 @@ class Client(ControlClient):
             self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys],
                                        [loc.generation for _, loc in locations], catch_up=self._map.local,
                                        locations=[loc for _, loc in locations])
-
-    def _cached_locations(self, ns: str, keys: list[str], mapping: EpochMapping,
-                          same_as: list[Location] | None = None) -> list[Location] | None:
-        """Under the lock: apply the ring's unread events, then each key's cached host location
-        (the very objects of `same_as`, if given); None at any doubt (local_read.py)."""
-        trusted, overrun = self._cache.sync(mapping.ring)
-        if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
-            self._send_quietly(Report(0, 1))
-        if not trusted:
-            return None
-        found = []
-        for i, key in enumerate(keys):
-            loc = self._cache.located(key_hash(ns, key), ns, key)
-            if loc is None or mapping.is_arena(loc.pool) or (same_as is not None and loc is not same_as[i]):
-                return None
-            found.append(loc)
-        return found
 
     def _call_locked(self, request, wait_s: float = 0.0):
         if self._local_reads:  # the daemon hears of this client's reads before what it asks next

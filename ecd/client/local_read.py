@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..memory.fence import barrier as memory_barrier
+from ..memory.ring import key_hash
 from ..protocol import Location, Report
+from .control import _check_encodable
 from .tensors import copy_many_out, copy_out_checked
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,18 +67,44 @@ def copy_from_pools(mapping: "EpochMapping", locations: Sequence[Location]) -> l
     return out  # type: ignore[return-value]  # every place is filled
 
 
+def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMapping",
+                     same_as: list[Location] | None = None) -> list[Location] | None:
+    """Under the client's lock: apply the ring's unread events, then each key's cached host
+    location, else the one the ring's entry index shows (cached from now on, so the ring's events
+    keep it current); with `same_as`, the very objects it holds. None at any doubt."""
+    ring, cache = mapping.ring, c._cache
+    trusted, overrun = cache.sync(ring)
+    if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
+        c._send_quietly(Report(0, 1))
+    if not trusted:
+        return None
+    found = []
+    for i, key in enumerate(keys):
+        keyhash = key_hash(ns, key)
+        loc = cache.located(keyhash, ns, key)
+        if loc is None and same_as is None:
+            loc = indexed_location(ring, mapping, keyhash, ns, key)
+            if loc is not None:
+                cache.remember(keyhash, ns, key, loc.generation, loc)
+        if loc is None or mapping.is_arena(loc.pool) or (same_as is not None and loc is not same_as[i]):
+            return None
+        found.append(loc)
+    return found
+
+
 def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor] | None:
     """Copies of `keys` made without a round trip, or None: take the round trip (nothing was
     told to anyone, nothing is held). Raises IntegrityError for a validated copy whose bytes do
     not match the checksum its producer stored (with `verify`)."""
     ns = c.namespace
-    if not keys or len(keys) > c.limits.max_batch:
+    if not c.local_reads or not keys or len(keys) > c.limits.max_batch:
         return None
+    _check_encodable("key", keys)  # as the round trip would: InvalidRequest, not UnicodeEncodeError
     with c._lock:
         mapping = c._map
         if mapping is None or not mapping.local or c._res.sock is None:
             return None
-        locations = c._cached_locations(ns, keys, mapping)
+        locations = cached_locations(c, ns, keys, mapping)
         if locations is None:
             return None
     if verify:
@@ -88,7 +116,7 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
     if memory_barrier is not None:
         memory_barrier()  # the copy's loads before the ring's write_seq is read again
     with c._lock:
-        if c._map is not mapping or c._cached_locations(ns, keys, mapping, same_as=locations) is None:
+        if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
             return None  # evicted, replaced, deleted, a restart, or a ring in doubt: ask
         c._local_reads.add([loc.generation for loc in locations], c)
     if verify:
@@ -96,6 +124,18 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
             if loc.checksum and actual != loc.checksum:
                 raise c._corrupt(key, loc, actual)
     return out
+
+
+def indexed_location(ring, mapping: "EpochMapping", keyhash: int, ns: str, key: str) -> Location | None:
+    """The location the ring's entry index shows for exactly (ns, key), if it lies in a host pool
+    of this mapping (a record that points elsewhere was not written by the daemon: None)."""
+    found = ring.index.lookup(keyhash, ns, key)
+    if found is None:
+        return None
+    generation, pool, offset, nbytes, dtype, shape, checksum = found
+    if mapping.is_arena(pool) or offset + nbytes > mapping.sizes[pool]:
+        return None
+    return Location(generation, pool, offset, nbytes, dtype, shape, checksum)
 
 
 class LocalReads:

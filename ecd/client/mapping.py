@@ -66,7 +66,7 @@ def open_ring(ring_file: ShmFile, welcome: Welcome) -> RingReader | None:
     deadline = time.monotonic() + RING_REPAIR_WAIT_S
     while True:
         try:
-            ring = RingReader(ring_file.buf, welcome.ring.slots, welcome.ring.buckets)
+            ring = RingReader(ring_file.buf, welcome.ring.slots, welcome.ring.buckets, welcome.ring.index_records)
         except ValueError:
             if time.monotonic() >= deadline:
                 raise

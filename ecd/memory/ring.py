@@ -89,6 +89,7 @@ import numpy as np
 
 # The barrier the writer and readers run, read at each use: None where the CPU keeps the order
 # itself (x86). Tests replace it (a counting hook, another fence strategy, none) by this name.
+from .entry_index import IndexReader, IndexWriter
 from .fence import barrier as memory_barrier
 
 log = logging.getLogger("ecd.ring")
@@ -192,10 +193,13 @@ class RingWriter(_RingView):
     """The daemon's side. Not thread-safe: the daemon's event loop is the only writer.
 
     The mapping is write-only for it: sequence, counts and header live in private memory, so
-    nothing a client scribbles there can make the daemon misbehave or raise."""
+    nothing a client scribbles there can make the daemon misbehave or raise. `index`: the entry
+    index that follows the ring in the same file (memory/entry_index.py; `index_records` = 0:
+    none, an index of no records)."""
 
-    def __init__(self, buf, slots: int, buckets: int, epoch: int) -> None:
+    def __init__(self, buf, slots: int, buckets: int, epoch: int, index_records: int = 0) -> None:
         super().__init__(buf, slots, buckets)
+        self.index = IndexWriter(buf, ring_bytes(slots, buckets), index_records)
         self.header[:] = 0
         self.counts = np.zeros(buckets, np.uint32)  # READY entries per bucket: the truth ...
         self.words = np.full(buckets, _ABSENT, np.uint64)  # ... and the words it implies
@@ -298,6 +302,8 @@ class RingWriter(_RingView):
         if int(h[_CLOSED]) != int(self.closed):
             h[_CLOSED] = int(self.closed)
             damaged.append("closed flag")
+        if self.index.repair():
+            damaged.append("entry index records")
         lo = self._audit_at
         hi = min(lo + AUDIT_BUCKETS, self.counts.size)
         expected = self.words[lo:hi]
@@ -326,8 +332,9 @@ class RingReader(_RingView):
     mapping blindly (see the module docstring): every method returns in bounded time and raises
     nothing whatever the bytes are, once the constructor has accepted the header."""
 
-    def __init__(self, buf, slots: int, buckets: int) -> None:
+    def __init__(self, buf, slots: int, buckets: int, index_records: int = 0) -> None:
         super().__init__(buf, slots, buckets)
+        self.index = IndexReader(buf, ring_bytes(slots, buckets), index_records)
         fixed = bytes(buf[:_FIXED_BYTES])  # one copy, so the words checked are the words kept
         if memory_barrier is not None:
             memory_barrier()  # the magic before the rest (the writer stores it last)

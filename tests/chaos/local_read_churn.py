@@ -64,7 +64,7 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         time.sleep(rng.choice((0.0, 0.0, 0.0001, 0.0005, 0.002)))
 
     real_copy, real_get, real_locations = local_read.copy_from_pools, local_read.get_cached, \
-        client_module.Client._cached_locations
+        local_read.cached_locations
 
     def slow_copy(mapping, locations):
         pause()  # between taking the location and the copy: an eviction and a new write fit here
@@ -78,16 +78,16 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         counts["returned"] += out is not None
         return out
 
-    def locations(self, ns, keys, mapping, same_as=None):
+    def locations(c, ns, keys, mapping, same_as=None):
         if same_as is not None and name == "no-recheck":
             return same_as
         pause()
-        return real_locations(self, ns, keys, mapping, same_as)
+        return real_locations(c, ns, keys, mapping, same_as)
 
     local_read.copy_from_pools = slow_copy
     local_read.get_cached = counted_get
     client_module.get_cached = counted_get
-    client_module.Client._cached_locations = locations
+    local_read.cached_locations = locations
     if name == "no-fence":
         local_read.memory_barrier = None
     return counts

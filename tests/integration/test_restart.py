@@ -390,7 +390,8 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
         d.start()
         restarted = time.monotonic()
         locations = Locations()
-        with d.client() as c, intercept_round_trips(c, locations):
+        # local_reads=False: each get asks the daemon where its entry is (the interceptor sees it)
+        with d.client(local_reads=False) as c, intercept_round_trips(c, locations):
             stats = c.stats()
             assert stats["restart"]["adopted"] and stats["restart"]["entries"] == len(adopted)
             assert stats["restart"]["quarantined"] == 1
@@ -400,7 +401,6 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
             fill = {f"f{i}": payload(f"f{i}", 0, MIB) for i in range(free // MIB - 3)}  # room for reservations
             for key, tensor in fill.items():
                 c.put(key, tensor)
-            c.location_cache.clear()  # each get asks the daemon where its entry is (none is read locally)
             for key in [*adopted, *fill]:
                 c.get(key)
             assert time.monotonic() - restarted < WRITE_TTL, "too slow to check within the quarantine"
@@ -427,11 +427,10 @@ def test_a_write_cut_by_a_restart_never_lands_on_an_entry(daemon_factory):
             stats = c.stats()
             live = len(adopted) + len(fill) + (outcome == "ok")
             assert entry_bytes(stats) == live * MIB, "the quarantined extent was not given back"
-        with d.client() as fresh, intercept_round_trips(fresh, locations):  # no reservation: an Alloc
+        with d.client(local_reads=False) as fresh, intercept_round_trips(fresh, locations):  # no reservation: an Alloc
             placed = []
             for i in range(3):
                 fresh.put(f"after{i}", payload(f"after{i}", 0, MIB))
-                fresh.location_cache.clear()  # the get asks the daemon (the interceptor sees where)
                 fresh.get(f"after{i}")
                 placed.append(locations.seen[f"after{i}"])
             assert extent in placed, (extent, placed)

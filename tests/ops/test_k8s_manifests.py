@@ -190,7 +190,6 @@ def test_the_memory_limit_holds_the_pool_and_headroom(tmp_path):
     the ring and the process (a limit below the pool is an OOM kill at start)."""
     sys.path.insert(0, str(REPO))
     from ecd.config import load_config_file
-    from ecd.memory.ring import ring_bytes
     docs = render("deploy/k8s")
     path = tmp_path / "node.toml"
     path.write_text(node_toml(docs))
@@ -198,7 +197,7 @@ def test_the_memory_limit_holds_the_pool_and_headroom(tmp_path):
     resources = daemonset(docs)["spec"]["template"]["spec"]["containers"][0]["resources"]
     limit = parse_quantity(resources["limits"]["memory"])
     assert parse_quantity(resources["requests"]["memory"]) == limit, "memory request and limit differ"
-    floor = int(config.pool.host.size) + ring_bytes(config.ring.slots, config.ring.presence_buckets) + (256 << 20)
+    floor = int(config.pool.host.size) + config.ring.file_bytes() + (256 << 20)
     assert limit >= floor, f"memory limit {limit} < pool + ring + 256 MiB = {floor}"
     assert "cpu" not in resources["limits"], "a CPU limit throttles the serving loop (daemonset.yaml)"
 

@@ -158,7 +158,7 @@ def machine():
 def test_restart_and_crash_keep_the_pool_and_stop_returns_it(machine):
     put = machine.client("put")
     assert put["identical"] == ENTRIES and put["restart"]["keeper"] == "systemd", put
-    assert machine.stored() == 4 + 2, "the store should hold the pool's 4 segments, the journal and its key"
+    assert machine.stored() == 4 + 3, "the store should hold the pool's 4 segments, the journal, its key and the ring"
 
     machine.sh("systemctl restart ecd")
     after = machine.client("check")

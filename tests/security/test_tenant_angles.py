@@ -633,7 +633,7 @@ def test_threaded_get_straddling_a_restart_reads_the_pools_its_answer_came_from(
     daemon = daemon_factory(extra="[restart]\nadopt = false\n")
     numel = 1 << 18  # 1 MiB of int32: not inline, so the bytes are copied out of the pool
     old, new = torch.full((numel,), 7, dtype=torch.int32), torch.full((numel,), 9, dtype=torch.int32)
-    with daemon.client(timeout=3.0) as c:
+    with daemon.client(timeout=3.0, local_reads=False) as c:  # its get asks the daemon (Acquire)
         c.put("k", old)
         state = {}
 

@@ -29,6 +29,10 @@ class Announcer:
         known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
         the key present: only the event is written, the presence table stays as it is."""
         keyhash = entry.keyhash if keyhash is None else keyhash
+        if kind is EventKind.PUBLISHED:
+            self.index(entry, keyhash)
+        else:  # out of the entry index before the event, and both before the extent is freed
+            self.ring.index.remove(entry.generation)
         if self.lower_tier.holds(entry.ns, entry.key):
             self.ring.append(kind, keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
@@ -41,6 +45,13 @@ class Announcer:
                 self.holdings.stored(entry.ns, entry.key, medium, entry.meta)
             else:
                 self.holdings.removed(entry.ns, entry.key, medium, entry.meta)
+
+    def index(self, entry: "Entry", keyhash: int) -> None:
+        """A READY host entry into the ring's entry index (arena entries are read through the
+        CUDA plane: not indexed)."""
+        if entry.pool in self.host_pools:
+            self.ring.index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
+                                entry.nbytes, entry.dtype, entry.shape, entry.checksum)
 
     def medium_of(self, entry: "Entry") -> Any:
         return self._host if entry.pool in self.host_pools else self._cuda

@@ -290,8 +290,10 @@ def _insert(store: "Store", record: EntryRecord, now: float, present: list[int])
     if ns in store.guaranteed_ready:
         store.guaranteed_ready[ns] += size
     store.placement.make_evictable(entry)
+    keyhash = record.keyhash or entry.keyhash
+    store.announcer.index(entry, keyhash)
     if not store.lower_tier.holds(ns, entry.key):  # else the disk tier's record keeps the key present
-        present.append(record.keyhash or entry.keyhash)
+        present.append(keyhash)
 
 
 def _end_quarantine(store: "Store", journal: Journal, intents: list[IntentRecord]) -> None:

@@ -20,7 +20,7 @@ from ...memory import kernel_copy
 from ...memory.host import RING_FILE_MODE, HostPool, ShmFile, remove_stale, ring_name, shm_path
 from ...memory.journal import Journal, JournalRefused, NullJournal
 from ...memory.memfd import RING_SEALS, MemfdFile, MemfdPool
-from ...memory.ring import RingWriter, ring_bytes
+from ...memory.ring import RingWriter
 from ...protocol import RestartStats
 from .adopt import Kept, adopt_entries, create_journal, kept_fds, open_kept
 from .keeper import NoKeeper, PoolKeeper, choose_keeper
@@ -133,7 +133,7 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
             pool = HostPool(node, int(host.size), int(host.segment_size), gid)
         if kept is None and keeper.kind != "none":
             journal_file, journal, key_fd = create_journal(config)
-        ring_size = ring_bytes(config.ring.slots, config.ring.presence_buckets)
+        ring_size = config.ring.file_bytes()
         if host.backing == "memfd":
             ring_file: ShmFile = MemfdFile.create_sealed(ring_name(node), ring_size, seals=RING_SEALS)
         else:
@@ -151,7 +151,7 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
     if host.backing == "named" and not kernel_copy.available():
         log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                     "after a size check, and a pool file truncated in between would crash the daemon")
-    ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch)
+    ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch, config.ring.index_records)
     return Memory(pool, ring_file, ring, keeper, journal, journal_file, key_fd, kept, restart, held=kept is not None)
 
 

@@ -1,0 +1,173 @@
+"""Where READY entries live, published by the daemon in shared memory: the entry index.
+
+It follows the event ring in the ring's file (`[ring] index_records` records; 0: none), so it is
+mapped, sealed and handed out with the ring, and a client finds a committed entry's location
+without asking, including one it never put or read before (client/local_read.py). It is only a
+hint, like the presence table: a reader validates every copy it makes from a location against
+the ring's events afterwards, and an entry that is not here (its bucket full, its key too long,
+more than MAX_DIMS dimensions) is asked of the daemon.
+
+Layout: `records` records of RECORD_WORDS u64 words, in buckets of WAYS records (the bucket is the
+low bits of the key hash); an entry goes in any free record of its bucket, else it is not indexed.
+A record:
+  0  seq         even when whole, odd while the daemon rewrites it (a sequence lock)
+  1  keyhash     ecd.memory.ring.key_hash(namespace, key)
+  2  generation  0: the record is free
+  3  pool, 4 offset, 5 nbytes, 6 checksum (0: none stored)
+  7  dtype code | ndim << 8 | namespace length << 16 | key length << 32
+  8-15   the shape (MAX_DIMS dimensions)
+  16-31  namespace bytes then key bytes (KEY_BYTES at most; UTF-8): the exact key, so a 64-bit
+         hash collision is never a hit
+
+The sequence lock: the writer makes `seq` odd, (barrier) writes words 1-31, (barrier) makes it
+even again. A reader copies the bucket's seq words, (barrier) the bucket, (barrier) the seq words
+again, and uses a record only if its seq was even and unchanged; else it asks the daemon. On x86
+the barriers are no instructions (memory/fence.py). The daemon never reads the mapping back: the
+free records and the record of each generation are its private state.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol import DTYPE_ITEMSIZE
+from .fence import barrier as memory_barrier
+
+RECORD_WORDS = 32
+RECORD_BYTES = RECORD_WORDS * 8
+WAYS = 4
+MAX_DIMS = 8
+KEY_BYTES = 16 * 8
+_SHAPE, _KEY = 8, 16
+# Stable codes for the dtypes (the position; never reorder, only append)
+DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
+          "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+          "float8_e5m2fnuz")
+_DTYPE_CODE = {name: code for code, name in enumerate(DTYPES)}
+assert set(DTYPES) == set(DTYPE_ITEMSIZE)
+
+
+def index_bytes(records: int) -> int:
+    return records * RECORD_BYTES
+
+
+class _IndexView:
+    def __init__(self, buf, offset: int, records: int) -> None:
+        if records and (records < WAYS or records & (records - 1)):
+            raise ValueError(f"index records must be 0 or a power of two >= {WAYS}, got {records}")
+        self.records = records
+        self.words = np.frombuffer(buf, np.uint64, count=records * RECORD_WORDS, offset=offset).reshape(
+            records, RECORD_WORDS)
+        self.bucket_mask = max(records // WAYS - 1, 0)
+
+
+class IndexWriter(_IndexView):
+    """The daemon's side (its event loop is the only writer)."""
+
+    def __init__(self, buf, offset: int, records: int) -> None:
+        super().__init__(buf, offset, records)
+        self.words[:] = 0
+        self._seqs = np.zeros(records, np.uint64)
+        self._generations = np.zeros(records, np.uint64)  # what each record holds: the truth
+        self._record_of: dict[int, int] = {}  # generation -> record
+        self.skipped = 0  # entries not indexed: a full bucket, a long key, too many dimensions
+
+    def put(self, keyhash: int, namespace: str, key: str, generation: int, pool: int, offset: int, nbytes: int,
+            dtype: str, shape, checksum: int) -> bool:
+        """Index a READY entry (False: not indexed; readers then ask the daemon)."""
+        if not self.records:
+            return False
+        names = namespace.encode() + key.encode()
+        code = _DTYPE_CODE.get(dtype)
+        if len(names) > KEY_BYTES or len(shape) > MAX_DIMS or code is None:
+            self.skipped += 1
+            return False
+        first = (keyhash & self.bucket_mask) * WAYS
+        free = np.flatnonzero(self._generations[first:first + WAYS] == 0)
+        if not free.size:
+            self.skipped += 1
+            return False
+        record = first + int(free[0])
+        row = np.zeros(RECORD_WORDS, np.uint64)
+        row[1:8] = (keyhash, generation, pool, offset, nbytes, checksum,
+                    code | len(shape) << 8 | len(namespace.encode()) << 16 | len(key.encode()) << 32)
+        row[_SHAPE:_SHAPE + len(shape)] = shape
+        row.view(np.uint8)[_KEY * 8:_KEY * 8 + len(names)] = np.frombuffer(names, np.uint8)
+        self._write(record, row)
+        self._generations[record] = generation
+        self._record_of[generation] = record
+        return True
+
+    def record_of(self, generation: int) -> int | None:
+        """The record an indexed generation was written to (None: not indexed)."""
+        return self._record_of.get(generation)
+
+    def remove(self, generation: int) -> None:
+        """The entry leaves the index (before its event is appended and its extent freed)."""
+        record = self._record_of.pop(generation, None)
+        if record is None:
+            return
+        self._write(record, np.zeros(RECORD_WORDS, np.uint64))
+        self._generations[record] = 0
+
+    def _write(self, record: int, row: np.ndarray) -> None:
+        seq = int(self._seqs[record]) + 1
+        words = self.words[record]
+        barrier = memory_barrier
+        words[0] = seq  # odd: readers leave it alone
+        if barrier is not None:
+            barrier()
+        words[1:] = row[1:]
+        if barrier is not None:
+            barrier()
+        words[0] = seq + 1
+        self._seqs[record] = seq + 1
+
+    def repair(self) -> bool:
+        """Rewrite records another process changed (True if any): the whole index, compared with
+        what was written. Called rarely (the ring's heartbeat audit)."""
+        if not self.records:
+            return False
+        damaged = np.flatnonzero((self.words[:, 0] != self._seqs) | (self.words[:, 2] != self._generations))
+        for record in damaged.tolist():  # a scribbled record: free it, readers then ask
+            self._seqs[record] += 2
+            self.words[record, 1:] = 0
+            self.words[record, 0] = self._seqs[record]
+            generation = int(self._generations[record])
+            self._generations[record] = 0
+            self._record_of.pop(generation, None)
+        return bool(damaged.size)
+
+
+class IndexReader(_IndexView):
+    """A client's side: bounded time, raises nothing, believes nothing it cannot check."""
+
+    def lookup(self, keyhash: int, namespace: str, key: str) -> tuple | None:
+        """(generation, pool, offset, nbytes, dtype, shape, checksum) of the entry under exactly
+        (namespace, key) as the index shows it now, or None (not indexed, mid-write, odd)."""
+        if not self.records:
+            return None
+        first = (keyhash & self.bucket_mask) * WAYS
+        words = self.words[first:first + WAYS]
+        seqs = words[:, 0].copy()
+        barrier = memory_barrier
+        if barrier is not None:
+            barrier()
+        bucket = words.copy()
+        if barrier is not None:
+            barrier()
+        stable = (seqs == words[:, 0]) & (seqs & np.uint64(1) == 0) & (bucket[:, 1] == np.uint64(keyhash))
+        for way in np.flatnonzero(stable).tolist():
+            row = bucket[way]
+            generation, pool, offset, nbytes, checksum, packed = (int(w) for w in row[2:8])
+            code, ndim, ns_len, key_len = packed & 0xFF, packed >> 8 & 0xFF, packed >> 16 & 0xFFFF, packed >> 32
+            names = namespace.encode() + key.encode()
+            if (generation == 0 or code >= len(DTYPES) or ndim > MAX_DIMS or ns_len != len(namespace.encode())
+                    or ns_len + key_len != len(names) or len(names) > KEY_BYTES
+                    or row.view(np.uint8)[_KEY * 8:_KEY * 8 + len(names)].tobytes() != names):
+                continue
+            shape = row[_SHAPE:_SHAPE + ndim].tolist()
+            dtype = DTYPES[code]
+            if int(np.prod(shape, dtype=np.uint64)) * DTYPE_ITEMSIZE[dtype] != nbytes:
+                continue  # not what the daemon writes: ask
+            return generation, pool, offset, nbytes, dtype, shape, checksum
+        return None

@@ -1,0 +1,93 @@
+"""The entry index (ecd/memory/entry_index.py): what the daemon writes, a reader finds exactly,
+and nothing else: other keys of the same hash, half-written and scribbled records are misses."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from ecd.memory.entry_index import KEY_BYTES, RECORD_WORDS, WAYS, IndexReader, IndexWriter, index_bytes
+from ecd.memory.ring import key_hash
+
+RECORDS = 64
+
+
+@pytest.fixture
+def pair():
+    buf = mmap.mmap(-1, 4096 + index_bytes(RECORDS))
+    return IndexWriter(buf, 4096, RECORDS), IndexReader(buf, 4096, RECORDS)
+
+
+def put(writer, ns, key, generation, keyhash=None, shape=(2, 3), dtype="float32"):
+    keyhash = key_hash(ns, key) if keyhash is None else keyhash
+    nbytes = int(np.prod(shape)) * {"float32": 4, "bfloat16": 2}[dtype]
+    return writer.put(keyhash, ns, key, generation, 0, 4096 * generation, nbytes, dtype, list(shape), 77)
+
+
+def test_a_put_entry_is_found_with_its_whole_location(pair):
+    writer, reader = pair
+    assert put(writer, "ns", "k", 5, shape=(4, 8), dtype="bfloat16")
+    assert reader.lookup(key_hash("ns", "k"), "ns", "k") == (5, 0, 20480, 64, "bfloat16", [4, 8], 77)
+    assert reader.lookup(key_hash("ns", "other"), "ns", "other") is None
+    writer.remove(5)
+    assert reader.lookup(key_hash("ns", "k"), "ns", "k") is None
+
+
+def test_keys_of_one_hash_are_told_apart_by_their_bytes(pair):
+    writer, reader = pair
+    same = 12345
+    assert put(writer, "a", "x", 1, keyhash=same) and put(writer, "ab", "", 2, keyhash=same)
+    assert reader.lookup(same, "a", "x")[0] == 1
+    assert reader.lookup(same, "ab", "")[0] == 2  # same bytes "ax"/"ab" differ; lengths split them
+    assert reader.lookup(same, "a", "b") is None
+
+
+def test_a_full_bucket_or_a_long_key_is_not_indexed_and_counted(pair):
+    writer, reader = pair
+    bucket_hash = 3  # every key below lands in bucket 3
+    for g in range(1, WAYS + 1):
+        assert put(writer, "ns", f"k{g}", g, keyhash=bucket_hash + (g << 32))
+    assert not put(writer, "ns", "one-more", 99, keyhash=bucket_hash + (99 << 32))
+    assert not put(writer, "ns", "x" * KEY_BYTES, 100)
+    assert writer.skipped == 2
+    writer.remove(2)  # room again
+    assert put(writer, "ns", "one-more", 99, keyhash=bucket_hash + (99 << 32))
+    assert reader.lookup(bucket_hash + (99 << 32), "ns", "one-more")[0] == 99
+
+
+def test_a_record_being_written_or_scribbled_is_a_miss_and_repaired(pair):
+    writer, reader = pair
+    put(writer, "ns", "k", 7)
+    keyhash = key_hash("ns", "k")
+    record = writer.record_of(7)
+    row = reader.words[record]
+    row[0] += 1  # odd: as if the daemon were writing it
+    assert reader.lookup(keyhash, "ns", "k") is None
+    row[0] += 1  # even again: the same words read as before
+    assert reader.lookup(keyhash, "ns", "k")[0] == 7
+    row[5] = 1 << 40  # a size that does not match the shape: not the daemon's
+    assert reader.lookup(keyhash, "ns", "k") is None
+    assert writer.repair()  # the heartbeat's audit frees the record
+    assert reader.lookup(keyhash, "ns", "k") is None and writer.record_of(7) is None
+    assert not writer.repair()
+    assert put(writer, "ns", "k", 8)
+    assert reader.lookup(keyhash, "ns", "k")[0] == 8
+
+
+def test_garbage_everywhere_raises_nothing(pair):
+    writer, reader = pair
+    rng = np.random.default_rng(1)
+    reader.words[:] = rng.integers(0, 2**63, size=(RECORDS, RECORD_WORDS), dtype=np.uint64)
+    reader.words[:, 0] &= ~np.uint64(1)
+    for i in range(200):
+        assert reader.lookup(int(rng.integers(0, 2**63)), "ns", f"k{i}") is None
+
+
+def test_no_index_is_an_index_of_nothing():
+    buf = mmap.mmap(-1, 4096)
+    writer, reader = IndexWriter(buf, 4096, 0), IndexReader(buf, 4096, 0)
+    assert not writer.put(1, "ns", "k", 1, 0, 0, 4, "float32", [1], 0)
+    assert reader.lookup(1, "ns", "k") is None
+    with pytest.raises(ValueError):
+        IndexWriter(buf, 0, 6)
