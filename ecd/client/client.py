@@ -27,7 +27,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Literal, Mapping, Sequence, cast, overload
+from typing import Callable, Iterator, Literal, Mapping, Sequence, TypeVar, cast, overload
 
 import torch
 import zmq
@@ -40,13 +40,14 @@ from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flag
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
-from .local_read import LocalReads, copy_from_pools, get_cached
+from .local_read import LocalReads, copy_from_pools, get_cached, read_cached
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
 from .tensors import PoolViews, copy_out_checked, parse_device
 
 log = logging.getLogger("ecd.client")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -401,6 +402,27 @@ class Client(ControlClient):
             with self._lock:
                 self._views.discard(held)
                 self._release(held.generations, held.session, held.epoch)
+
+    def read_many(self, keys: Sequence[str], consume: Callable[[list[torch.Tensor | None]], T],
+                  timeout: float | None = None, *, missing_ok: bool = False, verify: bool = False) -> T:
+        """`consume(views)` over views of the entries (None for a missing key if missing_ok), and
+        what it returns: for a caller that only copies the entries somewhere of its own (a KV
+        cache's blocks, a host buffer). Where the client knows every entry's location (it put or
+        read it, or the ring's entry index shows it) the views are taken without a round trip and
+        without a lease, and `consume` may see bytes of an extent reused under it: its result is
+        kept only if the ring, read after it returned, shows every entry still in place; else
+        `consume` runs again over leased views (view_many). So it must only read the views, and
+        may run twice. `verify`: a view whose bytes do not match the stored checksum is never
+        consumed (IntegrityError)."""
+        keys = list(keys)
+        verify = self._verifies(verify)
+        if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
+            faulthandler.enable()
+        done, result = read_cached(self, keys, consume, verify)
+        if done:
+            return cast(T, result)
+        with self.view_many(keys, timeout, missing_ok=missing_ok, verify=verify) as views:
+            return consume(views)
 
     def _restarted(self) -> None:
         """A restarted daemon adopts the pool (the same memory and generations: a view held across

@@ -33,10 +33,11 @@ or REPORT_BATCH reads while reads go on: another client's put may see the order 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
+from ..integrity import checksum as entry_checksum
 from ..memory.fence import barrier as memory_barrier
 from ..memory.ring import key_hash
 from ..protocol import Location, Report
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
     from .mapping import EpochMapping
 
+T = TypeVar("T")
 REPORT_BATCH = 512  # local reads told to the daemon in one Report (protocol.MAX_LOCAL_READS at most)
 REPORT_EVERY_S = 0.5  # and at least this often while reads go on
 
@@ -136,6 +138,52 @@ def indexed_location(ring, mapping: "EpochMapping", keyhash: int, ns: str, key: 
     if mapping.is_arena(pool) or offset + nbytes > mapping.sizes[pool]:
         return None
     return Location(generation, pool, offset, nbytes, dtype, shape, checksum)
+
+
+def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], verify: bool) -> tuple[bool, T | None]:
+    """Client.read_many's route without a round trip: (True, what `consume` returned) when it
+    ran on views taken without a lease and the ring, read after it returned, confirms every
+    entry was still in place; (False, None): take the leased route (`consume` may have run; its
+    result is dropped). With `verify`, a view whose bytes do not match its stored checksum is not
+    consumed: IntegrityError once the ring confirms the entry, else the leased route."""
+    ns = c.namespace
+    if not c.local_reads or not keys or len(keys) > c.limits.max_batch:
+        return False, None
+    _check_encodable("key", keys)
+    with c._lock:
+        mapping = c._map
+        if mapping is None or not mapping.local or c._res.sock is None:
+            return False, None
+        locations = cached_locations(c, ns, keys, mapping)
+        if locations is None:
+            return False, None
+    if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
+        for loc in locations:
+            mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+    corrupt = None
+    if verify:
+        for key, loc in zip(keys, locations):
+            actual = checksum_of(mapping.ro, loc) if loc.checksum else loc.checksum
+            if actual != loc.checksum:
+                corrupt = (key, loc, actual)
+                break
+    result = None
+    if corrupt is None:
+        views = mapping.views
+        result = consume([views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations])
+    if memory_barrier is not None:
+        memory_barrier()  # everything consume read before the ring's write_seq is read again
+    with c._lock:
+        if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
+            return False, None
+        c._local_reads.add([loc.generation for loc in locations], c)
+    if corrupt is not None:
+        raise c._corrupt(*corrupt)
+    return True, result
+
+
+def checksum_of(pools: list, loc: Location) -> int:
+    return entry_checksum(pools[loc.pool], loc.offset, loc.nbytes)
 
 
 class LocalReads:

@@ -7,7 +7,7 @@ a copy that mixes two values, or read another key's extent, or a half-written on
       puts random keys (a new value number each time) and deletes some, until SECONDS are up;
       prints {"puts": N, "deletes": N}
   reader ENDPOINT KEYS SECONDS SEED MUTANT
-      gets random keys with delays injected between every step of the local read (before the
+      gets (get, and read_many copying the view into a buffer) random keys with delays injected between every step of the local read (before the
       location is taken, between it and the copy, after the copy, before the ring is read
       again), until SECONDS are up; prints {"reads", "local", "thrown", "wrong", "first_wrong"}
   daemon MUTANT [--after FILE] -- PYTHON -m ecd serve ...
@@ -78,6 +78,19 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         counts["returned"] += out is not None
         return out
 
+    real_read = local_read.read_cached
+
+    def counted_read(c, keys, consume, verify):
+        def slow_consume(views):
+            pause()  # between taking the location and the copy
+            counts["copies"] += 1
+            out = consume(views)
+            pause()  # between the copy and the ring read
+            return out
+        done, out = real_read(c, keys, slow_consume, verify)
+        counts["returned"] += done
+        return done, out
+
     def locations(c, ns, keys, mapping, same_as=None):
         if same_as is not None and name == "no-recheck":
             return same_as
@@ -87,6 +100,7 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
     local_read.copy_from_pools = slow_copy
     local_read.get_cached = counted_get
     client_module.get_cached = counted_get
+    local_read.read_cached = client_module.read_cached = counted_read
     local_read.cached_locations = locations
     if name == "no-fence":
         local_read.memory_barrier = None
@@ -148,7 +162,10 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
         while time.monotonic() < end:
             k = rng.randrange(keys)
             try:
-                got = c.get(f"k{k}")
+                if reads % 2:  # a get, or a read_many that copies the view into a buffer of its own
+                    got = c.get(f"k{k}")
+                else:
+                    got = c.read_many([f"k{k}"], lambda views: torch.empty(NUMEL, dtype=torch.int64).copy_(views[0]))
             except ecd.KeyNotFound:
                 continue
             reads += 1

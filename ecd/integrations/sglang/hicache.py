@@ -173,23 +173,29 @@ class EcdHiCacheStorage(HiCacheStorage):
         return result
 
     def _load(self, c: Any, op: str, names: List[str], copy: Callable[[int, torch.Tensor], bool]) -> List[bool]:
-        """View the entries (read leases held) and copy each found one with copy(i, view). A key
-        failing verification is a miss; the others are viewed again without it (the check runs
+        """View the entries (Client.read_many: under read leases, or checked against the ring after
+        the copies) and copy each found one with copy(i, view). A key failing verification is a miss; the others are viewed again without it (the check runs
         before any copy of its batch is made)."""
         ok = [False] * len(names)
         missed = 0
 
         def read(chunk: List[int]) -> None:
             nonlocal missed
-            with c.view_many([names[i] for i in chunk], missing_ok=True, verify=self.settings.verify) as views:
-                for i, view in zip(chunk, views):
-                    if view is None:
-                        missed += 1
-                    elif not copy(i, view):
-                        self._log.warning(f"{op}:size", "%s: entry %r has %d bytes, not a page of this pool: "
-                                          "treated as a miss", op, names[i], view.numel() * view.element_size())
-                    else:
-                        ok[i] = True
+
+            def copy_all(views: list) -> list[tuple[bool, int] | None]:  # may run twice (read_many)
+                return [None if view is None else (copy(i, view), view.numel() * view.element_size())
+                        for i, view in zip(chunk, views)]
+
+            # without a round trip where the pages' locations are known (Client.read_many)
+            copied = c.read_many([names[i] for i in chunk], copy_all, missing_ok=True, verify=self.settings.verify)
+            for i, outcome in zip(chunk, copied):
+                if outcome is None:
+                    missed += 1
+                elif not outcome[0]:
+                    self._log.warning(f"{op}:size", "%s: entry %r has %d bytes, not a page of this pool: "
+                                      "treated as a miss", op, names[i], outcome[1])
+                else:
+                    ok[i] = True
 
         for chunk in batches(list(range(len(names))), c.limits.max_batch):
             # a verify failure raises before any copy of the batch: the rest is viewed again without it

@@ -201,8 +201,9 @@ class EcdKVConnectorWorker:
             if not some_keys:
                 return 0, []
             if paged.use_numpy:  # a CPU engine: one copy, out of the pool straight into its blocks
-                with c.view_many(some_keys, missing_ok=True, verify=verify) as views:
-                    return self._scatter_found(paged, some_ids, views)
+                # (without a round trip where the blocks' locations are known: read_many)
+                return c.read_many(some_keys, lambda views: self._scatter_found(paged, some_ids, views),
+                                   missing_ok=True, verify=verify)
             # a GPU engine: straight onto the cache's device, complete when get_many returns
             return self._scatter_found(paged, some_ids, c.get_many(some_keys, missing_ok=True, verify=verify,
                                                                    device=paged.device))
