@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 
+from ..errors import IntegrityError
 from ..integrity import checksum as entry_checksum
 from ..memory.fence import barrier as memory_barrier
 from ..memory.ring import key_hash
@@ -109,12 +110,15 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
         locations = cached_locations(c, ns, keys, mapping)
         if locations is None:
             return None
-    if verify:
-        copied = [copy_out_checked(mapping.rw_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes,
-                                   loc.dtype, loc.shape, with_checksum=bool(loc.checksum)) for loc in locations]
-        out = [tensor for tensor, _ in copied]
-    else:
-        out = copy_from_pools(mapping, locations)
+    try:
+        if verify:
+            copied = [copy_out_checked(mapping.rw_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes,
+                                       loc.dtype, loc.shape, with_checksum=bool(loc.checksum)) for loc in locations]
+            out = [tensor for tensor, _ in copied]
+        else:
+            out = copy_from_pools(mapping, locations)
+    except IntegrityError:  # a pool file another process truncated: the daemon knows what is left
+        return None
     if memory_barrier is not None:
         memory_barrier()  # the copy's loads before the ring's write_seq is read again
     with c._lock:
@@ -158,8 +162,11 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
         if locations is None:
             return False, None
     if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
-        for loc in locations:
-            mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+        try:
+            for loc in locations:
+                mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+        except IntegrityError:  # truncated: the daemon knows what is left
+            return False, None
     corrupt = None
     if verify:
         for key, loc in zip(keys, locations):
