@@ -22,8 +22,12 @@ A record:
 The sequence lock: the writer makes `seq` odd, (barrier) writes words 1-31, (barrier) makes it
 even again. A reader copies the bucket's seq words, (barrier) the bucket, (barrier) the seq words
 again, and uses a record only if its seq was even and unchanged; else it asks the daemon. On x86
-the barriers are no instructions (memory/fence.py). The daemon never reads the mapping back: the
-free records and the record of each generation are its private state.
+the barriers are no instructions (memory/fence.py). The daemon keeps its own copy of every record
+and never reads the mapping for its work: each heartbeat compares AUDIT_RECORDS records with that
+copy and rewrites what another process changed (the named ring is writable by the daemon's user).
+Garbage fails a reader's checks (key bytes, dtype, shape against size, bounds); a well-formed
+forgery (another entry's offset under this key) does not: like forged ring events, it is outside
+what a reader can check (docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ WAYS = 4
 MAX_DIMS = 8
 KEY_BYTES = 16 * 8
 _SHAPE, _KEY = 8, 16
+AUDIT_RECORDS = 4096  # records a heartbeat compares with the daemon's copy (1 MiB, ~0.1 ms)
 # Stable codes for the dtypes (the position; never reorder, only append)
 DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "bfloat16",
           "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -66,9 +71,10 @@ class IndexWriter(_IndexView):
     def __init__(self, buf, offset: int, records: int) -> None:
         super().__init__(buf, offset, records)
         self.words[:] = 0
-        self._seqs = np.zeros(records, np.uint64)
-        self._generations = np.zeros(records, np.uint64)  # what each record holds: the truth
+        self._truth = np.zeros((records, RECORD_WORDS), np.uint64)  # what the mapping should hold
         self._record_of: dict[int, int] = {}  # generation -> record
+        self._audit_at = 0  # the next record a heartbeat compares
+        self.repairs = 0
         self.skipped = 0  # entries not indexed: a full bucket, a long key, too many dimensions
 
     def put(self, keyhash: int, namespace: str, key: str, generation: int, pool: int, offset: int, nbytes: int,
@@ -82,7 +88,7 @@ class IndexWriter(_IndexView):
             self.skipped += 1
             return False
         first = (keyhash & self.bucket_mask) * WAYS
-        free = np.flatnonzero(self._generations[first:first + WAYS] == 0)
+        free = np.flatnonzero(self._truth[first:first + WAYS, 2] == 0)
         if not free.size:
             self.skipped += 1
             return False
@@ -93,7 +99,6 @@ class IndexWriter(_IndexView):
         row[_SHAPE:_SHAPE + len(shape)] = shape
         row.view(np.uint8)[_KEY * 8:_KEY * 8 + len(names)] = np.frombuffer(names, np.uint8)
         self._write(record, row)
-        self._generations[record] = generation
         self._record_of[generation] = record
         return True
 
@@ -107,10 +112,11 @@ class IndexWriter(_IndexView):
         if record is None:
             return
         self._write(record, np.zeros(RECORD_WORDS, np.uint64))
-        self._generations[record] = 0
 
     def _write(self, record: int, row: np.ndarray) -> None:
-        seq = int(self._seqs[record]) + 1
+        """`row` (words 1-31) into the record under its sequence lock (a seq past whatever the
+        mapping shows, so a reader that copied a scribbled record sees it change)."""
+        seq = int(self._truth[record, 0]) + 1
         words = self.words[record]
         barrier = memory_barrier
         words[0] = seq  # odd: readers leave it alone
@@ -120,21 +126,21 @@ class IndexWriter(_IndexView):
         if barrier is not None:
             barrier()
         words[0] = seq + 1
-        self._seqs[record] = seq + 1
+        self._truth[record, 1:] = row[1:]
+        self._truth[record, 0] = seq + 1
 
-    def repair(self) -> bool:
-        """Rewrite records another process changed (True if any): the whole index, compared with
-        what was written. Called rarely (the ring's heartbeat audit)."""
+    def repair(self, records: int = AUDIT_RECORDS) -> bool:
+        """Rewrite the records another process changed among the next `records` (True if any),
+        from the daemon's own copy: the ring's heartbeat audits the index a slice at a time."""
         if not self.records:
             return False
-        damaged = np.flatnonzero((self.words[:, 0] != self._seqs) | (self.words[:, 2] != self._generations))
-        for record in damaged.tolist():  # a scribbled record: free it, readers then ask
-            self._seqs[record] += 2
-            self.words[record, 1:] = 0
-            self.words[record, 0] = self._seqs[record]
-            generation = int(self._generations[record])
-            self._generations[record] = 0
-            self._record_of.pop(generation, None)
+        lo = self._audit_at
+        hi = min(lo + records, self.records)
+        damaged = np.flatnonzero((self.words[lo:hi] != self._truth[lo:hi]).any(axis=1)) + lo
+        for record in damaged.tolist():
+            self._write(record, self._truth[record].copy())
+        self._audit_at = hi if hi < self.records else 0
+        self.repairs += bool(damaged.size)
         return bool(damaged.size)
 
 

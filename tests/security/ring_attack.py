@@ -64,6 +64,14 @@ def scribble(pattern: str, buf: mmap.mmap, slots: int, buckets: int, rng: np.ran
     elif pattern == "header_fields":  # one field at a time: magic, version, geometry, epoch, closed, heartbeat
         word = [0, 1, 2, 3, 4, CLOSED, HEARTBEAT, HEARTBEAT][n % 8]
         header[word] = np.uint64([rng.integers(0, 2**64, dtype=np.uint64), 0, 2**64 - 1][n % 3])
+    elif pattern.startswith("index_"):  # the entry index after the ring (ecd/memory/entry_index.py)
+        start = HEADER_BYTES + buckets * 8 + slots * SLOT_WORDS * 8
+        index = np.frombuffer(buf, np.uint64, offset=start).reshape(-1, 32)
+        if pattern == "index_random":  # garbage with even sequence words: read as whole records
+            index[:] = rng.integers(0, 2**64, index.shape, dtype=np.uint64) & ~np.uint64(1)
+        else:  # one field of every record at a time: generation, pool, offset, size, dtype/lengths, shape, key
+            word = [2, 3, 4, 5, 7, 8, 16][n % 7]
+            index[:, word] = rng.integers(0, 2**64, index.shape[0], dtype=np.uint64)
     elif pattern == "everything":
         whole = np.frombuffer(buf, np.uint8)
         whole[:] = rng.integers(0, 256, whole.size, dtype=np.uint8)
