@@ -438,7 +438,7 @@ def test_daemon_down_means_misses_and_load_errors_then_recovers(engines, daemon,
     # SIGTERM unlinks the socket (noticed without a round trip); SIGKILL leaves it (timeouts)
     a, b = engines(load_timeout_s=0.3), engines(descending=True, load_timeout_s=0.3)
     prompt = tokens(11, 3 * BS + 1)
-    a.prefill(make_request("a", prompt))
+    first = a.prefill(make_request("a", prompt))
     orig = b.scheduler.get_num_new_matched_tokens
 
     def lookup_then_stop(request, num_computed):
@@ -448,16 +448,24 @@ def test_daemon_down_means_misses_and_load_errors_then_recovers(engines, daemon,
 
     b.scheduler.get_num_new_matched_tokens = lookup_then_stop
     s = b.prefill(make_request("b", prompt))  # planned 3 loads, then the daemon went away
-    assert s.matched == 3 * BS and s.errors == set(s.block_ids[:3])
+    # A killed daemon's pool stays mapped and cannot be reused until its ring is a second old
+    # (the next run waits that out: client/local_read.py), so a block the connector can locate
+    # without asking may still load, with its bytes checked against the ring: fewer errors.
+    killed = sig == signal.SIGKILL
+    assert s.matched == 3 * BS and (s.errors <= set(s.block_ids[:3]) if killed else s.errors == set(s.block_ids[:3]))
+    loaded = [i for i in range(3) if s.block_ids[i] not in s.errors]
+    if loaded:  # what loaded is the first engine's blocks
+        assert_same_blocks(a, [first.block_ids[i] for i in loaded], b, [s.block_ids[i] for i in loaded])
     b.scheduler.get_num_new_matched_tokens = orig
 
     t0 = time.monotonic()
     for i in range(4):  # misses, nothing raised, and no timeout paid on every call (backoff)
         s = a.prefill(make_request(f"down{i}", prompt))
         # A killed daemon's event ring still vouches for its blocks until its heartbeat is a
-        # second old (RING_SILENCE_S): a block found there fails its load and is recomputed.
-        assert s.errors == set(s.block_ids[:s.matched // BS])
-        assert s.matched == 0 or sig == signal.SIGKILL
+        # second old (RING_SILENCE_S): a block found there loads, or fails and is recomputed.
+        planned = set(s.block_ids[:s.matched // BS])
+        assert s.errors <= planned if killed else s.errors == planned
+        assert s.matched == 0 or killed
     assert time.monotonic() - t0 < (4.0 if sig == signal.SIGKILL else 1.0)
     assert b.scheduler.request_finished(make_request("b", prompt), []) == (False, None)
 
