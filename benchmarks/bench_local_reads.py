@@ -7,7 +7,11 @@ round so that each ratio compares samples taken side by side:
      and against the same get forced through the daemon (the location forgotten before each);
   2. the same at 16 MiB against a memcpy of 16 MiB into a new tensor (torch.empty + copy_);
   3. how many requests the daemon handles while another process makes 1000 gets of one key
-     (its stats' per-operation counters; the target is <= 1 % of the reads).
+     (its stats' per-operation counters; the target is <= 1 % of the reads);
+  4. a 64 KiB hand-off to a consumer already waiting in get(key, timeout=...) in another process,
+     from the producer's put start to the consumer's return, after both paused 20 ms (every
+     thread on the path must be woken), against a bare round trip, for a consumer that sleeps on
+     the ring and one made with local_reads=False (the daemon parks its Acquire and replies).
 Prints medians of the per-round ratios and PASS/MISS per target; `--json PATH` writes them.
 `make bench-local-reads` runs it.
 """
@@ -26,12 +30,13 @@ import torch
 from bench_core import _echo_server, bare_socket, child_starter
 from bench_daemon import BenchDaemon, write_results
 from ecd.client.client import Client
-from ecd.memory.ring import key_hash
 
 KIB = 1 << 10
 ROUNDS, BLOCK = 40, 100
 TARGET_WARM_GET_RATIO = 0.5  # warm 64 KiB get <= 0.5 bare round trips
 TARGET_REQUESTS_PER_READ = 0.01
+TARGET_HANDOFF_RATIO = 1.5  # producer's put start -> waiting consumer's return <= 1.5 round trips
+HANDOFF_ROUNDS = 40
 READS = 1000
 
 
@@ -51,6 +56,40 @@ def _reader(endpoint: str, key: str, conn) -> None:
         c.ping()  # its batched report of the reads goes before this; then the counters are read
         conn.send("done")
         conn.recv()
+
+
+def _waiting_consumer(endpoint: str, local_reads: bool, conn) -> None:
+    """Another process: for each key it is sent, says "waiting", waits for it, sends when it
+    returned (perf_counter_ns: CLOCK_MONOTONIC, one clock for every process)."""
+    with Client(endpoint, timeout=10, local_reads=local_reads) as c:
+        while True:
+            key = conn.recv()
+            if key is None:
+                return
+            conn.send("waiting")
+            c.get(key, timeout=10)
+            conn.send(time.perf_counter_ns())
+
+
+def handoffs(c: Client, consumers: dict, bare, rounds: int) -> dict[str, float]:
+    """Median per-round ratio of each consumer's hand-off to a bare round trip beside it."""
+    value = torch.arange(16 * KIB, dtype=torch.float32)
+    ratios: dict[str, list[float]] = {name: [] for name in [*consumers, "put alone"]}
+    for r in range(rounds):
+        time.sleep(0.02)  # the floor: the producer's put alone, after the same pause
+        start = time.perf_counter_ns()
+        c.put(f"p{r}", value)
+        ratios["put alone"].append((time.perf_counter_ns() - start) / per_op_ns(bare, 20))
+        for name, conn in consumers.items():
+            key = f"h{r}-{name}"
+            conn.send(key)
+            assert conn.recv() == "waiting"
+            time.sleep(0.02)  # the consumer is asleep in its get; everyone else idles too
+            start = time.perf_counter_ns()
+            c.put(key, value)
+            took = conn.recv() - start
+            ratios[name].append(took / (per_op_ns(bare, 20)))
+    return {name: round(statistics.median(values), 3) for name, values in ratios.items()}
 
 
 def requests_handled(c: Client) -> int:
@@ -77,16 +116,14 @@ def main() -> None:
             small, large = torch.arange(16 * KIB, dtype=torch.float32), torch.rand(4 * KIB * KIB)
             c.put("k64", small)
             c.put("k16m", large)
-            forget = c.location_cache.forget
-            k64_hash = key_hash(c.namespace, "k64")
+            asking = Client(daemon.endpoint, timeout=5, local_reads=False)  # the old route: Acquire, copy, Release
 
             def bare() -> None:
                 req.send(b"x")
                 req.recv()
 
             def through_daemon() -> None:
-                forget(k64_hash)
-                c.get("k64")
+                asking.get("k64")
 
             def memcpy_16m() -> None:
                 torch.empty_like(large).copy_(large)
@@ -115,6 +152,16 @@ def main() -> None:
             reader.send("bye")
             res["requests_per_read"] = round(handled / READS, 4)
             res["requests_in_window"] = handled
+
+            consumers = {"ring": start(_waiting_consumer, daemon.endpoint, True),
+                         "asked": start(_waiting_consumer, daemon.endpoint, False)}
+            got = handoffs(c, consumers, bare, HANDOFF_ROUNDS)
+            for conn in consumers.values():
+                conn.send(None)
+            res["handoff_64k_ring_vs_round_trip"] = got["ring"]
+            res["handoff_64k_asked_vs_round_trip"] = got["asked"]
+            res["put_64k_after_pause_vs_round_trip"] = got["put alone"]
+            asking.close()
             c.close()
             req.send(b"stop")
             req.recv()
@@ -133,7 +180,13 @@ def main() -> None:
             ("64 KiB get through the daemon / bare round trip", res["asked_get_64k_vs_round_trip"], None),
             ("warm 16 MiB get / memcpy into a new tensor", res["warm_get_16m_vs_memcpy"], None),
             (f"daemon requests per read ({READS} gets from another process)", res["requests_per_read"],
-             TARGET_REQUESTS_PER_READ)]
+             TARGET_REQUESTS_PER_READ),
+            ("64 KiB hand-off to a consumer asleep on the ring / bare round trip",
+             res["handoff_64k_ring_vs_round_trip"], TARGET_HANDOFF_RATIO),
+            ("64 KiB hand-off to a consumer the daemon answers / bare round trip",
+             res["handoff_64k_asked_vs_round_trip"], None),
+            ("the producer's 64 KiB put alone, after the same pause / bare round trip",
+             res["put_64k_after_pause_vs_round_trip"], None)]
     for name, value, target in rows:
         verdict = "" if target is None else ("PASS" if value <= target else "MISS") + f" (target <= {target})"
         print(f"{name:<66} {value:>8}  {verdict}")

@@ -483,7 +483,7 @@ def test_reader_survives_any_bytes(buf, writer, reader):
 
 def _welcome(epoch: int):
     from types import SimpleNamespace
-    return SimpleNamespace(epoch=epoch, ring=SimpleNamespace(slots=SLOTS, buckets=BUCKETS))
+    return SimpleNamespace(epoch=epoch, ring=SimpleNamespace(slots=SLOTS, buckets=BUCKETS, index_records=0))
 
 
 @pytest.mark.timing

@@ -42,6 +42,7 @@ def _fire_and_forget(request: Any) -> bool:
 
 
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to timers
+SETTLE_AFTER_S = 0.02  # a connection closed this recently may still have messages on their way in
 # zmq's constants are enums: `&` on them runs Python enum code, a microsecond a message here
 ZMQ_EVENTS, POLLIN, SRCFD, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SRCFD), int(zmq.NOBLOCK)
 
@@ -54,6 +55,7 @@ class ControlLoop:
     def __init__(self, context: "HandlerContext", loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
                  connections: Connections, daemon_state: Callable[[], str], counters: ServeCounters) -> None:
         self.loop = loop
+        self._settle_scheduled = False
         self.sock: zmq.Socket | None = sock  # None once the daemon closed it: nothing left to drain
         self.connections = connections
         self.daemon_state = daemon_state
@@ -75,6 +77,10 @@ class ControlLoop:
             self._drain_scheduled = True
             self.loop.call_soon(self.drain)
 
+    def _settle_later(self) -> None:
+        self._settle_scheduled = False
+        self.schedule_drain()
+
     def drain(self) -> None:
         self._drain_scheduled = False
         sock = self.sock
@@ -94,8 +100,13 @@ class ControlLoop:
                 # Asking ZMQ_EVENTS (not receiving until zmq.Again, which costs an exception) is
                 # also what re-arms the edge-triggered FD after the sends made while handling.
                 if not events(ZMQ_EVENTS) & POLLIN:
-                    if connections.closing:  # every message they sent has been handled
-                        connections.settle()
+                    if connections.closing:  # every message they sent has been handled ...
+                        # ... unless the I/O thread is still passing a just-closed one's last
+                        # messages on (a Bye; seen under load): only those closed a moment ago
+                        connections.settle(older_than=SETTLE_AFTER_S)
+                        if connections.closing and not self._settle_scheduled:
+                            self._settle_scheduled = True
+                            self.loop.call_later(SETTLE_AFTER_S, self._settle_later)
                     return
                 conn, frames = self._recv_request(sock)
                 try:
