@@ -40,7 +40,7 @@ from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flag
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
-from .local_read import LocalReads, copy_from_pools, get_cached, read_cached, wait_located
+from .local_read import LocalReads, copy_from_pools, get_cached, read_cached
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
@@ -272,9 +272,6 @@ class Client(ControlClient):
         to_gpu = target is not None and target.type == "cuda"
         if not to_gpu:
             copies = get_cached(self, keys, verify)  # no round trip for what this client can locate
-            if copies is None and timeout:  # a consumer waiting for a producer: asleep on the ring
-                timeout = wait_located(self, keys, float(timeout)) or None
-                copies = get_cached(self, keys, verify)
             if copies is not None:
                 return copies
         results, session, mapping = self._acquire(keys, timeout)

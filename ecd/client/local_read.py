@@ -32,7 +32,6 @@ or REPORT_BATCH reads while reads go on: another client's put may see the order 
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
@@ -41,8 +40,7 @@ import torch
 from ..errors import IntegrityError
 from ..integrity import checksum as entry_checksum
 from ..memory.fence import barrier as memory_barrier
-from ..memory import futex
-from ..memory.ring import NOT_HERE, key_hash
+from ..memory.ring import key_hash
 from ..protocol import Location, Report
 from .control import _check_encodable
 from .tensors import copy_many_out, copy_out_checked
@@ -54,7 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
 T = TypeVar("T")
 REPORT_BATCH = 512  # local reads told to the daemon in one Report (protocol.MAX_LOCAL_READS at most)
 REPORT_EVERY_S = 0.5  # and at least this often while reads go on
-WAIT_SLICE_S = 0.05  # a waiting consumer looks at the ring again at least this often
 
 
 def copy_from_pools(mapping: "EpochMapping", locations: Sequence[Location]) -> list[torch.Tensor]:
@@ -194,41 +191,6 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
 
 def checksum_of(pools: list, loc: Location) -> int:
     return entry_checksum(pools[loc.pool], loc.offset, loc.nbytes)
-
-
-def wait_located(c: "Client", keys: list[str], timeout: float) -> float:
-    """Wait, asleep on the ring (memory/futex.py: woken by the daemon's next PUBLISHED event),
-    until every key can be located without asking, or one is present where the ring cannot
-    locate it (the disk tier, a full index bucket: the daemon must be asked), or `timeout` is
-    up. Returns the time left, for the request that follows when the keys are still not read.
-    The hand-off of a waiting consumer then costs the producer's put and one wakeup: no reply
-    of the daemon's is on the consumer's path."""
-    ns = c.namespace
-    if (not c.local_reads or not futex.available or not keys or len(keys) > c.limits.max_batch
-            or not 0 < timeout < math.inf):
-        return timeout
-    _check_encodable("key", keys)
-    deadline = time.monotonic() + min(timeout, c.limits.max_wait_s)
-    hashes = [key_hash(ns, key) for key in keys]
-    while True:
-        with c._lock:
-            mapping = c._map
-            if mapping is None or not mapping.local or c._res.sock is None:
-                break
-            ring, cache = mapping.ring, c._cache
-            seen = ring.seq_word()  # before the check: a publish after it changes the word
-            trusted, _ = cache.sync(ring)
-            if not trusted:
-                break
-            absent = [(keyhash, key) for keyhash, key in zip(hashes, keys) if cache.located(keyhash, ns, key) is None
-                      and indexed_location(ring, mapping, keyhash, ns, key) is None]
-            if not absent or any(ring.lookup(keyhash) != NOT_HERE for keyhash, _ in absent):
-                break  # all located, or present (or in doubt) where only the daemon can say
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        futex.wait(ring.seq_word_address, seen, min(left, WAIT_SLICE_S))
-    return max(deadline - time.monotonic(), 0.0)
 
 
 class LocalReads:

@@ -89,7 +89,6 @@ import numpy as np
 
 # The barrier the writer and readers run, read at each use: None where the CPU keeps the order
 # itself (x86). Tests replace it (a counting hook, another fence strategy, none) by this name.
-from . import futex
 from .entry_index import IndexReader, IndexWriter
 from .fence import barrier as memory_barrier
 
@@ -183,8 +182,6 @@ def ring_bytes(slots: int, buckets: int) -> int:
 class _RingView:
     def __init__(self, buf, slots: int, buckets: int) -> None:
         self.header = np.frombuffer(buf, np.uint64, count=HEADER_BYTES // 8, offset=0)
-        # where consumers sleep for the next event (memory/futex.py): write_seq's low 32 bits
-        self.seq_word_address = self.header.ctypes.data + _WRITE_SEQ * 8
         self.presence = np.frombuffer(buf, np.uint64, count=buckets, offset=HEADER_BYTES)
         self.slots = np.frombuffer(buf, np.uint64, count=slots * SLOT_WORDS,
                                    offset=HEADER_BYTES + buckets * 8).reshape(slots, SLOT_WORDS)
@@ -241,7 +238,6 @@ class RingWriter(_RingView):
     def publish(self, keyhash: int, generation: int) -> None:
         self.mark_present(keyhash)  # a second hash in a bucket: its word cannot name both (SHARED)
         self.append(EventKind.PUBLISHED, keyhash, generation)
-        futex.wake(self.seq_word_address)  # consumers waiting for a key (client/local_read.py)
 
     def mark_all_present(self, keyhashes: Sequence[int]) -> None:
         """Keys present from the start (an adopted pool's entries: ecd/daemon/restart/adopt.py),
@@ -410,10 +406,6 @@ class RingReader(_RingView):
         if word != SHARED and (word & self.bucket_mask != bucket or word in _NOT_KEY_HASHES):
             self._corrupt(f"presence word {word:#x} in bucket {bucket}")
         return ASK
-
-    def seq_word(self) -> int:
-        """write_seq's low 32 bits: what a consumer sleeps on (memory/futex.py)."""
-        return int(self.header[_WRITE_SEQ]) & 0xFFFFFFFF
 
     def pending(self) -> int:
         return int(self.header[_WRITE_SEQ]) - self.next_seq

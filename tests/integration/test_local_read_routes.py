@@ -4,8 +4,6 @@ what cannot be checked that way (a missing key, a corrupt entry, local_reads=Fal
 round trip, with the same answers as before."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -84,43 +82,3 @@ def test_a_corrupt_entry_is_never_consumed_and_raises(daemon):
             c.get("sum", verify=True)
         assert c.get("sum").numel() == NUMEL  # unverified, it reads what is there
 
-
-def test_a_waiting_consumer_is_woken_by_the_put_and_asks_nothing(daemon):
-    """get(key, timeout) of a key not yet put sleeps on the ring (a futex on its write_seq) and
-    reads the entry through the index once the daemon publishes it: no Acquire at all."""
-    consumer = Actor(daemon.endpoint)
-    try:
-        with daemon.client() as c:
-            before = ops(c)
-            consumer.send(f"get late 9 {NUMEL} 20")
-            time.sleep(0.5)  # asleep in its get
-            c.put("late", make_tensor(9, NUMEL))
-            started = time.monotonic()
-            assert consumer.read() == "ok"
-            assert time.monotonic() - started < 5  # woken, not timed out
-            after = ops(c)
-            assert after.get("acquire", 0) == before.get("acquire", 0), (before, after)
-    finally:
-        consumer.proc.kill()
-        consumer.proc.wait()
-
-
-def test_a_wait_that_runs_out_asks_once_and_finds_nothing(daemon):
-    with daemon.client() as c:
-        before = ops(c).get("acquire", 0)
-        started = time.monotonic()
-        with pytest.raises(ecd.KeyNotFound):
-            c.get("never", timeout=0.6)
-        assert time.monotonic() - started >= 0.55
-        assert ops(c).get("acquire", 0) - before == 1  # the last word is the daemon's
-
-
-def test_a_present_key_the_index_cannot_hold_is_asked_at_once(daemon):
-    """A key too long for an index record: the ring's presence table says it is there, so the
-    waiting get asks the daemon instead of sleeping until its timeout."""
-    long_key = "x" * 200
-    with daemon.client() as producer, daemon.client() as c:
-        producer.put(long_key, make_tensor(3, NUMEL))
-        started = time.monotonic()
-        assert torch.equal(c.get(long_key, timeout=10), make_tensor(3, NUMEL))
-        assert time.monotonic() - started < 5
