@@ -83,7 +83,7 @@ class Client(ControlClient):
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
         # LRU (location_cache.py), kept current by ring events; exists() answers from it
         self._cache = LocationCache()
-        self._local_reads = LocalReads()  # gets made without a round trip, until told to the daemon
+        self._local_reads: LocalReads | None = None  # gets made without a round trip, until told
         self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
         self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
@@ -107,6 +107,8 @@ class Client(ControlClient):
         mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()
+        if self._local_reads is None:  # made here: the first connect made the Resources it reports through
+            self._local_reads = LocalReads(self._res.unreported)
         self._local_reads.drop()
         self._puts.forget_reservation()
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from ..errors import DaemonUnavailable, EcdError, PoolNotVisible, SocketPermissionDenied
-from ..protocol import Bye, encoder
+from ..protocol import MAX_LOCAL_READS, Bye, Report, encoder
 
 if TYPE_CHECKING:
     from .cuda import CudaPlane
@@ -158,6 +158,9 @@ def watch_views(client_ref: "weakref.ref", stop: threading.Event) -> None:
             del client
 
 
+BYE_LINGER_MS = 500  # the longest a closing client waits for its last messages to leave
+
+
 class Resources:
     """What must be closed when the client goes away, reachable without the client itself."""
 
@@ -171,6 +174,9 @@ class Resources:
         # closes the current epoch's arena descriptors (EpochMapping.close_arena_fds): at close
         # or when a new epoch replaces it, not whenever the old mapping is collected
         self.close_arena_fds: Callable[[], object] | None = None
+        # generations read without a round trip and not yet reported (client/local_read.py's
+        # LocalReads keeps them here): told to the daemon with the goodbye, even at exit
+        self.unreported: list[int] = []
 
     def close_cuda(self) -> None:
         """Close the arena handles and unregister the host mappings (client close, new epoch)."""
@@ -210,13 +216,19 @@ class Resources:
             return
         if say_bye:
             with contextlib.suppress(zmq.ZMQError):
+                if self.unreported:
+                    self.sock.send(encoder.encode(Report(0, local_reads=self.unreported[-MAX_LOCAL_READS:])),
+                                   zmq.NOBLOCK)
+                    self.unreported.clear()
                 self.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
         if self.monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
             self.monitor.close(linger=0)
             self.monitor = None
-        self.sock.close(linger=100 if say_bye else 0)
+        # the goodbye (and the last report) must get out even when the I/O thread runs late under
+        # load: at 100 ms a loaded machine dropped a Bye now and then (a session counted reclaimed)
+        self.sock.close(linger=BYE_LINGER_MS if say_bye else 0)
         self.sock = None
 
     def close(self) -> None:

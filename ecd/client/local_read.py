@@ -124,7 +124,8 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
     with c._lock:
         if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
             return None  # evicted, replaced, deleted, a restart, or a ring in doubt: ask
-        c._local_reads.add([loc.generation for loc in locations], c)
+        if c._local_reads is not None:
+            c._local_reads.add([loc.generation for loc in locations], c)
     if verify:
         for key, loc, (_, actual) in zip(keys, locations, copied):
             if loc.checksum and actual != loc.checksum:
@@ -183,7 +184,8 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
     with c._lock:
         if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
             return False, None
-        c._local_reads.add([loc.generation for loc in locations], c)
+        if c._local_reads is not None:
+            c._local_reads.add([loc.generation for loc in locations], c)
     if corrupt is not None:
         raise c._corrupt(*corrupt)
     return True, result
@@ -198,8 +200,10 @@ class LocalReads:
 
     __slots__ = ("_generations", "_told_at")
 
-    def __init__(self) -> None:
-        self._generations: list[int] = []
+    def __init__(self, pending: list[int]) -> None:
+        """`pending`: the list they wait in (the client's Resources.unreported, which the
+        goodbye flushes even when the client is never closed)."""
+        self._generations = pending
         self._told_at = time.monotonic()
 
     def add(self, generations: list[int], c: "Client") -> None:
@@ -213,12 +217,13 @@ class LocalReads:
 
     def tell(self, c: "Client") -> None:
         """Send what is pending (fire-and-forget; under the client's lock)."""
-        pending, self._generations = self._generations, []
+        pending = self._generations[:]
+        self._generations.clear()
         self._told_at = time.monotonic()
         for first in range(0, len(pending), REPORT_BATCH):
             c._send_quietly(Report(0, local_reads=pending[first:first + REPORT_BATCH]))
 
     def drop(self) -> None:
         """A new daemon run: these generations named the old one's entries."""
-        self._generations = []
+        self._generations.clear()
 

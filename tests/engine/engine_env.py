@@ -62,6 +62,7 @@ def daemon_counters(daemon: DaemonProcess) -> dict[str, float]:
     return {"entries": stats["entries_ready"], "hits": stats["hits"], "misses": stats["misses"],
             "evictions": stats["evictions"], "acquires": stats["ops"].get("acquire", 0),
             "read_bytes": metric(body, "ecd_read_bytes_total"),
+            "local_reads": metric(body, "ecd_local_reads_total"),  # reads made without a round trip
             "written_bytes": metric(body, "ecd_written_bytes_total")}
 
 
