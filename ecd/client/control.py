@@ -153,6 +153,7 @@ class ControlClient:
             check_socket_access(self.endpoint)  # EACCES now, not a timeout: libzmq retries it silently
             sock = self._res.ctx.socket(zmq.DEALER)
             self._res.sock = sock  # from now on drop_socket closes it and its monitor, whatever fails
+            self._res.ipc_path = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
             sock.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
