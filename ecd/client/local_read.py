@@ -95,11 +95,9 @@ def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMappi
     return found
 
 
-def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor] | None:
-    """Copies of `keys` made without a round trip, or None: take the round trip (nothing was
-    told to anyone, nothing is held). Raises IntegrityError for a validated copy whose bytes do
-    not match the checksum its producer stored (with `verify`)."""
-    ns = c.namespace
+def _locate(c: "Client", keys: list[str]) -> tuple["EpochMapping", list[Location]] | None:
+    """Step 1, for get_cached and read_cached: the mapping and each key's location, or None
+    (take the round trip)."""
     if not c.local_reads or not keys or len(keys) > c.limits.max_batch:
         return None
     _check_encodable("key", keys)  # as the round trip would: InvalidRequest, not UnicodeEncodeError
@@ -107,9 +105,31 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
         mapping = c._map
         if mapping is None or not mapping.local or c._res.sock is None:
             return None
-        locations = cached_locations(c, ns, keys, mapping)
-        if locations is None:
-            return None
+        locations = cached_locations(c, c.namespace, keys, mapping)
+    return None if locations is None else (mapping, locations)
+
+
+def _confirmed(c: "Client", keys: list[str], mapping: "EpochMapping", locations: list[Location]) -> bool:
+    """Steps 3 and 4: after the fence, whether the ring still shows every location in place (then
+    the reads are noted for the daemon)."""
+    if memory_barrier is not None:
+        memory_barrier()  # the copy's loads before the ring's write_seq is read again
+    with c._lock:
+        if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, same_as=locations) is None:
+            return False
+        if c._local_reads is not None:
+            c._local_reads.add([loc.generation for loc in locations], c)
+    return True
+
+
+def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor] | None:
+    """Copies of `keys` made without a round trip, or None: take the round trip (nothing was
+    told to anyone, nothing is held). Raises IntegrityError for a validated copy whose bytes do
+    not match the checksum its producer stored (with `verify`)."""
+    located = _locate(c, keys)
+    if located is None:
+        return None
+    mapping, locations = located
     try:
         if verify:
             copied = [copy_out_checked(mapping.rw_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes,
@@ -119,13 +139,8 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
             out = copy_from_pools(mapping, locations)
     except IntegrityError:  # a pool file another process truncated: the daemon knows what is left
         return None
-    if memory_barrier is not None:
-        memory_barrier()  # the copy's loads before the ring's write_seq is read again
-    with c._lock:
-        if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
-            return None  # evicted, replaced, deleted, a restart, or a ring in doubt: ask
-        if c._local_reads is not None:
-            c._local_reads.add([loc.generation for loc in locations], c)
+    if not _confirmed(c, keys, mapping, locations):
+        return None  # evicted, replaced, deleted, a restart, or a ring in doubt: ask
     if verify:
         for key, loc, (_, actual) in zip(keys, locations, copied):
             if loc.checksum and actual != loc.checksum:
@@ -151,17 +166,10 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
     entry was still in place; (False, None): take the leased route (`consume` may have run; its
     result is dropped). With `verify`, a view whose bytes do not match its stored checksum is not
     consumed: IntegrityError once the ring confirms the entry, else the leased route."""
-    ns = c.namespace
-    if not c.local_reads or not keys or len(keys) > c.limits.max_batch:
+    located = _locate(c, keys)
+    if located is None:
         return False, None
-    _check_encodable("key", keys)
-    with c._lock:
-        mapping = c._map
-        if mapping is None or not mapping.local or c._res.sock is None:
-            return False, None
-        locations = cached_locations(c, ns, keys, mapping)
-        if locations is None:
-            return False, None
+    mapping, locations = located
     if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
         try:
             for loc in locations:
@@ -179,13 +187,8 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
     if corrupt is None:
         views = mapping.views
         result = consume([views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations])
-    if memory_barrier is not None:
-        memory_barrier()  # everything consume read before the ring's write_seq is read again
-    with c._lock:
-        if c._map is not mapping or cached_locations(c, ns, keys, mapping, same_as=locations) is None:
-            return False, None
-        if c._local_reads is not None:
-            c._local_reads.add([loc.generation for loc in locations], c)
+    if not _confirmed(c, keys, mapping, locations):
+        return False, None
     if corrupt is not None:
         raise c._corrupt(*corrupt)
     return True, result
