@@ -43,8 +43,7 @@ def expected_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
     return math.prod(shape) * DTYPE_ITEMSIZE[dtype]
 
 
-class _Msg(Struct, array_like=True, tag=True, omit_defaults=False):
-    pass
+class _Msg(Struct, array_like=True, tag=True, omit_defaults=False): ...
 
 
 # ---- pieces ---------------------------------------------------------------------------------
@@ -71,12 +70,13 @@ class ArenaInfo(Struct, array_like=True):
     export: str = "ipc"
 
 
-class RingInfo(Struct, array_like=True):
+class RingInfo(Struct, array_like=True):  # the read path's shared memory (memory/entry_index.py)
     name: str
     size: int
     slots: int
     buckets: int
-    index_records: int = 0  # memory/entry_index.py
+    index_records: int = 0
+    read_slots: list[int] = []  # [pool, offset, slots]: this session's page of read slots (none: empty)
 
 
 class Limits(Struct, array_like=True):

@@ -35,12 +35,13 @@ import zmq
 from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, LimitExceeded,
                       StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
+from ..memory.entry_index import SlotPage
 from ..memory.ring import HERE, NOT_HERE, key_hash
 from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
-from .local_read import LocalReads, copy_from_pools, get_cached, read_cached
+from .local_read import LocalReads, copy_from_pools, get_cached, read_cached, slot_page, view_slotted
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
@@ -59,6 +60,8 @@ class OpenView:
     generations: list[int]
     session: int
     epoch: int
+    slots: list[int] | None = None  # held by these read slots of `page` (local_read.view_slotted), not leases
+    page: SlotPage | None = None
 
 
 class Client(ControlClient):
@@ -86,6 +89,7 @@ class Client(ControlClient):
         self._local_reads: LocalReads | None = None  # gets made without a round trip, until told
         self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
         self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
+        self._slots: SlotPage | None = None  # this session's read slots (memory/entry_index.py)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -111,6 +115,13 @@ class Client(ControlClient):
             self._local_reads = LocalReads(self._res.unreported)
         self._local_reads.drop()
         self._puts.forget_reservation()
+
+    def _new_session(self, welcome: Welcome, restarted: bool) -> None:
+        """Its page of read slots, if the daemon gave one. Views open on the old page (another
+        session's soon) take read leases instead (after a restart: _restarted does)."""
+        old, self._slots = self._slots, slot_page(welcome, self._map)
+        if old is not None and not restarted:
+            self._retake([v for v in self._views if v.slots is not None])
 
     @property
     def mapping(self) -> EpochMapping:
@@ -353,16 +364,19 @@ class Client(ControlClient):
         verify = self._verifies(verify)
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
+        slotted = view_slotted(self, keys, verify)  # no round trip for what this client can locate
+        if slotted is not None:
+            self._watch_while_open(slotted[1], self._map)
+            try:
+                yield cast("list[torch.Tensor | None]", slotted[0])
+            finally:
+                self._let_go(slotted[1])
+            return
         results, session, mapping = self._acquire(keys, timeout)
         on_gpu: list[torch.Tensor] = []
         held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
                         [r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
-        with self._lock:
-            self._views.add(held)
-            if self._view_watch is None and mapping.local:
-                self._view_watch = threading.Thread(target=watch_views, args=(weakref.ref(self), self._res.stop),
-                                                    name="ecd-view-watch", daemon=True)
-                self._view_watch.start()
+        self._watch_while_open(held, mapping)
         try:
             views: list[torch.Tensor | None] = []
             pool_views: PoolViews = mapping.views
@@ -401,9 +415,16 @@ class Client(ControlClient):
                 for tensor in on_gpu:
                     batch.after(tensor)
                 batch.wait_quietly()
-            with self._lock:
-                self._views.discard(held)
-                self._release(held.generations, held.session, held.epoch)
+            self._let_go(held)
+
+    def _watch_while_open(self, held: OpenView, mapping: EpochMapping) -> None:
+        """An open view: its holds are taken again after a restart (connection.watch_views)."""
+        with self._lock:
+            self._views.add(held)
+            if self._view_watch is None and mapping.local:
+                self._view_watch = threading.Thread(target=watch_views, args=(weakref.ref(self), self._res.stop),
+                                                    name="ecd-view-watch", daemon=True)
+                self._view_watch.start()
 
     def read_many(self, keys: Sequence[str], consume: Callable[[list[torch.Tensor | None]], T],
                   timeout: float | None = None, *, missing_ok: bool = False, verify: bool = False) -> T:
@@ -431,7 +452,12 @@ class Client(ControlClient):
         the restart still shows its entry's bytes) but not the old run's leases: take them again
         for the entries still there, so that no eviction hands their extents out while the view
         is open. An entry not adopted (or replaced) cannot be protected: said once per view."""
-        for held in list(self._views):
+        self._retake(list(self._views))
+
+    def _retake(self, views: list[OpenView]) -> None:
+        """Read leases of this session for open views (under the lock): after a restart, or for
+        views a replaced session's read slots held."""
+        for held in views:
             try:
                 reply = self._roundtrip(Acquire(next(self._ids), held.ns, held.keys, 0.0), self.timeout)
             except EcdError:
@@ -442,10 +468,22 @@ class Client(ControlClient):
             if others:
                 self._send_quietly(Release(0, others))
             if len(again) < len(held.generations):
-                log.warning("a view of %d entries was open across a daemon restart: %d of them are not in the restarted "
-                            "daemon's pool as they were, and their bytes may be reused before the view closes",
+                log.warning("a view of %d entries was open across a daemon restart or a new session: %d of them are not "
+                            "in the daemon's pool as they were, and their bytes may be reused before the view closes",
                             len(held.generations), len(held.generations) - len(again))
             held.generations, held.session, held.epoch = again, self._session, self._map.epoch
+            held.slots = held.page = None
+
+    def _let_go(self, held: OpenView) -> None:
+        """End what holds an open view's entries: a store of 0 in each read slot, or a Release."""
+        with self._lock:
+            self._views.discard(held)
+            if held.slots is not None:
+                if held.page is self._slots:  # else a replaced session's page: leases were taken
+                    held.page.clear(held.slots)
+                held.slots = None
+            else:
+                self._release(held.generations, held.session, held.epoch)
 
     # ---- exists / pins / delete ---------------------------------------------------------
 

@@ -176,6 +176,7 @@ class ControlClient:
             self._new_epoch(reply)  # the first daemon run this client meets, or a restarted one
         self._welcome = reply
         self._session = reply.session
+        self._new_session(reply, restarted)
         if restarted:
             self._restarted()
         self._heartbeat_s = reply.heartbeat_s
@@ -189,6 +190,10 @@ class ControlClient:
         Welcome's (or there was none), before that Welcome is adopted. A control client holds
         nothing of a daemon run; ecd.Client maps its shared memory here (raising EcdError keeps
         the old state and fails the connect)."""
+
+    def _new_session(self, welcome: Welcome, restarted: bool) -> None:
+        """Called by _connect, under the lock, for every Welcome (after _new_epoch; before
+        _restarted when `restarted`)."""
 
     def _restarted(self) -> None:
         """Called by _connect, under the lock, once the Welcome of a restarted daemon is this

@@ -39,14 +39,15 @@ import torch
 
 from ..errors import IntegrityError
 from ..integrity import checksum as entry_checksum
-from ..memory.fence import barrier as memory_barrier
+from ..memory.entry_index import SLOT_BYTES, SlotPage
+from ..memory.fence import barrier as memory_barrier, full_barrier
 from ..memory.ring import key_hash
-from ..protocol import Location, Report
+from ..protocol import Location, Report, Welcome
 from .control import _check_encodable
 from .tensors import copy_many_out, copy_out_checked
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .client import Client
+    from .client import Client, OpenView
     from .mapping import EpochMapping
 
 T = TypeVar("T")
@@ -109,11 +110,12 @@ def _locate(c: "Client", keys: list[str]) -> tuple["EpochMapping", list[Location
     return None if locations is None else (mapping, locations)
 
 
-def _confirmed(c: "Client", keys: list[str], mapping: "EpochMapping", locations: list[Location]) -> bool:
+def _confirmed(c: "Client", keys: list[str], mapping: "EpochMapping", locations: list[Location],
+               fence: Callable[[], None] | None = memory_barrier) -> bool:
     """Steps 3 and 4: after the fence, whether the ring still shows every location in place (then
     the reads are noted for the daemon)."""
-    if memory_barrier is not None:
-        memory_barrier()  # the copy's loads before the ring's write_seq is read again
+    if fence is not None:
+        fence()  # the copy's loads (a slot's stores) before the ring's write_seq is read again
     with c._lock:
         if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, same_as=locations) is None:
             return False
@@ -230,3 +232,57 @@ class LocalReads:
         """A new daemon run: these generations named the old one's entries."""
         self._generations.clear()
 
+
+
+def view_slotted(c: "Client", keys: list[str], verify: bool) -> "tuple[list[torch.Tensor], OpenView] | None":
+    """Client.view_many's route without a round trip: views of `keys` held by read slots
+    (memory/entry_index.py) instead of read leases, and the OpenView that names them; None: take
+    the leased route (nothing is held). Every key must be located, in a host pool, and this
+    session must have a page with a free slot for each. The slots are stored, then a full fence,
+    then the ring must still show every location in place: from then on the daemon sees the
+    slots before it frees any of those extents."""
+    from .client import OpenView
+    located = _locate(c, keys)
+    if located is None:
+        return None
+    mapping, locations = located
+    generations = [loc.generation for loc in locations]
+    with c._lock:
+        page = c._slots
+        slots = page.hold(generations) if page is not None and c._map is mapping else None
+    if slots is None:
+        return None
+    held = OpenView(c.namespace, keys, generations, c._session, mapping.epoch, slots, page)
+    try:
+        if not _confirmed(c, keys, mapping, locations, full_barrier):
+            c._let_go(held)
+            return None
+        if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
+            try:
+                for loc in locations:
+                    mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+            except IntegrityError:  # truncated: the daemon knows what is left
+                c._let_go(held)
+                return None
+        if verify:
+            for key, loc in zip(keys, locations):
+                actual = checksum_of(mapping.ro, loc) if loc.checksum else loc.checksum
+                if actual != loc.checksum:
+                    raise c._corrupt(key, loc, actual)
+    except BaseException:
+        c._let_go(held)
+        raise
+    views = mapping.views
+    return [views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations], held
+
+
+def slot_page(welcome: Welcome, mapping: "EpochMapping | None") -> SlotPage | None:
+    """The session's page of read slots the Welcome names, if it lies in a pool this process
+    maps (else none: views ask the daemon)."""
+    page = welcome.ring.read_slots
+    if len(page) != 3 or mapping is None or not mapping.local or not 0 <= page[0] < len(mapping.rw):
+        return None
+    pool, offset, count = page
+    if offset < 0 or count <= 0 or offset + count * SLOT_BYTES > mapping.sizes[pool]:
+        return None
+    return SlotPage(mapping.rw[pool], offset, count)

@@ -1,4 +1,5 @@
-"""Where READY entries live, published by the daemon in shared memory: the entry index.
+"""What the daemon and its readers share to read without asking: the entry index (where READY
+entries live, written by the daemon) and the read slots (what readers are reading, written by them).
 
 It follows the event ring in the ring's file (`[ring] index_records` records; 0: none), so it is
 mapped, sealed and handed out with the ring, and a client finds a committed entry's location
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import numpy as np
 
+import collections
+
 from ..protocol import DTYPE_ITEMSIZE
-from .fence import barrier as memory_barrier
+from .fence import barrier as memory_barrier, full_barrier
 
 RECORD_WORDS = 32
 RECORD_BYTES = RECORD_WORDS * 8
@@ -177,3 +180,127 @@ class IndexReader(_IndexView):
                 continue  # not what the daemon writes: ask
             return generation, pool, offset, nbytes, dtype, shape, checksum
         return None
+
+
+# ---- read slots ------------------------------------------------------------------------------
+#
+# A read lease without a message (hazard pointers). The daemon carves SLOT pages off the end of
+# host pool segment 0 (so they are mapped, handed out and kept across restarts with the pool) and
+# gives each session one page in its Welcome. A slot is two u64 words: the generation read (0: the
+# slot is free) and a deadline in CLOCK_MONOTONIC nanoseconds (0: held until cleared, a view; else
+# a pin, held until then).
+#
+# Reader: store the slot, full fence, then re-check the ring (the location must still be cached:
+# no EVICTED/DELETED/replacing event named it). Daemon: append the entry's event, full fence, then
+# scan the slots, and free the extent only if no slot names its generation (else it keeps it
+# RETIRED and looks again each expiry tick). One of the two sees the other: a reader that passed its
+# re-check is seen by every scan that follows the event, so the extent is not reused under it.
+# Release is a store of 0. A slot costs its writer nothing but bounds: `[leases] read_slots` per
+# session, a pin's deadline at most max_pin ahead (a later one is ignored: it protects nothing),
+# and the page goes (zeroed) with the session.
+SLOT_WORDS = 2
+SLOT_BYTES = SLOT_WORDS * 8
+
+
+def slot_area_bytes(pages: int, slots: int) -> int:
+    """Bytes of the slot area, a whole number of 4 KiB pages (0: read slots are off)."""
+    return -(-pages * slots * SLOT_BYTES // 4096) * 4096 if pages and slots else 0
+
+
+def carve_slot_area(segment, pages: int, slots: int) -> "SlotArea | None":
+    """The slot area at the end of `segment` (host pool segment 0), with fewer pages where the
+    configured ones would take more than an eighth of it; None when read slots are off."""
+    page_bytes = slots * SLOT_BYTES
+    pages = min(pages, segment.size // 8 // page_bytes) if page_bytes else 0
+    size = slot_area_bytes(pages, slots)
+    return SlotArea(segment, segment.size - size, pages, slots) if size else None
+
+
+class SlotArea:
+    """The daemon's side: assigns pages to sessions and scans them before an extent is freed."""
+
+    def __init__(self, segment, offset: int, pages: int, slots: int) -> None:
+        """`segment`: host pool segment 0 (its ShmFile; read with pread, so a truncated named
+        file reads as zeros instead of faulting); the area is its bytes from `offset`."""
+        self.segment, self.offset, self.pages, self.slots = segment, offset, pages, slots
+        self.page_bytes = slots * SLOT_BYTES
+        self.nbytes = slot_area_bytes(pages, slots)  # what segment 0's allocator leaves out
+        self._free = collections.deque(range(pages))  # oldest released first: a page rests before reuse
+        self._buf = np.zeros((pages * slots, SLOT_WORDS), np.uint64)
+        self._ghosts: frozenset[int] = frozenset()  # a previous run's slots, honoured until _ghosts_until
+        self._ghosts_until = 0
+        self.scans = 0
+
+    def assign(self) -> int | None:
+        """A free page for a new session (None: all are taken; that session asks the daemon)."""
+        return self._free.popleft() if self._free else None
+
+    def location(self, page: int) -> tuple[int, int]:
+        """(offset in segment 0, slots) of a page."""
+        return self.offset + page * self.page_bytes, self.slots
+
+    def release(self, page: int) -> None:
+        """The session ended: its slots are dropped (zeroed) and the page is free again."""
+        self.segment.write_at(self.offset + page * self.page_bytes, bytes(self.page_bytes))
+        self._free.append(page)
+
+    def held(self, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
+        """The generations a slot holds now. Called after the events of what is about to be
+        freed are appended: the fence orders those stores before these loads."""
+        full_barrier()
+        self.scans += 1
+        got = self.segment.read_into(self.offset, memoryview(self._buf).cast("B"))
+        if got < self._buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
+            self._buf.view(np.uint8)[got:] = 0
+        generations, deadlines = self._buf[:, 0], self._buf[:, 1]
+        live = (generations != 0) & ((deadlines == 0) | ((deadlines > np.uint64(now_ns))
+                                                         & (deadlines <= np.uint64(now_ns + max_pin_ns))))
+        held = set(generations[live].tolist())
+        if self._ghosts:
+            if now_ns < self._ghosts_until:
+                held |= self._ghosts
+            else:
+                self._ghosts = frozenset()
+        return held
+
+    def adopt(self, now_ns: int, quarantine_ns: int, max_pin_ns: int) -> int:
+        """At start, over a kept pool: what the previous run's readers' slots held stays held for
+        `quarantine_ns` (their clients reconnect and take new slots or leases by then); then the
+        area is cleared for this run's sessions. The number of generations held."""
+        ghosts = self.held(now_ns, max_pin_ns)
+        self._ghosts, self._ghosts_until = frozenset(ghosts), now_ns + quarantine_ns
+        self.segment.write_at(self.offset, bytes(self._buf.nbytes))
+        return len(ghosts)
+
+
+class SlotPage:
+    """A client's side: its session's page, written only by this client (under its lock)."""
+
+    def __init__(self, buf, offset: int, slots: int) -> None:
+        self.words = np.frombuffer(buf, np.uint64, count=slots * SLOT_WORDS, offset=offset).reshape(slots, SLOT_WORDS)
+        self.words[:] = 0  # a fresh session's page (the daemon zeroed it; a reconnect may reuse ours)
+        self._free = list(range(slots))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def hold(self, generations: list[int], deadline_ns: int = 0) -> list[int] | None:
+        """Slots naming `generations` (None: not enough free; nothing written). The caller
+        fences (full_barrier) and re-checks the ring before it reads."""
+        if len(generations) > len(self._free):
+            return None
+        taken = self._free[-len(generations):] if generations else []
+        del self._free[len(self._free) - len(generations):]
+        words = self.words
+        for slot, generation in zip(taken, generations):
+            words[slot, 1] = deadline_ns
+            words[slot, 0] = generation
+        return taken
+
+    def clear(self, slots: list[int]) -> None:
+        words = self.words
+        for slot in slots:
+            words[slot, 0] = 0
+            words[slot, 1] = 0
+        self._free += slots

@@ -119,3 +119,8 @@ else:
         log.warning("no hardware memory barrier callable on %s (libatomic.so.1 missing, executable "
                     "mappings refused): the event ring orders its accesses with a lock, which works "
                     "in practice but is not guaranteed to", MACHINE)
+
+# A store followed by a load of another location is the one order x86 does not keep, and it is the
+# order read slots need (memory/entry_index.py: a reader stores its slot, then loads the ring; the
+# daemon stores its event, then loads the slots): `full_barrier` is a hardware fence on every CPU.
+full_barrier, FULL_STRATEGY = (barrier, STRATEGY) if barrier is not None else _pick()

@@ -300,10 +300,9 @@ def test_random_operations_keep_quotas_guarantees_and_invariants():
     evicted = []
     real_evict = store.placement.evict
 
-    def spy(victim, counter):
-        before = store.ns_used[victim.ns]
-        real_evict(victim, counter)
-        evicted.append((victim.ns, counter, before - store.ns_used.get(victim.ns, 0), current["ns"]))
+    def spy(victim, counter):  # the caller frees what evict() returns, after all its victims' events
+        evicted.append((victim.ns, counter, victim.nbytes, current["ns"]))
+        return real_evict(victim, counter)
 
     store.placement.evict = spy
     names = ["q", "g", "h", "u", "v"]

@@ -300,7 +300,7 @@ class Handlers:
             hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
             [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(ctx.segments)],
             RingInfo(ctx.ring_file.name, ctx.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets,
-                     cfg.ring.index_records),
+                     cfg.ring.index_records, ctx.store.slot_holds.assign(session)),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,

@@ -112,6 +112,7 @@ class Session:
     # persist, a removal): meanwhile it waits on the daemon, it is not silent
     replies_pending: int = 0
     closed: bool = False
+    slot_page: int | None = None  # its page of read slots (memory/entry_index.py), if it got one
 
 
 class Cancellable(Protocol):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # a promotion's preference for entries already on disk looks this far into the LRU order (~1 ms)
 CLEAN_FIRST_WALK = 4096
+PLAN_TRIES = 3  # plans a put may make when readers' new slots keep a plan's victims (a rare race)
 
 
 class Placement:
@@ -165,33 +166,35 @@ class Placement:
                 return placed
         if not evict:
             return None
-        victims = None
-        if clean_first:
-            victims = self._plan_room(size, ns, required, pools, self.r.lower_tier.clean)
-        if victims is None:
-            victims = self._plan_room(size, ns, required, pools)
-        if victims is None:
-            return None
-        self._evict_all(required, victims)
-        placed = host.alloc(size, pools)
-        if placed is None:
-            raise AssertionError("eviction plan did not make the room it promised")
-        return placed
+        for _ in range(PLAN_TRIES):
+            victims = None
+            if clean_first:
+                victims = self._plan_room(size, ns, required, pools, self.r.lower_tier.clean)
+            if victims is None:
+                victims = self._plan_room(size, ns, required, pools)
+            if victims is None:
+                return None
+            self._evict_all(required, victims)
+            required = ()
+            placed = host.alloc(size, pools)
+            if placed is not None:
+                return placed
+            # a reader took a read slot on a victim after the plan looked: it stays until released
+        return None
 
     def _evict_all(self, required, victims) -> None:
-        for victim in required:
-            self.evict(victim, "evicted_quota")
-        for victim in victims:
-            self.evict(victim, "evictions")  # for room: "capacity" in metrics
+        gone = [self.evict(victim, "evicted_quota") for victim in required]
+        gone += [self.evict(victim, "evictions") for victim in victims]  # for room: "capacity" in metrics
+        self.r.slot_holds.free_unheld(gone)  # once every event is out: one scan of the read slots
 
-    def evict(self, victim: Entry, counter: str) -> None:
+    def evict(self, victim: Entry, counter: str) -> Entry:
         """Evict a READY entry nothing holds: to the lower tier (which may keep its bytes), out of
-        the index, its extent freed; counted under `counter`."""
+        the index; counted under `counter`. The caller frees it (SlotHolds.free_unheld)."""
         r = self.r
         r.lower_tier.spill(victim)  # first: a record that keeps its bytes keeps the key present
         r.unindex(victim, EventKind.EVICTED)
-        r.free(victim)
         r.counters[counter] += 1
+        return victim
 
     def _plan_room(self, size: int, ns: str | None, required, pools: tuple[int, ...],
                    only: Callable[[Entry], bool] | None = None) -> list[Entry] | None:
@@ -245,7 +248,7 @@ class Placement:
             candidates[pool] = allocators[pool].free + r.evictable_bytes[pool] >= size
         if not any(candidates):
             return None
-        skip = {e.generation for e in required}
+        skip = {e.generation for e in required} | r.slot_holds.held()  # what readers' slots hold stays
         guarantees = r.guarantees
         planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
         walked: list[Entry] = []

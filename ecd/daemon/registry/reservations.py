@@ -92,8 +92,7 @@ class Reserving:
         if failure is not None:
             self.end(reservation, "aborted")
             return failure
-        for victim in victims:
-            r.placement.evict(victim, "evicted_quota")
+        r.slot_holds.free_unheld([r.placement.evict(victim, "evicted_quota") for victim in victims])
         self._forget(reservation, "published")
         if ns != reservation.ns:
             r.uncharge(reservation.ns, reservation.size)

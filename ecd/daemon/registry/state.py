@@ -54,6 +54,7 @@ class RecordSet(Protocol):
     reserving: "Reserving"
     waiting: "Waiting"
     deadlines: "Deadlines"
+    slot_holds: "SlotHolds"
 
     def each_session(self) -> Iterable[Session]: ...
     def session(self, session_id: int) -> Session | None: ...

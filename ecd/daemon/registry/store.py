@@ -46,13 +46,14 @@ from .checks import RequestChecks
 from .deadlines import Deadlines
 from .key_index import KeyIndex
 from .operator import OperatorRequests
-from .reclaim import reclaim
+from .reclaim import SlotHolds, reclaim
 from .placement import Placement
 from .reservations import Reserving
 from .waiting import Waiting
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...config import LeasesSection, LimitsSection
+    from ...memory.entry_index import SlotArea
     from ...memory.journal import Journal
     from ..tiers.base import LowerTier
     from ..tiers.host import HostTier
@@ -76,7 +77,7 @@ class Store:
 
     def __init__(self, host: "HostTier", lower_tier: "LowerTier", ring: RingWriter, scheduler: Scheduler,
                  limits: "LimitsSection", leases: "LeasesSection", clock: Callable[[], float] = time.monotonic,
-                 namespaces: Mapping[str, Any] | None = None) -> None:
+                 namespaces: Mapping[str, Any] | None = None, slots: "SlotArea | None" = None) -> None:
         self.host = host
         self.lower_tier = lower_tier
         self.ring = ring
@@ -118,6 +119,7 @@ class Store:
         self.operator = OperatorRequests(self)
         # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
         self.journal: "Journal | NullJournal" = NullJournal()
+        self.slot_holds = SlotHolds(self, slots)  # extents a reader's read slot names (reclaim.py)
         host.attach(self)
         self.set_namespaces(namespaces or {})
 
@@ -452,6 +454,7 @@ class Store:
 
     def expire(self) -> None:
         self.deadlines.expire()
+        self.slot_holds.recheck()
 
     def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
         return self.operator.list_keys(ns, limit, after)
@@ -473,7 +476,7 @@ class Store:
         guard against eviction), or make an unheld READY entry evictable again."""
         if entry.state is State.RETIRED:
             if not entry.readers:
-                self.free(entry)
+                self.slot_holds.free_unheld([entry])
         elif entry.state is State.READY and not entry.readers and not entry.pins:
             self.placement.make_evictable(entry)
 
@@ -495,7 +498,7 @@ class Store:
         if entry.readers:
             entry.state = State.RETIRED
         else:
-            self.free(entry)
+            self.slot_holds.free_unheld([entry])
 
     def free(self, entry: Entry) -> None:
         """Give an entry's extent back to its pool and its bytes back to its namespace."""
@@ -505,6 +508,7 @@ class Store:
         if entry.pins:  # freed with pins on it (a forced eviction): they hold nothing any more
             self.deadlines.forget(entry)
         del self.by_generation[entry.generation]
+        self.slot_holds.retired.pop(entry.generation, None)
         self.uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
 
     def charge(self, ns: str, nbytes: int) -> None:
