@@ -220,9 +220,9 @@ class LeasesSection(Section):
     # heartbeats; one silent this long loses its leases, pins, parked gets and reservation.
     session_ttl: Duration = Duration(30.0)
     # Read slots (memory/entry_index.py): a view or pin of a known entry without a message. Each of
-    # up to `slot_sessions` sessions gets `read_slots` slots (16 bytes each, carved off the end of
-    # host pool segment 0; fixed at start); a session without a page, or with its slots all held,
-    # asks the daemon. 0 in either: off.
+    # up to `slot_sessions` sessions gets `read_slots` slots (16 bytes each, in shared memory after
+    # the pool's first segment; fixed at start); a session without a page, or with its slots all
+    # held, asks the daemon. 0 in either: off.
     read_slots: int = 128
     slot_sessions: int = 64
 
@@ -230,9 +230,8 @@ class LeasesSection(Section):
         for key, value in (("write_ttl", self.write_ttl), ("max_pin", self.max_pin),
                            ("max_wait", self.max_wait), ("session_ttl", self.session_ttl)):
             check_field(0 < value <= 86400, key, f"must be between 0 and 1 day, got {float(value)}")
-        check_field(0 <= self.read_slots <= 1 << 16, "read_slots", f"must be between 0 and 65536, got {self.read_slots}")
-        check_field(0 <= self.slot_sessions <= 1 << 14, "slot_sessions",
-                    f"must be between 0 and 16384, got {self.slot_sessions}")
+        for key in ("read_slots", "slot_sessions"):
+            check_field(0 <= getattr(self, key) <= 4096, key, f"must be between 0 and 4096, got {getattr(self, key)}")
 
 
 class LimitsSection(Section):

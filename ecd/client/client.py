@@ -41,7 +41,8 @@ from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flag
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient, _check_encodable, _key_list
-from .local_read import LocalReads, copy_from_pools, get_cached, read_cached, slot_page, view_slotted
+from .local_read import (LocalReads, copy_from_pools, get_cached, read_cached, slot_page, slots_released,
+                         view_slotted)
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .put import PutRoute
@@ -121,7 +122,7 @@ class Client(ControlClient):
         session's soon) take read leases instead (after a restart: _restarted does)."""
         old, self._slots = self._slots, slot_page(welcome, self._map)
         if old is not None and not restarted:
-            self._retake([v for v in self._views if v.slots is not None])
+            self._retake([v for v in self._views if v.slots is not None], "a new session")
 
     @property
     def mapping(self) -> EpochMapping:
@@ -452,9 +453,9 @@ class Client(ControlClient):
         the restart still shows its entry's bytes) but not the old run's leases: take them again
         for the entries still there, so that no eviction hands their extents out while the view
         is open. An entry not adopted (or replaced) cannot be protected: said once per view."""
-        self._retake(list(self._views))
+        self._retake(list(self._views), "a daemon restart", restart=True)
 
-    def _retake(self, views: list[OpenView]) -> None:
+    def _retake(self, views: list[OpenView], why: str, restart: bool = False) -> None:
         """Read leases of this session for open views (under the lock): after a restart, or for
         views a replaced session's read slots held."""
         for held in views:
@@ -468,9 +469,9 @@ class Client(ControlClient):
             if others:
                 self._send_quietly(Release(0, others))
             if len(again) < len(held.generations):
-                log.warning("a view of %d entries was open across a daemon restart or a new session: %d of them are not "
-                            "in the daemon's pool as they were, and their bytes may be reused before the view closes",
-                            len(held.generations), len(held.generations) - len(again))
+                log.warning("a view of %d entries was open across %s: %d of them are not in the %s pool as they were, "
+                            "and their bytes may be reused before the view closes", len(held.generations), why,
+                            len(held.generations) - len(again), "restarted daemon's" if restart else "daemon's")
             held.generations, held.session, held.epoch = again, self._session, self._map.epoch
             held.slots = held.page = None
 
@@ -481,6 +482,7 @@ class Client(ControlClient):
             if held.slots is not None:
                 if held.page is self._slots:  # else a replaced session's page: leases were taken
                     held.page.clear(held.slots)
+                    slots_released(self, held)
                 held.slots = None
             else:
                 self._release(held.generations, held.session, held.epoch)

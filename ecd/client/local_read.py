@@ -286,3 +286,18 @@ def slot_page(welcome: Welcome, mapping: "EpochMapping | None") -> SlotPage | No
     if offset < 0 or count <= 0 or offset + count * SLOT_BYTES > mapping.sizes[pool]:
         return None
     return SlotPage(mapping.rw[pool], offset, count)
+
+
+def slots_released(c: "Client", held: "OpenView") -> None:
+    """After a view's read slots are cleared (under the client's lock): when the ring shows one of
+    its entries gone meanwhile, the daemon keeps that extent until it sees the slot clear, at its
+    next expiry tick; a Report (no reply) makes it look now."""
+    mapping = c._map
+    if mapping is None or c._res.sock is None:
+        return
+    trusted, _ = c._cache.sync(mapping.ring)
+    for key, generation in zip(held.keys, held.generations):
+        loc = c._cache.located(key_hash(held.ns, key), held.ns, key) if trusted else None
+        if loc is None or loc.generation != generation:
+            c._send_quietly(Report(0))
+            return

@@ -27,7 +27,7 @@ from ..errors import Code, ConfigError
 from ..listeners import group_socket_file
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile
 from ..memory.memfd import MemfdFile
-from ..memory.entry_index import carve_slot_area
+from ..memory.entry_index import slot_area_at_end
 from ..memory.ring import RingWriter
 from ..protocol import DaemonStats
 from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
@@ -366,7 +366,7 @@ class Daemon:
         # the truncation checks (tiers/host.py): only the named files can be truncated (memfds are
         # sealed), so in the memfd mode gets, commits and the timer pay nothing for them
         leases = self.config.leases
-        slots = carve_slot_area(self.pool.segments[0], leases.slot_sessions, leases.read_slots)
+        slots = slot_area_at_end(self.pool.segments[0], leases.slot_sessions, leases.read_slots)
         host = HostTier([seg.size - (slots.nbytes if slots and i == 0 else 0) for i, seg in enumerate(self.pool.segments)],
                         [a.size for a in self.arenas] if self.arenas is not None else [],
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())

@@ -184,8 +184,8 @@ class IndexReader(_IndexView):
 
 # ---- read slots ------------------------------------------------------------------------------
 #
-# A read lease without a message (hazard pointers). The daemon carves SLOT pages off the end of
-# host pool segment 0 (so they are mapped, handed out and kept across restarts with the pool) and
+# A read lease without a message (hazard pointers). The daemon keeps pages of slots after host pool
+# segment 0's share of the pool (so they are mapped, handed out and kept across restarts with it) and
 # gives each session one page in its Welcome. A slot is two u64 words: the generation read (0: the
 # slot is free) and a deadline in CLOCK_MONOTONIC nanoseconds (0: held until cleared, a view; else
 # a pin, held until then).
@@ -207,11 +207,9 @@ def slot_area_bytes(pages: int, slots: int) -> int:
     return -(-pages * slots * SLOT_BYTES // 4096) * 4096 if pages and slots else 0
 
 
-def carve_slot_area(segment, pages: int, slots: int) -> "SlotArea | None":
-    """The slot area at the end of `segment` (host pool segment 0), with fewer pages where the
-    configured ones would take more than an eighth of it; None when read slots are off."""
-    page_bytes = slots * SLOT_BYTES
-    pages = min(pages, segment.size // 8 // page_bytes) if page_bytes else 0
+def slot_area_at_end(segment, pages: int, slots: int) -> "SlotArea | None":
+    """The slot area: the last bytes of `segment` (host pool segment 0, made that much longer than
+    its share of the pool: HostPool's `tail`); None when read slots are off."""
     size = slot_area_bytes(pages, slots)
     return SlotArea(segment, segment.size - size, pages, slots) if size else None
 
@@ -262,6 +260,10 @@ class SlotArea:
             else:
                 self._ghosts = frozenset()
         return held
+
+    def drop_ghost(self, generation: int) -> None:
+        if generation in self._ghosts:
+            self._ghosts = self._ghosts - {generation}
 
     def adopt(self, now_ns: int, quarantine_ns: int, max_pin_ns: int) -> int:
         """At start, over a kept pool: what the previous run's readers' slots held stays held for

@@ -7,9 +7,11 @@ a copy that mixes two values, or read another key's extent, or a half-written on
       puts random keys (a new value number each time) and deletes some, until SECONDS are up;
       prints {"puts": N, "deletes": N}
   reader ENDPOINT KEYS SECONDS SEED MUTANT
-      gets (get, and read_many copying the view into a buffer) random keys with delays injected between every step of the local read (before the
-      location is taken, between it and the copy, after the copy, before the ring is read
-      again), until SECONDS are up; prints {"reads", "local", "thrown", "wrong", "first_wrong"}
+      reads random keys (get; read_many copying the view into a buffer; a view, read at its start
+      and again after a pause inside the block, which must see the same value) with delays
+      injected between every step of the local read (before the location is taken, between it
+      and the copy or the read slots, after the copy, before the ring is read again), until
+      SECONDS are up; prints {"reads", "local", "thrown", "views", "slotted", "wrong", "first_wrong"}
   daemon MUTANT [--after FILE] -- PYTHON -m ecd serve ...
       the daemon, with MUTANT applied (`DaemonProcess.start(prefix=...)`); with --after, its
       modules are imported first, FILE.ready is made, and it serves once FILE exists (a restart
@@ -21,6 +23,8 @@ Mutants (each must make the test fail; `none` is the real build):
                extent (the order the protocol forbids: free, then event)
   no-ring-wait an adopting daemon serves at once, while clients still trust the previous run's ring
                (test_local_read_restart.py)
+  no-slot-scan the daemon frees an extent without looking at the read slots (views only: gets and
+               read_many do not hold slots)
   no-fence     the client skips the fence between the copy and the ring read. On x86 (TSO) that
                fence is no instruction at all (memory/fence.py), so this mutant cannot fail there:
                the test runs it only on weakly ordered CPUs.
@@ -58,7 +62,8 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
     """Delays between the read protocol's steps (always), and the client mutant `name`. Returns
     counters the patched steps keep: copies made, copies returned."""
     from ecd.client import client as client_module, local_read
-    counts = {"copies": 0, "returned": 0}
+    from ecd.memory.entry_index import SlotPage
+    counts = {"copies": 0, "returned": 0, "slotted": 0}
 
     def pause() -> None:
         time.sleep(rng.choice((0.0, 0.0, 0.0001, 0.0005, 0.002)))
@@ -97,6 +102,21 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         pause()
         return real_locations(c, ns, keys, mapping, same_as)
 
+    real_hold = SlotPage.hold
+
+    def slow_hold(self, generations, deadline_ns=0):
+        pause()  # between taking the location and storing the read slots
+        return real_hold(self, generations, deadline_ns)
+
+    real_view = local_read.view_slotted
+
+    def counted_view(c, keys, verify):
+        out = real_view(c, keys, verify)
+        counts["slotted"] += out is not None
+        return out
+
+    SlotPage.hold = slow_hold
+    local_read.view_slotted = client_module.view_slotted = counted_view
     local_read.copy_from_pools = slow_copy
     local_read.get_cached = counted_get
     client_module.get_cached = counted_get
@@ -108,6 +128,10 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
 
 
 def apply_daemon_mutant(name: str) -> None:
+    if name == "no-slot-scan":
+        from ecd.memory.entry_index import SlotArea
+        SlotArea.held = lambda self, now_ns, max_pin_ns: set()
+        return
     if name == "no-ring-wait":
         from ecd.daemon.restart import adopt
         real_silent_in = adopt.old_ring_silent_in_fd
@@ -155,26 +179,35 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
     import ecd
     rng = random.Random(seed)
     counts = apply_client_mutant(mutant, rng)
-    reads = wrong = 0
+    reads = wrong = views = 0
     first_wrong = ""
     with ecd.Client(endpoint, timeout=30) as c:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             k = rng.randrange(keys)
+            changed = ""
             try:
-                if reads % 2:  # a get, or a read_many that copies the view into a buffer of its own
+                if reads % 3 == 1:  # a get, a read_many that copies the view into a buffer of its own, a view
                     got = c.get(f"k{k}")
-                else:
+                elif reads % 3 == 2:
                     got = c.read_many([f"k{k}"], lambda views: torch.empty(NUMEL, dtype=torch.int64).copy_(views[0]))
+                else:
+                    with c.view(f"k{k}") as view:
+                        got = view.clone()
+                        time.sleep(rng.choice((0.0, 0.001, 0.003)))  # puts evict and reuse extents meanwhile
+                        again = view.clone()
+                    views += 1
+                    changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
             except ecd.KeyNotFound:
                 continue
             reads += 1
-            problem = wrong_bytes(k, got)
+            problem = wrong_bytes(k, got) or changed
             if problem:
                 wrong += 1
                 first_wrong = first_wrong or f"k{k}: {problem}"
     print(json.dumps({"reads": reads, "local": counts["returned"], "thrown": counts["copies"] - counts["returned"],
-                      "wrong": wrong, "first_wrong": first_wrong}), flush=True)
+                      "views": views, "slotted": counts["slotted"], "wrong": wrong, "first_wrong": first_wrong}),
+          flush=True)
 
 
 if __name__ == "__main__":

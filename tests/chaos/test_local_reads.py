@@ -1,8 +1,9 @@
-"""Gets without a round trip (client/local_read.py) under constant churn: a tiny pool, writers
-replacing, evicting and deleting 64 KiB values that encode (key, value number), readers getting
-them with delays injected between every step of the read protocol. Zero wrong bytes; and the
-same test against a mutant (no re-check after the copy; the daemon's event after the free)
-returns wrong bytes, so the test can see the bug it guards against.
+"""Gets and views without a round trip (client/local_read.py) under constant churn: a tiny pool,
+writers replacing, evicting and deleting 64 KiB values that encode (key, value number), readers
+getting and viewing them with delays injected between every step of the read protocol. Zero wrong
+bytes, and no view's bytes change while it is open; and the same test against a mutant (no
+re-check after the copy or the slots; the daemon's event after the free; the daemon freeing
+without scanning the read slots) returns wrong bytes, so the test can see the bug it guards against.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def test_local_gets_under_churn_never_return_wrong_bytes(daemon_factory):
     thrown = sum(r["thrown"] for r in readers)
     assert local > 100, readers  # the local route was taken, and passed its checks many times
     assert thrown > 0, readers  # and churn made it throw copies away, which then went to the daemon
+    assert sum(r["slotted"] for r in readers) > 0.5 * sum(r["views"] for r in readers), readers  # views held by slots
     body = scrape_metrics(d.metrics_port)
     assert metric(body, "ecd_local_reads_total") > 0  # the daemon heard of them
     assert metric(body, "ecd_evictions_total", reason="replaced") > 0
@@ -67,6 +69,7 @@ def test_local_gets_under_churn_never_return_wrong_bytes(daemon_factory):
 @pytest.mark.parametrize("client_mutant,daemon_mutant", [
     ("no-recheck", "none"),
     ("none", "late-event"),
+    ("none", "no-slot-scan"),
     pytest.param("no-fence", "none", marks=pytest.mark.skipif(
         STRONGLY_ORDERED, reason="x86 keeps loads in order: the fence is no instruction there, so dropping it "
                                  "changes nothing this test could see")),

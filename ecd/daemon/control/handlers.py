@@ -148,6 +148,7 @@ class Handlers:
                 self.counters.ring_overruns += overruns
                 if local_reads:
                     store.placement.read_locally(local_reads)
+                store.slot_holds.recheck()  # a client closed a view of an entry since removed: free it now
                 if corrupt:
                     self.counters.integrity_failures["read"] += corrupt
                     log.warning("client pid %d (session %d) read %d entr%s whose bytes do not match "

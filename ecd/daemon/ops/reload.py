@@ -32,6 +32,7 @@ log = logging.getLogger("ecd.daemon")
 
 RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace", "control.allowed_uids", "control.allowed_gids"}
 RUNTIME_SECTIONS = {"leases", "limits", "namespaces"}
+START_ONLY_KEYS = {"leases.read_slots", "leases.slot_sessions"}  # the slot area is sized at start
 RUNTIME_PREFIXES = ("cluster.peers", "cluster.peer_keys.")
 
 
@@ -75,7 +76,8 @@ def reload_config(target: "ReloadTarget") -> None:
     # both ways: a [namespaces.NAME] table can be removed
     changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
     applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS
-                                      or k.startswith(RUNTIME_PREFIXES)) and not k.endswith(".verify")]
+                                      or k.startswith(RUNTIME_PREFIXES)) and not k.endswith(".verify")
+               and k not in START_ONLY_KEYS]
     refused = [k for k in changed if k not in applied]
     if target.peers is not None and (old.cluster.enabled == new.cluster.enabled):
         target.peers.reload(new.cluster)  # peers and peer keys; the allowed peer keys re-read
@@ -88,6 +90,8 @@ def reload_config(target: "ReloadTarget") -> None:
     new.control = msgspec.structs.replace(old.control, allowed_uids=new.control.allowed_uids,
                                           allowed_gids=new.control.allowed_gids)
     new.pool, new.ring, new.metrics = old.pool, old.ring, old.metrics
+    new.leases = msgspec.structs.replace(new.leases, read_slots=old.leases.read_slots,
+                                         slot_sessions=old.leases.slot_sessions)
     new.cluster = old.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(old.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.

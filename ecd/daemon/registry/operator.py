@@ -47,8 +47,10 @@ class OperatorRequests:
         evicted = 0
         refused: list[str] = []
         draining: list[int] = []
+        slotted = r.slot_holds.held() if targets else frozenset()  # views held by read slots: read, like leases
         for entry in targets:
-            if (entry.readers or entry.pins) and not force:
+            read = entry.readers or entry.generation in slotted
+            if (read or entry.pins) and not force:
                 if len(refused) < EVICT_ECHO_MAX:
                     refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
                 continue
@@ -56,7 +58,7 @@ class OperatorRequests:
                 self._revoke_unwatched_leases(entry)
             r.remove(entry)
             evicted += 1
-            if entry.readers:
+            if read:
                 draining.append(entry.generation)
         # keys only the lower tier holds go too (their records and files)
         if everything or whole_namespace:

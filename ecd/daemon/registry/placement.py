@@ -284,10 +284,12 @@ class Placement:
         used = sum(a.used for a in tier)
         largest = max(a.largest_free for a in tier)
         where = "" if pools == r.host.host_pools else f" in CUDA arena {pools[0]}"
-        held = len(r.index) - len(r.evictable)
+        slotted = [r.evictable[g] for g in r.slot_holds.held() & r.evictable.keys()]  # views by read slots
+        held = len(r.index) - len(r.evictable) + len(slotted)
         writing = r.writes_in_progress()
-        # Bytes nothing may evict: leased/pinned entries, writes, reservations, retired bytes.
-        held_bytes = used - sum(r.evictable_bytes[p] for p in pools)
+        # Bytes nothing may evict: leased/pinned/viewed entries, writes, reservations, retired bytes.
+        held_bytes = used - sum(r.evictable_bytes[p] for p in pools) + sum(
+            align_up(max(e.nbytes, 1)) for e in slotted if e.pool in pools)
         protected = (f", {self.protected} kept for their namespace's guaranteed share"
                      if self.protected else "")
         return (f"no room for {nbytes} bytes{where}: {used} of {capacity} bytes in use, largest free extent "

@@ -78,6 +78,12 @@ class SlotHolds:
             session.slot_page = None
         self.recheck()  # what its slots held may go now
 
+    def lease_released(self, generation: int) -> None:
+        """A read lease ended: if a previous run's slot held this generation, its reader came back
+        (Client._restarted leased it again) and is done with it."""
+        if self.area is not None:
+            self.area.drop_ghost(generation)
+
     def held(self) -> set[int] | frozenset[int]:
         """Generations a slot names now (empty without slots)."""
         if self.area is None:

@@ -376,6 +376,7 @@ class Store:
             del session.leases[generation]
         entry = self.by_generation[generation]
         entry.readers -= 1
+        self.slot_holds.lease_released(generation)
         self.after_unhold(entry)
         return None
 
@@ -532,9 +533,9 @@ class Store:
         return sum(len(s.writes) for s in self._sessions.values())
 
     def lease_totals(self) -> tuple[int, int, int]:
-        """(read leases, pins, parked waiters) over all sessions."""
+        """(read leases and entries read slots hold, pins, parked waiters) over all sessions."""
         sessions = self._sessions.values()
-        return (sum(sum(s.leases.values()) for s in sessions), sum(len(s.pins) for s in sessions),
+        return (sum(sum(s.leases.values()) for s in sessions) + len(self.slot_holds.held()), sum(len(s.pins) for s in sessions),
                 sum(len(s.waiters) for s in sessions))
 
     def reservation_totals(self) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ...memory.allocator import align_up
+from ...memory.entry_index import slot_area_bytes
 from ...memory.host import HostPool, ShmError, ShmFile, segment_name, shm_path
 from ...memory.journal import (KEY_BYTES, EntryRecord, IntentRecord, Journal, JournalRefused, Layout, default_size,
                                new_key)
@@ -57,9 +58,16 @@ def journal_name(node: str) -> str:
 
 
 def segment_sizes(config: "Config") -> tuple[int, ...]:
-    """The host pool's segment sizes as HostPool cuts them."""
+    """The host pool's segment sizes as HostPool cuts them (segment 0 with the read slots after its share)."""
     size, segment = int(config.pool.host.size), int(config.pool.host.segment_size)
-    return tuple(min(segment, size - start) for start in range(0, size, segment))
+    sizes = [min(segment, size - start) for start in range(0, size, segment)]
+    sizes[0] += slot_tail_bytes(config)
+    return tuple(sizes)
+
+
+def slot_tail_bytes(config: "Config") -> int:
+    """Bytes of read slots after segment 0's share of the pool (memory/entry_index.py)."""
+    return slot_area_bytes(config.leases.slot_sessions, config.leases.read_slots)
 
 
 def layout_of(config: "Config") -> Layout:
