@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Gets without a round trip (issue 42, client/local_read.py): what a warm get costs now.
+"""Reads without a round trip (issue 42, client/local_read.py): what a warm get and view cost now.
 
 Starts its own daemon and a bare pyzmq REQ/REP echo process, and measures, interleaved round by
 round so that each ratio compares samples taken side by side:
   1. a warm get of a 64 KiB entry (its location known: no request) against one bare round trip,
      and against the same get forced through the daemon (the location forgotten before each);
   2. the same at 16 MiB against a memcpy of 16 MiB into a new tensor (torch.empty + copy_);
-  3. how many requests the daemon handles while another process makes 1000 gets of one key
-     (its stats' per-operation counters; the target is <= 1 % of the reads);
+  1b. a warm view of it (open and close: read slots, no request), and the same through the daemon;
+  3. how many requests the daemon handles while another process makes 1000 gets of one key, and
+     then 1000 views (its stats' per-operation counters; the target is <= 1 % of the reads);
+  3b. a 16 MiB put here until another process's view of it is open, against a memcpy of 16 MiB;
   4. a 64 KiB hand-off to a consumer already waiting in get(key, timeout=...) in another process,
      from the producer's put start to the consumer's return, after both paused 20 ms (every
      thread on the path must be woken), against a bare round trip; and the producer's put alone
@@ -37,6 +39,7 @@ TARGET_WARM_GET_RATIO = 0.5  # warm 64 KiB get <= 0.5 bare round trips
 TARGET_REQUESTS_PER_READ = 0.01
 TARGET_HANDOFF_RATIO = 1.5  # producer's put start -> waiting consumer's return <= 1.5 round trips
 HANDOFF_ROUNDS = 40
+TARGET_PUT_VIEW_RATIO = 1.15  # 16 MiB put (process A) + view (process B) <= 1.15 memcpy
 READS = 1000
 
 
@@ -47,12 +50,16 @@ def per_op_ns(fn, n: int) -> float:
     return (time.perf_counter_ns() - start) / n
 
 
-def _reader(endpoint: str, key: str, conn) -> None:
-    """Another process: READS gets of `key` (the first asks the daemon where it is)."""
+def _reader(endpoint: str, key: str, conn, how: str = "get") -> None:
+    """Another process: READS gets (or views) of `key` (the first asks the daemon where it is)."""
     with Client(endpoint, timeout=10) as c:
         conn.recv()
         for _ in range(READS):
-            c.get(key)
+            if how == "get":
+                c.get(key)
+            else:
+                with c.view(key):
+                    pass
         c.ping()  # its batched report of the reads goes before this; then the counters are read
         conn.send("done")
         conn.recv()
@@ -69,6 +76,36 @@ def _waiting_consumer(endpoint: str, conn) -> None:
             conn.send("waiting")
             c.get(key, timeout=10)
             conn.send(time.perf_counter_ns())
+
+
+def _viewer(endpoint: str, conn) -> None:
+    """Another process: views each key it is sent (an entry put just before) and sends the time
+    the view was open (perf_counter_ns) and its first element."""
+    with Client(endpoint, timeout=10) as c:
+        while True:
+            key = conn.recv()
+            if key is None:
+                return
+            with c.view(key) as view:
+                opened = time.perf_counter_ns()
+                conn.send((opened, float(view[0])))
+
+
+def put_then_view(c: Client, viewer, rounds: int) -> float:
+    """Median per-round ratio of (this process's 16 MiB put start -> the viewer's view open) to a
+    memcpy of 16 MiB into a new tensor beside it."""
+    value = torch.rand(4 * KIB * KIB)
+    ratios = []
+    for r in range(rounds):
+        m = per_op_ns(lambda: torch.empty_like(value).copy_(value), 3)
+        value[0] = r
+        start = time.perf_counter_ns()
+        c.put(f"pv{r % 4}", value)
+        viewer.send(f"pv{r % 4}")
+        opened, first = viewer.recv()
+        assert first == r
+        ratios.append((opened - start) / m)
+    return round(statistics.median(ratios), 3)
 
 
 def handoffs(c: Client, consumers: dict, bare, rounds: int) -> dict[str, float]:
@@ -128,30 +165,43 @@ def main() -> None:
             def memcpy_16m() -> None:
                 torch.empty_like(large).copy_(large)
 
-            for fn in (bare, through_daemon, lambda: c.get("k64")):
+            def view_64k(client: Client) -> None:
+                with client.view("k64"):
+                    pass
+
+            for fn in (bare, through_daemon, lambda: c.get("k64"), lambda: view_64k(c), lambda: view_64k(asking)):
                 per_op_ns(fn, 200)  # warm
-            warm, asked, copy_ratio = [], [], []
+            warm, asked, copy_ratio, viewed, viewed_asking = [], [], [], [], []
             for _ in range(ROUNDS):
                 b = per_op_ns(bare, BLOCK)
                 warm.append(per_op_ns(lambda: c.get("k64"), BLOCK) / b)
                 asked.append(per_op_ns(through_daemon, BLOCK) / b)
+                viewed.append(per_op_ns(lambda: view_64k(c), BLOCK) / b)
+                viewed_asking.append(per_op_ns(lambda: view_64k(asking), BLOCK) / b)
                 m = per_op_ns(memcpy_16m, 5)
                 copy_ratio.append(per_op_ns(lambda: c.get("k16m"), 5) / m)
             bare_us = per_op_ns(bare, 1000) / 1e3
             res["bare_round_trip_us"] = round(bare_us, 1)
             res["warm_get_64k_vs_round_trip"] = round(statistics.median(warm), 3)
             res["asked_get_64k_vs_round_trip"] = round(statistics.median(asked), 3)
+            res["warm_view_64k_vs_round_trip"] = round(statistics.median(viewed), 3)
+            res["asked_view_64k_vs_round_trip"] = round(statistics.median(viewed_asking), 3)
             res["warm_get_16m_vs_memcpy"] = round(statistics.median(copy_ratio), 3)
 
-            reader = start(_reader, daemon.endpoint, "k64")
-            time.sleep(0.5)  # its session is open (Hello counted before the window)
-            before = requests_handled(c)
-            reader.send("go")
-            assert reader.recv() == "done"
-            handled = requests_handled(c) - before - 1  # less the ping that closes the window
-            reader.send("bye")
-            res["requests_per_read"] = round(handled / READS, 4)
-            res["requests_in_window"] = handled
+            for how in ("get", "view"):
+                reader = start(_reader, daemon.endpoint, "k64", how)
+                time.sleep(0.5)  # its session is open (Hello counted before the window)
+                before = requests_handled(c)
+                reader.send("go")
+                assert reader.recv() == "done"
+                handled = requests_handled(c) - before - 1  # less the ping that closes the window
+                reader.send("bye")
+                res[f"requests_per_{how}"] = round(handled / READS, 4)
+                res[f"requests_in_{how}_window"] = handled
+
+            viewer = start(_viewer, daemon.endpoint)
+            res["put_16m_then_view_vs_memcpy"] = put_then_view(c, viewer, 20)
+            viewer.send(None)
 
             consumers = {"waiting": start(_waiting_consumer, daemon.endpoint)}
             got = handoffs(c, consumers, bare, HANDOFF_ROUNDS)
@@ -177,8 +227,15 @@ def main() -> None:
     rows = [("warm 64 KiB get / bare round trip", res["warm_get_64k_vs_round_trip"], TARGET_WARM_GET_RATIO),
             ("64 KiB get through the daemon / bare round trip", res["asked_get_64k_vs_round_trip"], None),
             ("warm 16 MiB get / memcpy into a new tensor", res["warm_get_16m_vs_memcpy"], None),
-            (f"daemon requests per read ({READS} gets from another process)", res["requests_per_read"],
+            ("warm 64 KiB view (open and close) / bare round trip", res["warm_view_64k_vs_round_trip"],
+             TARGET_WARM_GET_RATIO),
+            ("64 KiB view through the daemon (leases) / bare round trip", res["asked_view_64k_vs_round_trip"], None),
+            (f"daemon requests per read ({READS} gets from another process)", res["requests_per_get"],
              TARGET_REQUESTS_PER_READ),
+            (f"daemon requests per view ({READS} views from another process)", res["requests_per_view"],
+             TARGET_REQUESTS_PER_READ),
+            ("16 MiB put (this process) until another's view is open / memcpy", res["put_16m_then_view_vs_memcpy"],
+             TARGET_PUT_VIEW_RATIO),
             ("64 KiB hand-off to a consumer waiting in get(key, timeout) / bare round trip",
              res["handoff_64k_vs_round_trip"], TARGET_HANDOFF_RATIO),
             ("the producer's 64 KiB put alone, after the same pause / bare round trip",

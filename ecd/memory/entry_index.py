@@ -237,10 +237,26 @@ class SlotArea:
         """(offset in segment 0, slots) of a page."""
         return self.offset + page * self.page_bytes, self.slots
 
-    def release(self, page: int) -> None:
-        """The session ended: its slots are dropped (zeroed) and the page is free again."""
+    def _page(self, page: int) -> np.ndarray:
+        words = np.zeros((self.slots, SLOT_WORDS), np.uint64)
+        self.segment.read_into(self.offset + page * self.page_bytes, memoryview(words).cast("B"))
+        return words
+
+    def release(self, page: int) -> int:
+        """The session ended: its slots are dropped (zeroed) and the page is free again. The
+        number of slots it held."""
+        held = int(np.count_nonzero(self._page(page)[:, 0]))
         self.segment.write_at(self.offset + page * self.page_bytes, bytes(self.page_bytes))
         self._free.append(page)
+        return held
+
+    def revoke(self, page: int, generation: int) -> int:
+        """Clear the page's slots that name `generation` (a forced eviction of an entry a session
+        the daemon cannot watch holds); how many."""
+        slots = np.flatnonzero(self._page(page)[:, 0] == np.uint64(generation)).tolist()
+        for slot in slots:
+            self.segment.write_at(self.offset + page * self.page_bytes + slot * SLOT_BYTES, bytes(SLOT_BYTES))
+        return len(slots)
 
     def held(self, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
         """The generations a slot holds now. Called after the events of what is about to be

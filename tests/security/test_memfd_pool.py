@@ -27,6 +27,11 @@ from conftest import REPO, shm_files
 from secutil import write_node_toml
 
 from ecd.errors import DaemonUnavailable
+from ecd.config import LeasesSection
+from ecd.memory.entry_index import slot_area_bytes
+
+# segment 0 holds the read slots after its share of the pool (memory/entry_index.py)
+SLOT_AREA = slot_area_bytes(LeasesSection().slot_sessions, LeasesSection().read_slots)
 
 NS_CLIENT = Path(__file__).resolve().parent / "memfd_ns_client.py"
 NOBODY = pwd.getpwnam("nobody").pw_uid
@@ -132,7 +137,7 @@ def test_received_pool_descriptors_cannot_be_resized_and_the_ring_cannot_be_writ
     verdict = _run_client("attack", daemon.socket_path + ".fds", namespaces=False, uid=None)
     assert verdict["kinds"] == ["pool", "ring"], verdict
     assert verdict["shrink"] == "EPERM" and verdict["grow"] == "EPERM", verdict
-    assert verdict["pool_size_after"] == 64 << 20, verdict
+    assert verdict["pool_size_after"] == (64 << 20) + SLOT_AREA, verdict
     assert verdict["ring_map_rw"] == "EACCES", verdict  # the descriptor is O_RDONLY
     # re-opened read-write through /proc, it is still sealed against writes
     assert verdict["ring_reopen_rw"] in ("done", "EACCES"), verdict

@@ -54,7 +54,7 @@ class OperatorRequests:
                 if len(refused) < EVICT_ECHO_MAX:
                     refused.append(entry.key if not everything else f"{entry.ns}/{entry.key}")
                 continue
-            if entry.readers:
+            if read:
                 self._revoke_unwatched_leases(entry)
             r.remove(entry)
             evicted += 1
@@ -81,6 +81,7 @@ class OperatorRequests:
             if not session.watched:
                 count = session.leases.pop(entry.generation, 0)
                 entry.readers -= count
+                self.r.slot_holds.revoke(session, entry.generation)  # and its read slots (views) of it
 
     def held(self, generations: list[int]) -> list[bool]:
         """Whether each generation still holds its extent (an entry in any state, or a reservation)."""

@@ -105,7 +105,9 @@ class Placement:
         over = used + size - quota
         if over <= 0:
             return []
-        evictable = self.quota_evictable_bytes[ns]
+        lru = self.quota_lru[ns]
+        viewed = [lru[g] for g in r.slot_holds.held() & lru.keys()]  # views held by read slots stay
+        evictable = self.quota_evictable_bytes[ns] - sum(align_up(max(e.nbytes, 1)) for e in viewed)
         if size > quota or evictable < over:
             r.quota_refusals[ns] += 1
             r.quota_refused += 1
@@ -116,8 +118,10 @@ class Placement:
                        f"reserved or replaced while still read) and only {evictable} may be evicted")
             return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
                                                 f"{used} bytes in use, {size} more requested; {why}")
-        victims = []
-        for entry in self.quota_lru[ns].values():
+        victims, kept = [], {e.generation for e in viewed}
+        for entry in lru.values():
+            if entry.generation in kept:
+                continue
             victims.append(entry)
             over -= align_up(max(entry.nbytes, 1))
             if over <= 0:

@@ -20,10 +20,7 @@ def reclaim(store: "Store", session: Session, reclaimed: bool, reason: str) -> N
     if session.closed:
         return
     session.closed = True
-    if reclaimed:
-        store.counters["reclaimed_sessions"] += 1
-        store.counters[f"reclaimed_{reason}"] += (sum(session.leases.values()) + len(session.pins)
-                                                 + len(session.writes))
+    holds = sum(session.leases.values()) + len(session.pins) + len(session.writes)
     store._sessions.pop(session.id, None)
     for waiter in list(session.waiters):
         store.waiting.drop(waiter)
@@ -44,7 +41,10 @@ def reclaim(store: "Store", session: Session, reclaimed: bool, reason: str) -> N
             store.deadlines.release(entry)
             store.after_unhold(entry)
     session.pins.clear()
-    store.slot_holds.release(session)
+    holds += store.slot_holds.release(session)  # its read slots (views)
+    if reclaimed:
+        store.counters["reclaimed_sessions"] += 1
+        store.counters[f"reclaimed_{reason}"] += holds
 
 
 class SlotHolds:
@@ -72,11 +72,20 @@ class SlotHolds:
         session.slot_page = page
         return [0, *self.area.location(page)]  # type: ignore[union-attr]  # a page implies an area
 
-    def release(self, session: Session) -> None:
+    def release(self, session: Session) -> int:
+        """The session ended: its page is zeroed and free again; the number of slots it held."""
+        held = 0
         if session.slot_page is not None and self.area is not None:
-            self.area.release(session.slot_page)
+            held = self.area.release(session.slot_page)
             session.slot_page = None
         self.recheck()  # what its slots held may go now
+        return held
+
+    def revoke(self, session: Session, generation: int) -> int:
+        """Clear `session`'s slots naming `generation` (Operator: a forced eviction)."""
+        if session.slot_page is None or self.area is None:
+            return 0
+        return self.area.revoke(session.slot_page, generation)
 
     def lease_released(self, generation: int) -> None:
         """A read lease ended: if a previous run's slot held this generation, its reader came back
