@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import collections
+import heapq
 
 from ..protocol import DTYPE_ITEMSIZE
 from .fence import barrier as memory_barrier, full_barrier
@@ -223,7 +223,9 @@ class SlotArea:
         self.segment, self.offset, self.pages, self.slots = segment, offset, pages, slots
         self.page_bytes = slots * SLOT_BYTES
         self.nbytes = slot_area_bytes(pages, slots)  # what segment 0's allocator leaves out
-        self._free = collections.deque(range(pages))  # oldest released first: a page rests before reuse
+        self._free = list(range(pages))  # a heap: the lowest page first, so scans read a short prefix
+        self._assigned: set[int] = set()
+        self._scan_pages = 0  # pages a scan reads: up to the highest one assigned
         self._buf = np.zeros((pages * slots, SLOT_WORDS), np.uint64)
         self._ghosts: frozenset[int] = frozenset()  # a previous run's slots, honoured until _ghosts_until
         self._ghosts_until = 0
@@ -231,7 +233,12 @@ class SlotArea:
 
     def assign(self) -> int | None:
         """A free page for a new session (None: all are taken; that session asks the daemon)."""
-        return self._free.popleft() if self._free else None
+        if not self._free:
+            return None
+        page = heapq.heappop(self._free)
+        self._assigned.add(page)
+        self._scan_pages = max(self._scan_pages, page + 1)
+        return page
 
     def location(self, page: int) -> tuple[int, int]:
         """(offset in segment 0, slots) of a page."""
@@ -247,7 +254,9 @@ class SlotArea:
         number of slots it held."""
         held = int(np.count_nonzero(self._page(page)[:, 0]))
         self.segment.write_at(self.offset + page * self.page_bytes, bytes(self.page_bytes))
-        self._free.append(page)
+        heapq.heappush(self._free, page)
+        self._assigned.discard(page)
+        self._scan_pages = max(self._assigned) + 1 if self._assigned else 0
         return held
 
     def revoke(self, page: int, generation: int) -> int:
@@ -261,12 +270,18 @@ class SlotArea:
     def held(self, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
         """The generations a slot holds now. Called after the events of what is about to be
         freed are appended: the fence orders those stores before these loads."""
+        return self._scan(self._scan_pages, now_ns, max_pin_ns)
+
+    def _scan(self, pages: int, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
+        if not pages and not self._ghosts:
+            return frozenset()
         full_barrier()
         self.scans += 1
-        got = self.segment.read_into(self.offset, memoryview(self._buf).cast("B"))
-        if got < self._buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
-            self._buf.view(np.uint8)[got:] = 0
-        generations, deadlines = self._buf[:, 0], self._buf[:, 1]
+        buf = self._buf[:pages * self.slots]
+        got = self.segment.read_into(self.offset, memoryview(buf).cast("B")) if pages else 0
+        if got < buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
+            buf.view(np.uint8)[got:] = 0
+        generations, deadlines = buf[:, 0], buf[:, 1]
         live = (generations != 0) & ((deadlines == 0) | ((deadlines > np.uint64(now_ns))
                                                          & (deadlines <= np.uint64(now_ns + max_pin_ns))))
         held = set(generations[live].tolist())
@@ -285,7 +300,7 @@ class SlotArea:
         """At start, over a kept pool: what the previous run's readers' slots held stays held for
         `quarantine_ns` (their clients reconnect and take new slots or leases by then); then the
         area is cleared for this run's sessions. The number of generations held."""
-        ghosts = self.held(now_ns, max_pin_ns)
+        ghosts = self._scan(self.pages, now_ns, max_pin_ns)
         self._ghosts, self._ghosts_until = frozenset(ghosts), now_ns + quarantine_ns
         self.segment.write_at(self.offset, bytes(self._buf.nbytes))
         return len(ghosts)

@@ -58,7 +58,7 @@ class OperatorRequests:
                 self._revoke_unwatched_leases(entry)
             r.remove(entry)
             evicted += 1
-            if read:
+            if entry.generation in r.by_generation:  # retired: a watched reader's lease or slot still reads it
                 draining.append(entry.generation)
         # keys only the lower tier holds go too (their records and files)
         if everything or whole_namespace:
