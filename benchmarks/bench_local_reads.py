@@ -50,7 +50,7 @@ def per_op_ns(fn, n: int) -> float:
     return (time.perf_counter_ns() - start) / n
 
 
-def _reader(endpoint: str, key: str, conn, how: str = "get") -> None:
+def _reader(endpoint: str, key: str, how: str, conn) -> None:
     """Another process: READS gets (or views) of `key` (the first asks the daemon where it is)."""
     with Client(endpoint, timeout=10) as c:
         conn.recv()
