@@ -94,3 +94,64 @@ def test_no_index_is_an_index_of_nothing():
     assert reader.lookup(1, "ns", "k") is None
     with pytest.raises(ValueError):
         IndexWriter(buf, 0, 6)
+
+
+# ---- read slots ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def slot_pool():
+    """A sealed memfd the size of a pool segment's share plus a slot area of 4 pages of 8 slots."""
+    from ecd.memory.entry_index import slot_area_at_end, slot_area_bytes
+    from ecd.memory.memfd import MemfdFile
+    segment = MemfdFile.create_sealed("ecd.test-slots.0", (1 << 20) + slot_area_bytes(4, 8))
+    try:
+        yield segment, slot_area_at_end(segment, 4, 8)
+    finally:
+        segment.unlink()
+
+
+def page_of(segment, area, page):
+    from ecd.memory.entry_index import SlotPage
+    offset, slots = area.location(page)
+    return SlotPage(segment.buf, offset, slots)
+
+
+def test_a_slot_holds_its_generation_until_cleared_and_a_pin_until_its_deadline(slot_pool):
+    segment, area = slot_pool
+    now = 10**12
+    assert area.held(now, 10**9) == frozenset()  # no page handed out: nothing to read
+    page = area.assign()
+    assert page == 0 and area.location(page) == (1 << 20, 8)
+    slots = page_of(segment, area, page)
+    viewed = slots.hold([11, 12])
+    pinned = slots.hold([13], deadline_ns=now + 5 * 10**8)
+    forged = slots.hold([14], deadline_ns=now + 10 * 10**9)  # past max_pin: no client was given it
+    assert viewed is not None and pinned is not None and forged is not None
+    assert area.held(now, 10**9) == {11, 12, 13}
+    assert area.held(now + 6 * 10**8, 10**9) == {11, 12}  # the pin ran out
+    slots.clear(viewed)
+    assert area.held(now, 10**9) == {13}
+    assert slots.hold([1] * 7) is None and slots.available == 6  # more than it has free: nothing written
+
+
+def test_a_released_page_is_zeroed_and_handed_out_again_lowest_first(slot_pool):
+    segment, area = slot_pool
+    pages = [area.assign() for _ in range(4)]
+    assert pages == [0, 1, 2, 3] and area.assign() is None  # all taken: that session asks the daemon
+    page_of(segment, area, 2).hold([21, 22])
+    assert area.revoke(2, 21) == 1 and area.held(0, 10**9) == {22}
+    assert area.release(2) == 1  # one slot was still held
+    assert area.held(0, 10**9) == frozenset() and area.assign() == 2
+
+
+def test_a_previous_run_s_slots_stay_held_for_the_quarantine(slot_pool):
+    from ecd.memory.entry_index import SlotArea
+    segment, area = slot_pool
+    page_of(segment, area, area.assign()).hold([31, 32])
+    again = SlotArea(segment, area.offset, 4, 8)  # the next daemon run over the same pool
+    assert again.adopt(100, quarantine_ns=50, max_pin_ns=10**9) == 2
+    assert again.held(120, 10**9) == {31, 32}  # no page assigned yet: the ghosts alone
+    again.drop_ghost(31)  # its reader leased it again and let go
+    assert again.held(120, 10**9) == {32}
+    assert again.held(151, 10**9) == frozenset()  # the quarantine is over
+    assert not np.frombuffer(segment.buf, np.uint64, count=64, offset=area.offset).any()  # cleared for this run
