@@ -367,7 +367,7 @@ class Client(ControlClient):
             faulthandler.enable()
         slotted = view_slotted(self, keys, verify)  # no round trip for what this client can locate
         if slotted is not None:
-            self._watch_while_open(slotted[1], self._map)
+            self._watch_while_open(slotted[1], cast(EpochMapping, self._map))
             try:
                 yield cast("list[torch.Tensor | None]", slotted[0])
             finally:

@@ -246,7 +246,7 @@ class SlotArea:
 
     def _page(self, page: int) -> np.ndarray:
         words = np.zeros((self.slots, SLOT_WORDS), np.uint64)
-        self.segment.read_into(self.offset + page * self.page_bytes, memoryview(words).cast("B"))
+        self.segment.read_into(self.offset + page * self.page_bytes, words.data.cast("B"))
         return words
 
     def release(self, page: int) -> int:
@@ -278,7 +278,7 @@ class SlotArea:
         full_barrier()
         self.scans += 1
         buf = self._buf[:pages * self.slots]
-        got = self.segment.read_into(self.offset, memoryview(buf).cast("B")) if pages else 0
+        got = self.segment.read_into(self.offset, buf.data.cast("B")) if pages else 0
         if got < buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
             buf.view(np.uint8)[got:] = 0
         generations, deadlines = buf[:, 0], buf[:, 1]

@@ -30,15 +30,14 @@ import pytest
 from conftest import DaemonProcess, wait_for
 from ecd.config import LeasesSection
 from ecd.memory.entry_index import slot_area_bytes
-
-# segment 0 holds the read slots after its share of the pool (memory/entry_index.py)
-SLOT_AREA = slot_area_bytes(LeasesSection().slot_sessions, LeasesSection().read_slots)
 from ecd.errors import Code
 from ecd.protocol import Acquire, Alloc, AllocItem, Commit, Release
 
 sys.path.insert(0, str(Path(__file__).parent))
 from secutil import metric  # noqa: E402
 
+# segment 0 holds the read slots after its share of the pool (memory/entry_index.py)
+SLOT_AREA = slot_area_bytes(LeasesSection().slot_sessions, LeasesSection().read_slots)
 HELPER = str(Path(__file__).with_name("pool_client.py"))
 BIG = 1 << 20  # float32 elements: a 4 MiB put, copied by the client into its extent
 SMALL = 1024  # 4 KiB: rides inline, the daemon copies it

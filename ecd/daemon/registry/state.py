@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checks import RequestChecks
     from .deadlines import Deadlines
     from .placement import Placement
+    from .reclaim import SlotHolds
     from .reservations import Reserving
     from .waiting import Waiting
 
