@@ -172,28 +172,43 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
     if located is None:
         return False, None
     mapping, locations = located
-    if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
-        try:
-            for loc in locations:
-                mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
-        except IntegrityError:  # truncated: the daemon knows what is left
-            return False, None
-    corrupt = None
-    if verify:
-        for key, loc in zip(keys, locations):
-            actual = checksum_of(mapping.ro, loc) if loc.checksum else loc.checksum
-            if actual != loc.checksum:
-                corrupt = (key, loc, actual)
-                break
+    if not _reach(mapping, locations):
+        return False, None
+    corrupt = _first_corrupt(keys, mapping, locations) if verify else None
     result = None
     if corrupt is None:
-        views = mapping.views
-        result = consume([views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations])
+        result = consume(_views(mapping, locations))
     if not _confirmed(c, keys, mapping, locations):
         return False, None
     if corrupt is not None:
         raise c._corrupt(*corrupt)
     return True, result
+
+
+def _reach(mapping: "EpochMapping", locations: list[Location]) -> bool:
+    """Whether each pool file reaches past its entries (named files someone may truncate; memfds
+    are sealed). False: truncated, the daemon knows what is left."""
+    if not mapping.sealed:
+        try:
+            for loc in locations:
+                mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+        except IntegrityError:
+            return False
+    return True
+
+
+def _first_corrupt(keys: list[str], mapping: "EpochMapping", locations: list[Location]) -> tuple | None:
+    """(key, location, actual checksum) of the first entry whose mapped bytes do not match its stored checksum."""
+    for key, loc in zip(keys, locations):
+        actual = checksum_of(mapping.ro, loc) if loc.checksum else loc.checksum
+        if actual != loc.checksum:
+            return key, loc, actual
+    return None
+
+
+def _views(mapping: "EpochMapping", locations: list[Location]) -> list[torch.Tensor]:
+    views = mapping.views
+    return [views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations]
 
 
 def checksum_of(pools: list, loc: Location) -> int:
@@ -257,23 +272,16 @@ def view_slotted(c: "Client", keys: list[str], verify: bool) -> "tuple[list[torc
         if not _confirmed(c, keys, mapping, locations, full_barrier):
             c._let_go(held)
             return None
-        if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
-            try:
-                for loc in locations:
-                    mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
-            except IntegrityError:  # truncated: the daemon knows what is left
-                c._let_go(held)
-                return None
-        if verify:
-            for key, loc in zip(keys, locations):
-                actual = checksum_of(mapping.ro, loc) if loc.checksum else loc.checksum
-                if actual != loc.checksum:
-                    raise c._corrupt(key, loc, actual)
+        if not _reach(mapping, locations):
+            c._let_go(held)
+            return None
+        corrupt = _first_corrupt(keys, mapping, locations) if verify else None
+        if corrupt is not None:
+            raise c._corrupt(*corrupt)
     except BaseException:
         c._let_go(held)
         raise
-    views = mapping.views
-    return [views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape) for loc in locations], held
+    return _views(mapping, locations), held
 
 
 def slot_page(welcome: Welcome, mapping: "EpochMapping | None") -> SlotPage | None:
