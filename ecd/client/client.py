@@ -32,19 +32,19 @@ from typing import Callable, Iterator, Literal, Mapping, Sequence, TypeVar, cast
 import torch
 import zmq
 
-from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, LimitExceeded,
-                      StaleGeneration, error_from_code)
+from ..errors import (RESTARTED, Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.entry_index import SlotPage
-from ..memory.ring import HERE, NOT_HERE, key_hash
-from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Flags, Location, Release, Report, Welcome,
+from ..memory.ring import key_hash
+from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Location, Release, Report, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
-from .control import ControlClient, _check_encodable, _key_list
+from .control import ControlClient
 from .local_read import (LocalReads, copy_from_pools, get_cached, read_cached, slot_page, slots_released,
                          view_slotted)
 from .location_cache import LocationCache
 from .mapping import EpochMapping
+from .pins import SlotPins, answer_exists, unpin_keys
 from .put import PutRoute
 from .tensors import PoolViews, copy_out_checked, parse_device
 
@@ -91,6 +91,7 @@ class Client(ControlClient):
         self._views: set[OpenView] = set()  # views open now: their leases are taken again after a restart
         self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
         self._slots: SlotPage | None = None  # this session's read slots (memory/entry_index.py)
+        self._pins: SlotPins | None = None  # the pins they hold (client/pins.py)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -121,6 +122,12 @@ class Client(ControlClient):
         """Its page of read slots, if the daemon gave one. Views open on the old page (another
         session's soon) take read leases instead (after a restart: _restarted does)."""
         old, self._slots = self._slots, slot_page(welcome, self._map)
+        if self._pins is not None:  # the daemon takes over what the old page pinned
+            for ns, by_time in self._pins.handed_over().items():
+                for seconds, keys in by_time.items():
+                    for start in range(0, len(keys), self.limits.max_batch):
+                        self._send_quietly(Exists(0, ns, keys[start:start + self.limits.max_batch], seconds))
+        self._pins = SlotPins(self._slots) if self._slots is not None else None
         if old is not None and not restarted:
             self._retake([v for v in self._views if v.slots is not None], "a new session")
 
@@ -497,50 +504,29 @@ class Client(ControlClient):
 
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
         """Which keys are present. With pin_s > 0, present entries cannot be evicted for pin_s
-        seconds (or until unpin()). Without a pin, the event ring's presence table answers most
-        keys with no round trip (absent ones; present ones it can name, see ecd.memory.ring)."""
-        keys, single = _key_list(keys)
-        ns = self.namespace
-        _check_encodable("key", keys)  # key_hash needs the UTF-8 bytes
-        if len(keys) > self.limits.max_batch:  # refused here as the daemon would, ring or not
-            raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
+        seconds (or until unpin()). The event ring's presence table answers most unpinned keys
+        with no round trip (absent ones; present ones it can name, see ecd.memory.ring), and this
+        session's read slots take most pins (client/pins.py: within the pin budget)."""
+        keys, single = self._checked_keys(keys)
         with self._lock:
-            if self._res.sock is None and not self._closed:
-                self._connect()
-            ring = self._map.ring
-            trusted, overrun = self._cache.sync(ring)
-            if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
-                self._send_quietly(Report(0, 1))
-            answers: list[bool | None] = [None] * len(keys)
-            ask: list[int] = []
-            asked_hashes: list[int] = []
-            is_cached = self._cache.known
-            lookup = ring.lookup
-            for i, key in enumerate(keys):
-                keyhash = key_hash(ns, key)
-                if trusted:
-                    said = lookup(keyhash)
-                    if said == NOT_HERE:
-                        if not is_cached(keyhash, ns, key):
-                            answers[i] = False
-                            continue
-                    elif pin_s <= 0 and (said == HERE or is_cached(keyhash, ns, key)):
-                        # the bucket names this key, or this client put or read it and has
-                        # not seen it go: present, as far as an unpinned (advisory) answer goes
-                        answers[i] = True
-                        continue
-                # Not trusted, a pin to take, or the ring and this client's cache disagree (an
-                # eviction whose event is not read yet, or a presence word someone overwrote
-                # with a well-formed ABSENT): the daemon knows.
-                ask.append(i)
-                asked_hashes.append(keyhash)
-            if ask:
-                reply: Flags = self._call(Exists(next(self._ids), ns, [keys[i] for i in ask], float(pin_s)))
-                for i, keyhash, found in zip(ask, asked_hashes, reply.values):
-                    answers[i] = found
-                    if not found:  # whatever generation was cached is gone
-                        self._cache.forget(keyhash)
+            answers = answer_exists(self, keys, float(pin_s))
         return cast("bool | list[bool]", answers[0] if single else answers)  # every answer is filled in
+
+    def unpin(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        keys, single = self._checked_keys(keys)
+        with self._lock:
+            answers = unpin_keys(self, keys)
+        return cast("bool | list[bool]", answers[0] if single else answers)
+
+    def send_pin(self, keys: Sequence[str], pin_s: float) -> None:
+        if not pin_s > 0:
+            raise InvalidRequest(f"pin_s must be > 0, got {pin_s!r}")
+        for chunk in self._chunks(keys):
+            answer_exists(self, chunk, float(pin_s), wait=False)
+
+    def send_unpin(self, keys: Sequence[str]) -> None:
+        for chunk in self._chunks(keys):
+            unpin_keys(self, chunk, wait=False)
 
     def _forget(self, ns: str, keys: list[str]) -> None:
         """Deleted: their cached locations go (delete() is ControlClient's)."""

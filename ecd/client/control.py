@@ -383,10 +383,7 @@ class ControlClient:
     def exists(self, keys: str | Sequence[str], pin_s: float = 0.0) -> bool | list[bool]:
         """Which keys are present (one round trip). With pin_s > 0, present entries cannot be
         evicted for pin_s seconds (or until unpin())."""
-        keys, single = _key_list(keys)
-        _check_encodable("key", keys)
-        if len(keys) > self.limits.max_batch:
-            raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
+        keys, single = self._checked_keys(keys)
         reply: Flags = self._call(Exists(next(self._ids), self.namespace, keys, float(pin_s)))
         return reply.values[0] if single else reply.values
 
@@ -414,15 +411,31 @@ class ControlClient:
         """Fire-and-forget messages (id 0, never answered) over `keys`, limits.max_batch at a
         time; connects first if need be. They go in order on this client's one socket, so the
         daemon handles them before any later request of this client."""
+        for chunk in self._chunks(keys):
+            self._send_quietly(message(chunk))
+
+    def _checked_keys(self, keys: str | Sequence[str]) -> tuple[list[str], bool]:
+        """The keys of one exists/unpin, refused here as the daemon would, connected and locked."""
+        keys, single = _key_list(keys)
+        _check_encodable("key", keys)  # key_hash needs the UTF-8 bytes
+        if len(keys) > self.limits.max_batch:
+            raise LimitExceeded(f"batch of {len(keys)} keys exceeds limits.max_batch={self.limits.max_batch}")
+        with self._lock:
+            if self._res.sock is None and not self._closed:
+                self._connect()
+        return keys, single
+
+    def _chunks(self, keys: Sequence[str]) -> typing.Iterator[list[str]]:
+        """send_pin/send_unpin: limits.max_batch keys at a time, under the lock (connected)."""
+        keys = list(keys)
         _check_encodable("key", keys)
         with self._lock:
             if self._closed:
                 raise EcdError("client is closed")
             if self._res.sock is None:
                 self._connect()
-            size = self.limits.max_batch
-            for start in range(0, len(keys), size):
-                self._send_quietly(message(keys[start:start + size]))
+            for start in range(0, len(keys), self.limits.max_batch):
+                yield keys[start:start + self.limits.max_batch]
 
     def delete(self, keys: str | Sequence[str]) -> bool | list[bool]:
         """Remove entries; readers holding a view keep their bytes until they release."""

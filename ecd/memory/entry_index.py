@@ -198,6 +198,12 @@ class IndexReader(_IndexView):
 # Release is a store of 0. A slot costs its writer nothing but bounds: `[leases] read_slots` per
 # session, a pin's deadline at most max_pin ahead (a later one is ignored: it protects nothing),
 # and the page goes (zeroed) with the session.
+#
+# A pin slot (deadline > 0: exists(pin_s), client/pins.py) keeps its entry out of eviction plans
+# until the deadline, within the pin budget; it never defers a free (a deleted or replaced entry's
+# pin moves to the new generation as a daemon pin, Deadlines.pin). Its order: the client reads the
+# ring's plan word, stores the slot, full fence, re-checks the ring and the plan word; the daemon
+# makes the word odd, full fence, scans, evicts (events), makes it even (ring.py plan_begin).
 SLOT_WORDS = 2
 SLOT_BYTES = SLOT_WORDS * 8
 
@@ -268,13 +274,15 @@ class SlotArea:
         return len(slots)
 
     def held(self, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
-        """The generations a slot holds now. Called after the events of what is about to be
-        freed are appended: the fence orders those stores before these loads."""
-        return self._scan(self._scan_pages, now_ns, max_pin_ns)
+        """The generations a read slot (a view) holds now. Called after the events of what is
+        about to be freed are appended: the fence orders those stores before these loads."""
+        return self.scan(now_ns, max_pin_ns)[0]
 
-    def _scan(self, pages: int, now_ns: int, max_pin_ns: int) -> frozenset[int] | set[int]:
+    def scan(self, now_ns: int, max_pin_ns: int, pages: int | None = None) -> tuple[frozenset[int] | set[int], list]:
+        """(generations read slots hold, [(page, generation, deadline_ns)] of live pin slots)."""
+        pages = self._scan_pages if pages is None else pages
         if not pages and not self._ghosts:
-            return frozenset()
+            return frozenset(), []
         full_barrier()
         self.scans += 1
         buf = self._buf[:pages * self.slots]
@@ -282,15 +290,16 @@ class SlotArea:
         if got < buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
             buf.view(np.uint8)[got:] = 0
         generations, deadlines = buf[:, 0], buf[:, 1]
-        live = (generations != 0) & ((deadlines == 0) | ((deadlines > np.uint64(now_ns))
-                                                         & (deadlines <= np.uint64(now_ns + max_pin_ns))))
-        held = set(generations[live].tolist())
+        named = generations != 0
+        held = set(generations[named & (deadlines == 0)].tolist())
+        pinned = np.flatnonzero(named & (deadlines > np.uint64(now_ns)) & (deadlines <= np.uint64(now_ns + max_pin_ns)))
+        pins = [(slot // self.slots, int(generations[slot]), int(deadlines[slot])) for slot in pinned.tolist()]
         if self._ghosts:
             if now_ns < self._ghosts_until:
                 held |= self._ghosts
             else:
                 self._ghosts = frozenset()
-        return held
+        return held, pins
 
     def drop_ghost(self, generation: int) -> None:
         if generation in self._ghosts:
@@ -300,7 +309,7 @@ class SlotArea:
         """At start, over a kept pool: what the previous run's readers' slots held stays held for
         `quarantine_ns` (their clients reconnect and take new slots or leases by then); then the
         area is cleared for this run's sessions. The number of generations held."""
-        ghosts = self._scan(self.pages, now_ns, max_pin_ns)
+        ghosts = self.scan(now_ns, max_pin_ns, self.pages)[0]  # reads: a pin holds nothing across a restart
         self._ghosts, self._ghosts_until = frozenset(ghosts), now_ns + quarantine_ns
         self.segment.write_at(self.offset, bytes(self._buf.nbytes))
         return len(ghosts)
@@ -330,6 +339,11 @@ class SlotPage:
             words[slot, 1] = deadline_ns
             words[slot, 0] = generation
         return taken
+
+    def extend(self, slot: int, deadline_ns: int) -> None:
+        """A later deadline for a pin slot (the same generation: no fence needed)."""
+        if deadline_ns > int(self.words[slot, 1]):
+            self.words[slot, 1] = deadline_ns
 
     def clear(self, slots: list[int]) -> None:
         words = self.words

@@ -3,7 +3,7 @@
 Layout (little-endian, all fields naturally aligned):
   header page (4096 B): magic, version, slot count, bucket count, epoch, three zero words (the
                          64 bytes that never change), write_seq, heartbeat (CLOCK_MONOTONIC ns),
-                         closed flag
+                         closed flag, eviction plans (RingWriter.plan_begin)
   presence table:       `buckets` x u64 - ABSENT where no READY entry's key hashes to the bucket;
                          the key hash itself where every READY entry in the bucket has that one
                          hash (one key, or generations of it); SHARED where keys of two hashes
@@ -108,6 +108,7 @@ _FIXED_BYTES = _FIXED_WORDS * 8
 _WRITE_SEQ = 8
 _HEARTBEAT = 16
 _CLOSED = 17
+_PLANS = 24  # eviction plans begun and ended: odd while one is under way (a pin slot's check)
 # heartbeat and closed flag, adjacent: struct reads each u64 with one 8-byte load (native order)
 _LIVENESS = struct.Struct("<QQ")
 
@@ -210,6 +211,7 @@ class RingWriter(_RingView):
         self._fixed = h[:_FIXED_WORDS].copy()
         self._fixed[_MAGIC] = MAGIC
         self.seq = 0
+        self.plans = 0  # see plan_begin
         self.closed = False
         self.repairs = 0  # heartbeats that found the mapping overwritten (and rewrote it)
         self._audit_at = 0  # the next presence bucket a heartbeat compares
@@ -234,6 +236,23 @@ class RingWriter(_RingView):
         if barrier is not None:
             barrier()  # W3: this slot's words before the write_seq that covers them
         self.header[_WRITE_SEQ] = seq + 1
+
+    def plan_begin(self) -> None:
+        """An eviction plan is about to read the pin slots (odd until plan_end). A client taking
+        a pin slot reads this word before its store and again after its fence: unchanged and even
+        means no plan read the slots without its pin, and none that did evicted it unseen (its
+        events precede plan_end). The reader's full fence and the scan's (SlotArea) pair up."""
+        if not self.plans & 1:
+            self.plans += 1
+            self.header[_PLANS] = self.plans
+
+    def plan_end(self) -> None:
+        """The plan's evictions are appended (after every request and expiry tick)."""
+        if self.plans & 1:
+            if memory_barrier is not None:
+                memory_barrier()  # the plan's events before the even word
+            self.plans += 1
+            self.header[_PLANS] = self.plans
 
     def publish(self, keyhash: int, generation: int) -> None:
         self.mark_present(keyhash)  # a second hash in a bucket: its word cannot name both (SHARED)
@@ -302,6 +321,9 @@ class RingWriter(_RingView):
         if int(h[_CLOSED]) != int(self.closed):
             h[_CLOSED] = int(self.closed)
             damaged.append("closed flag")
+        if int(h[_PLANS]) != self.plans:
+            h[_PLANS] = self.plans
+            damaged.append("plans")
         if self.index.repair():
             damaged.append("entry index records")
         lo = self._audit_at
@@ -409,6 +431,11 @@ class RingReader(_RingView):
 
     def pending(self) -> int:
         return int(self.header[_WRITE_SEQ]) - self.next_seq
+
+    @property
+    def plans(self) -> int:
+        """The writer's eviction plan word (RingWriter.plan_begin)."""
+        return int(self.header[_PLANS])
 
     def skip_to_head(self) -> None:
         head = int(self.header[_WRITE_SEQ])

@@ -12,6 +12,10 @@ a copy that mixes two values, or read another key's extent, or a half-written on
       injected between every step of the local read (before the location is taken, between it
       and the copy or the read slots, after the copy, before the ring is read again), until
       SECONDS are up; prints {"reads", "local", "thrown", "views", "slotted", "wrong", "first_wrong"}
+  pinner ENDPOINT KEYS SECONDS SEED MUTANT
+      pins random keys (exists(pin_s=30)), waits a little, gets each key it pinned (the writers
+      of this run never delete, so a pinned key must still be there), unpins it; delays injected
+      between the steps of a slot pin; prints {"pinned", "slotted", "lost", "wrong", "first_wrong"}
   daemon MUTANT [--after FILE] -- PYTHON -m ecd serve ...
       the daemon, with MUTANT applied (`DaemonProcess.start(prefix=...)`); with --after, its
       modules are imported first, FILE.ready is made, and it serves once FILE exists (a restart
@@ -25,6 +29,11 @@ Mutants (each must make the test fail; `none` is the real build):
                (test_local_read_restart.py)
   no-slot-scan the daemon frees an extent without looking at the read slots (views only: gets and
                read_many do not hold slots)
+  no-pin-scan  the daemon's eviction plans do not look at pin slots
+  no-plan-word the client ignores the ring's plan word (a pin taken while a plan that did not see
+               it is under way counts as taken); the pins test runs every daemon with `slow-plan`
+               (a 2 ms pause between a plan's scan of the slots and its evictions) so the window
+               is wide enough to be hit
   no-fence     the client skips the fence between the copy and the ring read. On x86 (TSO) that
                fence is no instruction at all (memory/fence.py), so this mutant cannot fail there:
                the test runs it only on weakly ordered CPUs.
@@ -115,6 +124,18 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         counts["slotted"] += out is not None
         return out
 
+    from ecd.client import pins
+    real_take = pins.SlotPins.take
+
+    def counted_take(self, c, ns, found, pin_s):
+        pinned = real_take(self, c, ns, found, pin_s)
+        counts["slotted"] += len(pinned)
+        return pinned
+
+    pins.SlotPins.take = counted_take
+    if name == "no-plan-word":
+        from ecd.memory.ring import RingReader
+        RingReader.plans = property(lambda self: 0)
     SlotPage.hold = slow_hold
     local_read.view_slotted = client_module.view_slotted = counted_view
     local_read.copy_from_pools = slow_copy
@@ -127,7 +148,26 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
     return counts
 
 
-def apply_daemon_mutant(name: str) -> None:
+def apply_daemon_mutant(names: str) -> None:
+    for name in names.split("+"):
+        _daemon_mutant(name)
+
+
+def _daemon_mutant(name: str) -> None:
+    if name in ("slow-plan", "no-pin-scan"):
+        from ecd.daemon.registry.reclaim import SlotHolds
+        real_kept = SlotHolds.kept
+
+        def kept(self, plan=True):
+            if name == "no-pin-scan":
+                return self.held()
+            out = real_kept(self, plan)
+            if plan:
+                time.sleep(0.002)  # between the scan and the evictions it allows
+            return out
+
+        SlotHolds.kept = kept
+        return
     if name == "no-slot-scan":
         from ecd.memory.entry_index import SlotArea
         SlotArea.held = lambda self, now_ns, max_pin_ns: set()
@@ -153,7 +193,7 @@ def apply_daemon_mutant(name: str) -> None:
     announce.Announcer.announce = late
 
 
-def writer(endpoint: str, keys: int, seconds: float, seed: int) -> None:
+def writer(endpoint: str, keys: int, seconds: float, seed: int, delete_share: float = 0.1) -> None:
     import ecd
     rng = random.Random(seed)
     numbers = [0] * keys
@@ -162,7 +202,7 @@ def writer(endpoint: str, keys: int, seconds: float, seed: int) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             k = rng.randrange(keys)
-            if rng.random() < 0.1:
+            if rng.random() < delete_share:
                 c.delete(f"k{k}")
                 deletes += 1
                 continue
@@ -210,10 +250,39 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
           flush=True)
 
 
+def pinner(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> None:
+    import ecd
+    rng = random.Random(seed)
+    counts = apply_client_mutant(mutant, rng)
+    pinned = lost = wrong = 0
+    first_wrong = ""
+    with ecd.Client(endpoint, timeout=30) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            k = rng.randrange(keys)
+            if not c.exists(f"k{k}", pin_s=30):
+                continue
+            pinned += 1
+            time.sleep(rng.choice((0.0, 0.001, 0.005, 0.02)))  # the writers evict meanwhile
+            try:
+                problem = wrong_bytes(k, c.get(f"k{k}"))
+            except ecd.KeyNotFound:
+                problem = "evicted while pinned"
+                lost += 1
+            if problem:
+                wrong += 1
+                first_wrong = first_wrong or f"k{k}: {problem}"
+            c.unpin(f"k{k}")
+    print(json.dumps({"pinned": pinned, "slotted": counts["slotted"], "lost": lost, "wrong": wrong,
+                      "first_wrong": first_wrong}), flush=True)
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "writer":
-        writer(args[0], int(args[1]), float(args[2]), int(args[3]))
+        writer(args[0], int(args[1]), float(args[2]), int(args[3]), float(args[4]) if len(args) > 4 else 0.1)
+    elif mode == "pinner":
+        pinner(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
     elif mode == "reader":
         reader(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
     elif mode == "daemon":

@@ -1,9 +1,10 @@
-"""Gets and views without a round trip (client/local_read.py) under constant churn: a tiny pool,
-writers replacing, evicting and deleting 64 KiB values that encode (key, value number), readers
-getting and viewing them with delays injected between every step of the read protocol. Zero wrong
-bytes, and no view's bytes change while it is open; and the same test against a mutant (no
-re-check after the copy or the slots; the daemon's event after the free; the daemon freeing
-without scanning the read slots) returns wrong bytes, so the test can see the bug it guards against.
+"""Gets, views and pins without a round trip (client/local_read.py, client/pins.py) under
+constant churn: a tiny pool, writers replacing, evicting and deleting 64 KiB values that encode
+(key, value number), readers getting and viewing them with delays injected between every step of
+the read protocol. Zero wrong bytes, no view's bytes change while it is open, no pinned key is
+evicted; and the same test against a mutant (no re-check after the copy or the slots; the
+daemon's event after the free; the daemon freeing without scanning the read slots; plans blind to
+pin slots; a client blind to the plan word) goes wrong, so the test can see the bug it guards against.
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ KEYS = 96  # 6 MiB of values for a 4 MiB pool: every put evicts
 POOL = "4MiB"
 
 
-def run_churn(d, seconds: float, readers: int, mutant: str = "none") -> list[dict]:
-    """Two writers and `readers` readers at once, each a process of its own; their reports."""
-    procs = [subprocess.Popen([sys.executable, str(CHURN), "writer", d.endpoint, str(KEYS), str(seconds), str(seed)],
-                              stdout=subprocess.PIPE, text=True) for seed in (1, 2)]
-    procs += [subprocess.Popen([sys.executable, str(CHURN), "reader", d.endpoint, str(KEYS), str(seconds),
+def run_churn(d, seconds: float, readers: int, mutant: str = "none", mode: str = "reader",
+              delete_share: float = 0.1) -> list[dict]:
+    """Two writers and `readers` readers (or pinners: `mode`) at once, each a process of its own;
+    their reports."""
+    procs = [subprocess.Popen([sys.executable, str(CHURN), "writer", d.endpoint, str(KEYS), str(seconds), str(seed),
+                               str(delete_share)], stdout=subprocess.PIPE, text=True) for seed in (1, 2)]
+    procs += [subprocess.Popen([sys.executable, str(CHURN), mode, d.endpoint, str(KEYS), str(seconds),
                                 str(10 + i), mutant], stdout=subprocess.PIPE, text=True) for i in range(readers)]
     try:
         reports = []
@@ -79,3 +82,25 @@ def test_a_mutant_of_the_read_protocol_returns_wrong_bytes(daemon_factory, clien
     readers = run_churn(d, seconds=8, readers=3, mutant=client_mutant)[2:]
     print(f"readers {readers}")
     assert sum(r["wrong"] for r in readers) > 0, f"the mutant went unseen: {readers}"
+
+
+@pytest.mark.parametrize("client_mutant,daemon_mutant", [
+    ("none", "slow-plan"),
+    ("no-plan-word", "slow-plan"),
+    ("none", "no-pin-scan"),
+])
+def test_a_pin_in_a_read_slot_keeps_its_entry_under_churn(daemon_factory, client_mutant, daemon_mutant):
+    """Pins taken by read slots (client/pins.py) while writers evict without pause (they never
+    delete here): every key a pinner was told is pinned is still there when it gets it, with its
+    bytes. A daemon whose plans ignore pin slots, or a client that ignores the ring's plan word
+    (every daemon here pauses 2 ms between a plan's scan and its evictions), loses pinned keys."""
+    d = start(daemon_factory, daemon_mutant)
+    pinners = run_churn(d, seconds=8, readers=3, mutant=client_mutant, mode="pinner", delete_share=0.0)[2:]
+    print(f"pinners {pinners}")
+    lost = sum(p["lost"] for p in pinners)
+    if client_mutant == "none" and daemon_mutant == "slow-plan":
+        assert sum(p["wrong"] for p in pinners) == 0, pinners
+        # the slots took many (the rest met a plan under way, 2 ms of every eviction here, and asked)
+        assert sum(p["slotted"] for p in pinners) > 0.1 * sum(p["pinned"] for p in pinners) > 50, pinners
+    else:
+        assert lost > 0, f"the mutant went unseen: {pinners}"

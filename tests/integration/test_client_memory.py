@@ -104,16 +104,20 @@ def test_an_idle_client_catches_up_with_the_ring_quietly(daemon):
 
 def test_a_present_key_put_by_another_client_is_answered_from_the_ring(daemon):
     """Unpinned exists() of a key another process put: the presence word names it, no round
-    trip; a pin still asks; a delete is seen at once; a key sharing a bucket with another asks."""
+    trip; a pin is taken by a read slot (the entry index locates it), no round trip either, and
+    the daemon counts it; a delete is seen at once; a key sharing a bucket with another asks."""
     t = torch.ones(16)
     with daemon.client() as producer, daemon.client() as consumer:
         producer.put("there", t)
         asked = consumer.stats()["ops"].get("exists", 0)
         assert consumer.exists(["there", "nowhere"]) == [True, False]
         assert consumer.stats()["ops"].get("exists", 0) == asked  # both from the ring
-        assert consumer.exists("there", pin_s=5) is True  # a pin is the daemon's to take
-        assert consumer.stats()["ops"].get("exists", 0) == asked + 1
-        consumer.unpin("there")
+        assert consumer.exists("there", pin_s=5) is True
+        assert consumer.stats()["ops"].get("exists", 0) == asked  # pinned by a read slot
+        assert [e["pins"] for e in producer.keys()[1] if e["key"] == "there"] == [1]
+        assert consumer.unpin("there") is True
+        assert [e["pins"] for e in producer.keys()[1] if e["key"] == "there"] == [0]
+        assert consumer.stats()["ops"].get("exists", 0) == asked and consumer.stats()["ops"].get("unpin", 0) == 0
         assert producer.delete("there") is True
         assert consumer.exists("there") is False
-        assert consumer.stats()["ops"].get("exists", 0) == asked + 1
+        assert consumer.stats()["ops"].get("exists", 0) == asked

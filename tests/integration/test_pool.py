@@ -45,16 +45,21 @@ def test_pinned_entries_survive_eviction_until_unpinned(daemon_factory):
         assert c.stats()["pins"] == 1
 
 
-def test_pins_past_their_budget_are_not_taken_and_answer_not_found(small):
-    """pinned_share = 0.5 of 8 MiB: 4 MiB pinned fits, 3 more do not; that key answers False to the
-    pinned lookup (and stays evictable) while an unpinned lookup still sees it."""
-    with small.client() as c:
+@pytest.mark.parametrize("slots", [False, True], ids=["daemon-pins", "slot-pins"])
+def test_pins_past_their_budget_are_not_taken(small, slots):
+    """pinned_share = 0.5 of 8 MiB: 4 MiB pinned fits, 3 more do not. A daemon pin past the budget
+    answers False to the pinned lookup; a pin in a read slot (client/pins.py) answers True but the
+    plan applies the budget, each session's smallest pins first: the 3 MiB pin is kept, the 4 MiB
+    one is not. Either way the pin past the budget stays evictable, and is evicted first."""
+    with small.client(local_reads=slots) as c:
         c.put("pinned", mib_tensor(4, 1))
         c.put("plain", mib_tensor(3, 2))
-        assert c.exists(["pinned", "plain"], pin_s=30) == [True, False]
+        asked = c.stats()["ops"].get("exists", 0)
+        assert c.exists(["pinned", "plain"], pin_s=30) == [True, slots]
+        assert c.stats()["ops"].get("exists", 0) == asked + (not slots)  # slot pins ask nothing
         assert c.exists("plain") is True
-        c.put("big", mib_tensor(4, 3))  # evicts "plain": it was never pinned
-        assert c.exists(["pinned", "plain", "big"]) == [True, False, True]
+        c.put("big", mib_tensor(4, 3))  # evicts the one whose pin the budget did not keep
+        assert c.exists(["pinned", "plain", "big"]) == [not slots, slots, True]
         assert c.unpin(["pinned"]) == [True]
         assert c.exists("big", pin_s=30) is True  # the budget freed by the unpin
 

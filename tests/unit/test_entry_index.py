@@ -127,10 +127,14 @@ def test_a_slot_holds_its_generation_until_cleared_and_a_pin_until_its_deadline(
     pinned = slots.hold([13], deadline_ns=now + 5 * 10**8)
     forged = slots.hold([14], deadline_ns=now + 10 * 10**9)  # past max_pin: no client was given it
     assert viewed is not None and pinned is not None and forged is not None
-    assert area.held(now, 10**9) == {11, 12, 13}
-    assert area.held(now + 6 * 10**8, 10**9) == {11, 12}  # the pin ran out
+    assert area.held(now, 10**9) == {11, 12}  # a pin never defers a free ...
+    assert area.scan(now, 10**9) == ({11, 12}, [(0, 13, now + 5 * 10**8)])  # ... it keeps out of plans
+    assert area.scan(now + 6 * 10**8, 10**9) == ({11, 12}, [])  # the pin ran out
+    slots.extend(pinned[0], now + 7 * 10**8)
+    slots.extend(pinned[0], now + 6 * 10**8)  # an earlier deadline never shortens it
+    assert area.scan(now + 6 * 10**8, 10**9)[1] == [(0, 13, now + 7 * 10**8)]
     slots.clear(viewed)
-    assert area.held(now, 10**9) == {13}
+    assert area.scan(now, 10**9) == (set(), [(0, 13, now + 7 * 10**8)])
     assert slots.hold([1] * 7) is None and slots.available == 6  # more than it has free: nothing written
 
 

@@ -230,8 +230,9 @@ class Handlers:
         now = time.monotonic()
         page: list[KeyInfo] = []
         size = 0
+        slotted = self.context.store.slot_holds.snapshot()  # views and pins held by read slots
         for e in entries[:limit]:
-            info = self._key_info(e, now)
+            info = self._key_info(e, now, slotted)
             size += (KEY_INFO_OVERHEAD + len(info.ns.encode()) + len(info.key.encode()) + len(info.dtype)
                      + 9 * len(info.shape))
             if page and size > LISTING_REPLY_BYTES:
@@ -239,12 +240,14 @@ class Handlers:
             page.append(info)
         return KeyList(rid, total, page, more=len(entries) > len(page))
 
-    def _key_info(self, e: Any, now: float) -> KeyInfo:
+    def _key_info(self, e: Any, now: float, slotted: tuple) -> KeyInfo:
         """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
         if isinstance(e, Entry):
             tier = "memory+disk" if self.context.lower_tier.clean(e) else "memory"
+            viewed, pinned = slotted
             return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
-                           now - e.last_access, e.readers, e.pins, tier)
+                           now - e.last_access, e.readers + (e.generation in viewed), e.pins + pinned[e.generation],
+                           tier)
         header = e.header
         age = max(0.0, time.time() - header.written_ns / 1e9)
         return KeyInfo(header.ns, header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,

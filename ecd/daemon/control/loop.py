@@ -171,6 +171,7 @@ class ControlLoop:
         try:
             op, outcome = self._handle_request(conn, frames)
         finally:
+            self.store.slot_holds.plan_over()  # an eviction it planned has appended its events
             self.counters.requests.observe(op, outcome, time.perf_counter() - started)
 
     def _handle_request(self, conn: Connection, frames: list[bytes]) -> tuple[str, str]:

@@ -38,7 +38,7 @@ class Deadlines:
         previous = session.pins.get(entry.generation)
         if previous is None:
             if not entry.pins:
-                group, size = self._group(entry.pool), align_up(max(entry.nbytes, 1))
+                group, size = self.group(entry.pool), align_up(max(entry.nbytes, 1))
                 if self.pinned.get(group, 0) + size > self.budget(group):
                     self.r.counters["pins_refused"] += 1
                     return False
@@ -65,7 +65,7 @@ class Deadlines:
             self._unbudget(entry)
 
     def _unbudget(self, entry: Entry) -> None:
-        self.pinned[self._group(entry.pool)] -= align_up(max(entry.nbytes, 1))
+        self.pinned[self.group(entry.pool)] -= align_up(max(entry.nbytes, 1))
 
     def budget(self, group: int) -> int:
         """Bytes the pins of a pool group may hold."""
@@ -79,7 +79,7 @@ class Deadlines:
             budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items())
         return budget
 
-    def _group(self, pool: int) -> int:
+    def group(self, pool: int) -> int:
         return -1 if pool in self.r.host.host_pools else pool
 
     def push(self, deadline: float, generation: int, session_id: int) -> None:

@@ -47,7 +47,7 @@ class OperatorRequests:
         evicted = 0
         refused: list[str] = []
         draining: list[int] = []
-        slotted = r.slot_holds.held() if targets else frozenset()  # views held by read slots: read, like leases
+        slotted = r.slot_holds.kept() if targets else frozenset()  # views and pins held by slots: like leases, pins
         for entry in targets:
             read = entry.readers or entry.generation in slotted
             if (read or entry.pins) and not force:

@@ -106,7 +106,7 @@ class Placement:
         if over <= 0:
             return []
         lru = self.quota_lru[ns]
-        viewed = [lru[g] for g in r.slot_holds.held() & lru.keys()]  # views held by read slots stay
+        viewed = [lru[g] for g in r.slot_holds.kept() & lru.keys()]  # views and pins held by slots stay
         evictable = self.quota_evictable_bytes[ns] - sum(align_up(max(e.nbytes, 1)) for e in viewed)
         if size > quota or evictable < over:
             r.quota_refusals[ns] += 1
@@ -252,7 +252,7 @@ class Placement:
             candidates[pool] = allocators[pool].free + r.evictable_bytes[pool] >= size
         if not any(candidates):
             return None
-        skip = {e.generation for e in required} | r.slot_holds.held()  # what readers' slots hold stays
+        skip = {e.generation for e in required} | r.slot_holds.kept()  # what readers' slots hold stays
         guarantees = r.guarantees
         planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
         walked: list[Entry] = []
@@ -288,7 +288,7 @@ class Placement:
         used = sum(a.used for a in tier)
         largest = max(a.largest_free for a in tier)
         where = "" if pools == r.host.host_pools else f" in CUDA arena {pools[0]}"
-        slotted = [r.evictable[g] for g in r.slot_holds.held() & r.evictable.keys()]  # views by read slots
+        slotted = [r.evictable[g] for g in r.slot_holds.kept(plan=False) & r.evictable.keys()]  # views, pins by slots
         held = len(r.index) - len(r.evictable) + len(slotted)
         writing = r.writes_in_progress()
         # Bytes nothing may evict: leased/pinned/viewed entries, writes, reservations, retired bytes.

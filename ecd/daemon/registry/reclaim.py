@@ -3,6 +3,7 @@ slots and parked gets (Store.close_session: a client that said goodbye, died or 
 the extents read slots held at their free (SlotHolds)."""
 from __future__ import annotations
 
+import collections
 import time
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,7 @@ class SlotHolds:
     def __init__(self, store: "Store", area: "SlotArea | None") -> None:
         self.store, self.area = store, area
         self.retired: dict[int, Entry] = {}  # generation -> entry a slot held at its free
+        self.sessions: dict[int, Session] = {}  # page -> the session it was assigned to
         if area is not None:  # a kept pool's slots: the previous run's readers
             leases = store.leases
             store.counters["slot_ghosts"] = area.adopt(time.monotonic_ns(), int(float(leases.session_ttl) * 1e9),
@@ -70,6 +72,7 @@ class SlotHolds:
         if page is None:
             return []
         session.slot_page = page
+        self.sessions[page] = session
         return [0, *self.area.location(page)]  # type: ignore[union-attr]  # a page implies an area
 
     def release(self, session: Session) -> int:
@@ -77,6 +80,7 @@ class SlotHolds:
         held = 0
         if session.slot_page is not None and self.area is not None:
             held = self.area.release(session.slot_page)
+            self.sessions.pop(session.slot_page, None)
             session.slot_page = None
         self.recheck()  # what its slots held may go now
         return held
@@ -94,10 +98,76 @@ class SlotHolds:
             self.area.drop_ghost(generation)
 
     def held(self) -> set[int] | frozenset[int]:
-        """Generations a slot names now (empty without slots)."""
+        """Generations a read slot (a view) names now: their extents are not freed (empty without slots)."""
         if self.area is None:
             return frozenset()
         return self.area.held(time.monotonic_ns(), self._max_pin_ns())
+
+    def kept(self, plan: bool = True) -> set[int] | frozenset[int]:
+        """Generations no eviction may take: what read slots hold and what pin slots keep within the
+        pin budget. `plan`: an eviction follows (the ring's plan word goes odd until it is over)."""
+        if self.area is None:
+            return frozenset()
+        if plan:
+            self.store.announcer.ring.plan_begin()
+        held, pins = self.area.scan(time.monotonic_ns(), self._max_pin_ns())
+        return held | self._within_budget(pins) if pins else held
+
+    def pins(self) -> int:
+        """Live pin slots (for the pins gauge)."""
+        return sum(self.snapshot()[1].values())
+
+    def snapshot(self) -> tuple[set[int] | frozenset[int], collections.Counter]:
+        """(generations read slots hold, live pin slots per generation): what `ecd keys` shows."""
+        if self.area is None:
+            return frozenset(), collections.Counter()
+        held, pins = self.area.scan(time.monotonic_ns(), self._max_pin_ns())
+        return held, collections.Counter(generation for _, generation, _ in pins)
+
+    def _within_budget(self, pins: list[tuple[int, int, int]]) -> set[int]:
+        """The pinned generations the budget (Deadlines.budget, less what daemon pins hold) keeps:
+        each session's smallest first, a round at a time, so that no session's pins crowd out
+        another's. A pin slot past the budget keeps nothing; a daemon pin is kept anyway."""
+        store = self.store
+        deadlines, by_generation = store.deadlines, store.by_generation
+        per_page: dict[int, list[Entry]] = {}
+        for page, generation, _ in pins:
+            entry = by_generation.get(generation)
+            if entry is not None and entry.state is State.READY and not entry.pins:
+                per_page.setdefault(page, []).append(entry)
+        ranked = []
+        for entries in per_page.values():
+            entries.sort(key=lambda e: e.nbytes)
+            ranked += [(rank, entry.nbytes, entry.generation, entry) for rank, entry in enumerate(entries)]
+        ranked.sort(key=lambda r: r[:3])
+        left: dict[int, int] = {}
+        kept: set[int] = set()
+        for _, nbytes, generation, entry in ranked:
+            group = deadlines.group(entry.pool)
+            if group not in left:
+                left[group] = deadlines.budget(group) - deadlines.pinned.get(group, 0)
+            size = align_up(max(nbytes, 1))
+            if generation not in kept and size <= left[group]:
+                kept.add(generation)
+                left[group] -= size
+        return kept
+
+    def plan_over(self) -> None:
+        """After a request or an expiry tick: any eviction plan's events are out."""
+        self.store.announcer.ring.plan_end()
+
+    def move_pins(self, old: Entry, new: Entry) -> None:
+        """A pin promises the key stays loadable: a pin slot naming the replaced generation becomes
+        a daemon pin of the new one for its session, until the slot's deadline (as
+        Deadlines.move_pins does for daemon pins; the client's unpin sees the new generation and
+        tells the daemon)."""
+        if self.area is None:
+            return
+        now_ns = time.monotonic_ns()
+        for page, generation, deadline_ns in self.area.scan(now_ns, self._max_pin_ns())[1]:
+            session = self.sessions.get(page)
+            if generation == old.generation and session is not None and not session.closed:
+                self.store.deadlines.pin(session, new, self.store.clock() + (deadline_ns - now_ns) / 1e9)
 
     def free_unheld(self, entries: list[Entry]) -> None:
         """Free each unindexed, unleased entry that no slot names; keep the others."""
@@ -117,6 +187,7 @@ class SlotHolds:
 
     def recheck(self) -> None:
         """Free what no slot names any more (the expiry tick, a session's end)."""
+        self.plan_over()
         if not self.retired:
             return
         held = self.held()

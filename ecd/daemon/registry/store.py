@@ -291,6 +291,7 @@ class Store:
             self.counters["evicted_replaced"] += 1
             if old.pins:
                 self.deadlines.move_pins(old, entry)
+            self.slot_holds.move_pins(old, entry)  # and the pins slots hold
             self.retire_or_free(old)
         self.index[(entry.ns, entry.key)] = entry
         if entry.ns in self.guaranteed_ready:
@@ -535,7 +536,8 @@ class Store:
     def lease_totals(self) -> tuple[int, int, int]:
         """(read leases and entries read slots hold, pins, parked waiters) over all sessions."""
         sessions = self._sessions.values()
-        return (sum(sum(s.leases.values()) for s in sessions) + len(self.slot_holds.held()), sum(len(s.pins) for s in sessions),
+        return (sum(sum(s.leases.values()) for s in sessions) + len(self.slot_holds.held()),
+                sum(len(s.pins) for s in sessions) + self.slot_holds.pins(),
                 sum(len(s.waiters) for s in sessions))
 
     def reservation_totals(self) -> tuple[int, int]:
