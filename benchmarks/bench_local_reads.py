@@ -7,8 +7,11 @@ round so that each ratio compares samples taken side by side:
      and against the same get forced through the daemon (the location forgotten before each);
   2. the same at 16 MiB against a memcpy of 16 MiB into a new tensor (torch.empty + copy_);
   1b. a warm view of it (open and close: read slots, no request), and the same through the daemon;
-  3. how many requests the daemon handles while another process makes 1000 gets of one key, and
-     then 1000 views (its stats' per-operation counters; the target is <= 1 % of the reads);
+  1c. a pinned exists of it (a pin slot, client/pins.py), and a pin then unpin, against the
+      same through the daemon;
+  3. how many requests the daemon handles while another process makes 1000 gets of one key, then
+     1000 views, then 1000 pinned exists each followed by an unpin (its stats' per-operation
+     counters; the target is <= 1 % of the reads);
   3b. a 16 MiB put here until another process's view of it is open, against a memcpy of 16 MiB;
   4. a 64 KiB hand-off to a consumer already waiting in get(key, timeout=...) in another process,
      from the producer's put start to the consumer's return, after both paused 20 ms (every
@@ -37,6 +40,7 @@ KIB = 1 << 10
 ROUNDS, BLOCK = 40, 100
 TARGET_WARM_GET_RATIO = 0.5  # warm 64 KiB get <= 0.5 bare round trips
 TARGET_REQUESTS_PER_READ = 0.01
+TARGET_PINNED_EXISTS_RATIO = 0.2  # pinned exists <= 0.2 bare round trips
 TARGET_HANDOFF_RATIO = 1.5  # producer's put start -> waiting consumer's return <= 1.5 round trips
 HANDOFF_ROUNDS = 40
 TARGET_PUT_VIEW_RATIO = 1.15  # 16 MiB put (process A) + view (process B) <= 1.15 memcpy
@@ -57,6 +61,9 @@ def _reader(endpoint: str, key: str, how: str, conn) -> None:
         for _ in range(READS):
             if how == "get":
                 c.get(key)
+            elif how == "pin":
+                c.exists(key, pin_s=30)
+                c.unpin(key)
             else:
                 with c.view(key):
                     pass
@@ -169,11 +176,21 @@ def main() -> None:
                 with client.view("k64"):
                     pass
 
-            for fn in (bare, through_daemon, lambda: c.get("k64"), lambda: view_64k(c), lambda: view_64k(asking)):
+            def pin_unpin(client: Client) -> None:
+                client.exists("k64", pin_s=30)
+                client.unpin("k64")
+
+            for fn in (bare, through_daemon, lambda: c.get("k64"), lambda: view_64k(c), lambda: view_64k(asking),
+                       lambda: pin_unpin(c)):
                 per_op_ns(fn, 200)  # warm
             warm, asked, copy_ratio, viewed, viewed_asking = [], [], [], [], []
+            pinned, pinned_asking, pin_pairs, pin_pairs_asking = [], [], [], []
             for _ in range(ROUNDS):
                 b = per_op_ns(bare, BLOCK)
+                pinned.append(per_op_ns(lambda: c.exists("k64", pin_s=30), BLOCK) / b)
+                pinned_asking.append(per_op_ns(lambda: asking.exists("k64", pin_s=30), BLOCK) / b)
+                pin_pairs.append(per_op_ns(lambda: pin_unpin(c), BLOCK) / b)
+                pin_pairs_asking.append(per_op_ns(lambda: pin_unpin(asking), BLOCK) / b)
                 warm.append(per_op_ns(lambda: c.get("k64"), BLOCK) / b)
                 asked.append(per_op_ns(through_daemon, BLOCK) / b)
                 viewed.append(per_op_ns(lambda: view_64k(c), BLOCK) / b)
@@ -187,8 +204,14 @@ def main() -> None:
             res["warm_view_64k_vs_round_trip"] = round(statistics.median(viewed), 3)
             res["asked_view_64k_vs_round_trip"] = round(statistics.median(viewed_asking), 3)
             res["warm_get_16m_vs_memcpy"] = round(statistics.median(copy_ratio), 3)
+            res["pinned_exists_vs_round_trip"] = round(statistics.median(pinned), 3)
+            res["asked_pinned_exists_vs_round_trip"] = round(statistics.median(pinned_asking), 3)
+            res["pin_unpin_vs_round_trip"] = round(statistics.median(pin_pairs), 3)
+            res["asked_pin_unpin_vs_round_trip"] = round(statistics.median(pin_pairs_asking), 3)
+            c.unpin("k64")
+            asking.unpin("k64")
 
-            for how in ("get", "view"):
+            for how in ("get", "view", "pin"):
                 reader = start(_reader, daemon.endpoint, "k64", how)
                 time.sleep(0.5)  # its session is open (Hello counted before the window)
                 before = requests_handled(c)
@@ -233,6 +256,13 @@ def main() -> None:
             (f"daemon requests per read ({READS} gets from another process)", res["requests_per_get"],
              TARGET_REQUESTS_PER_READ),
             (f"daemon requests per view ({READS} views from another process)", res["requests_per_view"],
+             TARGET_REQUESTS_PER_READ),
+            ("pinned 64 KiB exists (a pin slot) / bare round trip", res["pinned_exists_vs_round_trip"],
+             TARGET_PINNED_EXISTS_RATIO),
+            ("pinned exists through the daemon / bare round trip", res["asked_pinned_exists_vs_round_trip"], None),
+            ("pinned exists + unpin (pin slots) / bare round trip", res["pin_unpin_vs_round_trip"], None),
+            ("pinned exists + unpin through the daemon / bare round trip", res["asked_pin_unpin_vs_round_trip"], None),
+            (f"daemon requests per pin ({READS} pins + unpins from another process)", res["requests_per_pin"],
              TARGET_REQUESTS_PER_READ),
             ("16 MiB put (this process) until another's view is open / memcpy", res["put_16m_then_view_vs_memcpy"],
              TARGET_PUT_VIEW_RATIO),

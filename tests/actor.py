@@ -62,6 +62,8 @@ def main() -> None:
                 say(f"allocated {reply.results[0].generation}")
             elif cmd == "exists":
                 say("ok " + " ".join(str(x) for x in client.exists(args)))
+            elif cmd == "pin":  # pin SECONDS KEY...
+                say("ok " + " ".join(str(x) for x in client.exists(args[1:], pin_s=float(args[0]))))
             else:
                 say(f"error Unknown {cmd}")
         except KeyNotFound:

@@ -1,8 +1,10 @@
-"""Views held by read slots (memory/entry_index.py, client/local_read.view_slotted), between real
-processes: a view of a located entry asks the daemon nothing, and the daemon keeps the extent of a
-viewed entry that is deleted until the view ends, by a store in the slot or by the viewer's death;
-a session's slots are bounded (the rest asks, with leases), and slots a hostile client forges
-hold at most its own page's worth of entries, while every other client keeps being served."""
+"""Views and pins held by read slots (memory/entry_index.py, client/local_read.view_slotted,
+client/pins.py), between real processes: a view of a located entry asks the daemon nothing, and
+the daemon keeps the extent of a viewed entry that is deleted until the view ends, by a store in
+the slot or by the viewer's death; a pin asks nothing either, keeps its entry through eviction,
+follows a replace (as a daemon pin) and goes with its session; a session's slots are bounded (the
+rest asks, with leases), and slots a hostile client forges hold at most its own page's worth of
+entries, while every other client keeps being served."""
 from __future__ import annotations
 
 import contextlib
@@ -115,3 +117,46 @@ def test_forged_slots_hold_one_page_at_most_and_others_keep_putting(daemon_facto
         assert kept[:4] == [True] * 4, kept  # the forged views hold their entries
         assert not any(kept[4:]), kept  # and nothing else: the forged pins, the rest
         page[:] = 0
+
+
+def fill(c: ecd.Client, mib: int, prefix: str = "fill") -> None:
+    """Put `mib` MiB of new entries: everything evictable in a small pool goes."""
+    for i in range(mib * 4):
+        c.put(f"{prefix}{i}", make_tensor(i, 64 * 1024))
+
+
+def test_a_pin_asks_nothing_and_keeps_another_process_s_entry_until_its_pinner_dies(daemon_factory, actors):
+    d = daemon_factory(size="16MiB")
+    producer, pinner = actors(d.endpoint), actors(d.endpoint)
+    assert producer.ask(f"put k 5 {NUMEL}") == "ok"
+    assert producer.ask(f"put other 6 {NUMEL}") == "ok"
+    with d.client() as c:
+        before = ops(c)
+        assert pinner.ask("pin 60 k") == "ok True"  # located through the entry index
+        asked = {op: n - before.get(op, 0) for op, n in ops(c).items()}
+        assert asked.get("exists", 0) == 0, asked
+        assert c.stats()["pins"] == 1
+        fill(c, 48)  # 48 MiB through 16: "other" goes, the pinned "k" stays
+        assert c.exists(["k", "other"]) == [True, False]
+        pinner.kill()  # SIGKILL: the daemon zeroes its page at the reclaim
+        assert wait_for(lambda: c.stats()["pins"] == 0), c.stats()
+        fill(c, 48, "again")
+        assert c.exists("k") is False
+
+
+def test_a_slot_pin_follows_a_replace_as_a_daemon_pin_until_unpinned(daemon_factory):
+    d = daemon_factory(size="16MiB")
+    with d.client() as producer, d.client() as pinner:
+        producer.put("k", make_tensor(1, 64 * 1024))
+        before = ops(producer)
+        assert pinner.exists("k", pin_s=60) is True
+        producer.put("k", make_tensor(2, 64 * 1024))  # the pin moves to the new generation
+        fill(producer, 48)
+        assert torch.equal(pinner.get("k"), make_tensor(2, 64 * 1024))  # kept through the eviction
+        assert pinner.unpin("k") is True  # the daemon is told its pin moved (no reply awaited)
+        pinner.ping()  # handled after that message
+        asked = {op: n - before.get(op, 0) for op, n in ops(producer).items()}
+        assert asked.get("exists", 0) == 0 and asked.get("unpin", 0) == 1, asked
+        assert wait_for(lambda: producer.stats()["pins"] == 0), producer.stats()
+        fill(producer, 48, "again")
+        assert producer.exists("k") is False

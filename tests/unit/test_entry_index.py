@@ -151,7 +151,9 @@ def test_a_released_page_is_zeroed_and_handed_out_again_lowest_first(slot_pool):
 def test_a_previous_run_s_slots_stay_held_for_the_quarantine(slot_pool):
     from ecd.memory.entry_index import SlotArea
     segment, area = slot_pool
-    page_of(segment, area, area.assign()).hold([31, 32])
+    page = page_of(segment, area, area.assign())
+    page.hold([31, 32])
+    page.hold([33], deadline_ns=110)  # a pin: the new run holds no pins of the old one
     again = SlotArea(segment, area.offset, 4, 8)  # the next daemon run over the same pool
     assert again.adopt(100, quarantine_ns=50, max_pin_ns=10**9) == 2
     assert again.held(120, 10**9) == {31, 32}  # no page assigned yet: the ghosts alone
