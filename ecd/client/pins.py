@@ -94,10 +94,13 @@ class SlotPins:
         slots = page.hold([found[key][1].generation for key in fresh], deadline) or []
         slot_of.update(zip(fresh, slots))
         full_barrier()
-        trusted, overrun = c._cache.sync(ring)
-        if overrun:
-            c._send_quietly(Report(0, 1))
-        unchanged = trusted and ring.plans == plans
+        if ring.pending() == 0:  # no event since step 1's sync: every location is as it was
+            unchanged = ring.plans == plans
+        else:
+            trusted, overrun = c._cache.sync(ring)
+            if overrun:
+                c._send_quietly(Report(0, 1))
+            unchanged = trusted and ring.plans == plans
         pinned = set()
         for key, slot in slot_of.items():
             keyhash, loc = found[key]
