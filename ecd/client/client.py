@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Literal, Mapping, Sequence, TypeVar, cast
 import torch
 import zmq
 
-from ..errors import (RESTARTED, Code, EcdError, IntegrityError, InvalidRequest, KeyNotFound, StaleGeneration, error_from_code)
+from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of, describe
 from ..memory.entry_index import SlotPage
 from ..memory.ring import key_hash
@@ -518,13 +518,11 @@ class Client(ControlClient):
             answers = unpin_keys(self, keys)
         return cast("bool | list[bool]", answers[0] if single else answers)
 
-    def send_pin(self, keys: Sequence[str], pin_s: float) -> None:
-        if not pin_s > 0:
-            raise InvalidRequest(f"pin_s must be > 0, got {pin_s!r}")
-        for chunk in self._chunks(keys):
-            answer_exists(self, chunk, float(pin_s), wait=False)
+    # send_pin stays ControlClient's one message: nobody waits for it, and a message costs its
+    # caller less than a slot per key would (bench-scheduler: vLLM's step pins, 127 keys a request)
 
     def send_unpin(self, keys: Sequence[str]) -> None:
+        """Slot pins (exists(pin_s): SGLang's batch_exists) are cleared here, the rest told to the daemon."""
         for chunk in self._chunks(keys):
             unpin_keys(self, chunk, wait=False)
 

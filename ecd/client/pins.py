@@ -3,7 +3,7 @@
 Unpinned, `exists` reads the event ring's presence table and the location cache (a key certainly
 absent, or one this client knows present) and asks the daemon only what they cannot answer.
 
-A pin (exists(keys, pin_s), send_pin) promises that a present entry stays loadable until its
+A pin (exists(keys, pin_s)) promises that a present entry stays loadable until its
 deadline or unpin. The daemon keeps pins of its own (registry/deadlines.py); a client with a page
 of read slots (memory/entry_index.py) keeps them itself: a slot naming the entry's generation and
 the deadline (CLOCK_MONOTONIC ns), which every eviction plan reads (SlotHolds.kept). Taking one:
@@ -33,7 +33,9 @@ How it differs from a daemon pin (docs/protocol.md, "Pins in read slots"):
 - A new session (a reconnect) gets a new page: the old page's live pins are sent as daemon pins for
   the time they have left.
 Slots are shared with views (client.view_many): a full page, an arena entry, an unlocated key, or
-`local_reads=False` take the daemon's route.
+`local_reads=False` take the daemon's route. `send_pin` (vLLM's step pins) stays a message: nobody
+waits for it, and one message costs its caller less than locating and pinning each of a request's
+keys here (bench-scheduler: 127 keys, +290 us a request that way).
 """
 from __future__ import annotations
 
@@ -117,6 +119,8 @@ class SlotPins:
         """Clear the slot pins of `keys`: per key True (a live pin was cleared) or None (no slot
         pin: the daemon may hold one), and the keys whose pin the daemon may have taken over
         (replaced since: SlotHolds.move_pins)."""
+        if not self.held:
+            return [None] * len(keys), []
         now = time.monotonic_ns()
         answers: list[bool | None] = []
         moved: list[str] = []
@@ -145,10 +149,9 @@ class SlotPins:
         return left
 
 
-def answer_exists(c: "Client", keys: list[str], pin_s: float, wait: bool = True) -> list[bool | None]:
+def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | None]:
     """Client.exists under the client's lock (connected): the ring and the slots answer what they
-    can, the daemon the rest. `wait=False` (send_pin): the rest are pinned by a message nobody
-    waits for, and their answers stay None."""
+    can, the daemon the rest."""
     ns, mapping, cache = c.namespace, c._map, c._cache
     ring = mapping.ring
     trusted, overrun = cache.sync(ring)
@@ -191,10 +194,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float, wait: bool = True)
                     answers[i] = True
                 else:
                     ask.append(i)
-    if ask and not wait:
-        for start in range(0, len(ask), c.limits.max_batch):
-            c._send_quietly(Exists(0, ns, [keys[i] for i in ask[start:start + c.limits.max_batch]], float(pin_s)))
-    elif ask:
+    if ask:
         reply: Flags = c._call(Exists(next(c._ids), ns, [keys[i] for i in ask], float(pin_s)))
         for i, found in zip(ask, reply.values):
             answers[i] = found
