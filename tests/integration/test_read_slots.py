@@ -160,3 +160,23 @@ def test_a_slot_pin_follows_a_replace_as_a_daemon_pin_until_unpinned(daemon_fact
         assert wait_for(lambda: producer.stats()["pins"] == 0), producer.stats()
         fill(producer, 48, "again")
         assert producer.exists("k") is False
+
+
+def test_a_restart_hands_the_slot_pins_to_the_new_daemon(daemon_factory):
+    """The new run clears the old run's slot area (pins are not carried in it): a client whose
+    pins were slots sends them as daemon pins, for the time they have left, with its new Hello."""
+    d = daemon_factory(size="16MiB")
+    with d.client() as pinner:
+        pinner.put("k", make_tensor(1, 64 * 1024))
+        assert pinner.exists("k", pin_s=60) is True
+        assert pinner.stats()["pins"] == 1
+        d.stop()
+        d.start()
+        assert pinner.stats()["restart"]["adopted"]  # the client reconnects: a new session, a new page
+        pinner.ping()  # the pins it handed over were sent before this
+        assert pinner.stats()["pins"] == 1
+        with d.client() as other:
+            fill(other, 48)
+            assert other.exists("k") is True  # kept by the daemon pin
+        assert pinner.unpin("k") is True  # no slot holds it now: the daemon's pin goes
+        assert pinner.stats()["pins"] == 0
