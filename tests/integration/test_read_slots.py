@@ -180,3 +180,30 @@ def test_a_restart_hands_the_slot_pins_to_the_new_daemon(daemon_factory):
             assert other.exists("k") is True  # kept by the daemon pin
         assert pinner.unpin("k") is True  # no slot holds it now: the daemon's pin goes
         assert pinner.stats()["pins"] == 0
+
+
+def test_forged_pin_slots_keep_no_more_than_the_pin_budget(daemon_factory):
+    """A client writes its whole page with pins (valid deadlines) of 2 MiB entries it never
+    pinned honestly: the plan keeps them only within the pin budget (half of the 16 MiB pool), so
+    the honest client's puts keep landing, and its own pin, smaller, is kept first."""
+    d = daemon_factory(size="16MiB", extra="[leases]\nread_slots = 8\n")
+    with d.client() as hostile, d.client() as honest:
+        for i in range(7):
+            honest.put(f"big{i}", make_tensor(i, 512 * 1024))  # 2 MiB each
+        honest.put("mine", make_tensor(9, 64 * 1024))
+        generations = []
+        for i in range(7):
+            (loc,) = hostile.request(Acquire(0, hostile.namespace, [f"big{i}"], 0.0)).results
+            hostile.request(Release(0, [loc.generation]))
+            generations.append(loc.generation)
+        pool, offset, slots = hostile.welcome.ring.read_slots
+        page = np.frombuffer(hostile.mapping.rw[pool], np.uint64, count=slots * 2, offset=offset).reshape(slots, 2)
+        page[:7, 1] = time.monotonic_ns() + int(60 * 1e9)
+        page[:7, 0] = generations
+        assert honest.exists("mine", pin_s=60) is True
+        for i in range(100):  # 25 MiB of new entries through the 16 MiB pool
+            honest.put(f"new{i}", make_tensor(i, 64 * 1024))
+        kept = [honest.exists(f"big{i}") for i in range(7)]
+        assert sum(kept) == 3, kept  # 8 MiB budget: the 256 KiB pin, then three of the 2 MiB ones
+        assert honest.exists("mine") is True
+        page[:] = 0
