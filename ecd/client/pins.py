@@ -152,7 +152,7 @@ class SlotPins:
 def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | None]:
     """Client.exists under the client's lock (connected): the ring and the slots answer what they
     can, the daemon the rest."""
-    ns, mapping, cache = c.namespace, c._map, c._cache
+    ns, mapping, cache = c.namespace, c.mapping, c._cache
     ring = mapping.ring
     trusted, overrun = cache.sync(ring)
     if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
