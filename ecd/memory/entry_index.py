@@ -248,7 +248,9 @@ class SlotArea:
         self._free = list(range(pages))  # a heap: the lowest page first, so scans read a short prefix
         self._assigned: set[int] = set()
         self._scan_pages = 0  # pages a scan reads: up to the highest one assigned
-        self._buf = np.zeros((pages * slots, SLOT_WORDS), np.uint64)
+        self._raw = bytearray(pages * slots * SLOT_BYTES)  # what a scan reads (a bytearray: == is a memcmp)
+        self._buf = np.frombuffer(self._raw, np.uint64).reshape(pages * slots, SLOT_WORDS)
+        self._zeros = bytes(len(self._raw))
         self._ghosts: frozenset[int] = frozenset()  # a previous run's slots, honoured until _ghosts_until
         self._ghosts_until = 0
         self.scans = 0
@@ -305,11 +307,15 @@ class SlotArea:
         got = self.segment.read_into(self.offset, buf.data.cast("B")) if pages else 0
         if got < buf.nbytes:  # truncated: what is gone holds nothing (its readers fault anyway)
             buf.view(np.uint8)[got:] = 0
-        generations, deadlines = buf[:, 0], buf[:, 1]
-        named = generations != 0
-        held = set(generations[named & (deadlines == 0)].tolist())
-        pinned = np.flatnonzero(named & (deadlines > np.uint64(now_ns)) & (deadlines <= np.uint64(now_ns + max_pin_ns)))
-        pins = [(slot // self.slots, int(generations[slot]), int(deadlines[slot])) for slot in pinned.tolist()]
+        held: set[int] = set()
+        pins: list = []
+        if self._raw[:buf.nbytes] != self._zeros[:buf.nbytes]:  # the usual case, nothing held: one memcmp
+            generations, deadlines = buf[:, 0], buf[:, 1]
+            named = generations != 0
+            held = set(generations[named & (deadlines == 0)].tolist())
+            pinned = np.flatnonzero(named & (deadlines > np.uint64(now_ns))
+                                    & (deadlines <= np.uint64(now_ns + max_pin_ns)))
+            pins = [(slot // self.slots, int(generations[slot]), int(deadlines[slot])) for slot in pinned.tolist()]
         if self._ghosts:
             if now_ns < self._ghosts_until:
                 held |= self._ghosts

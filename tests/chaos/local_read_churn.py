@@ -169,8 +169,8 @@ def _daemon_mutant(name: str) -> None:
         SlotHolds.kept = kept
         return
     if name == "no-slot-scan":
-        from ecd.memory.entry_index import SlotArea
-        SlotArea.held = lambda self, now_ns, max_pin_ns: set()
+        from ecd.daemon.registry.reclaim import SlotHolds
+        SlotHolds.held = lambda self: frozenset()  # every free goes ahead, slots or not
         return
     if name == "no-ring-wait":
         from ecd.daemon.restart import adopt

@@ -58,6 +58,7 @@ class SlotHolds:
         self.store, self.area = store, area
         self.retired: dict[int, Entry] = {}  # generation -> entry a slot held at its free
         self.sessions: dict[int, Session] = {}  # page -> the session it was assigned to
+        self._last: tuple | None = None  # (ring seq, the scan made then), within one request
         if area is not None:  # a kept pool's slots: the previous run's readers
             leases = store.leases
             store.counters["slot_ghosts"] = area.adopt(time.monotonic_ns(), int(float(leases.session_ttl) * 1e9),
@@ -101,7 +102,18 @@ class SlotHolds:
         """Generations a read slot (a view) names now: their extents are not freed (empty without slots)."""
         if self.area is None:
             return frozenset()
-        return self.area.held(time.monotonic_ns(), self._max_pin_ns())
+        return self._scan(reuse=True)[0]
+
+    def _scan(self, reuse: bool = False) -> tuple:
+        """The slot area's scan (SlotArea.scan). `reuse`: the last one, if no event was appended
+        since and this request (or tick) made it: a free needs a scan made after its entry's
+        event, and a replace's pin move and free then share one."""
+        seq = self.store.announcer.ring.seq
+        if reuse and self._last is not None and self._last[0] == seq:
+            return self._last[1]
+        scanned = self.area.scan(time.monotonic_ns(), self._max_pin_ns())  # type: ignore[union-attr]
+        self._last = (seq, scanned)
+        return scanned
 
     def kept(self, plan: bool = True) -> set[int] | frozenset[int]:
         """Generations no eviction may take: what read slots hold and what pin slots keep within the
@@ -110,7 +122,7 @@ class SlotHolds:
             return frozenset()
         if plan:
             self.store.announcer.ring.plan_begin()
-        held, pins = self.area.scan(time.monotonic_ns(), self._max_pin_ns())
+        held, pins = self._scan()  # a fresh one: after the plan word went odd
         return held | self._within_budget(pins) if pins else held
 
     def pins(self) -> int:
@@ -121,7 +133,7 @@ class SlotHolds:
         """(generations read slots hold, live pin slots per generation): what `ecd keys` shows."""
         if self.area is None:
             return frozenset(), collections.Counter()
-        held, pins = self.area.scan(time.monotonic_ns(), self._max_pin_ns())
+        held, pins = self._scan()
         return held, collections.Counter(generation for _, generation, _ in pins)
 
     def _within_budget(self, pins: list[tuple[int, int, int]]) -> set[int]:
@@ -155,6 +167,7 @@ class SlotHolds:
     def plan_over(self) -> None:
         """After a request or an expiry tick: any eviction plan's events are out."""
         self.store.announcer.ring.plan_end()
+        self._last = None  # a later request scans again
 
     def move_pins(self, old: Entry, new: Entry) -> None:
         """A pin promises the key stays loadable: a pin slot naming the replaced generation becomes
@@ -164,7 +177,7 @@ class SlotHolds:
         if self.area is None:
             return
         now_ns = time.monotonic_ns()
-        for page, generation, deadline_ns in self.area.scan(now_ns, self._max_pin_ns())[1]:
+        for page, generation, deadline_ns in self._scan(reuse=True)[1]:
             session = self.sessions.get(page)
             if generation == old.generation and session is not None and not session.closed:
                 self.store.deadlines.pin(session, new, self.store.clock() + (deadline_ns - now_ns) / 1e9)
@@ -187,10 +200,9 @@ class SlotHolds:
 
     def recheck(self) -> None:
         """Free what no slot names any more (the expiry tick, a session's end)."""
-        self.plan_over()
         if not self.retired:
             return
-        held = self.held()
+        held = self._scan()[0]  # fresh: slots cleared since the last scan free their entries now
         for generation, entry in list(self.retired.items()):
             if generation not in held and not entry.readers:
                 self.store.free(entry)  # pops it from `retired`

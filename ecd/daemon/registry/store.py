@@ -455,6 +455,7 @@ class Store:
         return self.deadlines.unpin(session, ns, keys)
 
     def expire(self) -> None:
+        self.slot_holds.plan_over()  # a plan made outside a request (a promotion) is over too
         self.deadlines.expire()
         self.slot_holds.recheck()
 
