@@ -10,6 +10,7 @@ host-pool and copy paths): tests/sglang/cpu_shims stands in for them, in the ser
 is not installed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,6 +75,7 @@ class Server:
                "--port", str(self.port), "--max-total-tokens", "4096", "--page-size", str(PAGE),
                "--random-seed", "0", *extra]
         self.log = open(log, "w")
+        self.shm_before = _sglang_shm()
         self.proc = subprocess.Popen(cmd, env=_server_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -126,6 +128,14 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+        for name in _sglang_shm() - self.shm_before:  # what SGLang's processes leave behind when stopped
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+def _sglang_shm() -> set[str]:
+    """SGLang's shared-memory files (its loads buffers, multiprocessing's semaphores)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sglang_loads_", "sem.mp-"))}
 
 
 def _hicache_args(endpoint: str) -> list[str]:
