@@ -75,7 +75,6 @@ class Server:
                "--port", str(self.port), "--max-total-tokens", "4096", "--page-size", str(PAGE),
                "--random-seed", "0", *extra]
         self.log = open(log, "w")
-        self.shm_before = _sglang_shm()
         self.proc = subprocess.Popen(cmd, env=_server_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -128,9 +127,6 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
-        for name in _sglang_shm() - self.shm_before:  # what SGLang's processes leave behind when stopped
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", name))
 
 
 def _sglang_shm() -> set[str]:
@@ -151,6 +147,7 @@ def test_real_sglang_server_on_ecd(server_stack, daemon, tmp_path):
     from checkpoints import build_tiny_llama
     model = build_tiny_llama(tmp_path / "tiny-llama", seed=7)
     servers: list[Server] = []
+    shm_before = _sglang_shm()
     try:
         off = Server(model, tmp_path / "off.log")
         first = Server(model, tmp_path / "ecd1.log", *_hicache_args(daemon.endpoint))
@@ -187,3 +184,7 @@ def test_real_sglang_server_on_ecd(server_stack, daemon, tmp_path):
     finally:
         for s in servers:
             s.stop()
+        # what SGLang's stopped servers leave behind; only once all are stopped (they run side by side)
+        for name in _sglang_shm() - shm_before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
