@@ -125,8 +125,8 @@ class Client(ControlClient):
         if self._pins is not None:  # the daemon takes over what the old page pinned
             for ns, by_time in self._pins.handed_over().items():
                 for seconds, keys in by_time.items():
-                    for start in range(0, len(keys), self.limits.max_batch):
-                        self._send_quietly(Exists(0, ns, keys[start:start + self.limits.max_batch], seconds))
+                    # sent before the loop moves on: the lambda never outlives ns, seconds
+                    self._send_batches(keys, lambda chunk: Exists(0, ns, chunk, seconds))  # noqa: B023
         self._pins = SlotPins(self._slots) if self._slots is not None else None
         if old is not None and not restarted:
             self._retake([v for v in self._views if v.slots is not None], "a new session")

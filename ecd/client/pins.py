@@ -77,15 +77,13 @@ class SlotPins:
         now = time.monotonic_ns()
         deadline = now + int(min(pin_s, c.limits.max_pin_s) * 1e9)
         page, held = self.page, self.held
-        slot_of: dict[str, int] = {}
+        slot_of: dict[str, tuple[int, int]] = {}  # key -> (slot, its deadline)
         fresh: list[str] = []
         for key, (_, loc) in found.items():
             mine = held.pop((ns, key), None)
             if mine is not None and mine[1] == loc.generation:
                 page.extend(mine[0], deadline)
-                slot_of[key] = mine[0]
-                deadline_of = max(mine[2], deadline)
-                held[(ns, key)] = (mine[0], mine[1], deadline_of)
+                slot_of[key] = (mine[0], max(mine[2], deadline))
                 continue
             if mine is not None:  # an older generation's pin: the daemon moved it (SlotHolds.move_pins)
                 page.clear([mine[0]])
@@ -94,7 +92,7 @@ class SlotPins:
             self._sweep(now)
         fresh = fresh[:page.available]
         slots = page.hold([found[key][1].generation for key in fresh], deadline) or []
-        slot_of.update(zip(fresh, slots))
+        slot_of.update((key, (slot, deadline)) for key, slot in zip(fresh, slots))
         full_barrier()
         if ring.pending() == 0:  # no event since step 1's sync: every location is as it was
             unchanged = ring.plans == plans
@@ -104,15 +102,13 @@ class SlotPins:
                 c._send_quietly(Report(0, 1))
             unchanged = trusted and ring.plans == plans
         pinned = set()
-        for key, slot in slot_of.items():
+        for key, (slot, deadline_of) in slot_of.items():
             keyhash, loc = found[key]
             if unchanged and c._cache.located(keyhash, ns, key) is loc:
                 pinned.add(key)
-                deadline_of = held[(ns, key)][2] if (ns, key) in held else deadline
                 held[(ns, key)] = (slot, loc.generation, deadline_of)
             else:
                 page.clear([slot])
-                held.pop((ns, key), None)
         return pinned
 
     def release(self, c: "Client", ns: str, keys: list[str]) -> tuple[list[bool | None], list[str]]:
@@ -211,9 +207,8 @@ def unpin_keys(c: "Client", keys: list[str], wait: bool = True) -> list[bool | N
     ask = [i for i, answer in enumerate(answers) if answer is None]
     if moved:  # their pins moved to a new generation, held by the daemon now
         c._send_quietly(Unpin(0, ns, moved))
-    if ask and not wait:
-        for start in range(0, len(ask), c.limits.max_batch):
-            c._send_quietly(Unpin(0, ns, [keys[i] for i in ask[start:start + c.limits.max_batch]]))
+    if ask and not wait:  # keys come limits.max_batch at a time (ControlClient._chunks)
+        c._send_quietly(Unpin(0, ns, [keys[i] for i in ask]))
     elif ask:
         reply: Flags = c._call(Unpin(next(c._ids), ns, [keys[i] for i in ask]))
         for i, was in zip(ask, reply.values):

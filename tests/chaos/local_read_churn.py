@@ -193,25 +193,43 @@ def _daemon_mutant(name: str) -> None:
     announce.Announcer.announce = late
 
 
+def random_keys(endpoint: str, keys: int, seconds: float, rng: random.Random):
+    """(a client, a random key number) until SECONDS are up: each process's loop."""
+    import ecd
+    with ecd.Client(endpoint, timeout=30) as c:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            yield c, rng.randrange(keys)
+
+
+class Wrong:
+    """Wrong results of a reader: how many, and the first one said."""
+
+    def __init__(self) -> None:
+        self.count, self.first = 0, ""
+
+    def note(self, k: int, problem: str) -> None:
+        if problem:
+            self.count += 1
+            self.first = self.first or f"k{k}: {problem}"
+
+
 def writer(endpoint: str, keys: int, seconds: float, seed: int, delete_share: float = 0.1) -> None:
     import ecd
     rng = random.Random(seed)
     numbers = [0] * keys
     puts = deletes = 0
-    with ecd.Client(endpoint, timeout=30) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            k = rng.randrange(keys)
-            if rng.random() < delete_share:
-                c.delete(f"k{k}")
-                deletes += 1
-                continue
-            numbers[k] += 1
-            try:
-                c.put(f"k{k}", value(k, numbers[k] * 1000 + seed))
-                puts += 1
-            except ecd.PoolFull:  # every extent read-leased for a moment
-                time.sleep(0.001)
+    for c, k in random_keys(endpoint, keys, seconds, rng):
+        if rng.random() < delete_share:
+            c.delete(f"k{k}")
+            deletes += 1
+            continue
+        numbers[k] += 1
+        try:
+            c.put(f"k{k}", value(k, numbers[k] * 1000 + seed))
+            puts += 1
+        except ecd.PoolFull:  # every extent read-leased for a moment
+            time.sleep(0.001)
     print(json.dumps({"puts": puts, "deletes": deletes}), flush=True)
 
 
@@ -219,34 +237,28 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
     import ecd
     rng = random.Random(seed)
     counts = apply_client_mutant(mutant, rng)
-    reads = wrong = views = 0
-    first_wrong = ""
-    with ecd.Client(endpoint, timeout=30) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            k = rng.randrange(keys)
-            changed = ""
-            try:
-                if reads % 3 == 1:  # a get, a read_many that copies the view into a buffer of its own, a view
-                    got = c.get(f"k{k}")
-                elif reads % 3 == 2:
-                    got = c.read_many([f"k{k}"], lambda views: torch.empty(NUMEL, dtype=torch.int64).copy_(views[0]))
-                else:
-                    with c.view(f"k{k}") as view:
-                        got = view.clone()
-                        time.sleep(rng.choice((0.0, 0.001, 0.003)))  # puts evict and reuse extents meanwhile
-                        again = view.clone()
-                    views += 1
-                    changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
-            except ecd.KeyNotFound:
-                continue
-            reads += 1
-            problem = wrong_bytes(k, got) or changed
-            if problem:
-                wrong += 1
-                first_wrong = first_wrong or f"k{k}: {problem}"
+    reads = views = 0
+    wrong = Wrong()
+    for c, k in random_keys(endpoint, keys, seconds, rng):
+        changed = ""
+        try:
+            if reads % 3 == 1:  # a get, a read_many that copies the view into a buffer of its own, a view
+                got = c.get(f"k{k}")
+            elif reads % 3 == 2:
+                got = c.read_many([f"k{k}"], lambda views: torch.empty(NUMEL, dtype=torch.int64).copy_(views[0]))
+            else:
+                with c.view(f"k{k}") as view:
+                    got = view.clone()
+                    time.sleep(rng.choice((0.0, 0.001, 0.003)))  # puts evict and reuse extents meanwhile
+                    again = view.clone()
+                views += 1
+                changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
+        except ecd.KeyNotFound:
+            continue
+        reads += 1
+        wrong.note(k, wrong_bytes(k, got) or changed)
     print(json.dumps({"reads": reads, "local": counts["returned"], "thrown": counts["copies"] - counts["returned"],
-                      "views": views, "slotted": counts["slotted"], "wrong": wrong, "first_wrong": first_wrong}),
+                      "views": views, "slotted": counts["slotted"], "wrong": wrong.count, "first_wrong": wrong.first}),
           flush=True)
 
 
@@ -254,27 +266,22 @@ def pinner(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
     import ecd
     rng = random.Random(seed)
     counts = apply_client_mutant(mutant, rng)
-    pinned = lost = wrong = 0
-    first_wrong = ""
-    with ecd.Client(endpoint, timeout=30) as c:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            k = rng.randrange(keys)
-            if not c.exists(f"k{k}", pin_s=30):
-                continue
-            pinned += 1
-            time.sleep(rng.choice((0.0, 0.001, 0.005, 0.02)))  # the writers evict meanwhile
-            try:
-                problem = wrong_bytes(k, c.get(f"k{k}"))
-            except ecd.KeyNotFound:
-                problem = "evicted while pinned"
-                lost += 1
-            if problem:
-                wrong += 1
-                first_wrong = first_wrong or f"k{k}: {problem}"
-            c.unpin(f"k{k}")
-    print(json.dumps({"pinned": pinned, "slotted": counts["slotted"], "lost": lost, "wrong": wrong,
-                      "first_wrong": first_wrong}), flush=True)
+    pinned = lost = 0
+    wrong = Wrong()
+    for c, k in random_keys(endpoint, keys, seconds, rng):
+        if not c.exists(f"k{k}", pin_s=30):
+            continue
+        pinned += 1
+        time.sleep(rng.choice((0.0, 0.001, 0.005, 0.02)))  # the writers evict meanwhile
+        try:
+            problem = wrong_bytes(k, c.get(f"k{k}"))
+        except ecd.KeyNotFound:
+            problem = "evicted while pinned"
+            lost += 1
+        wrong.note(k, problem)
+        c.unpin(f"k{k}")
+    print(json.dumps({"pinned": pinned, "slotted": counts["slotted"], "lost": lost, "wrong": wrong.count,
+                      "first_wrong": wrong.first}), flush=True)
 
 
 if __name__ == "__main__":

@@ -125,10 +125,6 @@ class SlotHolds:
         held, pins = self._scan()  # a fresh one: after the plan word went odd
         return held | self._within_budget(pins) if pins else held
 
-    def pins(self) -> int:
-        """Live pin slots (for the pins gauge)."""
-        return sum(self.snapshot()[1].values())
-
     def snapshot(self) -> tuple[set[int] | frozenset[int], collections.Counter]:
         """(generations read slots hold, live pin slots per generation): what `ecd keys` shows."""
         if self.area is None:

@@ -537,8 +537,9 @@ class Store:
     def lease_totals(self) -> tuple[int, int, int]:
         """(read leases and entries read slots hold, pins, parked waiters) over all sessions."""
         sessions = self._sessions.values()
-        return (sum(sum(s.leases.values()) for s in sessions) + len(self.slot_holds.held()),
-                sum(len(s.pins) for s in sessions) + self.slot_holds.pins(),
+        viewed, pinned = self.slot_holds.snapshot()  # one scan of the read slots for both
+        return (sum(sum(s.leases.values()) for s in sessions) + len(viewed),
+                sum(len(s.pins) for s in sessions) + sum(pinned.values()),
                 sum(len(s.waiters) for s in sessions))
 
     def reservation_totals(self) -> tuple[int, int]:
