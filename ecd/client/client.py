@@ -40,8 +40,8 @@ from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Loca
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient
-from .local_read import (LocalReads, copy_from_pools, get_cached, read_cached, slot_page, slots_released,
-                         view_slotted)
+from .local_read import (LocalReads, copy_from_pools, get_cached, hold_slots, read_cached, slot_page,
+                         slots_released)
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .pins import SlotPins, answer_exists, unpin_keys
@@ -61,7 +61,7 @@ class OpenView:
     generations: list[int]
     session: int
     epoch: int
-    slots: list[int] | None = None  # held by these read slots of `page` (local_read.view_slotted), not leases
+    slots: list[int] | None = None  # held by these read slots of `page` (local_read.hold_slots), not leases
     page: SlotPage | None = None
 
 
@@ -295,8 +295,26 @@ class Client(ControlClient):
             copies = get_cached(self, keys, verify)  # no round trip for what this client can locate
             if copies is not None:
                 return copies
+        mapping = self._map
+        if to_gpu or (mapping is not None and mapping.arena_sizes):  # a GPU copies: slots, no round trip
+            slotted = hold_slots(self, keys)
+            if slotted is not None:
+                try:
+                    return self._copy_out(keys, slotted[1], slotted[0], target, verify, missing_ok)
+                finally:
+                    self._let_go(slotted[2])  # after _copy_out waited for every copy reading the extents
         results, session, mapping = self._acquire(keys, timeout)
-        held = [r.generation for r in results if isinstance(r, Location)]
+        try:
+            return self._copy_out(keys, results, mapping, target, verify, missing_ok)
+        finally:
+            self._release([r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
+
+    def _copy_out(self, keys: list[str], results: Sequence[Location | Failure], mapping: EpochMapping,
+                  target: torch.device | None, verify: bool, missing_ok: bool) -> list[torch.Tensor | None]:
+        """get_many's copies of held entries (by read slots or leases): host to host in compiled
+        copies per pool segment, anything a GPU takes part in on its CUDA plane, waited for
+        before this returns (errors included): the holds go only after it."""
+        to_gpu = target is not None and target.type == "cuda"
         batch = None
         try:
             out: list[torch.Tensor | None] = []
@@ -340,8 +358,7 @@ class Client(ControlClient):
             return out
         finally:
             if batch is not None:
-                batch.wait_quietly()  # the lease goes only once no copy reads the extent any more
-            self._release(held, session, mapping.epoch)
+                batch.wait_quietly()  # the hold goes only once no copy reads the extent any more
 
     @contextlib.contextmanager
     def view(self, key: str, timeout: float | None = None, *, verify: bool = False) -> Iterator[torch.Tensor]:
@@ -372,58 +389,58 @@ class Client(ControlClient):
         verify = self._verifies(verify)
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
-        slotted = view_slotted(self, keys, verify)  # no round trip for what this client can locate
+        slotted = hold_slots(self, keys)  # no round trip for what this client can locate
         if slotted is not None:
-            self._watch_while_open(slotted[1], cast(EpochMapping, self._map))
-            try:
-                yield cast("list[torch.Tensor | None]", slotted[0])
-            finally:
-                self._let_go(slotted[1])
-            return
-        results, session, mapping = self._acquire(keys, timeout)
-        on_gpu: list[torch.Tensor] = []
-        held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
-                        [r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
+            mapping, results, held = slotted
+        else:
+            results, session, mapping = self._acquire(keys, timeout)
+            held = OpenView(self.namespace, [k for k, r in zip(keys, results) if isinstance(r, Location)],
+                            [r.generation for r in results if isinstance(r, Location)], session, mapping.epoch)
         self._watch_while_open(held, mapping)
+        on_gpu: list[torch.Tensor] = []
         try:
-            views: list[torch.Tensor | None] = []
-            pool_views: PoolViews = mapping.views
-            if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
-                ends: dict[int, int] = {}
-                for r in results:
-                    if isinstance(r, Location) and not mapping.is_arena(r.pool):
-                        ends[r.pool] = max(ends.get(r.pool, 0), r.offset + r.nbytes)
-                for pool, end in ends.items():
-                    mapping.ro_for(pool, end, 0)
-            for key, result in zip(keys, results):
-                if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
-                    views.append(None)
-                    continue
-                loc = self._located(key, result)
-                if mapping.is_arena(loc.pool):
-                    tensor = self._cuda_plane(mapping).arena_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype,
-                                                                    loc.shape)
-                    on_gpu.append(tensor)
-                    if verify and loc.checksum:
-                        from .cuda import tensor_checksum
-                        actual = tensor_checksum(tensor)
-                        if actual != loc.checksum:
-                            raise self._corrupt(key, loc, actual)
-                else:
-                    if verify and loc.checksum:
-                        actual = checksum_of(mapping.ro_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes)
-                        if actual != loc.checksum:
-                            raise self._corrupt(key, loc, actual)
-                    tensor = pool_views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
-                views.append(tensor)
-            yield views
+            yield self._views_of(keys, results, mapping, verify, missing_ok, on_gpu)
         finally:
-            if on_gpu:  # the lease goes only once the work queued on those devices is done
+            if on_gpu:  # the hold goes only once the work queued on those devices is done
                 batch = self._cuda_plane(mapping).batch()
                 for tensor in on_gpu:
                     batch.after(tensor)
                 batch.wait_quietly()
             self._let_go(held)
+
+    def _views_of(self, keys: list[str], results: Sequence[Location | Failure], mapping: EpochMapping,
+                  verify: bool, missing_ok: bool, on_gpu: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """view_many's tensors over held entries; those on a GPU are added to `on_gpu`."""
+        views: list[torch.Tensor | None] = []
+        pool_views: PoolViews = mapping.views
+        if not mapping.sealed:  # pool files someone may truncate: each must reach past its entries
+            ends: dict[int, int] = {}
+            for r in results:
+                if isinstance(r, Location) and not mapping.is_arena(r.pool):
+                    ends[r.pool] = max(ends.get(r.pool, 0), r.offset + r.nbytes)
+            for pool, end in ends.items():
+                mapping.ro_for(pool, end, 0)
+        for key, result in zip(keys, results):
+            if missing_ok and isinstance(result, Failure) and result.code == Code.KEY_NOT_FOUND:
+                views.append(None)
+                continue
+            loc = self._located(key, result)
+            if mapping.is_arena(loc.pool):
+                tensor = self._cuda_plane(mapping).arena_tensor(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
+                on_gpu.append(tensor)
+                if verify and loc.checksum:
+                    from .cuda import tensor_checksum
+                    actual = tensor_checksum(tensor)
+                    if actual != loc.checksum:
+                        raise self._corrupt(key, loc, actual)
+            else:
+                if verify and loc.checksum:
+                    actual = checksum_of(mapping.ro_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes)
+                    if actual != loc.checksum:
+                        raise self._corrupt(key, loc, actual)
+                tensor = pool_views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
+            views.append(tensor)
+        return views
 
     def _watch_while_open(self, held: OpenView, mapping: EpochMapping) -> None:
         """An open view: its holds are taken again after a restart (connection.watch_views)."""

@@ -21,8 +21,12 @@ it marks the old ring closed before it serves (restart/memory.py: `close_old_rin
 closed ring fails step 4 the same way.
 
 Step 0, the fallback, is today's route: Acquire (a read lease), copy, Release. It is taken for
-any key not cached with its location, an arena entry, a copy to a GPU, a ring that is not
-usable (silent daemon, closed, scribbled), an overrun, and a batch larger than limits.max_batch.
+any key not cached with its location, a ring that is not usable (silent daemon, closed,
+scribbled), an overrun, and a batch larger than limits.max_batch.
+
+A copy made by a GPU (an arena entry, or any copy to a GPU) runs asynchronously, so it cannot be
+validated afterwards: it holds read slots instead (`hold_slots`, as views do), cleared only once
+the copy's event has completed (Client._copy_out waits for its CopyBatch before letting go).
 
 The daemon does not see these reads, so the client tells it in batches (`LocalReads`): a
 fire-and-forget Report of the generations read, which counts them as hits and moves them to the
@@ -72,10 +76,11 @@ def copy_from_pools(mapping: "EpochMapping", locations: Sequence[Location]) -> l
 
 
 def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMapping",
-                     same_as: list[Location] | None = None) -> list[Location] | None:
-    """Under the client's lock: apply the ring's unread events, then each key's cached host
-    location, else the one the ring's entry index shows (cached from now on, so the ring's events
-    keep it current); with `same_as`, the very objects it holds. None at any doubt."""
+                     same_as: list[Location] | None = None, arenas: bool = False) -> list[Location] | None:
+    """Under the client's lock: apply the ring's unread events, then each key's cached location
+    (in a host pool, or with `arenas` also in a CUDA arena), else the one the ring's entry index
+    shows (cached from now on, so the ring's events keep it current); with `same_as`, the very
+    objects it holds. None at any doubt."""
     ring, cache = mapping.ring, c._cache
     trusted, overrun = cache.sync(ring)
     if overrun:  # operators see overruns in ecd_ring_reader_overruns_total
@@ -90,15 +95,15 @@ def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMappi
             loc = indexed_location(ring, mapping, keyhash, ns, key)
             if loc is not None:
                 cache.remember(keyhash, ns, key, loc.generation, loc)
-        if loc is None or mapping.is_arena(loc.pool) or (same_as is not None and loc is not same_as[i]):
+        if loc is None or (not arenas and mapping.is_arena(loc.pool)) or (same_as is not None and loc is not same_as[i]):
             return None
         found.append(loc)
     return found
 
 
-def _locate(c: "Client", keys: list[str]) -> tuple["EpochMapping", list[Location]] | None:
-    """Step 1, for get_cached and read_cached: the mapping and each key's location, or None
-    (take the round trip)."""
+def _locate(c: "Client", keys: list[str], arenas: bool = False) -> tuple["EpochMapping", list[Location]] | None:
+    """Step 1, for get_cached, read_cached and hold_slots: the mapping and each key's location, or
+    None (take the round trip)."""
     if not c.local_reads or not keys or len(keys) > c.limits.max_batch:
         return None
     _check_encodable("key", keys)  # as the round trip would: InvalidRequest, not UnicodeEncodeError
@@ -106,18 +111,18 @@ def _locate(c: "Client", keys: list[str]) -> tuple["EpochMapping", list[Location
         mapping = c._map
         if mapping is None or not mapping.local or c._res.sock is None:
             return None
-        locations = cached_locations(c, c.namespace, keys, mapping)
+        locations = cached_locations(c, c.namespace, keys, mapping, arenas=arenas)
     return None if locations is None else (mapping, locations)
 
 
 def _confirmed(c: "Client", keys: list[str], mapping: "EpochMapping", locations: list[Location],
-               fence: Callable[[], None] | None = memory_barrier) -> bool:
+               fence: Callable[[], None] | None = memory_barrier, arenas: bool = False) -> bool:
     """Steps 3 and 4: after the fence, whether the ring still shows every location in place (then
     the reads are noted for the daemon)."""
     if fence is not None:
         fence()  # the copy's loads (a slot's stores) before the ring's write_seq is read again
     with c._lock:
-        if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, same_as=locations) is None:
+        if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, locations, arenas) is None:
             return False
         if c._local_reads is not None:
             c._local_reads.add([loc.generation for loc in locations], c)
@@ -152,12 +157,14 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
 
 def indexed_location(ring, mapping: "EpochMapping", keyhash: int, ns: str, key: str) -> Location | None:
     """The location the ring's entry index shows for exactly (ns, key), if it lies in a host pool
-    of this mapping (a record that points elsewhere was not written by the daemon: None)."""
+    or CUDA arena of this mapping (a record that points elsewhere was not written by the daemon:
+    None)."""
     found = ring.index.lookup(keyhash, ns, key)
     if found is None:
         return None
     generation, pool, offset, nbytes, dtype, shape, checksum = found
-    if mapping.is_arena(pool) or offset + nbytes > mapping.sizes[pool]:
+    size = mapping.arena_sizes.get(pool) if mapping.is_arena(pool) else mapping.sizes[pool]
+    if size is None or offset + nbytes > size:
         return None
     return Location(generation, pool, offset, nbytes, dtype, shape, checksum)
 
@@ -186,12 +193,13 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
 
 
 def _reach(mapping: "EpochMapping", locations: list[Location]) -> bool:
-    """Whether each pool file reaches past its entries (named files someone may truncate; memfds
-    are sealed). False: truncated, the daemon knows what is left."""
+    """Whether each host pool file reaches past its entries (named files someone may truncate;
+    memfds are sealed). False: truncated, the daemon knows what is left."""
     if not mapping.sealed:
         try:
             for loc in locations:
-                mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
+                if not mapping.is_arena(loc.pool):
+                    mapping.ro_for(loc.pool, loc.offset, loc.nbytes)
         except IntegrityError:
             return False
     return True
@@ -249,15 +257,15 @@ class LocalReads:
 
 
 
-def view_slotted(c: "Client", keys: list[str], verify: bool) -> "tuple[list[torch.Tensor], OpenView] | None":
-    """Client.view_many's route without a round trip: views of `keys` held by read slots
-    (memory/entry_index.py) instead of read leases, and the OpenView that names them; None: take
-    the leased route (nothing is held). Every key must be located, in a host pool, and this
-    session must have a page with a free slot for each. The slots are stored, then a full fence,
-    then the ring must still show every location in place: from then on the daemon sees the
-    slots before it frees any of those extents."""
+def hold_slots(c: "Client", keys: list[str]) -> "tuple[EpochMapping, list[Location], OpenView] | None":
+    """Read slots (memory/entry_index.py) instead of read leases over `keys`, for views and for
+    copies made by a GPU: (the mapping, each key's location, the OpenView that names the slots);
+    None: take the leased route (nothing is held). Every key must be located, in a host pool or a
+    CUDA arena, and this session must have a page with a free slot for each. The slots are
+    stored, then a full fence, then the ring must still show every location in place: from then
+    on the daemon sees the slots before it frees any of those extents."""
     from .client import OpenView
-    located = _locate(c, keys)
+    located = _locate(c, keys, arenas=True)
     if located is None:
         return None
     mapping, locations = located
@@ -269,19 +277,13 @@ def view_slotted(c: "Client", keys: list[str], verify: bool) -> "tuple[list[torc
         return None
     held = OpenView(c.namespace, keys, generations, c._session, mapping.epoch, slots, page)
     try:
-        if not _confirmed(c, keys, mapping, locations, full_barrier):
+        if not _confirmed(c, keys, mapping, locations, full_barrier, arenas=True) or not _reach(mapping, locations):
             c._let_go(held)
             return None
-        if not _reach(mapping, locations):
-            c._let_go(held)
-            return None
-        corrupt = _first_corrupt(keys, mapping, locations) if verify else None
-        if corrupt is not None:
-            raise c._corrupt(*corrupt)
     except BaseException:
         c._let_go(held)
         raise
-    return _views(mapping, locations), held
+    return mapping, locations, held
 
 
 def slot_page(welcome: Welcome, mapping: "EpochMapping | None") -> SlotPage | None:

@@ -32,7 +32,7 @@ How it differs from a daemon pin (docs/protocol.md, "Pins in read slots"):
   unpin() then finds the key at another generation and tells the daemon (no reply awaited).
 - A new session (a reconnect) gets a new page: the old page's live pins are sent as daemon pins for
   the time they have left.
-Slots are shared with views (client.view_many): a full page, an arena entry, an unlocated key, or
+Slots are shared with views (client.view_many): a full page, an unlocated key, or
 `local_reads=False` take the daemon's route. `send_pin` (vLLM's step pins) stays a message: nobody
 waits for it, and one message costs its caller less than locating and pinning each of a request's
 keys here (bench-scheduler: 127 keys, +290 us a request that way).
@@ -174,7 +174,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | Non
                     continue
             elif pins is not None:
                 loc = cache.located(keyhash, ns, key) or indexed_location(ring, mapping, keyhash, ns, key)
-                if loc is not None and not mapping.is_arena(loc.pool):
+                if loc is not None:
                     cache.remember(keyhash, ns, key, loc.generation, loc)
                     to_pin[key] = (keyhash, loc)
                     continue

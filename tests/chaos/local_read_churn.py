@@ -105,11 +105,11 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         counts["returned"] += done
         return done, out
 
-    def locations(c, ns, keys, mapping, same_as=None):
+    def locations(c, ns, keys, mapping, same_as=None, arenas=False):
         if same_as is not None and name == "no-recheck":
             return same_as
         pause()
-        return real_locations(c, ns, keys, mapping, same_as)
+        return real_locations(c, ns, keys, mapping, same_as, arenas)
 
     real_hold = SlotPage.hold
 
@@ -117,10 +117,10 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         pause()  # between taking the location and storing the read slots
         return real_hold(self, generations, deadline_ns)
 
-    real_view = local_read.view_slotted
+    real_hold_slots = local_read.hold_slots
 
-    def counted_view(c, keys, verify):
-        out = real_view(c, keys, verify)
+    def counted_hold_slots(c, keys):
+        out = real_hold_slots(c, keys)
         counts["slotted"] += out is not None
         return out
 
@@ -137,7 +137,7 @@ def apply_client_mutant(name: str, rng: random.Random) -> dict[str, int]:
         from ecd.memory.ring import RingReader
         RingReader.plans = property(lambda self: 0)
     SlotPage.hold = slow_hold
-    local_read.view_slotted = client_module.view_slotted = counted_view
+    local_read.hold_slots = client_module.hold_slots = counted_hold_slots
     local_read.copy_from_pools = slow_copy
     local_read.get_cached = counted_get
     client_module.get_cached = counted_get

@@ -52,11 +52,12 @@ def test_serve_without_cuda_exits_2_with_one_line():
 
 
 class FakeCudaDaemon(DaemonProcess):
-    def start(self, timeout: float = 20.0, env: dict | None = None) -> None:
+    def start(self, timeout: float = 20.0, env: dict | None = None, launcher: tuple[str, ...] = (str(FAKE),)) -> None:
+        """`launcher`: the script that installs the fake driver and serves (a chaos script's, with a mutant)."""
         self.alloc_log = os.path.join(self.runtime_dir, "cuda.log")
         env = dict(os.environ, PYTHONPATH=str(REPO), ECD_FAKE_CUDA_LOG=self.alloc_log, **(env or {}))
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "--config", str(self.config)],
+        self.proc = subprocess.Popen([sys.executable, *launcher, "serve", "--config", str(self.config)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

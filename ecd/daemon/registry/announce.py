@@ -1,6 +1,6 @@
 """What the index gains and loses, told to whoever follows it: the event ring's entry (the local
 clients' presence table) and the node's holdings feed (daemon/holdings.py: the KV events routers
-read, the fleet directory). Store.commit and Store.unindex call it for host entries; the lower
+read, the fleet directory). Store.commit and Store.unindex call it for every entry; the lower
 tier calls it for its records (stored when a record is whole on disk, removed when it goes)."""
 from __future__ import annotations
 
@@ -47,11 +47,10 @@ class Announcer:
                 self.holdings.removed(entry.ns, entry.key, medium, entry.meta)
 
     def index(self, entry: "Entry", keyhash: int) -> None:
-        """A READY host entry into the ring's entry index (arena entries are read through the
-        CUDA plane: not indexed)."""
-        if entry.pool in self.host_pools:
-            self.ring.index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
-                                entry.nbytes, entry.dtype, entry.shape, entry.checksum)
+        """A READY entry into the ring's entry index: a host pool's, or a CUDA arena's (a client
+        on that device reads it through its CUDA plane, under a read slot)."""
+        self.ring.index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
+                            entry.nbytes, entry.dtype, entry.shape, entry.checksum)
 
     def medium_of(self, entry: "Entry") -> Any:
         return self._host if entry.pool in self.host_pools else self._cuda

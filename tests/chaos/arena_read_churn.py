@@ -1,0 +1,111 @@
+"""Processes for the arena read chaos test (test_arena_reads.py): a daemon with CUDA arenas on the
+fake driver, a writer that puts into an arena as an engine on that device would (Alloc in the arena,
+the bytes written into the arena's memory, Commit), and readers whose client copies and views arena
+entries through tests/fake_gpu_plane.py (copies that run later, on a stream, as a GPU's do).
+Values encode (key, value number) as in local_read_churn.py.
+
+  writer ENDPOINT KEYS SECONDS SEED
+      raw protocol session: puts random keys into the first arena (a new value number each
+      time), deletes some; prints {"puts", "deletes", "full"}
+  reader ENDPOINT KEYS SECONDS SEED MUTANT
+      gets (copied by the fake stream) and views (read at the start and again after a pause)
+      random keys, with delays between the steps of taking the read slots; prints {"reads",
+      "views", "missing", "slotted", "wrong", "first_wrong"}
+  daemon MUTANT -- serve --config FILE
+      the fake-driver daemon (tests/fake_cuda.py) with local_read_churn's daemon MUTANT applied
+
+Mutants (each must make the test fail; `none` is the real build):
+  early-release the client clears its read slots before its copies complete (then waits for them):
+                the daemon may give the extent to a new put while the stream still copies out of it
+  no-slot-scan  (daemon) frees an extent without looking at the read slots
+"""
+from __future__ import annotations
+
+import json
+import random
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
+from local_read_churn import Wrong, apply_client_mutant, apply_daemon_mutant, random_keys, value, wrong_bytes  # noqa: E402
+
+
+def writer(endpoint: str, keys: int, seconds: float, seed: int) -> None:
+    from fake_gpu_plane import ArenaWriter
+    arena = ArenaWriter(endpoint)
+    rng = random.Random(seed)
+    numbers = [0] * keys
+    puts = deletes = full = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        k = rng.randrange(keys)
+        if rng.random() < 0.1:
+            arena.delete(f"k{k}")
+            deletes += 1
+            continue
+        numbers[k] += 1
+        if arena.put(f"k{k}", value(k, numbers[k] * 1000 + seed)):
+            puts += 1
+        else:  # every extent held by a reader for a moment
+            full += 1
+            time.sleep(0.001)
+    arena.close()
+    print(json.dumps({"puts": puts, "deletes": deletes, "full": full}), flush=True)
+
+
+def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> None:
+    import ecd
+    import fake_gpu_plane
+    fake_gpu_plane.install()
+    clients: list = []
+    if mutant == "early-release":
+        real_wait = fake_gpu_plane.StreamBatch.wait
+
+        def early(self) -> None:
+            clients[0]._slots.words[:] = 0  # every read slot of the session cleared, then the copies awaited
+            real_wait(self)
+
+        fake_gpu_plane.StreamBatch.wait = early  # type: ignore[method-assign]
+    rng = random.Random(seed)
+    counts = apply_client_mutant("none", rng)  # delays before the read slots are stored; counts them
+    reads = views = missing = 0
+    wrong = Wrong()
+    for c, k in random_keys(endpoint, keys, seconds, rng):
+        clients[:] = [c]
+        changed = ""
+        try:
+            if reads % 2:
+                got = c.get(f"k{k}")  # queued on the stream: done some time before get returns
+            else:
+                with c.view(f"k{k}") as view:
+                    got = view.clone()
+                    time.sleep(rng.choice((0.0, 0.001, 0.003)))  # the writer evicts and reuses meanwhile
+                    again = view.clone()
+                views += 1
+                changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
+        except ecd.KeyNotFound:
+            missing += 1
+            continue
+        reads += 1
+        wrong.note(k, wrong_bytes(k, got) or changed)
+    print(json.dumps({"reads": reads, "views": views, "missing": missing, "slotted": counts["slotted"], "wrong": wrong.count,
+                      "first_wrong": wrong.first}), flush=True)
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "writer":
+        writer(args[0], int(args[1]), float(args[2]), int(args[3]))
+    elif mode == "reader":
+        reader(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
+    elif mode == "daemon":
+        apply_daemon_mutant(args[0])
+        sys.argv = [str(TESTS / "fake_cuda.py"), *args[args.index("--") + 1:]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        raise SystemExit(f"unknown mode {mode}")
