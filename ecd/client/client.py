@@ -311,9 +311,8 @@ class Client(ControlClient):
 
     def _copy_out(self, keys: list[str], results: Sequence[Location | Failure], mapping: EpochMapping,
                   target: torch.device | None, verify: bool, missing_ok: bool) -> list[torch.Tensor | None]:
-        """get_many's copies of held entries (by read slots or leases): host to host in compiled
-        copies per pool segment, anything a GPU takes part in on its CUDA plane, waited for
-        before this returns (errors included): the holds go only after it."""
+        """get_many's copies of entries held (read slots or leases): host ones per pool segment, the
+        rest on the CUDA plane, waited for before this returns (errors too): the holds go after."""
         to_gpu = target is not None and target.type == "cuda"
         batch = None
         try:
@@ -390,6 +389,7 @@ class Client(ControlClient):
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
         slotted = hold_slots(self, keys)  # no round trip for what this client can locate
+        results: Sequence[Location | Failure]
         if slotted is not None:
             mapping, results, held = slotted
         else:

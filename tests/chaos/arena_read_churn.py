@@ -62,21 +62,27 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
     import ecd
     import fake_gpu_plane
     fake_gpu_plane.install()
-    clients: list = []
     if mutant == "early-release":
-        real_wait = fake_gpu_plane.StreamBatch.wait
+        from ecd.memory.entry_index import SlotPage
+        pages: set = set()
+        real_hold, real_wait = SlotPage.hold, fake_gpu_plane.StreamBatch.wait
+
+        def hold(self, generations, deadline_ns=0):
+            pages.add(self)
+            return real_hold(self, generations, deadline_ns)
 
         def early(self) -> None:
-            clients[0]._slots.words[:] = 0  # every read slot of the session cleared, then the copies awaited
+            for page in pages:
+                page.words[:] = 0  # every read slot of the session cleared, then the copies awaited
             real_wait(self)
 
+        SlotPage.hold = hold  # type: ignore[method-assign]
         fake_gpu_plane.StreamBatch.wait = early  # type: ignore[method-assign]
     rng = random.Random(seed)
     counts = apply_client_mutant("none", rng)  # delays before the read slots are stored; counts them
     reads = views = missing = 0
     wrong = Wrong()
     for c, k in random_keys(endpoint, keys, seconds, rng):
-        clients[:] = [c]
         changed = ""
         try:
             if reads % 2:
