@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "chaos")]
-from local_read_churn import Wrong, apply_client_mutant, apply_daemon_mutant, random_keys, value, wrong_bytes  # noqa: E402
+from local_read_churn import (Wrong, apply_client_mutant, apply_daemon_mutant, random_keys, value,  # noqa: E402
+                              view_twice, wrong_bytes)
 
 
 def writer(endpoint: str, keys: int, seconds: float, seed: int) -> None:
@@ -88,12 +88,8 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
             if reads % 2:
                 got = c.get(f"k{k}")  # queued on the stream: done some time before get returns
             else:
-                with c.view(f"k{k}") as view:
-                    got = view.clone()
-                    time.sleep(rng.choice((0.0, 0.001, 0.003)))  # the writer evicts and reuses meanwhile
-                    again = view.clone()
+                got, changed = view_twice(c, k, rng)
                 views += 1
-                changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
         except ecd.KeyNotFound:
             missing += 1
             continue

@@ -214,6 +214,16 @@ class Wrong:
             self.first = self.first or f"k{k}: {problem}"
 
 
+def view_twice(c, k: int, rng: random.Random) -> tuple[torch.Tensor, str]:
+    """A view of key k read at its start and again after a pause: (the first read, "" or how the
+    bytes changed under the open view)."""
+    with c.view(f"k{k}") as view:
+        got = view.clone()
+        time.sleep(rng.choice((0.0, 0.001, 0.003)))  # puts evict and reuse extents meanwhile
+        again = view.clone()
+    return got, "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
+
+
 def writer(endpoint: str, keys: int, seconds: float, seed: int, delete_share: float = 0.1) -> None:
     import ecd
     rng = random.Random(seed)
@@ -247,12 +257,8 @@ def reader(endpoint: str, keys: int, seconds: float, seed: int, mutant: str) -> 
             elif reads % 3 == 2:
                 got = c.read_many([f"k{k}"], lambda views: torch.empty(NUMEL, dtype=torch.int64).copy_(views[0]))
             else:
-                with c.view(f"k{k}") as view:
-                    got = view.clone()
-                    time.sleep(rng.choice((0.0, 0.001, 0.003)))  # puts evict and reuse extents meanwhile
-                    again = view.clone()
+                got, changed = view_twice(c, k, rng)
                 views += 1
-                changed = "" if torch.equal(got, again) else f"changed under an open view: {wrong_bytes(k, again)}"
         except ecd.KeyNotFound:
             continue
         reads += 1
