@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
 """CPU per operation, thread by thread, for one client in a closed loop (benchmarks/PROFILE.md).
 
-    python benchmarks/thread_cpu.py [--seconds 4] [OP ...]   OP: bare ping exists_pin put4k get4k
+    python benchmarks/thread_cpu.py [--seconds 4] [OP ...]
+    OP: bare ping exists_pin put4k get4k put64k put64k_reserved
+
+put64k rides inline (limits.inline_max_bytes); put64k_reserved is 64 KiB + 64 bytes, so it goes
+into the client's reservation (copy, then Publish): the route a write lease generalises. Both put
+a new key each time into a pool that evicts (the daemon's whole commit: place, evict, index,
+journal, ring).
 
 `bare` is the reference: a pyzmq REQ socket against a REP echo process over ipc. Every other OP
 runs against a daemon of its own (BenchDaemon). For each, the wall time per operation and the CPU
@@ -16,7 +22,7 @@ import os
 import tempfile
 import time
 
-OPS = ("bare", "ping", "exists_pin", "put4k", "get4k")
+OPS = ("bare", "ping", "exists_pin", "put4k", "get4k", "put64k", "put64k_reserved")
 
 
 def task_cpu(pid: int) -> dict[str, float]:
@@ -94,8 +100,12 @@ def main() -> None:
             c = daemon.connect()
             small = torch.ones(1024)
             c.put("k", small)
+            inline, reserved = torch.ones(64 << 10, dtype=torch.uint8), torch.ones((64 << 10) + 64, dtype=torch.uint8)
+            keys = iter(range(1 << 62))
             steps = {"ping": c.ping, "exists_pin": lambda: c.exists("k", pin_s=1.0),
-                     "put4k": lambda: c.put("p", small), "get4k": lambda: c.get("k")}
+                     "put4k": lambda: c.put("p", small), "get4k": lambda: c.get("k"),
+                     "put64k": lambda: c.put(f"n{next(keys)}", inline),
+                     "put64k_reserved": lambda: c.put(f"n{next(keys)}", reserved)}
             try:
                 res = measure(steps[op], daemon.proc.pid, args.seconds)
             finally:
