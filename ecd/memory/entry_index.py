@@ -88,7 +88,7 @@ class IndexWriter(_IndexView):
         self.words[:] = 0
         self._raw = memoryview(buf)[offset:offset + records * RECORD_BYTES]
         self._truth = np.zeros((records, RECORD_WORDS), np.uint64)  # what the mapping should hold
-        self._truth_raw = memoryview(self._truth.reshape(-1).view(np.uint8))
+        self._truth_raw = memoryview(self._truth.reshape(-1).view(np.uint8).data)
         self._generations = [0] * records  # each record's generation (0: free), for the free-record search
         self._record_of: dict[int, int] = {}  # generation -> record
         self._audit_at = 0  # the next record a heartbeat compares
