@@ -2,7 +2,6 @@
 joined by the peer plane on 127.0.0.1 (never any other address)."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from conftest import wait_for
+from ports import free_port  # noqa: F401  # the cluster tests import it from here
 
 BIG_KEYS = [f"blk-{i}" for i in range(8)]  # 8 x 64 MiB: a transfer long enough to kill mid-way
 
@@ -22,12 +22,6 @@ def leases_back(client, timeout: float = 10) -> bool:
         s = client.stats()
         return s["read_leases"] == 0 and s["transfer_leases"] == 0
     return bool(wait_for(back, timeout=timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_toml(listen: str, peers: list[str], extra: str = "", insecure: bool | None = None) -> str:

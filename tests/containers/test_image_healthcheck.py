@@ -3,11 +3,11 @@ healthy only while the daemon serves /healthz at the address its config names. R
 (no podman needed)."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 from conftest import REPO, DaemonProcess
+from ports import free_port
 
 SCRIPT = REPO / "deploy" / "image" / "healthcheck.py"
 
@@ -15,12 +15,6 @@ SCRIPT = REPO / "deploy" / "image" / "healthcheck.py"
 def run_check(config) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-I", str(SCRIPT)], env={"ECD_CONFIG": str(config)},
                           capture_output=True, text=True, timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_healthy_while_serving_then_unhealthy_with_the_reason():

@@ -408,12 +408,9 @@ def test_check_config_refuses_missing_events_keys(tmp_path):
 
 def test_garbage_bytes_on_the_replay_port_leave_it_serving(daemon_factory, evdir):
     import socket
-    ports = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        ports.append(s.getsockname()[1])
-        s.close()
+
+    from ports import free_port
+    ports = [free_port(), free_port()]
     daemon = daemon_factory(extra=f'[events]\npublish = "tcp://127.0.0.1:{ports[0]}"\n'
                                   f'replay = "tcp://127.0.0.1:{ports[1]}"\ninsecure = true\n')
     for garbage in (b"\xff" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 40):
