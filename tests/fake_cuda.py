@@ -71,6 +71,32 @@ class FakeDriver:
         self.mem_free(mapping.ordinal, mapping.ptr)
 
 
+class Raw:
+    """A bare DEALER speaking the protocol, one request at a time."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq  # here: the launcher below (the daemon) needs none of it
+
+        from ecd.protocol import reply_decoder
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
+        self.sock.connect(endpoint)
+        self.decoder = reply_decoder()
+
+    def ask(self, request):
+        from ecd.protocol import encoder
+        self.sock.send(encoder.encode(request))
+        return self.decoder.decode(self.sock.recv())
+
+    def close(self) -> None:
+        from ecd.protocol import Bye, encoder
+        self.sock.send(encoder.encode(Bye(0)))  # the session's writes go now, not at session_ttl
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
 if __name__ == "__main__":
     from ecd.memory import cuda
     fail_on = os.environ.get("ECD_FAKE_CUDA_FAIL_ALLOC_ON")  # a device whose allocation fails (out of memory)

@@ -106,19 +106,16 @@ def install() -> None:
 
 
 class ArenaWriter:
-    """A raw protocol session that puts into the daemon's first CUDA arena (the fake driver's,
-    exported as a memfd: `ECD_FAKE_CUDA_FD=1`)."""
+    """A raw protocol session (tests/fake_cuda.py's Raw) that puts into the daemon's first CUDA
+    arena (the fake driver's, exported as a memfd: `ECD_FAKE_CUDA_FD=1`)."""
 
     def __init__(self, endpoint: str, namespace: str = "default") -> None:
-        import zmq
-
         from ecd import fd_passing
-        from ecd.protocol import PROTOCOL_VERSION, Hello, Welcome, reply_decoder
+        from ecd.protocol import PROTOCOL_VERSION, Hello, Welcome
+        from fake_cuda import Raw
         self.ns, self._ids = namespace, iter(range(2, 1 << 62))
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.connect(endpoint)
-        self._decoder = reply_decoder()
+        self._raw = Raw(endpoint)
+        self.ask = self._raw.ask
         welcome = self.ask(Hello(1, PROTOCOL_VERSION, os.getpid(), "arena-writer"))
         assert isinstance(welcome, Welcome), welcome
         self.arena = welcome.arenas[0]
@@ -126,16 +123,8 @@ class ArenaWriter:
         _, items = fd_passing.receive(path, 5.0)
         fds = {item.index: fd for item, fd in items if item.kind == "arena"}
         self.memory = mmap.mmap(fds[self.arena.index], self.arena.size)  # as the engine's device writes it
-        for fd in fds.values():
+        for _, fd in items:  # the mapping keeps what it needs
             os.close(fd)
-        for item, fd in items:
-            if item.kind != "arena":
-                os.close(fd)
-
-    def ask(self, request):
-        from ecd.protocol import encoder
-        self._sock.send(encoder.encode(request))
-        return self._decoder.decode(self._sock.recv())
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """False: the arena had no room (every extent held)."""
@@ -156,7 +145,4 @@ class ArenaWriter:
         self.ask(Delete(next(self._ids), self.ns, [key]))
 
     def close(self) -> None:
-        from ecd.protocol import Bye, encoder
-        self._sock.send(encoder.encode(Bye(0)))
-        self._sock.close(linger=1000)
-        self._ctx.term()
+        self._raw.close()

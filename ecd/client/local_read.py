@@ -116,13 +116,14 @@ def _locate(c: "Client", keys: list[str], arenas: bool = False) -> tuple["EpochM
 
 
 def _confirmed(c: "Client", keys: list[str], mapping: "EpochMapping", locations: list[Location],
-               fence: Callable[[], None] | None = memory_barrier, arenas: bool = False) -> bool:
+               fence: Callable[[], None] | None = memory_barrier) -> bool:
     """Steps 3 and 4: after the fence, whether the ring still shows every location in place (then
     the reads are noted for the daemon)."""
     if fence is not None:
         fence()  # the copy's loads (a slot's stores) before the ring's write_seq is read again
     with c._lock:
-        if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, locations, arenas) is None:
+        # same_as: each location must be the very one taken, which was taken in an allowed pool
+        if c._map is not mapping or cached_locations(c, c.namespace, keys, mapping, locations, arenas=True) is None:
             return False
         if c._local_reads is not None:
             c._local_reads.add([loc.generation for loc in locations], c)
@@ -277,7 +278,7 @@ def hold_slots(c: "Client", keys: list[str]) -> "tuple[EpochMapping, list[Locati
         return None
     held = OpenView(c.namespace, keys, generations, c._session, mapping.epoch, slots, page)
     try:
-        if not _confirmed(c, keys, mapping, locations, full_barrier, arenas=True) or not _reach(mapping, locations):
+        if not _confirmed(c, keys, mapping, locations, full_barrier) or not _reach(mapping, locations):
             c._let_go(held)
             return None
     except BaseException:

@@ -76,6 +76,7 @@ class _IndexView:
         self.words = np.frombuffer(buf, np.uint64, count=records * RECORD_WORDS, offset=offset).reshape(
             records, RECORD_WORDS)
         self.bucket_mask = max(records // WAYS - 1, 0)
+        self._raw = memoryview(buf)[offset:offset + records * RECORD_BYTES]  # the records as bytes (struct)
 
 
 class IndexWriter(_IndexView):
@@ -86,7 +87,6 @@ class IndexWriter(_IndexView):
     def __init__(self, buf, offset: int, records: int) -> None:
         super().__init__(buf, offset, records)
         self.words[:] = 0
-        self._raw = memoryview(buf)[offset:offset + records * RECORD_BYTES]
         self._truth = np.zeros((records, RECORD_WORDS), np.uint64)  # what the mapping should hold
         self._truth_raw = memoryview(self._truth.reshape(-1).view(np.uint8).data)
         self._generations = [0] * records  # each record's generation (0: free), for the free-record search
@@ -169,10 +169,6 @@ class IndexReader(_IndexView):
     """A client's side: bounded time, raises nothing, believes nothing it cannot check. Read with
     struct from a memoryview (a lookup is on every first read of an entry another process put:
     ~2 us, where numpy's per-call cost made it ~9)."""
-
-    def __init__(self, buf, offset: int, records: int) -> None:
-        super().__init__(buf, offset, records)
-        self._raw = memoryview(buf)[offset:offset + records * RECORD_BYTES]
 
     def lookup(self, keyhash: int, namespace: str, key: str) -> tuple | None:
         """(generation, pool, offset, nbytes, dtype, shape, checksum) of the entry under exactly

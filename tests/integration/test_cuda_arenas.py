@@ -14,15 +14,14 @@ import sys
 import time
 
 import pytest
-import zmq
 
 from conftest import REPO, DaemonProcess, metric, scrape_metrics, shm_files, wait_for
 from ecd.errors import Code
-from ecd.protocol import (PROTOCOL_VERSION, Alloc, AllocItem, Bye, Commit, Committed, Error, Extent,
-                          Hello, Stats, StatsReply, Welcome, encoder, reply_decoder)
+from ecd.protocol import (PROTOCOL_VERSION, Alloc, AllocItem, Commit, Committed, Error, Extent,
+                          Hello, Stats, StatsReply, Welcome)
 
 sys.path.insert(0, str(REPO / "tests"))
-from fake_cuda import UUIDS  # noqa: E402
+from fake_cuda import UUIDS, Raw  # noqa: E402,F401  # Raw: test_cuda_fd_export takes it from here
 
 FAKE = REPO / "tests" / "fake_cuda.py"
 CUDA = f'[pool.cuda]\ndevices = ["{UUIDS[1]}", 0]\nsize = "4MiB"\n'
@@ -77,27 +76,6 @@ def fake_daemon():
     d.start()
     yield d
     d.cleanup()
-
-
-class Raw:
-    """A bare DEALER speaking the protocol, one request at a time."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, 5000)
-        self.sock.connect(endpoint)
-        self.decoder = reply_decoder()
-
-    def ask(self, request):
-        self.sock.send(encoder.encode(request))
-        return self.decoder.decode(self.sock.recv())
-
-    def close(self) -> None:
-        self.sock.send(encoder.encode(Bye(0)))  # the session's writes go now, not at session_ttl
-        self.sock.close(linger=1000)
-        self.ctx.term()
 
 
 def test_fake_driver_daemon_serves_arenas(fake_daemon):
