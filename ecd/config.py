@@ -225,13 +225,21 @@ class LeasesSection(Section):
     # held, asks the daemon. 0 in either: off.
     read_slots: int = 128
     slot_sessions: int = 64
+    # Puts without a message (ecd/writes/submission.py): each of up to `slot_sessions` sessions
+    # gets a ring of `submit_records` records (256 bytes each, in shared memory beside the read
+    # slots; 0: off, every put asks the daemon) and leases of `put_slab` bytes of the pool (at
+    # most 1/32 of it) that it places its puts in.
+    submit_records: int = 128
+    put_slab: ByteSize = ByteSize(16 << 20)
 
     def __post_init__(self) -> None:
         for key, value in (("write_ttl", self.write_ttl), ("max_pin", self.max_pin),
                            ("max_wait", self.max_wait), ("session_ttl", self.session_ttl)):
             check_field(0 < value <= 86400, key, f"must be between 0 and 1 day, got {float(value)}")
-        for key in ("read_slots", "slot_sessions"):
+        for key in ("read_slots", "slot_sessions", "submit_records"):
             check_field(0 <= getattr(self, key) <= 4096, key, f"must be between 0 and 4096, got {getattr(self, key)}")
+        check_field(64 << 10 <= self.put_slab <= 1 << 40, "put_slab",
+                    f"must be between 64 KiB and 1 TiB, got {int(self.put_slab)}")
 
 
 class LimitsSection(Section):

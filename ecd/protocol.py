@@ -77,6 +77,7 @@ class RingInfo(Struct, array_like=True):  # the read path's shared memory (memor
     buckets: int
     index_records: int = 0
     read_slots: list[int] = []  # [pool, offset, slots]: this session's page of read slots (none: empty)
+    submissions: list[int] = []  # [pool, page offset, records, area offset]: its submission page (ecd/writes)
 
 
 class Limits(Struct, array_like=True):
@@ -307,6 +308,14 @@ class Abort(_Msg, tag="abort"):
     generations: list[int]
 
 
+class LeaseSpace(_Msg, tag="lease_space"):
+    """A put lease of at least `nbytes` in `ns`, granted on this client's submission page (Acked)."""
+
+    id: int
+    ns: str
+    nbytes: U64 = 0
+
+
 class PutInline(_Msg, tag="put_inline"):
     id: int
     ns: str
@@ -411,7 +420,7 @@ class Bye(_Msg, tag="bye"):
 
 
 Request = Union[Hello, Ping, Alloc, Commit, Publish, Abort, PutInline, Acquire, Release, Exists, Unpin,
-                Delete, Stats, Keys, Evict, Held, Report, Bye, Fetch]
+                Delete, Stats, Keys, Evict, Held, Report, Bye, Fetch, LeaseSpace]
 
 
 # ---- replies --------------------------------------------------------------------------------
@@ -537,14 +546,3 @@ def request_decoder() -> msgspec.msgpack.Decoder:
 
 def reply_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(Reply)
-
-
-def salvage_request_id(frame: bytes) -> int:
-    """Best-effort id of a request that failed to decode, so its Error reply can be matched."""
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except Exception:  # DecodeError, UnicodeDecodeError, RecursionError, ...: no id to salvage
-        return 0
-    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
-        return raw[1]
-    return 0

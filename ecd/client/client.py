@@ -1,22 +1,17 @@
 """ecd.Client: the synchronous client every engine shim is built on.
 
-A Client is a ControlClient (ecd.client.control: the DEALER socket, handshake, reconnects, the
-request round trip and the operations that move no bytes) plus the data plane, here: tensor bytes
-are copied straight into and out of the daemon's shared-memory pools, mapped once per daemon epoch
-(ecd.client.mapping: read-write for puts, a second read-only mapping for views so a stray in-place
-write faults instead of corrupting the cache). The event ring, mapped read-only, answers exists()
-negatives without a round trip and drops cached locations of entries that were evicted or replaced.
+A Client is a ControlClient (ecd.client.control: the DEALER socket, handshake, reconnects, round
+trips, the operations that move no bytes) plus the data plane: tensor bytes are copied straight
+into and out of the daemon's shared-memory pools, mapped once per daemon epoch (ecd.client.mapping:
+read-write for puts, read-only for views, so a stray write into a view faults). The event ring,
+mapped read-only, answers exists() negatives and drops cached locations of evicted entries.
 
-Every put goes one route, ecd.client.put: place (inline, the reserved extent, or extents
-allocated now, in the host pool or a CUDA arena), copy (a host or CUDA copy, with the checksum),
-commit (PutInline, Publish or Commit).
+Every put goes one route, ecd.client.put: place (the session's put lease, inline, the reserved
+extent, or extents allocated now), copy, commit (a submission record, ecd.writes; or PutInline,
+Publish, Commit).
 
-Thread-safety: one lock serialises socket round trips; copies run outside it, so threads of one
-process can put/get concurrently through one Client.
-
-Remote use: with curve_secret_key/curve_server_key the DEALER is a CURVE client (see
-ControlClient). A client on another host cannot map the pools: control operations and
-inline-sized puts work, bulk put/get/view raise InvalidRequest.
+Thread-safety: one lock serialises socket round trips; copies run outside it. Remote use (CURVE,
+see ControlClient): control operations and inline-sized puts; bulk put/get/view raise InvalidRequest.
 """
 from __future__ import annotations
 
@@ -32,20 +27,21 @@ from typing import Callable, Iterator, Literal, Mapping, Sequence, TypeVar, cast
 import torch
 import zmq
 
-from ..errors import (RESTARTED, Code, EcdError, IntegrityError, KeyNotFound, StaleGeneration, error_from_code)
-from ..integrity import checksum as checksum_of, describe
+from ..errors import (RESTARTED, Code, EcdError, KeyNotFound, StaleGeneration, error_from_code)
+from ..integrity import checksum as checksum_of
 from ..memory.entry_index import SlotPage
 from ..memory.ring import key_hash
-from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, Location, Release, Report, Welcome,
+from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, LeaseSpace, Location, Release, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
 from .control import ControlClient
-from .local_read import (LocalReads, copy_from_pools, get_cached, hold_slots, read_cached, slot_page,
-                         slots_released)
+from .local_read import (LocalReads, copy_from_pools, corrupt_error, get_cached, hold_slots, read_cached,
+                         slot_page, slots_released)
 from .location_cache import LocationCache
 from .mapping import EpochMapping
 from .pins import SlotPins, answer_exists, unpin_keys
 from .put import PutRoute
+from ..writes.producer import Submissions, submissions
 from .tensors import PoolViews, copy_out_checked, parse_device
 
 log = logging.getLogger("ecd.client")
@@ -92,6 +88,7 @@ class Client(ControlClient):
         self._view_watch: threading.Thread | None = None  # while views are open (connection.watch_views)
         self._slots: SlotPage | None = None  # this session's read slots (memory/entry_index.py)
         self._pins: SlotPins | None = None  # the pins they hold (client/pins.py)
+        self._writes: Submissions | None = None  # this session's submission page (ecd/writes)
         super().__init__(endpoint, namespace, timeout, name=name, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key)  # connects: maps the pools (_new_epoch)
 
@@ -122,6 +119,7 @@ class Client(ControlClient):
         """Its page of read slots, if the daemon gave one. Views open on the old page (another
         session's soon) take read leases instead (after a restart: _restarted does)."""
         old, self._slots = self._slots, slot_page(welcome, self._map)
+        self._writes = submissions(welcome, self._map)
         if self._pins is not None:  # the daemon takes over what the old page pinned
             for ns, by_time in self._pins.handed_over().items():
                 for seconds, keys in by_time.items():
@@ -155,35 +153,48 @@ class Client(ControlClient):
     # ---- put ----------------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor, *, checksum: bool = False, tier: str | None = None,
-            persist: bool = False, meta: EntryMeta | None = None) -> None:
+            persist: bool = False, meta: EntryMeta | None = None, wait: bool = True) -> None:
         """Store `tensor` (any dtype/shape, contiguous or not) under `key`, replacing atomically.
         With `checksum` (always in a verify namespace) an xxh3-64 of the stored bytes is kept
-        with the entry, for readers that verify (for bytes on a GPU it is computed by staging
-        them to host memory: slow).
+        with the entry, for readers that verify (bytes on a GPU are staged to host memory: slow).
 
         A CUDA tensor goes to the daemon's arena on its device (`[pool.cuda]`), copied on the
-        caller's current stream; the entry is published only once that copy has completed. Without
-        an arena on that device it goes to the host pool (an asynchronous device-to-host copy into
-        the CUDA-registered mapping), as it does with tier="host"; tier="cuda" refuses the
-        fallback (InvalidRequest). CPU tensors always go to the host pool.
+        caller's current stream and published once that copy has completed; without an arena on
+        that device (or with tier="host") to the host pool; tier="cuda" refuses that fallback
+        (InvalidRequest). CPU tensors always go to the host pool.
+
+        `wait=False`: return once the bytes are copied; the entry becomes visible to others when
+        the daemon commits it (no message for it: ecd/writes/producer.py), and `flush()` waits
+        for that and raises a refusal. This client's own reads see it at once. `wait=True`
+        returns once it is visible.
 
         `persist`: also write the entry through to the daemon's disk tier (`[pool.disk]`) and
-        return only once it is durable there (it then survives a daemon restart or crash);
-        PersistFailed when it could not be made durable (the entry is stored in memory all the
-        same), InvalidRequest (nothing stored) when the daemon has no disk tier.
+        return only once it is durable there; PersistFailed when it could not be (the entry is
+        stored in memory all the same), InvalidRequest (nothing stored) without a disk tier.
 
         `meta`: what the entry is, for the fleet (KVBlockMeta: an engine KV block; EncoderMeta: an
         encoder-cache entry): published in the daemon's KV events ([events], docs/events.md)."""
         self.put_many({key: tensor}, checksum=checksum, tier=tier, persist=persist,
-                      meta={key: meta} if meta is not None else None)
+                      meta={key: meta} if meta is not None else None, wait=wait)
 
     def put_many(self, items: Mapping[str, torch.Tensor], *, checksum: bool = False,
                  tier: str | None = None, persist: bool = False,
-                 meta: Mapping[str, EntryMeta] | None = None) -> None:
-        """Store several tensors with one allocation and one commit round trip per tier (the
-        host pool, and each arena the CUDA tensors go to: see put; `persist` and `meta`, by key,
-        as in put). Every put takes the one put route of ecd.client.put: place, copy, commit."""
-        self._puts.put_many(self, items, checksum, tier, persist, meta)
+                 meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
+        """Store several tensors (`persist`, `meta` by key, `wait`: as in put), without a message
+        per put where the daemon gave this session a submission page, else with one allocation
+        and one commit round trip per tier. Every put takes the put route of ecd.client.put."""
+        self._puts.put_many(self, items, checksum, tier, persist, meta, wait)
+
+    def flush(self) -> None:
+        """Wait until every put made with wait=False is visible; raise the first the daemon refused."""
+        if self._writes is not None:
+            self._writes.flush(self.timeout)
+
+    def _settle_writes(self) -> None:
+        """Before a read: this client's posted puts committed (refusals kept for flush)."""
+        writes = self._writes
+        if writes is not None and writes.pending():
+            writes.flush(self.timeout, raise_refused=False)
 
     def _cuda_plane(self, mapping: EpochMapping):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
@@ -199,17 +210,9 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
-    def _remember_locked(self, ns: str, locations: list[tuple[str, Location]], ring_pos: int) -> None:
-        """Cache locations learnt from a reply, unless ring events were consumed while the request
-        was out: one of them may have been this entry's eviction, read before it was cached."""
-        ring = self._map.ring
-        if ring.next_seq == ring_pos:  # else remember_reply keeps nothing: no key hashed for it
-            keys = [key for key, _ in locations]
-            self._cache.remember_reply(ring, ring_pos, ns, keys, [key_hash(ns, key) for key in keys],
-                                       [loc.generation for _, loc in locations], catch_up=self._map.local,
-                                       locations=[loc for _, loc in locations])
-
     def _call_locked(self, request, wait_s: float = 0.0):
+        if not isinstance(request, LeaseSpace):  # what it asks sees this client's puts (a delete, a get)
+            self._settle_writes()
         if self._local_reads:  # the daemon hears of this client's reads before what it asks next
             self._local_reads.tell(self)
         return super()._call_locked(request, wait_s)
@@ -230,7 +233,11 @@ class Client(ControlClient):
             reply: Acquired = self._call_locked(Acquire(next(self._ids), self.namespace, keys, wait_s), wait_s)
             session, mapping = self._session, self._map
             found = [(key, r) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
-            self._remember_locked(self.namespace, found, ring_pos)
+            if self._map.ring.next_seq == ring_pos:  # else an event read meanwhile may be this entry's eviction
+                self._cache.remember_reply(self._map.ring, ring_pos, self.namespace, [k for k, _ in found],
+                                           [key_hash(self.namespace, k) for k, _ in found],
+                                           [loc.generation for _, loc in found], catch_up=self._map.local,
+                                           locations=[loc for _, loc in found])
         for result in reply.results:
             if isinstance(result, Location):
                 mapping.check(result)
@@ -250,17 +257,6 @@ class Client(ControlClient):
                 raise KeyNotFound(f"{key!r} not found in namespace {self.namespace!r}")
             raise error_from_code(result.code, result.message)
         return result
-
-    def _corrupt(self, key: str, loc: Location, actual: int) -> IntegrityError:
-        """Count a failed verification with the daemon (ecd_integrity_failures_total) and build
-        the error; the caller releases the lease."""
-        self._send_quietly(Report(0, integrity_failures=1))
-        with self._lock:
-            self._cache.forget(key_hash(self.namespace, key))
-        return IntegrityError(
-            f"{key!r} in namespace {self.namespace!r} (generation {loc.generation}, {loc.nbytes} bytes) "
-            f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "
-            f"read hash to {describe(actual)}", key=key, expected=loc.checksum, actual=actual)
 
     def get(self, key: str, timeout: float | None = None, *, verify: bool = False,
             device=None) -> torch.Tensor:
@@ -289,6 +285,7 @@ class Client(ControlClient):
         `device` as in get."""
         keys = list(keys)
         verify = self._verifies(verify)
+        self._settle_writes()
         target = parse_device(device)
         to_gpu = target is not None and target.type == "cuda"
         if not to_gpu:
@@ -340,7 +337,7 @@ class Client(ControlClient):
                     src = mapping.rw_for(loc.pool, loc.offset, loc.nbytes)
                     tensor, actual = copy_out_checked(src, loc.offset, loc.nbytes, loc.dtype, loc.shape)
                     if actual != loc.checksum:
-                        raise self._corrupt(key, loc, actual)
+                        raise corrupt_error(self, key, loc, actual)
                     out.append(tensor)
                 else:
                     host[len(out)] = loc
@@ -353,7 +350,7 @@ class Client(ControlClient):
                 for i, key, loc in checks:
                     actual = tensor_checksum(cast(torch.Tensor, out[i]))  # a copy made on a GPU
                     if actual != loc.checksum:
-                        raise self._corrupt(key, loc, actual)
+                        raise corrupt_error(self, key, loc, actual)
             return out
         finally:
             if batch is not None:
@@ -386,6 +383,7 @@ class Client(ControlClient):
         copying entries somewhere of its own wants: one copy, out of the pool."""
         keys = list(keys)
         verify = self._verifies(verify)
+        self._settle_writes()
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
         slotted = hold_slots(self, keys)  # no round trip for what this client can locate
@@ -432,12 +430,12 @@ class Client(ControlClient):
                     from .cuda import tensor_checksum
                     actual = tensor_checksum(tensor)
                     if actual != loc.checksum:
-                        raise self._corrupt(key, loc, actual)
+                        raise corrupt_error(self, key, loc, actual)
             else:
                 if verify and loc.checksum:
                     actual = checksum_of(mapping.ro_for(loc.pool, loc.offset, loc.nbytes), loc.offset, loc.nbytes)
                     if actual != loc.checksum:
-                        raise self._corrupt(key, loc, actual)
+                        raise corrupt_error(self, key, loc, actual)
                 tensor = pool_views.view(loc.pool, loc.offset, loc.nbytes, loc.dtype, loc.shape)
             views.append(tensor)
         return views
@@ -464,6 +462,7 @@ class Client(ControlClient):
         consumed (IntegrityError)."""
         keys = list(keys)
         verify = self._verifies(verify)
+        self._settle_writes()
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
         done, result = read_cached(self, keys, consume, verify)
@@ -525,6 +524,7 @@ class Client(ControlClient):
         with no round trip (absent ones; present ones it can name, see ecd.memory.ring), and this
         session's read slots take most pins (client/pins.py: within the pin budget)."""
         keys, single = self._checked_keys(keys)
+        self._settle_writes()
         with self._lock:
             answers = answer_exists(self, keys, float(pin_s))
         return cast("bool | list[bool]", answers[0] if single else answers)  # every answer is filled in

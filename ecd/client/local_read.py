@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 import torch
 
 from ..errors import IntegrityError
-from ..integrity import checksum as entry_checksum
+from ..integrity import checksum as entry_checksum, describe
 from ..memory.entry_index import SLOT_BYTES, SlotPage
 from ..memory.fence import barrier as memory_barrier, full_barrier
 from ..memory.ring import key_hash
@@ -152,7 +152,7 @@ def get_cached(c: "Client", keys: list[str], verify: bool) -> list[torch.Tensor]
     if verify:
         for key, loc, (_, actual) in zip(keys, locations, copied):
             if loc.checksum and actual != loc.checksum:
-                raise c._corrupt(key, loc, actual)
+                raise corrupt_error(c, key, loc, actual)
     return out
 
 
@@ -189,7 +189,7 @@ def read_cached(c: "Client", keys: list[str], consume: Callable[[list], T], veri
     if not _confirmed(c, keys, mapping, locations):
         return False, None
     if corrupt is not None:
-        raise c._corrupt(*corrupt)
+        raise corrupt_error(c, *corrupt)
     return True, result
 
 
@@ -312,3 +312,15 @@ def slots_released(c: "Client", held: "OpenView") -> None:
         if loc is None or loc.generation != generation:
             c._send_quietly(Report(0))
             return
+
+
+def corrupt_error(c: "Client", key: str, loc: Location, actual: int) -> IntegrityError:
+    """Count a failed verification with the daemon (ecd_integrity_failures_total) and build
+    the error; the caller releases the lease."""
+    c._send_quietly(Report(0, integrity_failures=1))
+    with c._lock:
+        c._cache.forget(key_hash(c.namespace, key))
+    return IntegrityError(
+        f"{key!r} in namespace {c.namespace!r} (generation {loc.generation}, {loc.nbytes} bytes) "
+        f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "
+        f"read hash to {describe(actual)}", key=key, expected=loc.checksum, actual=actual)

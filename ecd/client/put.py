@@ -40,6 +40,7 @@ from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Co
 from .control import _check_encodable
 from .mapping import EpochMapping
 from .tensors import copy_into, copy_many_into, dtype_name, host_tensor
+from ..writes.producer import Placed, Submissions
 
 if TYPE_CHECKING:
     from .client import Client
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
 HOST = -1  # a group's arena for the host pool (Alloc.arena's value for it; cuda.HOST, without importing it)
 
-INLINE, RESERVED, ALLOCATED = "inline", "reserved", "allocated"
+INLINE, RESERVED, ALLOCATED, SUBMITTED = "inline", "reserved", "allocated", "submitted"
 
 
 class Destination:
@@ -58,7 +59,7 @@ class Destination:
     named them, and the time after which copying into them is no longer safe."""
 
     __slots__ = ("kind", "keys", "tensors", "items", "keyhashes", "extents", "mapping", "ring_pos", "deadline",
-                 "data")
+                 "data", "placed")
 
     def __init__(self, namespace: str, tensors: dict[str, torch.Tensor],
                  meta: Mapping[str, EntryMeta] | None = None) -> None:
@@ -73,6 +74,7 @@ class Destination:
         self.ring_pos = -1
         self.deadline = math.inf
         self.data: bytes | bytearray = b""  # INLINE: the bytes, once copied
+        self.placed: list[Placed] = []  # SUBMITTED: each put's place in a lease and its record
 
     def into(self, kind: str, extents: list[Extent], mapping: EpochMapping, ring_pos: int,
              deadline: float = math.inf) -> Destination:
@@ -108,7 +110,7 @@ class PutRoute:
     # ---- the entry point and the route --------------------------------------------------
 
     def put_many(self, c: Client, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool,
-                 meta: Mapping[str, EntryMeta] | None = None) -> None:
+                 meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
         """Client.put_many: one route per tier; the whole put once more if the daemon restarted
         between placing and committing (the bytes went with it)."""
         if tier is not None and tier not in ("host", "cuda"):
@@ -128,7 +130,7 @@ class PutRoute:
                     groups = {HOST: {key: host_tensor(t) for key, t in pending.items()}}
                 for arena, tensors in groups.items():
                     if tensors:
-                        self.put(c, tensors, c._verifies(checksum), arena, persist, meta)
+                        self.put(c, tensors, c._verifies(checksum), arena, persist, meta, wait)
                     for key in tensors:
                         del pending[key]
                 return
@@ -137,9 +139,15 @@ class PutRoute:
                     raise
 
     def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
-            meta: Mapping[str, EntryMeta] | None = None) -> None:
+            meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
         """The one put route for one tier's tensors: place, copy, commit (`meta`: by key, what
-        Alloc, Publish or PutInline says each entry is)."""
+        Alloc, Publish or PutInline says each entry is). Host-pool puts go through the session's
+        submission page when it has one (`wait`: until the daemon committed them)."""
+        writes = c._writes
+        if writes is not None and arena < 0 and not persist and not meta and writes.mapping is c._map:
+            tensors = self.submit(c, writes, tensors, checksum, wait)
+            if not tensors:
+                return
         for dest in self.place(c, tensors, arena, meta):
             digests = self.copy(c, dest, checksum)
             if not self.commit(c, dest, digests, checksum, persist):
@@ -170,6 +178,24 @@ class PutRoute:
                 yield self.claim_reservation(c, dest, arena) or self.allocate(c, dest, arena)
         else:
             yield self.allocate(c, dest, arena)
+
+    def submit(self, c: Client, writes: Submissions, tensors: dict[str, torch.Tensor], checksum: bool,
+               wait: bool) -> dict[str, torch.Tensor]:
+        """Place in the session's put leases, copy, post a record each (ecd/writes/producer.py):
+        no message unless a lease must be asked for. The tensors it could not take."""
+        dest = Destination(c.namespace, tensors)
+        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items])
+        if not placed:
+            return tensors
+        if len(placed) < len(tensors):
+            dest = Destination(c.namespace, {p.key: tensors[p.key] for p in placed})
+        dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline()).placed = placed
+        digests = self.copy(c, dest, checksum)
+        with c._lock:
+            for keyhash in dest.keyhashes:
+                c.location_cache.forget(keyhash)  # a generation cached before is being replaced
+        writes.post(placed, digests, checksum, wait, c.timeout)
+        return {key: t for key, t in tensors.items() if key not in dest.keys} if len(placed) < len(tensors) else {}
 
     def claim_reservation(self, c: Client, dest: Destination, arena: int) -> Destination | None:
         """Take the reservation for this put, without the lock: list.pop is atomic, so two threads
@@ -210,7 +236,9 @@ class PutRoute:
         """Hand back extents whose put will not commit: a reservation with a fire-and-forget
         Abort (the lock may not be free: no round trip), allocated ones with a round trip."""
         generations = [e.generation for e in dest.extents]
-        if dest.kind == RESERVED:
+        if dest.kind == SUBMITTED:
+            c._writes.post(dest.placed, [0] * len(dest.placed), False, False, c.timeout, aborted=True)
+        elif dest.kind == RESERVED:
             self._reservation_busy = False
             c._send_quietly(Abort(0, generations))
         elif generations:

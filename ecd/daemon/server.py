@@ -42,7 +42,9 @@ from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
-from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target
+from .restart.adopt import slot_tail_bytes
+from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target, submission_area
+from .writes.consumer import SubmissionArea
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import EventsStats
@@ -100,6 +102,7 @@ class Daemon:
         self.memory: Memory | None = None
         self.ring: RingWriter | None = None
         self.store: Store | None = None
+        self.submissions: SubmissionArea | None = None  # puts without a message (ecd/daemon/writes)
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -360,19 +363,20 @@ class Daemon:
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        # prepare() made these
-        assert self.pool is not None and self.ring is not None and self.connections is not None
+        assert self.pool is not None and self.ring is not None and self.connections is not None  # prepare() made these
         assert self.sock is not None
         # the truncation checks (tiers/host.py): only the named files can be truncated (memfds are
         # sealed), so in the memfd mode gets, commits and the timer pay nothing for them
         leases = self.config.leases
         slots = slot_area_at_end(self.pool.segments[0], leases.slot_sessions, leases.read_slots)
-        host = HostTier([seg.size - (slots.nbytes if slots and i == 0 else 0) for i, seg in enumerate(self.pool.segments)],
+        tail = slot_tail_bytes(self.config)  # the submission area, then the read slots
+        host = HostTier([seg.size - (tail if i == 0 else 0) for i, seg in enumerate(self.pool.segments)],
                         [a.size for a in self.arenas] if self.arenas is not None else [],
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
         self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
                            namespaces=self.config.namespaces, slots=slots)
         self.memory.adopt_entries(self.store, float(self.config.leases.write_ttl))
+        self.submissions = submission_area(self, tail)
         # a session's end may queue replies: the control loop (made next) drains them
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, lambda: self.control.schedule_drain())
@@ -508,6 +512,8 @@ class Daemon:
 
     def close(self) -> None:
         """Release everything prepare() created; safe to call more than once."""
+        if self.submissions is not None:
+            self.submissions.stop()  # its doorbell thread, before the pool goes
         if self.cluster is not None:
             self.cluster.close()
             self.cluster = None

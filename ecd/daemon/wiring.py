@@ -15,6 +15,9 @@ from ..protocol import ArenaInfo
 from .control.context import HandlerContext
 from .ops.context import MetricsSource, ReloadTarget
 from .peer.context import PeerContext
+from .writes.consumer import SubmissionArea
+from .writes.leases import Leasing
+from ..writes.submission import slab_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .server import Daemon
@@ -49,7 +52,7 @@ def handler_context(d: "Daemon") -> HandlerContext:
         node=d.node, epoch=d.epoch, started=d.started, config=lambda: d.config, store=d.store,
         sessions=d.sessions, segments=d.pool.segments, ring_file=d.ring_file, ring=d.ring, arenas=arena_infos(d),
         fd_socket=d.fd_socket_name, lower_tier=d.lower_tier, peers=d.cluster, curve=d.curve,
-        restart=d.memory.stats, events=d.events_stats)
+        restart=d.memory.stats, events=d.events_stats, submissions=d.submissions)
 
 
 def peer_context(d: "Daemon") -> PeerContext:
@@ -72,3 +75,18 @@ def metrics_source(d: "Daemon") -> MetricsSource:
 def reload_target(d: "Daemon") -> ReloadTarget:
     return ReloadTarget(config_path=d.config_path, config=lambda: d.config, install=d.install_config,
                         curve=d.curve, peers=d.cluster)
+
+
+def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
+    """The submission area at the start of segment 0's `tail` (None when leases.submit_records or
+    slot_sessions is 0), its leases' keeper, and its doorbell thread started."""
+    leases, store = d.config.leases, d.store
+    assert store is not None and d.loop is not None
+    if not leases.submit_records or not leases.slot_sessions:
+        return None
+    segment = d.pool.segments[0]
+    area = SubmissionArea(segment, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
+                          Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch)
+    store.session_closers.append(area.close)
+    area.start(d.loop)
+    return area

@@ -123,6 +123,15 @@ class ExtentAllocator:
             self._free_end[offset + size] = offset
         return refused
 
+    def split(self, at: int) -> None:
+        """Cut the allocated extent that holds `at` in two there, each freed on its own from now on
+        (a put lease carved into entries: daemon/writes/leases.py). The caller owns that extent
+        and knows `at` lies strictly inside it; an offset where an extent already starts, or
+        one no extent can hold, is refused."""
+        if at % ALIGNMENT or not 0 < at < self.capacity or self._starts_extent(at) or at in self._free_start:
+            raise ValueError(f"cannot split at offset {at}")
+        self._mark_start(at, True)
+
     def free_extent(self, offset: int, nbytes: int) -> None:
         """Give back the extent `alloc(nbytes)` returned at `offset`."""
         size = align_up(max(nbytes, 1))

@@ -24,7 +24,8 @@ from ecd.protocol import (DTYPE_ITEMSIZE, PROTOCOL_VERSION, Abort, Acked, Acquir
                           AllocItem, Bye, Commit, Committed, Delete, Error, Evict, Evicted, Exists, Extent,
                           Failure, Flags, Held, Hello, Keys, KeyList, Location, Ping, Pong, Publish, PutInline,
                           Release, Report, Stats, StatsReply, Unpin, Welcome, encoder, expected_nbytes,
-                          reply_decoder, request_decoder, salvage_request_id)
+                          reply_decoder, request_decoder)
+from ecd.daemon.control.loop import salvage_request_id
 
 MAX_KEY = 256
 MAX_BATCH = 512

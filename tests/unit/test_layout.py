@@ -23,7 +23,9 @@ DAEMON_LAYERS = {
     "registry": {"registry"},
     "ops": {"ops", "registry"},
     "tiers": {"tiers", "registry", "ops"},
-    "control": {"control", "registry", "tiers", "ops"},
+    # puts without a message: put leases and the submission area's consumer
+    "writes": {"writes", "registry", "tiers", "ops"},
+    "control": {"control", "registry", "tiers", "ops", "writes"},
     "peer": {"peer", "control", "registry", "tiers", "ops"},
     # what outlives the process: the keepers of the pool and the adoption of its journal
     "restart": {"restart", "registry", "tiers", "ops"},

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..peer.cluster import Cluster
     from ..registry.store import Store
     from ..tiers.base import LowerTier
+    from ..writes.consumer import SubmissionArea
     from .sessions import Sessions
 
 
@@ -41,3 +42,4 @@ class HandlerContext:
     curve: "CurveAuth | None"  # the control socket's CURVE authenticator (Stats counts its refusals)
     restart: Callable[[], "RestartStats"]  # how this start went: adopted or cold (Stats.restart)
     events: Callable[[], "EventsStats | None"] = lambda: None  # [events] (Stats.events); None: off
+    submissions: "SubmissionArea | None" = None  # puts without a message (Welcome, LeaseSpace); None: off

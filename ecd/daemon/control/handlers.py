@@ -13,7 +13,7 @@ from ...errors import Code
 from ...integrity import checksum as checksum_of, describe
 from ...protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Alloc, Allocated, AllocItem, Commit,
                         Committed, DaemonStats, Delete, Evict, Evicted, Exists, Extent, Failure, Fetch, Flags, Held, Hello,
-                        KeyInfo, KeyList, Keys, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
+                        KeyInfo, KeyList, Keys, LeaseSpace, Limits, Ping, PoolInfo, Pong, Publish, PutInline, Release,
                         Report, RingInfo, Stats, StatsReply, Unpin, Welcome)
 from .connections import Connection
 from ..ops.metrics import client_sessions
@@ -119,6 +119,10 @@ class Handlers:
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
+            case LeaseSpace(id=rid, ns=ns, nbytes=nbytes):
+                area = self.context.submissions
+                return Acked(rid, [area.grant(session, ns, nbytes) if area is not None else
+                                   Failure(Code.INVALID, "puts without a message are off (leases.submit_records = 0)")])
             case PutInline():
                 if request.persist:
                     self.check_persist(session, [])
@@ -304,7 +308,8 @@ class Handlers:
             hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
             [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(ctx.segments)],
             RingInfo(ctx.ring_file.name, ctx.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets,
-                     cfg.ring.index_records, ctx.store.slot_holds.assign(session)),
+                     cfg.ring.index_records, ctx.store.slot_holds.assign(session),
+                     ctx.submissions.assign(session) if ctx.submissions is not None else []),
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,

@@ -17,8 +17,8 @@ import msgspec
 import zmq
 
 from ...errors import Code
-from ...protocol import (Alloc, Bye, Error, Exists, Fetch, Hello, Ping, Publish, PutInline, Release, Report, Unpin, encoder,
-                        request_decoder, salvage_request_id)
+from ...protocol import (Alloc, Bye, Error, Exists, Fetch, Hello, LeaseSpace, Ping, Publish, PutInline, Release, Report, Unpin, encoder,
+                        request_decoder)
 from .connections import Connection, Connections
 from ..registry.entries import RequestError
 from .handlers import Handlers
@@ -205,7 +205,7 @@ class ControlLoop:
                                         "unknown client: say Hello first (the daemon may have restarted)")
             if not session.watched:
                 session.last_seen = time.monotonic()
-            if self.daemon_state() == "draining" and isinstance(request, (Alloc, PutInline, Publish, Fetch)):
+            if self.daemon_state() == "draining" and isinstance(request, (Alloc, PutInline, Publish, Fetch, LeaseSpace)):
                 return op, self._refuse(identity, request, Code.SHUTTING_DOWN,
                                         "daemon is shutting down: no new writes")
             refused = self.store.quota_refused
@@ -223,3 +223,13 @@ class ControlLoop:
             log.exception("internal error handling %s", op)
             return op, self._refuse(identity, request, Code.INTERNAL, f"internal error: {exc!r}")
 
+
+def salvage_request_id(frame: bytes) -> int:
+    """Best-effort id of a request that failed to decode, so its Error reply can be matched."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:  # DecodeError, UnicodeDecodeError, RecursionError, ...: no id to salvage
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
+        return raw[1]
+    return 0

@@ -32,7 +32,8 @@ log = logging.getLogger("ecd.daemon")
 
 RUNTIME_KEYS = {"node.log_level", "node.shutdown_grace", "control.allowed_uids", "control.allowed_gids"}
 RUNTIME_SECTIONS = {"leases", "limits", "namespaces"}
-START_ONLY_KEYS = {"leases.read_slots", "leases.slot_sessions"}  # the slot area is sized at start
+# the slot and submission areas are sized at start
+START_ONLY_KEYS = {"leases.read_slots", "leases.slot_sessions", "leases.submit_records", "leases.put_slab"}
 RUNTIME_PREFIXES = ("cluster.peers", "cluster.peer_keys.")
 
 
@@ -91,7 +92,8 @@ def reload_config(target: "ReloadTarget") -> None:
                                           allowed_gids=new.control.allowed_gids)
     new.pool, new.ring, new.metrics = old.pool, old.ring, old.metrics
     new.leases = msgspec.structs.replace(new.leases, read_slots=old.leases.read_slots,
-                                         slot_sessions=old.leases.slot_sessions)
+                                         slot_sessions=old.leases.slot_sessions,
+                                         submit_records=old.leases.submit_records, put_slab=old.leases.put_slab)
     new.cluster = old.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(old.namespaces, new.namespaces)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.

@@ -21,6 +21,8 @@ def reclaim(store: "Store", session: Session, reclaimed: bool, reason: str) -> N
     if session.closed:
         return
     session.closed = True
+    for closer in store.session_closers:  # first: its posted puts are committed (daemon/writes)
+        closer(session)
     holds = sum(session.leases.values()) + len(session.pins) + len(session.writes)
     store._sessions.pop(session.id, None)
     for waiter in list(session.waiters):

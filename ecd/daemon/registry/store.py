@@ -120,6 +120,7 @@ class Store:
         # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
         self.journal: "Journal | NullJournal" = NullJournal()
         self.slot_holds = SlotHolds(self, slots)  # extents a reader's read slot names (reclaim.py)
+        self.session_closers: list[Callable[[Session], None]] = []  # parts above with a session's things (reclaim)
         host.attach(self)
         self.set_namespaces(namespaces or {})
 

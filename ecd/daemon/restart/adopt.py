@@ -33,6 +33,7 @@ from ...memory.memfd import (F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, POOL_SEALS
                              sealed_secret, seals_of)
 from ...memory.ring import HEADER_BYTES, READER_TRUST_S, old_ring_silent_in
 from ...protocol import RestartStats
+from ...writes.submission import area_bytes
 from ..registry.entries import Entry, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,8 +67,11 @@ def segment_sizes(config: "Config") -> tuple[int, ...]:
 
 
 def slot_tail_bytes(config: "Config") -> int:
-    """Bytes of read slots after segment 0's share of the pool (memory/entry_index.py)."""
-    return slot_area_bytes(config.leases.slot_sessions, config.leases.read_slots)
+    """Bytes after segment 0's share of the pool: the submission area (ecd/writes/submission.py),
+    then the read slots (memory/entry_index.py)."""
+    leases = config.leases
+    return (area_bytes(leases.slot_sessions, leases.submit_records)
+            + slot_area_bytes(leases.slot_sessions, leases.read_slots))
 
 
 def layout_of(config: "Config") -> Layout:

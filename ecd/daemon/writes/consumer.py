@@ -1,0 +1,322 @@
+"""The daemon's side of the submission area: pages for sessions, and the records read from them.
+
+Each session with a page (Welcome's RingInfo.submissions) posts one record per put it placed in a
+put lease (leases.py). The daemon reads records in sequence order, each as untrusted input: the
+lease must be this session's, the bytes inside its uncarved part and in order, the dtype, shape,
+size and key must pass the checks an Alloc's item passes. A good record becomes a READY entry
+exactly as an Alloc + Commit would make it (journal, events, index, replace, quota); a bad one
+is refused with a reason on the page's error slots and the bytes it named go back to the pool.
+After a batch the daemon stores `committed` and wakes a client waiting on it (flush, put with
+wait=True).
+
+When it runs (all on the event loop, between requests):
+- awake: every POLL_S while records keep coming, and at once when a client rings;
+- asleep after IDLE_S without a record: it stores `sleeping`, fences, looks once more (a record
+  posted before the client saw `sleeping` is found here), and then only the doorbell wakes it.
+  A thread waits on the doorbell futex (and wakes itself every DOORBELL_POLL_S as a safety net)
+  and hands each ring to the loop.
+Pages are read with pread (never a fault on a truncated named file): the records once to find
+the run whose sequence numbers are stored, then, after a fence, once more for their fields.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...errors import Code
+from ...memory import kernel_copy
+from ...memory.allocator import ALIGNMENT, align_up
+from ...memory.fence import barrier, full_barrier
+from ...protocol import AllocItem, Failure
+from ...writes import futex
+from ...writes.submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+                                  ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
+                                  GRANTS_COUNT_AT, MAX_KEY, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
+                                  SLEEPING_AT, WAITING_AT, area_bytes, page_bytes)
+from ..registry.entries import Session
+from .leases import LIVE_LEASES, Leasing, PutLease
+
+if TYPE_CHECKING:  # pragma: no cover
+    import asyncio
+
+    from ..registry.store import Store
+
+log = logging.getLogger("ecd.daemon")
+
+POLL_S = 0.001
+IDLE_S = 0.05
+DOORBELL_POLL_S = 1.0
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+
+class _Page:
+    __slots__ = ("page", "at", "session", "expected", "errors", "grants")
+
+    def __init__(self, page: int, at: int, session: Session) -> None:
+        self.page, self.at, self.session = page, at, session
+        self.expected = 1  # the next record's sequence number (the daemon's count, never the page's)
+        self.errors = self.grants = 0
+
+
+class SubmissionArea:
+    def __init__(self, segment: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
+                 epoch: int) -> None:
+        """`segment`: host pool segment 0 (its ShmFile); the area is its bytes from `offset`. A
+        kept pool's area is the previous run's: records it had not read are dropped (their bytes
+        lie in its leases' intents, quarantined by the adoption) and the area is cleared."""
+        self.segment, self.offset, self.pages, self.records = segment, offset, pages, records
+        self.store, self.leasing = store, leasing
+        self.page_bytes = page_bytes(records)
+        self.nbytes = area_bytes(pages, records)
+        self._free = list(range(pages))
+        self._by_session: dict[int, _Page] = {}
+        self._base = kernel_copy.address_of(segment.buf)  # for the futex words' addresses
+        self._run = bytearray(records * RECORD)
+        self._fields = bytearray(records * RECORD)
+        self._loop: "asyncio.AbstractEventLoop | None" = None
+        self._timer: Any = None
+        self._asleep = False
+        self._last_record = self._last_expiry = 0.0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        segment.write_at(offset, bytes(self.nbytes))
+        segment.write_at(offset + EPOCH_AT, _U64.pack(epoch))
+        self._set_sleeping(True)  # nothing to do until a client rings
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def assign(self, session: Session) -> list[int]:
+        """[pool, page offset, records, area offset] for the session's Welcome (empty: none free)."""
+        if not self._free:
+            return []
+        page = heapq.heappop(self._free)
+        state = _Page(page, self.offset + 4096 + page * self.page_bytes, session)
+        self.segment.write_at(state.at, bytes(self.page_bytes))
+        self._by_session[session.id] = state
+        return [0, state.at, self.records, self.offset]
+
+    def owns_page(self, session: Session) -> bool:
+        return session.id in self._by_session
+
+    def close(self, session: Session) -> None:
+        """The session ends: what it posted completely is committed (its copies were done), then
+        its leases end and its page is free again."""
+        state = self._by_session.pop(session.id, None)
+        if state is not None:
+            self._consume(state)
+            self.segment.write_at(state.at, bytes(self.page_bytes))
+            heapq.heappush(self._free, state.page)
+        self.leasing.end_session(session)
+
+    def grant(self, session: Session, ns: str, nbytes: int) -> Failure | None:
+        """LeaseSpace: a lease for this session's next puts, written to its page."""
+        state = self._by_session.get(session.id)
+        if state is None:
+            return Failure(Code.INVALID, "this client has no submission page (leases.slot_sessions are all taken, "
+                                         "or leases.submit_records = 0): put the ordinary way")
+        lease = self.leasing.grant(session, ns, nbytes)
+        if isinstance(lease, Failure):
+            return lease
+        self._write_grant(state, lease)
+        return None
+
+    # ---- reading records ------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Read every page's new records; how many."""
+        done = 0
+        for state in list(self._by_session.values()):
+            done += self._consume(state)
+        return done
+
+    def _consume(self, state: _Page) -> int:
+        segment, records = self.segment, self.records
+        head = bytearray(8)
+        first = state.expected
+        if segment.read_into(self._slot_at(state, first), memoryview(head)) < 8 or SEQ.unpack(head)[0] != first:
+            return 0
+        run = memoryview(self._run)
+        if segment.read_into(state.at + PAGE_HEADER, run) < len(run):
+            return 0  # truncated: nothing read from it is trusted
+        last = first
+        while last - first < records and SEQ.unpack_from(run, ((last - 1) % records) * RECORD)[0] == last:
+            last += 1
+        full_barrier()  # the sequence numbers' loads before the fields' (the client stored them after)
+        fields = memoryview(self._fields)
+        if segment.read_into(state.at + PAGE_HEADER, fields) < len(fields):
+            return 0
+        for seq in range(first, last):
+            at = ((seq - 1) % records) * RECORD
+            if SEQ.unpack_from(fields, at)[0] != seq:
+                last = seq  # rewritten since: a hostile client; read again next time
+                break
+            self._settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
+        state.expected = last
+        if last > first:
+            self.store.counters["submission_records"] += last - first
+            segment.write_at(state.at + CONSUMED_AT, _U64.pack(last - 1) + _U64.pack(last - 1))  # and committed
+            full_barrier()  # committed's store before waiting's load (the client: the reverse)
+            waiting = bytearray(4)
+            if segment.read_into(state.at + WAITING_AT, memoryview(waiting)) == 4 and _U32.unpack(waiting)[0]:
+                futex.wake(self._base + state.at + COMMITTED_AT)
+        return last - first
+
+    def _slot_at(self, state: _Page, seq: int) -> int:
+        return state.at + PAGE_HEADER + ((seq - 1) % self.records) * RECORD
+
+    def _settle(self, state: _Page, seq: int, fields: tuple) -> None:
+        """One record: an entry, or a refusal on the page."""
+        lease_generation, offset, nbytes, checksum, flags, dtype_code, ndim, key_length = fields[:8]
+        shape, key_bytes = fields[8:8 + MAX_NDIM], fields[8 + MAX_NDIM]
+        store, session = self.store, state.session
+        lease = self.leasing.find(session, lease_generation)
+        if lease is None:
+            return self._refuse(state, seq, Code.STALE, f"record {seq} names put lease {lease_generation}, which "
+                                                        "this client does not hold (ended, or never granted)")
+        size = align_up(max(nbytes, 1))
+        if offset % ALIGNMENT or not lease.front <= offset <= lease.end - size:
+            return self._refuse(state, seq, Code.INVALID, f"record {seq}: bytes [{offset}, {offset + size}) are not "
+                                                          f"in the free part [{lease.front}, {lease.end}) of put "
+                                                          f"lease {lease_generation} (records go in order)")
+        self.leasing.retire_older(lease)
+        lease.last_used = store.clock()
+        if flags & ~FLAGS_KNOWN or flags & FLAG_ABORT:
+            self.leasing.skip_to(lease, offset + size)
+            if flags & ~FLAGS_KNOWN:
+                return self._refuse(state, seq, Code.INVALID, f"record {seq}: unknown flags {flags:#x}")
+            store.counters["submission_aborts"] += 1
+            return None
+        item = self._item(lease, dtype_code, ndim, key_length, shape, key_bytes, nbytes)
+        if isinstance(item, Failure):
+            self.leasing.skip_to(lease, offset + size)
+            return self._refuse(state, seq, item.code, f"record {seq}: {item.message}")
+        old_intent = self.leasing.carve(lease, offset, nbytes)
+        store.uncharge(lease.ns, size)  # the entry charges its namespace (the lease's) again
+        extent = store.open_write(session, lease.ns, item, (lease.pool, offset))
+        self.leasing.carved(lease, old_intent)
+        refused = store.commit(session, extent.generation, checksum if flags & FLAG_CHECKSUM else 0)
+        if refused is not None:
+            return self._refuse(state, seq, refused.code, f"record {seq}: {refused.message}")
+        self._refill(state, lease)
+        return None
+
+    def _item(self, lease: PutLease, dtype_code: int, ndim: int, key_length: int, shape: tuple, key_bytes: bytes,
+              nbytes: int) -> AllocItem | Failure:
+        if dtype_code >= len(DTYPES) or ndim > MAX_NDIM or key_length > MAX_KEY:
+            return Failure(Code.INVALID, f"dtype code {dtype_code}, {ndim} dimensions or a key of {key_length} "
+                                         "bytes is out of range")
+        try:
+            key = key_bytes[:key_length].decode()
+        except UnicodeDecodeError:
+            return Failure(Code.INVALID, "the key is not UTF-8")
+        item = AllocItem(key, DTYPES[dtype_code], list(shape[:ndim]), nbytes)
+        failure = self.store.checks.item(lease.ns, item, (lease.pool,))
+        return item if failure is None else failure
+
+    def _refuse(self, state: _Page, seq: int, code: int, message: str) -> None:
+        text = message.encode()[:ERROR.size - 16]
+        slot = state.errors % ERRORS
+        self.segment.write_at(state.at + ERRORS_AT + slot * ERROR.size, ERROR.pack(seq, int(code), len(text), text))
+        if barrier is not None:
+            barrier()  # the error before its count
+        state.errors += 1
+        self.segment.write_at(state.at + ERRORS_COUNT_AT, _U64.pack(state.errors))
+        self.store.counters["submission_refused"] += 1
+        log.debug("submission refused: session %d %s", state.session.id, message)
+
+    def _refill(self, state: _Page, lease: PutLease) -> None:
+        """Grant the next lease once the newest is half carved, so the client never waits for one.
+        Not for a client the daemon cannot watch: its leases expire unused, and it can only know
+        how old one is when it asked for it itself (LeaseSpace)."""
+        if not state.session.watched:
+            return
+        live = self.leasing.live(state.session)
+        if len(live) >= LIVE_LEASES or not live or live[-1] is not lease:
+            return
+        if 2 * (lease.front - lease.start) < lease.end - lease.start:
+            return
+        granted = self.leasing.grant(state.session, lease.ns)
+        if isinstance(granted, PutLease):
+            self._write_grant(state, granted)
+
+    def _write_grant(self, state: _Page, lease: PutLease) -> None:
+        slot = state.grants % GRANTS
+        self.segment.write_at(state.at + GRANTS_AT + slot * GRANT.size,
+                              GRANT.pack(lease.generation, lease.pool, lease.start, lease.end - lease.start))
+        if barrier is not None:
+            barrier()
+        state.grants += 1
+        self.segment.write_at(state.at + GRANTS_COUNT_AT, _U64.pack(state.grants))
+
+    # ---- when it runs ---------------------------------------------------------------------
+
+    def start(self, loop: "asyncio.AbstractEventLoop") -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._doorbell, name="ecd-doorbell", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.segment.write_at(self.offset + DOORBELL_AT, _U32.pack(0xFFFFFFFF))
+        futex.wake(self._base + self.offset + DOORBELL_AT)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _doorbell(self) -> None:
+        word = bytearray(4)
+        address = self._base + self.offset + DOORBELL_AT
+        while not self._stopping.is_set():
+            self.segment.read_into(self.offset + DOORBELL_AT, memoryview(word))
+            try:
+                futex.wait(address, _U32.unpack(word)[0], DOORBELL_POLL_S)
+            except OSError:
+                time.sleep(DOORBELL_POLL_S)  # a truncated pool: poll slowly until the daemon stops
+            if self._stopping.is_set():
+                return
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._rung)
+                except RuntimeError:  # closed meanwhile
+                    return
+
+    def _rung(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expiry >= DOORBELL_POLL_S:
+            self._last_expiry = now
+            self.leasing.expire(float(self.store.leases.write_ttl))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._tick()
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        if self.drain():
+            self._last_record = now
+        elif now - self._last_record >= IDLE_S:
+            self._set_sleeping(True)
+            full_barrier()  # `sleeping` stored before the last look (a client: its record, then `sleeping`)
+            if not self.drain():
+                return  # asleep: the doorbell wakes it
+            self._last_record = now
+        if self._asleep:
+            self._set_sleeping(False)
+        if self._loop is not None:
+            self._timer = self._loop.call_later(POLL_S, self._tick)
+
+    def _set_sleeping(self, asleep: bool) -> None:
+        self._asleep = asleep
+        self.segment.write_at(self.offset + SLEEPING_AT, _U32.pack(int(asleep)))
+
+    def totals(self) -> tuple[int, int]:
+        """(pages in use, pages)."""
+        return len(self._by_session), self.pages

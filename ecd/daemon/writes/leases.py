@@ -1,0 +1,205 @@
+"""Put leases: pool space a session holds so that its puts need no Alloc (issue 43, item 1).
+
+A lease is one extent of the host pool (a slab: `[leases] put_slab`, at most 1/32 of the pool;
+or exactly one put's size when that is larger), granted to a session in one namespace. The
+client places its puts in it from the front, in order, and names each in a submission record
+(submission.py); the daemon carves the record's bytes off the front as an entry, and gives back
+what a failed put skipped. So the pool's allocator holds the lease as one extent until carving
+splits it (ExtentAllocator.split), and what is left at the lease's end returns to the pool.
+
+Invariants:
+- Quota: a lease is charged to its namespace when granted (its whole size); a carved entry's
+  bytes move from the lease to the entry and what is given back is uncharged, so leased +
+  committed bytes never pass the quota at any instant. A grant evicts like an Alloc would
+  (the namespace's own entries first when its quota demands; then for room).
+- Restart: a lease is journaled as an intent for [front, end); a carve writes the new intent
+  before the entry's record and forgets the old one after, so a kill at any point leaves every
+  byte of it owned by exactly one record (an adopting restart skips an intent that starts
+  where an entry does, and refuses the later of two overlapping ones) and quarantines the rest.
+- The one being filled and the next, granted ahead (refill: up to LIVE_LEASES) when the daemon
+  sees the current one half carved, so a steady producer never waits; a client may ask for more
+  (LeaseSpace, up to MAX_LEASES: a put larger than what its leases have left). A record naming a
+  lease retires every older one (the client places in sequence order and never goes back, so
+  every record of an older lease came before).
+- A lease ends with its session, when fully carved, when its client moves on, or (only for a
+  client the daemon cannot watch) when unused for the write TTL.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...errors import Code
+from ...memory.allocator import align_up
+from ...protocol import Failure
+from ..registry.entries import Session
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..registry.store import Store
+
+LIVE_LEASES = 2  # the daemon refills ahead up to this many
+MAX_LEASES = 8  # a client may ask for more (LeaseSpace: a put larger than its leases' room)
+LEASE_OUTCOMES = ("granted", "refused", "filled", "retired", "expired", "reclaimed")
+
+
+@dataclass(slots=True, eq=False)
+class PutLease:
+    generation: int  # from the entries' counter: records name the lease by it
+    pool: int
+    start: int
+    end: int
+    front: int  # below it: carved into entries or given back
+    ns: str
+    owner: Session
+    last_used: float
+    journal: int = -1  # its intent record for [front, end)
+
+
+@dataclass(slots=True)
+class Leasing:
+    """The daemon's put leases, for the submission consumer (consumer.py)."""
+
+    store: "Store"
+    slab: int  # bytes of a lease (slab_bytes)
+    by_session: dict[int, list[PutLease]] = field(default_factory=dict)  # session id -> oldest first
+    leased_bytes: int = 0  # not yet carved
+
+    def live(self, session: Session) -> list[PutLease]:
+        return self.by_session.get(session.id, [])
+
+    def find(self, session: Session, generation: int) -> PutLease | None:
+        for lease in self.by_session.get(session.id, ()):
+            if lease.generation == generation:
+                return lease
+        return None
+
+    def grant(self, session: Session, ns: str, nbytes: int = 0) -> PutLease | Failure:
+        """A new lease of max(slab, nbytes) in `ns` for `session`, placed like an Alloc."""
+        store = self.store
+        leases = self.by_session.setdefault(session.id, [])
+        if len(leases) >= MAX_LEASES:
+            return Failure(Code.LIMIT, f"this client holds {MAX_LEASES} put leases already")
+        failure = store.check_key(ns, "lease")
+        if failure is not None:
+            return failure
+        size = align_up(max(self.slab, nbytes, 1))
+        pools = store.host.host_pools
+        too_large = store.host.too_large(size, pools)
+        if too_large:
+            size = align_up(max(nbytes, 1))  # a slab larger than a small pool: the put's size only
+            too_large = store.host.too_large(size, pools)
+        if too_large:
+            return self._refused(Failure(Code.INVALID, f"no put lease: {too_large}"))
+        victims = store.placement.quota_victims(ns, size)
+        if isinstance(victims, Failure):
+            return self._refused(victims)
+        placed = store.placement.place(size, ns, victims, pools=pools)
+        if placed is None:
+            store.counters["pool_full"] += 1
+            return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(size, pools)))
+        pool, offset = placed
+        lease = PutLease(store.take_generation(), pool, offset, offset + size, offset, sys.intern(ns), session,
+                         store.clock())
+        lease.journal = store.journal.intent(lease.generation, pool, offset, size)
+        store.charge(lease.ns, size)
+        leases.append(lease)
+        self.leased_bytes += size
+        store.counters["put_leases_granted"] += 1
+        return lease
+
+    def _refused(self, failure: Failure) -> Failure:
+        self.store.counters["put_leases_refused"] += 1
+        return failure
+
+    def carve(self, lease: PutLease, offset: int, nbytes: int) -> int:
+        """Take [offset, offset + aligned nbytes) off the lease's front for an entry (checked by the
+        caller: offset >= front, aligned, its end within the lease), giving back the bytes before
+        it. The extent is now one of its own, still charged to the lease's namespace (the caller
+        moves the charge to the entry it makes, writes the entry's record, then calls `carved`
+        with the old intent this returns)."""
+        store = self.store
+        allocator = store.host.allocators[lease.pool]
+        end = offset + align_up(max(nbytes, 1))
+        if offset > lease.front:
+            self._give_back(lease, offset)
+        if end < lease.end:
+            allocator.split(end)
+        old = lease.journal
+        # the new intent first, the entry's record next (the caller), the old intent last
+        lease.journal = store.journal.intent(lease.generation, lease.pool, end, lease.end - end) if end < lease.end else -1
+        self.leased_bytes -= end - lease.front
+        lease.front = end
+        lease.last_used = store.clock()
+        return old
+
+    def carved(self, lease: PutLease, old_intent: int) -> None:
+        """After the entry's record: the old intent goes; a lease with nothing left ends."""
+        self.store.journal.forget(old_intent)
+        if lease.front >= lease.end:
+            self._drop(lease, "filled")
+
+    def skip_to(self, lease: PutLease, offset: int) -> None:
+        """A failed or refused put: the bytes up to `offset` go back to the pool."""
+        if lease.front < offset <= lease.end:
+            self._give_back(lease, offset)
+            old = lease.journal
+            lease.journal = (self.store.journal.intent(lease.generation, lease.pool, offset, lease.end - offset)
+                             if offset < lease.end else -1)
+            self.store.journal.forget(old)
+            self.leased_bytes -= offset - lease.front
+            lease.front = offset
+            if lease.front >= lease.end:
+                self._drop(lease, "filled")
+
+    def _give_back(self, lease: PutLease, offset: int) -> None:
+        """Free [front, offset) (a split extent of its own) and uncharge it."""
+        allocator = self.store.host.allocators[lease.pool]
+        allocator.split(offset)
+        size = offset - lease.front
+        self.store.host.free(lease.pool, lease.front, size)
+        self.store.uncharge(lease.ns, size)
+
+    def retire_older(self, lease: PutLease) -> None:
+        """A record named `lease`: the client has moved on from every lease granted before it."""
+        for older in list(self.by_session.get(lease.owner.id, ())):
+            if older is lease:
+                break
+            self.end(older, "retired")
+
+    def end(self, lease: PutLease, outcome: str) -> None:
+        """Give the uncarved rest back to the pool and its namespace."""
+        store = self.store
+        if lease.front < lease.end:
+            size = lease.end - lease.front
+            store.host.free(lease.pool, lease.front, size)
+            store.uncharge(lease.ns, size)
+            self.leased_bytes -= size
+        store.journal.forget(lease.journal)
+        lease.journal = -1
+        lease.front = lease.end
+        self._drop(lease, outcome)
+
+    def _drop(self, lease: PutLease, outcome: str) -> None:
+        leases = self.by_session.get(lease.owner.id)
+        if leases is not None and lease in leases:
+            leases.remove(lease)
+            if not leases:
+                del self.by_session[lease.owner.id]
+        self.store.counters[f"put_leases_{outcome}"] += 1
+
+    def end_session(self, session: Session) -> None:
+        for lease in list(self.by_session.get(session.id, ())):
+            self.end(lease, "reclaimed")
+
+    def expire(self, write_ttl: float) -> None:
+        """Leases of clients the daemon cannot watch, unused for the write TTL."""
+        now = self.store.clock()
+        for leases in list(self.by_session.values()):
+            for lease in list(leases):
+                if not lease.owner.watched and now - lease.last_used > write_ttl:
+                    self.end(lease, "expired")
+
+    def totals(self) -> tuple[int, int]:
+        """(leases, bytes not yet carved)."""
+        return sum(map(len, self.by_session.values())), self.leased_bytes

@@ -1,0 +1,295 @@
+"""A client's submission page: its puts placed in put leases and posted as records (issue 43).
+
+The put route (ecd/client/put.py) hands a host-pool put here when the daemon gave this session a
+page; `place` takes each tensor's bytes from the front of the current lease (the next granted
+one when it is full, or one asked for with LeaseSpace: the only round trip, once a lease), and
+a sequence number; the route copies the bytes; `post` writes each record, sequence number last,
+and rings the doorbell only when the daemon said it sleeps (or the caller will wait). So a
+steady producer sends the daemon no message: the daemon grants the next lease on the page
+before the current one runs out.
+
+Semantics: a put returns once its bytes are copied and its record posted; the entry becomes
+visible when the daemon commits the record. `wait` (Client.put's default) waits for that commit
+on a futex, and raises the daemon's refusal, if any; `flush` waits for every record posted so
+far and raises the first refusal not yet reported. This client's own reads settle its posted
+puts first (without raising), so it reads its own writes. Records the daemon had not read when
+it stopped are dropped with it: a wait or flush across a daemon restart raises
+StaleGeneration (RESTARTED), as a put whose commit the old daemon never answered would.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import RESTARTED, Code, DaemonUnavailable, StaleGeneration, error_from_code
+from ..memory import kernel_copy
+from ..memory.allocator import align_up
+from ..memory.fence import barrier, full_barrier
+from ..protocol import Acked, Extent, Failure, LeaseSpace
+from . import futex
+from .submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+                         ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
+                         MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..client.client import Client
+    from ..client.mapping import EpochMapping
+    from ..protocol import Welcome
+
+WAIT_SLICE_S = 0.05  # a wait looks at the session this often (a reconnect, the client's timeout)
+LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
+
+
+def submissions(welcome: "Welcome", mapping: "EpochMapping | None") -> "Submissions | None":
+    """The session's page, when the daemon gave one and this client maps the pool."""
+    location = welcome.ring.submissions
+    if len(location) != 4 or mapping is None or not mapping.local:
+        return None
+    pool, page_at, records, area_at = location
+    if not (pool == 0 < len(mapping.rw) and 0 < records and 0 <= area_at < page_at
+            and page_at + page_bytes(records) <= len(mapping.rw[0])):
+        return None  # not inside segment 0: ignore it, put the ordinary way
+    heartbeat_s = welcome.heartbeat_s  # > 0: the daemon cannot watch this process; its leases expire
+    window = math.inf if heartbeat_s <= 0 else min(welcome.limits.write_ttl_s / 2, 1.5 * heartbeat_s)
+    return Submissions(location, mapping, welcome.session, welcome.epoch, window)
+
+
+class Placed:
+    """One put placed in a lease: where its bytes go and the record that will name them."""
+
+    __slots__ = ("key", "extent", "seq", "dtype", "shape", "nbytes")
+
+    def __init__(self, key: str, extent: Extent, seq: int, dtype: int, shape: tuple, nbytes: int) -> None:
+        self.key, self.extent, self.seq, self.dtype, self.shape, self.nbytes = key, extent, seq, dtype, shape, nbytes
+
+
+class Submissions:
+    def __init__(self, location: list[int], mapping: "EpochMapping", session: int, epoch: int,
+                 window: float) -> None:
+        pool, self.page_at, self.records, self.area_at = location
+        buf = mapping.rw[pool]
+        self.mapping, self.session, self.epoch = mapping, session, epoch
+        self.buf = buf
+        self.header = np.frombuffer(buf, np.uint64, count=PAGE_HEADER // 8, offset=self.page_at)
+        self.area = np.frombuffer(buf, np.uint32, count=64, offset=self.area_at)
+        self.area_epoch = np.frombuffer(buf, np.uint64, count=1, offset=self.area_at + EPOCH_AT)
+        base = kernel_copy.address_of(buf)
+        self._committed_address = base + self.page_at + COMMITTED_AT
+        self._doorbell_address = base + self.area_at + DOORBELL_AT
+        self.lock = threading.Lock()
+        self.next_seq = 1
+        self.posted = 0  # the last sequence number posted
+        self.lease: list | None = None  # [generation, pool, front, end, last used (monotonic)]
+        # how long after its last use a lease may still be copied into (inf: the daemon watches
+        # this process, and its leases end only with it; else they expire unused: PutRoute.safe_write_window)
+        self.window = window
+        self.grants_taken = 0
+        self._refused_until = 0.0
+        self._asked_at = time.monotonic()  # a grant is no older than the last LeaseSpace, or the page's Welcome
+        self._keys: dict[int, str] = {}  # seq -> key, of records posted and not yet settled
+        self._errors_seen = 0
+        self._unreported: list[tuple[int, int, str]] = []  # (seq, code, message) of refusals not raised yet
+        self._waiters = 0
+
+    # ---- place ----------------------------------------------------------------------------
+
+    def place(self, c: "Client", tensors: dict[str, Any], sizes: list[int], dtypes: list[str]) -> list[Placed]:
+        """A place in a lease and a sequence number for each tensor it can take, in order; the
+        others (a key over MAX_KEY bytes, over MAX_NDIM dimensions, no lease to be had) are left
+        out for the ordinary route."""
+        placed: list[Placed] = []
+        with self.lock:
+            for (key, tensor), nbytes, dtype in zip(tensors.items(), sizes, dtypes):
+                code = DTYPE_CODES.get(dtype)
+                if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY:
+                    continue
+                extent = self._take(c, align_up(max(nbytes, 1)))
+                if extent is None:
+                    continue
+                placed.append(Placed(key, extent, self.next_seq, code, tuple(tensor.shape), nbytes))
+                self.next_seq += 1
+        return placed
+
+    def _take(self, c: "Client", size: int) -> Extent | None:
+        lease, now = self.lease, time.monotonic()
+        if lease is not None and now - lease[4] > self.window:
+            lease = self.lease = None  # the daemon may have taken it back
+        if lease is None or lease[2] + size > lease[3]:
+            lease = self._next_lease(size)
+            if lease is None:
+                if now < self._refused_until or not self._ask(c, size):
+                    return None
+                lease = self._next_lease(size)
+                if lease is None:
+                    return None
+        extent = Extent(lease[0], lease[1], lease[2])
+        lease[2] += size
+        lease[4] = now
+        return extent
+
+    def deadline(self) -> float:
+        """Until when the bytes of what was just placed may be copied."""
+        return self.lease[4] + self.window if self.lease is not None else 0.0
+
+    def _next_lease(self, size: int) -> list[int] | None:
+        """The next lease the daemon granted on the page that holds `size` bytes (the client never
+        goes back to an older one)."""
+        granted = int(self.header[GRANTS_COUNT_AT // 8])
+        if granted - self.grants_taken > GRANTS:
+            self.grants_taken = granted - GRANTS  # a hostile or broken page: skip what was overwritten
+        while self.grants_taken < granted:
+            if barrier is not None:
+                barrier()  # the count's load before the grant's
+            at = GRANTS_AT + (self.grants_taken % GRANTS) * GRANT.size
+            generation, pool, start, nbytes = GRANT.unpack_from(self.header.data.cast("B"), at)
+            self.grants_taken += 1
+            sizes = self.mapping.sizes
+            if not (pool < len(sizes) and start + nbytes <= sizes[pool]):
+                continue  # not in this client's pools: a broken page
+            self.lease = [generation, pool, start, start + nbytes, self._asked_at]
+            if nbytes >= size:
+                return self.lease
+        return None
+
+    def _ask(self, c: "Client", size: int) -> bool:
+        """LeaseSpace: one round trip for a lease of at least `size` bytes."""
+        with c._lock:
+            if c._session != self.session:
+                return False
+            self._asked_at = time.monotonic()
+            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, size))
+        if isinstance(reply.results[0], Failure):
+            self._refused_until = time.monotonic() + LEASE_RETRY_S
+            return False
+        return True
+
+    # ---- post -----------------------------------------------------------------------------
+
+    def post(self, placed: list[Placed], digests: list[int], checksum: bool, wait: bool, timeout: float,
+             aborted: bool = False) -> None:
+        """Write each placed put's record (FLAG_ABORT: its copy failed), sequence number last;
+        ring when the daemon sleeps or the caller waits; wait for the commit with `wait`."""
+        if not placed:
+            return
+        self._check_epoch()
+        flags = FLAG_ABORT if aborted else (FLAG_CHECKSUM if checksum else 0)
+        buf, records = self.buf, self.records
+        for put, digest in zip(placed, digests):
+            self._room_for(put.seq, timeout)
+            at = self.page_at + PAGE_HEADER + ((put.seq - 1) % records) * RECORD
+            key = put.key.encode()
+            shape = put.shape + (0,) * (MAX_NDIM - len(put.shape))
+            RECORD_BODY.pack_into(buf, at + 8, put.extent.generation, put.extent.offset, put.nbytes, digest, flags,
+                                  put.dtype, len(put.shape), len(key), *shape, key)
+            if barrier is not None:
+                barrier()  # the record's fields before its sequence number
+            SEQ.pack_into(buf, at, put.seq)
+            self._keys[put.seq] = put.key
+        with self.lock:
+            self.posted = max(self.posted, placed[-1].seq)
+        full_barrier()  # the sequence numbers' stores before `sleeping`'s load (the daemon: the reverse)
+        if wait or self.area[SLEEPING_AT // 4]:
+            self.ring()
+        if wait:
+            self.wait_for(placed[-1].seq, timeout)
+            self._raise_refused([p.seq for p in placed])
+
+    def ring(self) -> None:
+        self.area[DOORBELL_AT // 4] += np.uint32(1)
+        futex.wake(self._doorbell_address, 1)
+
+    def _room_for(self, seq: int, timeout: float) -> None:
+        """The record's slot is free once the daemon read the record `records` before it."""
+        if seq - int(self.header[CONSUMED_AT // 8]) > self.records:
+            self.ring()
+            self.wait_for(seq - self.records, timeout, word=CONSUMED_AT)
+
+    def _check_epoch(self) -> None:
+        """The page is still this daemon run's, and (a named file) still there: IntegrityError
+        rather than a fault where another process truncated it."""
+        self.mapping.rw_for(0, self.page_at + page_bytes(self.records), 0)
+        if int(self.area_epoch[0]) != self.epoch:
+            raise StaleGeneration(RESTARTED)
+
+    # ---- wait -----------------------------------------------------------------------------
+
+    def wait_for(self, seq: int, timeout: float, word: int = COMMITTED_AT) -> None:
+        """Until the page's `word` (committed, or consumed) reaches `seq`: a futex wait, woken by
+        the daemon after each batch. StaleGeneration when the daemon restarted meanwhile,
+        DaemonUnavailable past `timeout` without progress."""
+        header = self.header
+        index = word // 8
+        deadline = time.monotonic() + timeout
+        last = int(header[index])
+        while last < seq:
+            self._check_epoch()
+            with self.lock:
+                self._waiters += 1
+                header[WAITING_AT // 8] = 1
+            try:
+                full_barrier()  # `waiting` stored before `committed` is looked at again
+                committed = int(header[COMMITTED_AT // 8])  # the futex word (consumed moves with it)
+                if int(header[index]) < seq:
+                    futex.wait(self._committed_address, committed & 0xFFFFFFFF, WAIT_SLICE_S)
+            finally:
+                with self.lock:
+                    self._waiters -= 1
+                    if not self._waiters:
+                        header[WAITING_AT // 8] = 0
+            now = int(header[index])
+            if now != last:
+                last, deadline = now, time.monotonic() + timeout
+            elif time.monotonic() > deadline:
+                raise DaemonUnavailable(f"the daemon committed no put record within {timeout:g}s "
+                                        f"(record {seq} waits; {last} committed)")
+
+    def pending(self) -> bool:
+        return self.posted > int(self.header[COMMITTED_AT // 8])
+
+    def flush(self, timeout: float, raise_refused: bool = True) -> None:
+        """Wait until every record posted so far is committed or refused; raise the first refusal
+        not yet raised (`raise_refused`), else keep it for the next flush."""
+        target = self.posted
+        if target > int(self.header[COMMITTED_AT // 8]):
+            self.ring()
+            self.wait_for(target, timeout)
+        self._collect(target)
+        if raise_refused and self._unreported:
+            (_, code, message), more = self._unreported[0], len(self._unreported) - 1
+            self._unreported.clear()
+            raise error_from_code(code, message + (f" (and {more} more refused)" if more else ""))
+
+    def _raise_refused(self, seqs: list[int]) -> None:
+        """Refusals of these records (a waited put): raised now, not at the next flush."""
+        self._collect(seqs[-1])
+        first, last = seqs[0], seqs[-1]
+        mine = [e for e in self._unreported if first <= e[0] <= last]
+        if mine:
+            self._unreported = [e for e in self._unreported if not first <= e[0] <= last]
+            raise error_from_code(mine[0][1], mine[0][2])
+
+    def _collect(self, through: int) -> None:
+        """Read the page's refusals, each named by its key; forget settled records' keys."""
+        with self.lock:
+            count = int(self.header[ERRORS_COUNT_AT // 8])
+            if count - self._errors_seen > ERRORS:
+                lost = count - ERRORS - self._errors_seen
+                self._unreported.append((0, Code.INVALID, f"{lost} put record(s) refused by the daemon; the reasons "
+                                                       "were overwritten before they were read"))
+                self._errors_seen = count - ERRORS
+            raw = self.header.data.cast("B")
+            while self._errors_seen < count:
+                if barrier is not None:
+                    barrier()
+                seq, code, length, text = ERROR.unpack_from(raw, ERRORS_AT + (self._errors_seen % ERRORS) * ERROR.size)
+                self._errors_seen += 1
+                key = self._keys.get(seq, "?")
+                message = text[:length].decode(errors="replace")
+                self._unreported.append((seq, code, message.replace(f"record {seq}:", f"record {seq}: key {key!r}:", 1)
+                                         if key != "?" else message))
+            for seq in [s for s in self._keys if s <= through]:
+                del self._keys[seq]
