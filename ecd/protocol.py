@@ -251,6 +251,7 @@ class DaemonStats(Struct):
     sessions: list[SessionInfo] = []  # client sessions (not the daemon's internal ones), oldest first
     restart: RestartStats | None = None  # the start: adopted or cold ([restart])
     directory: DirectoryStats | None = None  # [cluster] directory; None without it
+    leased_bytes: int = 0  # put leases' bytes not yet carved into entries (ecd/writes), in used_bytes
     events: EventsStats | None = None  # [events]: the KV events this node publishes (None: off)
 
 

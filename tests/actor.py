@@ -2,6 +2,8 @@
 
 Tensors are derived from a seed so producer and consumer agree without sharing bytes:
   put KEY SEED NUMEL [DTYPE]        -> ok
+  put-nowait KEY SEED NUMEL         -> ok (returns once copied: put(wait=False))
+  flush                             -> ok | error NAME MESSAGE
   get KEY SEED NUMEL [TIMEOUT]      -> ok | mismatch | missing | error NAME MESSAGE
   view-hold KEY SEED NUMEL          -> holding (then keeps the view until `drop`) | mismatch
   drop                              -> ok (ends a view-hold)
@@ -43,6 +45,12 @@ def main() -> None:
             elif cmd == "put":
                 dtype = args[3] if len(args) > 3 else "float32"
                 client.put(args[0], make_tensor(int(args[1]), int(args[2]), dtype))
+                say("ok")
+            elif cmd == "put-nowait":
+                client.put(args[0], make_tensor(int(args[1]), int(args[2])), wait=False)
+                say("ok")
+            elif cmd == "flush":
+                client.flush()
                 say("ok")
             elif cmd == "get":
                 timeout = float(args[3]) if len(args) > 3 else None

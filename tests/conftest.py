@@ -318,8 +318,8 @@ def actors():
 
 
 def entry_bytes(stats: dict) -> int:
-    """Pool bytes held by entries, leaving out the extents reserved for clients' next puts."""
-    return stats["used_bytes"] - stats["reserved_bytes"]
+    """Pool bytes held by entries, leaving out the extents reserved or leased for clients' next puts."""
+    return stats["used_bytes"] - stats["reserved_bytes"] - stats["leased_bytes"]
 
 
 def scrape_metrics(port: int) -> str:

@@ -67,7 +67,7 @@ class Client(ControlClient):
     def __init__(self, endpoint: str = "ipc:///tmp/ecd/ecd.sock", namespace: str = "default",
                  timeout: float = 5.0, *, name: str = "", populate: bool = True,
                  curve_secret_key: str | None = None, curve_server_key: str | None = None,
-                 local_reads: bool = True) -> None:
+                 local_reads: bool = True, submit: bool = True) -> None:
         """`curve_secret_key`: this client's key file (NAME.key_secret from `ecd keygen`) and
         `curve_server_key`: the daemon's public key (its .key file, or the 40-character Z85
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
@@ -75,9 +75,9 @@ class Client(ControlClient):
         can (ecd.memory.prefault; `mapping.prefaulting`), else when they are made (MAP_POPULATE).
         `local_reads`: a get of an entry whose location the client knows (it put or read it, or
         the ring's entry index shows it) copies without asking the daemon (client/local_read.py);
-        False: every get asks (a read lease, as views always take)."""
-        self.populate = populate
-        self.local_reads = local_reads
+        False: every get asks (a read lease). `submit`: puts go through the session's submission
+        page, no message each (ecd/writes/producer.py); False: each put is a round trip."""
+        self.populate, self.local_reads, self.submit = populate, local_reads, submit
         self._puts = PutRoute()  # the put route, and the reservation for this client's next put
         self._map: EpochMapping | None = None
         # keyhash -> (namespace, key, generation) of entries this client put or read: a bounded
@@ -119,7 +119,7 @@ class Client(ControlClient):
         """Its page of read slots, if the daemon gave one. Views open on the old page (another
         session's soon) take read leases instead (after a restart: _restarted does)."""
         old, self._slots = self._slots, slot_page(welcome, self._map)
-        self._writes = submissions(welcome, self._map)
+        self._writes = submissions(welcome, self._map) if self.submit else None
         if self._pins is not None:  # the daemon takes over what the old page pinned
             for ns, by_time in self._pins.handed_over().items():
                 for seconds, keys in by_time.items():

@@ -144,8 +144,8 @@ class PutRoute:
         Alloc, Publish or PutInline says each entry is). Host-pool puts go through the session's
         submission page when it has one (`wait`: until the daemon committed them)."""
         writes = c._writes
-        if writes is not None and arena < 0 and not persist and not meta and writes.mapping is c._map:
-            tensors = self.submit(c, writes, tensors, checksum, wait)
+        if writes is not None and arena < 0 and not persist and writes.mapping is c._map:
+            tensors = self.submit(c, writes, tensors, checksum, wait, meta)
             if not tensors:
                 return
         for dest in self.place(c, tensors, arena, meta):
@@ -180,11 +180,11 @@ class PutRoute:
             yield self.allocate(c, dest, arena)
 
     def submit(self, c: Client, writes: Submissions, tensors: dict[str, torch.Tensor], checksum: bool,
-               wait: bool) -> dict[str, torch.Tensor]:
+               wait: bool, meta: Mapping[str, EntryMeta] | None = None) -> dict[str, torch.Tensor]:
         """Place in the session's put leases, copy, post a record each (ecd/writes/producer.py):
         no message unless a lease must be asked for. The tensors it could not take."""
         dest = Destination(c.namespace, tensors)
-        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items])
+        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta)
         if not placed:
             return tensors
         if len(placed) < len(tensors):

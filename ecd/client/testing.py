@@ -8,7 +8,9 @@ breaking them.
 - `intercept_round_trips`: see (or stall, or fail) each request a client, or every client of a
   class, sends and waits for, with the reply it got;
 - `acquire`: take read leases at the wire level, as get() does before it copies, and release them;
-- `replace_location_cache`: give a client a location cache of another size.
+- `replace_location_cache`: give a client a location cache of another size;
+- `submission_page`: the client's submission page (ecd.writes.producer.Submissions), to place
+  and post records by hand as a broken or hostile producer would.
 """
 from __future__ import annotations
 
@@ -73,3 +75,8 @@ def replace_location_cache(client, cache: LocationCache) -> None:
     """Give `client` this (empty) location cache instead of its own, e.g. a smaller one."""
     with client._lock:
         client._cache = cache
+
+
+def submission_page(client):
+    """The Submissions object of the client's current session (None: it has no page)."""
+    return client._writes

@@ -15,6 +15,7 @@ from ..protocol import ArenaInfo
 from .control.context import HandlerContext
 from .ops.context import MetricsSource, ReloadTarget
 from .peer.context import PeerContext
+from .restart.adopt import submission_bytes
 from .writes.consumer import SubmissionArea
 from .writes.leases import Leasing
 from ..writes.submission import slab_bytes
@@ -69,7 +70,8 @@ def metrics_source(d: "Daemon") -> MetricsSource:
         node=d.node, start_wall_time=d.start_wall_time, store=d.store, counters=d.counters, ring=d.ring,
         pool_labels=pool_labels(d), arenas=d.arenas, connections=d.connections,
         max_connections=lambda: d.max_connections, sessions=d.sessions, fd_server=d.fd_server, lower_tier=d.lower_tier,
-        peers=d.cluster, curve=d.curve, restart=d.memory.stats, events=d.events_stats)
+        peers=d.cluster, curve=d.curve, restart=d.memory.stats, events=d.events_stats,
+        submissions=lambda: d.submissions.totals() if d.submissions is not None else (0, 0, 0))
 
 
 def reload_target(d: "Daemon") -> ReloadTarget:
@@ -78,14 +80,14 @@ def reload_target(d: "Daemon") -> ReloadTarget:
 
 
 def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
-    """The submission area at the start of segment 0's `tail` (None when leases.submit_records or
-    slot_sessions is 0), its leases' keeper, and its doorbell thread started."""
+    """The submission area at the start of segment 0's `tail` (None when it has no bytes:
+    restart.adopt.submission_bytes), its leases' keeper, and its doorbell thread started."""
     leases, store = d.config.leases, d.store
     assert store is not None and d.loop is not None
-    if not leases.submit_records or not leases.slot_sessions:
+    if not submission_bytes(d.config):
         return None
     segment = d.pool.segments[0]
-    area = SubmissionArea(segment, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
+    area = SubmissionArea(d.pool.segments, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
                           Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch)
     store.session_closers.append(area.close)
     area.start(d.loop)

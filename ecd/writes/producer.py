@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -29,11 +29,11 @@ from ..errors import RESTARTED, Code, DaemonUnavailable, StaleGeneration, error_
 from ..memory import kernel_copy
 from ..memory.allocator import align_up
 from ..memory.fence import barrier, full_barrier
-from ..protocol import Acked, Extent, Failure, LeaseSpace
+from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
 from . import futex
 from .submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                          ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
-                         MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes)
+                         MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..client.client import Client
@@ -47,8 +47,8 @@ LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this
 def submissions(welcome: "Welcome", mapping: "EpochMapping | None") -> "Submissions | None":
     """The session's page, when the daemon gave one and this client maps the pool."""
     location = welcome.ring.submissions
-    if len(location) != 4 or mapping is None or not mapping.local:
-        return None
+    if len(location) != 4 or mapping is None or not mapping.local or not mapping.sealed:
+        return None  # (a named file may be truncated under the page's loads: none is given for one)
     pool, page_at, records, area_at = location
     if not (pool == 0 < len(mapping.rw) and 0 < records and 0 <= area_at < page_at
             and page_at + page_bytes(records) <= len(mapping.rw[0])):
@@ -58,13 +58,25 @@ def submissions(welcome: "Welcome", mapping: "EpochMapping | None") -> "Submissi
     return Submissions(location, mapping, welcome.session, welcome.epoch, window)
 
 
+class _Lease:
+    """The put lease this client places in: its front moves as puts are placed."""
+
+    __slots__ = ("generation", "pool", "front", "end", "used_at")
+
+    def __init__(self, generation: int, pool: int, start: int, end: int, used_at: float) -> None:
+        self.generation, self.pool, self.front, self.end = generation, pool, start, end
+        self.used_at = used_at  # monotonic: when last placed in (or asked for)
+
+
 class Placed:
     """One put placed in a lease: where its bytes go and the record that will name them."""
 
-    __slots__ = ("key", "extent", "seq", "dtype", "shape", "nbytes")
+    __slots__ = ("key", "extent", "seq", "dtype", "shape", "nbytes", "meta")
 
-    def __init__(self, key: str, extent: Extent, seq: int, dtype: int, shape: tuple, nbytes: int) -> None:
+    def __init__(self, key: str, extent: Extent, seq: int, dtype: int, shape: tuple, nbytes: int,
+                 meta: bytes = b"") -> None:
         self.key, self.extent, self.seq, self.dtype, self.shape, self.nbytes = key, extent, seq, dtype, shape, nbytes
+        self.meta = meta  # its EntryMeta, encoded: written into the lease after its bytes
 
 
 class Submissions:
@@ -83,7 +95,7 @@ class Submissions:
         self.lock = threading.Lock()
         self.next_seq = 1
         self.posted = 0  # the last sequence number posted
-        self.lease: list | None = None  # [generation, pool, front, end, last used (monotonic)]
+        self.lease: _Lease | None = None
         # how long after its last use a lease may still be copied into (inf: the daemon watches
         # this process, and its leases end only with it; else they expire unused: PutRoute.safe_write_window)
         self.window = window
@@ -97,28 +109,30 @@ class Submissions:
 
     # ---- place ----------------------------------------------------------------------------
 
-    def place(self, c: "Client", tensors: dict[str, Any], sizes: list[int], dtypes: list[str]) -> list[Placed]:
+    def place(self, c: "Client", tensors: dict[str, Any], sizes: list[int], dtypes: list[str],
+              metas: Mapping[str, Any] | None = None) -> list[Placed]:
         """A place in a lease and a sequence number for each tensor it can take, in order; the
-        others (a key over MAX_KEY bytes, over MAX_NDIM dimensions, no lease to be had) are left
-        out for the ordinary route."""
+        others (a key over MAX_KEY bytes, over MAX_NDIM dimensions, a meta over MAX_META, no
+        lease to be had) are left out for the ordinary route."""
         placed: list[Placed] = []
         with self.lock:
             for (key, tensor), nbytes, dtype in zip(tensors.items(), sizes, dtypes):
                 code = DTYPE_CODES.get(dtype)
-                if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY:
+                meta = encoder.encode(metas[key]) if metas and metas.get(key) is not None else b""
+                if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY or len(meta) > MAX_META:
                     continue
-                extent = self._take(c, align_up(max(nbytes, 1)))
+                extent = self._take(c, align_up(max(nbytes, 1)) + align_up(len(meta)))
                 if extent is None:
                     continue
-                placed.append(Placed(key, extent, self.next_seq, code, tuple(tensor.shape), nbytes))
+                placed.append(Placed(key, extent, self.next_seq, code, tuple(tensor.shape), nbytes, meta))
                 self.next_seq += 1
         return placed
 
     def _take(self, c: "Client", size: int) -> Extent | None:
         lease, now = self.lease, time.monotonic()
-        if lease is not None and now - lease[4] > self.window:
+        if lease is not None and now - lease.used_at > self.window:
             lease = self.lease = None  # the daemon may have taken it back
-        if lease is None or lease[2] + size > lease[3]:
+        if lease is None or lease.front + size > lease.end:
             lease = self._next_lease(size)
             if lease is None:
                 if now < self._refused_until or not self._ask(c, size):
@@ -126,16 +140,16 @@ class Submissions:
                 lease = self._next_lease(size)
                 if lease is None:
                     return None
-        extent = Extent(lease[0], lease[1], lease[2])
-        lease[2] += size
-        lease[4] = now
+        extent = Extent(lease.generation, lease.pool, lease.front)
+        lease.front += size
+        lease.used_at = now
         return extent
 
     def deadline(self) -> float:
         """Until when the bytes of what was just placed may be copied."""
-        return self.lease[4] + self.window if self.lease is not None else 0.0
+        return self.lease.used_at + self.window if self.lease is not None else 0.0
 
-    def _next_lease(self, size: int) -> list[int] | None:
+    def _next_lease(self, size: int) -> _Lease | None:
         """The next lease the daemon granted on the page that holds `size` bytes (the client never
         goes back to an older one)."""
         granted = int(self.header[GRANTS_COUNT_AT // 8])
@@ -150,7 +164,7 @@ class Submissions:
             sizes = self.mapping.sizes
             if not (pool < len(sizes) and start + nbytes <= sizes[pool]):
                 continue  # not in this client's pools: a broken page
-            self.lease = [generation, pool, start, start + nbytes, self._asked_at]
+            self.lease = _Lease(generation, pool, start, start + nbytes, self._asked_at)
             if nbytes >= size:
                 return self.lease
         return None
@@ -178,13 +192,17 @@ class Submissions:
         self._check_epoch()
         flags = FLAG_ABORT if aborted else (FLAG_CHECKSUM if checksum else 0)
         buf, records = self.buf, self.records
+        pool = self.mapping.rw
         for put, digest in zip(placed, digests):
             self._room_for(put.seq, timeout)
+            if put.meta and not aborted:
+                meta_at = put.extent.offset + align_up(max(put.nbytes, 1))
+                pool[put.extent.pool][meta_at:meta_at + len(put.meta)] = put.meta
             at = self.page_at + PAGE_HEADER + ((put.seq - 1) % records) * RECORD
             key = put.key.encode()
             shape = put.shape + (0,) * (MAX_NDIM - len(put.shape))
             RECORD_BODY.pack_into(buf, at + 8, put.extent.generation, put.extent.offset, put.nbytes, digest, flags,
-                                  put.dtype, len(put.shape), len(key), *shape, key)
+                                  put.dtype, len(put.shape), len(key), len(put.meta), *shape, key)
             if barrier is not None:
                 barrier()  # the record's fields before its sequence number
             SEQ.pack_into(buf, at, put.seq)
@@ -209,9 +227,7 @@ class Submissions:
             self.wait_for(seq - self.records, timeout, word=CONSUMED_AT)
 
     def _check_epoch(self) -> None:
-        """The page is still this daemon run's, and (a named file) still there: IntegrityError
-        rather than a fault where another process truncated it."""
-        self.mapping.rw_for(0, self.page_at + page_bytes(self.records), 0)
+        """The page is still this daemon run's."""
         if int(self.area_epoch[0]) != self.epoch:
             raise StaleGeneration(RESTARTED)
 

@@ -25,6 +25,8 @@ needs one: a reader that sees the number sees the rest. The daemon reads every r
 untrusted input (daemon/writes/consumer.py). A record asks the daemon to commit `nbytes` bytes at
 `offset` of the lease `lease` (offsets only grow within a lease) as the entry `key` of the
 lease's namespace; FLAG_ABORT says the put failed after its place was taken (nothing to store).
+A record with a meta length has the entry's EntryMeta (msgpack) in the lease right after its
+bytes' aligned end; the daemon decodes it and gives those bytes back.
 """
 from __future__ import annotations
 
@@ -43,13 +45,14 @@ GRANTS, GRANTS_AT, GRANT = 4, 128, struct.Struct("<4Q")
 ERRORS_COUNT_AT, ERRORS_AT, ERRORS = 256, 264, 7
 ERROR = struct.Struct("<QII80s")  # seq, code, length of the message, the message (utf-8, cut)
 
-# seq, lease, offset, nbytes, checksum, flags, dtype, ndim, key length, shape[8], key
+# seq, lease, offset, nbytes, checksum, flags, dtype, ndim, key length, meta length, shape[8], key
 RECORD = 256
 MAX_NDIM = 8
-MAX_KEY = 144
-RECORD_FORMAT = struct.Struct(f"<QQQQQHBBH2x{MAX_NDIM}Q{MAX_KEY}s")
+MAX_KEY = 136
+MAX_META = 1 << 20  # the entry's EntryMeta, msgpack, in the lease right after its bytes
+RECORD_FORMAT = struct.Struct(f"<QQQQQHBBH2xI4x{MAX_NDIM}Q{MAX_KEY}s")
 assert RECORD_FORMAT.size == RECORD
-RECORD_BODY = struct.Struct(f"<QQQQHBBH2x{MAX_NDIM}Q{MAX_KEY}s")  # all but seq, at offset 8
+RECORD_BODY = struct.Struct(f"<QQQQHBBH2xI4x{MAX_NDIM}Q{MAX_KEY}s")  # all but seq, at offset 8
 SEQ = struct.Struct("<Q")
 
 FLAG_CHECKSUM = 1  # `checksum` is the bytes' xxh3-64 digest

@@ -204,14 +204,14 @@ def slow_put(endpoint: str, key: str, numel: int) -> None:
             time.sleep(60)
 
     put_module.copy_into = half_then_hang
-    with Client(endpoint, timeout=10.0) as c:
+    with Client(endpoint, timeout=10.0, submit=False) as c:  # the round-trip route: a WRITING entry
         c.put(key, garbage(numel))
 
 
 def stop_after_alloc(endpoint: str, key: str, numel: int) -> None:
     from ecd.client.testing import intercept_round_trips
     from ecd.protocol import Alloc
-    c = Client(endpoint, timeout=10.0)
+    c = Client(endpoint, timeout=10.0, submit=False)  # the round-trip route: it stops after its Alloc
 
     def call(request, send):
         reply = send(request)

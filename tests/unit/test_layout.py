@@ -21,10 +21,10 @@ MAX_PACKAGE_MODULES = 12
 # serves peers the way the control socket serves clients); server.py assembles everything.
 DAEMON_LAYERS = {
     "registry": {"registry"},
-    "ops": {"ops", "registry"},
+    "ops": {"ops", "registry", "writes"},
     "tiers": {"tiers", "registry", "ops"},
     # puts without a message: put leases and the submission area's consumer
-    "writes": {"writes", "registry", "tiers", "ops"},
+    "writes": {"writes", "registry"},
     "control": {"control", "registry", "tiers", "ops", "writes"},
     "peer": {"peer", "control", "registry", "tiers", "ops"},
     # what outlives the process: the keepers of the pool and the adoption of its journal

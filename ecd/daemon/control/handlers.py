@@ -338,7 +338,7 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
         ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
         disk=context.lower_tier.stats(), sessions=context.sessions.listing(), restart=context.restart(),
-        events=context.events(),
+        events=context.events(), leased_bytes=context.submissions.totals()[1] if context.submissions else 0,
         **cluster_stats(context))
 
 

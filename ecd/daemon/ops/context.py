@@ -46,6 +46,8 @@ class MetricsSource:
     curve: "CurveAuth | None"  # the control socket's CURVE handshakes refused
     restart: Callable[[], "RestartStats"]  # how this start went ([restart]): ecd_restart_*, ecd_journal_*
     events: Callable[[], "EventsStats | None"] = lambda: None  # [events]: ecd_events_*
+    # puts without a message (daemon/writes): (leases held, bytes not yet carved, pages in use)
+    submissions: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
     http: "MetricsServer | None" = None  # the endpoint serving these (made with them: set once it exists)
 
 

@@ -24,6 +24,7 @@ from ...listeners import bind_tcp_listener
 from ..registry.entries import State
 from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
+from ..writes.leases import LEASE_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...protocol import EventsStats, RestartStats
@@ -145,6 +146,19 @@ class DaemonCollector:
                          "refused (quota or no free extent: the put takes Alloc), then published, aborted, "
                          "expired or reclaimed (its client went)", "outcome",
                          ((outcome, c[f"reservations_{outcome}"]) for outcome in RESERVATION_OUTCOMES))
+        leases, leased_bytes, pages = d.submissions()
+        yield GaugeMetricFamily("ecd_put_leases", "Put leases clients hold (pool space they place puts in "
+                                "without a message)", value=leases)
+        yield GaugeMetricFamily("ecd_leased_bytes", "Bytes of put leases not yet carved into entries (counted "
+                                "in their namespace's use)", value=leased_bytes)
+        yield GaugeMetricFamily("ecd_submission_pages", "Sessions with a submission page", value=pages)
+        yield counter_by("ecd_put_leases", "Put leases by outcome: granted or refused, then filled, retired "
+                         "(its client moved to a newer one), expired or reclaimed", "outcome",
+                         ((outcome, c[f"put_leases_{outcome}"]) for outcome in LEASE_OUTCOMES))
+        yield counter_by("ecd_submission_records", "Submission records read, by outcome: committed, refused "
+                         "(the reason goes to the client's page), aborted (its put failed)", "outcome",
+                         (("committed", c["submission_records"] - c["submission_refused"] - c["submission_aborts"]),
+                          ("refused", c["submission_refused"]), ("aborted", c["submission_aborts"])))
 
         used = GaugeMetricFamily("ecd_pool_used_bytes", "Bytes allocated in each pool: host<n> segments, "
                                  "cuda<ordinal> arenas", labels=["pool"])

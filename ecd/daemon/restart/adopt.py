@@ -70,8 +70,14 @@ def slot_tail_bytes(config: "Config") -> int:
     """Bytes after segment 0's share of the pool: the submission area (ecd/writes/submission.py),
     then the read slots (memory/entry_index.py)."""
     leases = config.leases
-    return (area_bytes(leases.slot_sessions, leases.submit_records)
-            + slot_area_bytes(leases.slot_sessions, leases.read_slots))
+    return (submission_bytes(config) + slot_area_bytes(leases.slot_sessions, leases.read_slots))
+
+
+def submission_bytes(config: "Config") -> int:
+    """The submission area's bytes: none with named files (`backing = "named"`), which another
+    process may truncate under a client's loads and stores of its page (a fault in the client)."""
+    leases = config.leases
+    return area_bytes(leases.slot_sessions, leases.submit_records) if config.pool.host.backing != "named" else 0
 
 
 def layout_of(config: "Config") -> Layout:

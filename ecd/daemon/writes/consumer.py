@@ -27,15 +27,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ...errors import Code
 from ...memory import kernel_copy
 from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.fence import barrier, full_barrier
-from ...protocol import AllocItem, Failure
+from ...protocol import AllocItem, EntryMeta, Failure
 from ...writes import futex
 from ...writes.submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
-                                  GRANTS_COUNT_AT, MAX_KEY, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
+                                  GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes)
 from ..registry.entries import Session
 from .leases import LIVE_LEASES, Leasing, PutLease
@@ -64,12 +66,14 @@ class _Page:
 
 
 class SubmissionArea:
-    def __init__(self, segment: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
+    def __init__(self, segments: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
                  epoch: int) -> None:
-        """`segment`: host pool segment 0 (its ShmFile); the area is its bytes from `offset`. A
+        """`segments`: the host pool's (ShmFiles); the area is segment 0's bytes from `offset`. A
         kept pool's area is the previous run's: records it had not read are dropped (their bytes
         lie in its leases' intents, quarantined by the adoption) and the area is cleared."""
-        self.segment, self.offset, self.pages, self.records = segment, offset, pages, records
+        segment = segments[0]
+        self.segment, self.segments, self.offset, self.pages, self.records = segment, segments, offset, pages, records
+        self._meta_decoder = msgspec.msgpack.Decoder(EntryMeta)
         self.store, self.leasing = store, leasing
         self.page_bytes = page_bytes(records)
         self.nbytes = area_bytes(pages, records)
@@ -155,7 +159,11 @@ class SubmissionArea:
             if SEQ.unpack_from(fields, at)[0] != seq:
                 last = seq  # rewritten since: a hostile client; read again next time
                 break
-            self._settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
+            try:
+                self._settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
+            except Exception as exc:  # a bug of ours: this record is refused, the daemon goes on
+                log.exception("submission record %d of session %d", seq, state.session.id)
+                self._refuse(state, seq, Code.INTERNAL, f"record {seq}: the daemon failed on it: {exc!r}")
         state.expected = last
         if last > first:
             self.store.counters["submission_records"] += last - first
@@ -171,34 +179,44 @@ class SubmissionArea:
 
     def _settle(self, state: _Page, seq: int, fields: tuple) -> None:
         """One record: an entry, or a refusal on the page."""
-        lease_generation, offset, nbytes, checksum, flags, dtype_code, ndim, key_length = fields[:8]
-        shape, key_bytes = fields[8:8 + MAX_NDIM], fields[8 + MAX_NDIM]
+        lease_generation, offset, nbytes, checksum, flags, dtype_code, ndim, key_length, meta_length = fields[:9]
+        shape, key_bytes = fields[9:9 + MAX_NDIM], fields[9 + MAX_NDIM]
         store, session = self.store, state.session
         lease = self.leasing.find(session, lease_generation)
         if lease is None:
             return self._refuse(state, seq, Code.STALE, f"record {seq} names put lease {lease_generation}, which "
                                                         "this client does not hold (ended, or never granted)")
         size = align_up(max(nbytes, 1))
-        if offset % ALIGNMENT or not lease.front <= offset <= lease.end - size:
+        if offset % ALIGNMENT:
+            return self._refuse(state, seq, Code.INVALID, f"record {seq}: offset {offset} is not aligned to "
+                                                          f"{ALIGNMENT} bytes")
+        end = offset + size + align_up(meta_length) if meta_length else offset + size
+        if not lease.front <= offset < end <= lease.end or meta_length > MAX_META:
             return self._refuse(state, seq, Code.INVALID, f"record {seq}: bytes [{offset}, {offset + size}) are not "
                                                           f"in the free part [{lease.front}, {lease.end}) of put "
                                                           f"lease {lease_generation} (records go in order)")
         self.leasing.retire_older(lease)
         lease.last_used = store.clock()
         if flags & ~FLAGS_KNOWN or flags & FLAG_ABORT:
-            self.leasing.skip_to(lease, offset + size)
+            self.leasing.skip_to(lease, end)
             if flags & ~FLAGS_KNOWN:
                 return self._refuse(state, seq, Code.INVALID, f"record {seq}: unknown flags {flags:#x}")
             store.counters["submission_aborts"] += 1
             return None
         item = self._item(lease, dtype_code, ndim, key_length, shape, key_bytes, nbytes)
+        if not isinstance(item, Failure) and meta_length:
+            item.meta = self._meta(lease, offset + size, meta_length)
+            if isinstance(item.meta, Failure):
+                item = item.meta
         if isinstance(item, Failure):
-            self.leasing.skip_to(lease, offset + size)
+            self.leasing.skip_to(lease, end)
             return self._refuse(state, seq, item.code, f"record {seq}: {item.message}")
         old_intent = self.leasing.carve(lease, offset, nbytes)
         store.uncharge(lease.ns, size)  # the entry charges its namespace (the lease's) again
         extent = store.open_write(session, lease.ns, item, (lease.pool, offset))
         self.leasing.carved(lease, old_intent)
+        if meta_length:
+            self.leasing.skip_to(lease, end)  # the meta's bytes go back
         refused = store.commit(session, extent.generation, checksum if flags & FLAG_CHECKSUM else 0)
         if refused is not None:
             return self._refuse(state, seq, refused.code, f"record {seq}: {refused.message}")
@@ -218,6 +236,16 @@ class SubmissionArea:
         failure = self.store.checks.item(lease.ns, item, (lease.pool,))
         return item if failure is None else failure
 
+    def _meta(self, lease: PutLease, at: int, length: int) -> Any:
+        """The EntryMeta a record's meta bytes encode (read from the pool), or a Failure."""
+        raw = bytearray(length)
+        if self.segments[lease.pool].read_into(at, memoryview(raw)) < length:
+            return Failure(Code.INVALID, "its meta lies past the end of a truncated pool file")
+        try:
+            return self._meta_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Failure(Code.INVALID, f"its meta is not an EntryMeta: {exc}")
+
     def _refuse(self, state: _Page, seq: int, code: int, message: str) -> None:
         text = message.encode()[:ERROR.size - 16]
         slot = state.errors % ERRORS
@@ -230,15 +258,13 @@ class SubmissionArea:
         log.debug("submission refused: session %d %s", state.session.id, message)
 
     def _refill(self, state: _Page, lease: PutLease) -> None:
-        """Grant the next lease once the newest is half carved, so the client never waits for one.
+        """Keep one lease granted ahead of the one being filled, so the client never waits for one.
         Not for a client the daemon cannot watch: its leases expire unused, and it can only know
         how old one is when it asked for it itself (LeaseSpace)."""
         if not state.session.watched:
             return
         live = self.leasing.live(state.session)
         if len(live) >= LIVE_LEASES or not live or live[-1] is not lease:
-            return
-        if 2 * (lease.front - lease.start) < lease.end - lease.start:
             return
         granted = self.leasing.grant(state.session, lease.ns)
         if isinstance(granted, PutLease):
@@ -317,6 +343,6 @@ class SubmissionArea:
         self._asleep = asleep
         self.segment.write_at(self.offset + SLEEPING_AT, _U32.pack(int(asleep)))
 
-    def totals(self) -> tuple[int, int]:
-        """(pages in use, pages)."""
-        return len(self._by_session), self.pages
+    def totals(self) -> tuple[int, int, int]:
+        """(put leases, bytes they hold not yet carved, pages in use): for /metrics."""
+        return (*self.leasing.totals(), len(self._by_session))

@@ -16,8 +16,8 @@ Invariants:
   before the entry's record and forgets the old one after, so a kill at any point leaves every
   byte of it owned by exactly one record (an adopting restart skips an intent that starts
   where an entry does, and refuses the later of two overlapping ones) and quarantines the rest.
-- The one being filled and the next, granted ahead (refill: up to LIVE_LEASES) when the daemon
-  sees the current one half carved, so a steady producer never waits; a client may ask for more
+- The one being filled and the next, granted ahead (refill: up to LIVE_LEASES) once the daemon
+  sees a record in the current one, so a steady producer never waits; a client may ask for more
   (LeaseSpace, up to MAX_LEASES: a put larger than what its leases have left). A record naming a
   lease retires every older one (the client places in sequence order and never goes back, so
   every record of an older lease came before).
@@ -154,8 +154,8 @@ class Leasing:
 
     def _give_back(self, lease: PutLease, offset: int) -> None:
         """Free [front, offset) (a split extent of its own) and uncharge it."""
-        allocator = self.store.host.allocators[lease.pool]
-        allocator.split(offset)
+        if offset < lease.end:
+            self.store.host.allocators[lease.pool].split(offset)
         size = offset - lease.front
         self.store.host.free(lease.pool, lease.front, size)
         self.store.uncharge(lease.ns, size)

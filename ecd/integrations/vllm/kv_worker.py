@@ -3,8 +3,8 @@ paged KV cache (paged_kv.py) and the node's ecd pool, as the scheduler side plan
 
 `start_load_kv` fetches every block of the step with one `view_many` (a CPU engine: one copy,
 from the pool into its blocks) or `get_many` (a GPU engine: straight to its device) and copies it
-into the paged cache; `wait_for_save` writes the step's new blocks with one `put_many`, copying
-straight out of the paged cache. Loads are synchronous (the step that consumes them waits for
+into the paged cache; `wait_for_save` writes the step's new blocks with `put_many(wait=False)` (no
+message per block) and one flush, copying straight out of the paged cache. Loads are synchronous (the step that consumes them waits for
 them); a save is finished when `wait_for_save` returns. With tensor or pipeline parallelism each
 worker stores its own part of a block under the block's key plus its rank (metadata.rank_suffix).
 
@@ -251,14 +251,16 @@ class EcdKVConnectorWorker:
         if client is None:
             self._log.warning("save", "skipped saving %d blocks: the daemon is unavailable", len(items))
             return
-        # One put_many (one allocation, one commit) for all of them, unless there are more
-        # than the daemon takes in one batch or they must be staged through a bounded buffer.
+        # Every block posted without waiting (no message per put: ecd/writes), then one flush: the
+        # step's blocks are visible to other engines when wait_for_save returns. Batches of at most
+        # what the daemon takes in one, or what a bounded staging buffer holds.
         per_put = client.limits.max_batch
         if paged.stacked is None or not paged.use_numpy:
             per_put = min(per_put, max(1, STAGING_MAX_BYTES // paged.entry_nbytes))
+        posted: list[str] = []
         for chunk in batches(items, per_put):
             if self.client.backing_off:
-                return  # the daemon went away during this save: the rest would be misses too
+                break  # the daemon went away during this save: the rest would be misses too
             try:
                 tensors = paged.gather([b for _, b in chunk])
             except Exception as exc:
@@ -268,11 +270,17 @@ class EcdKVConnectorWorker:
             def put(c, chunk=chunk, tensors=tensors) -> bool:
                 c.put_many({key: t for (key, _), t in zip(chunk, tensors)},
                            meta={key: about[key] for key, _ in chunk if key in about},
-                           checksum=self.client.settings.verify)
+                           checksum=self.client.settings.verify, wait=False)
                 return True
-            if self.client.call("put_many", put) and self.on_saved is not None:
-                stored = list(dict.fromkeys(key for key, _ in chunk))  # a block two requests share: once
-                self.on_saved(stored, [about[key] for key in stored if key in about])
+            if self.client.call("put_many", put):
+                posted.extend(key for key, _ in chunk)
+        def flush(c) -> bool:
+            c.flush()  # every block of the step visible to other engines (or the refusal raised)
+            return True
+        flushed = bool(posted) and self.client.call("put_many", flush) is True
+        if flushed and self.on_saved is not None:
+            stored = list(dict.fromkeys(posted))  # a block two requests share: once
+            self.on_saved(stored, [about[key] for key in stored if key in about])
 
     def shutdown(self) -> None:
         self.client.close()

@@ -1,0 +1,142 @@
+"""Puts without a message (issue 43): put leases placed in by the client, records on its
+submission page committed by the daemon, flush and wait, and refusals with a reason."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import metric, metric_by_label, scrape_metrics, wait_for
+from ecd.client.testing import intercept_round_trips, submission_page
+from ecd.errors import LimitExceeded, QuotaExceeded
+
+N = 16384  # 64 KiB of float32
+
+
+def test_a_stream_of_puts_sends_the_daemon_no_message_per_put(daemon_factory):
+    """1000 puts: the only requests are the lease the first one asks for (the daemon grants the
+    next ones ahead, on the page), and every entry is there with its bytes."""
+    daemon = daemon_factory(size="256MiB")  # 8 MiB slabs: 128 puts of 64 KiB each
+    sent: list[str] = []
+    with daemon.client() as c:
+        with intercept_round_trips(c, lambda request, send: (sent.append(type(request).__name__), send(request))[1]):
+            for i in range(1000):
+                c.put(f"k{i}", torch.full((N,), float(i)), wait=False)
+            c.flush()
+        assert sent.count("LeaseSpace") <= 3, sent  # 1000 x 64 KiB through 8 leases: granted ahead
+        assert set(sent) <= {"LeaseSpace"}, sent
+        with daemon.client() as other:
+            for i in (0, 1, 500, 999):
+                assert torch.equal(other.get(f"k{i}"), torch.full((N,), float(i)))
+        body = scrape_metrics(daemon.metrics_port)
+        assert metric_by_label(body, "ecd_submission_records_total", "outcome")["committed"] == 1000
+        assert metric_by_label(body, "ecd_put_leases_total", "outcome")["granted"] >= 8
+
+
+def test_a_put_not_waited_for_is_visible_to_another_process_after_flush(daemon, actors):
+    producer, consumer = actors(daemon.endpoint), actors(daemon.endpoint)
+    for i in range(20):
+        assert producer.ask(f"put-nowait e{i} {i} 5000") == "ok"
+    assert producer.ask("flush") == "ok"
+    for i in range(20):
+        assert consumer.ask(f"get e{i} {i} 5000") == "ok"
+
+
+def test_a_client_reads_its_own_writes_at_once(daemon):
+    with daemon.client() as c:
+        for i in range(50):
+            c.put("same", torch.full((N,), float(i)), wait=False)
+            assert c.exists("same")
+            assert float(c.get("same")[0]) == i  # the record before it committed first
+        c.delete("same")
+        assert not c.exists("same")
+
+
+def test_a_refused_put_names_its_key_and_reason(daemon_factory):
+    """The daemon refuses a record whose key breaks [limits]: put(wait=True) raises it; puts
+    with wait=False raise it at flush (naming the key), and the rest of them are stored."""
+    d = daemon_factory(extra="[limits]\nmax_key_bytes = 16\n")
+    with d.client() as c:
+        with pytest.raises(LimitExceeded, match="max_key_bytes"):
+            c.put("a-key-of-twenty-b", torch.ones(N))
+        c.put("fine-1", torch.ones(N), wait=False)
+        c.put("another-long-key!", torch.ones(N), wait=False)
+        c.put("fine-2", torch.ones(N), wait=False)
+        with pytest.raises(LimitExceeded, match="another-long-key!"):
+            c.flush()
+        c.flush()  # raised once
+        assert c.exists(["fine-1", "another-long-key!", "fine-2", "a-key-of-twenty-b"]) == [True, False, True, False]
+        assert metric_by_label(scrape_metrics(d.metrics_port), "ecd_submission_records_total", "outcome")["refused"] == 2
+
+
+def test_a_put_larger_than_the_slab_takes_a_lease_of_its_own(daemon):
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: twice the 64 MiB pool's 2 MiB slab
+    with daemon.client() as c:
+        c.put("big", big, wait=False)
+        c.put("small", torch.ones(10), wait=False)
+        c.flush()
+        with daemon.client() as other:
+            assert torch.equal(other.get("big"), big)
+            assert torch.equal(other.get("small"), torch.ones(10))
+
+
+def test_lease_space_goes_back_when_the_client_goes(daemon):
+    with daemon.client() as c:
+        for i in range(10):
+            c.put(f"k{i}", torch.ones(N), wait=False)
+        c.flush()
+        leased = metric(scrape_metrics(daemon.metrics_port), "ecd_leased_bytes")
+        assert leased > 0
+    wait_for(lambda: metric(scrape_metrics(daemon.metrics_port), "ecd_leased_bytes") == 0)
+    with daemon.client() as c:
+        stats = c.stats()
+        assert stats["used_bytes"] == 10 * N * 4  # the entries only: every leased byte returned
+        assert stats["entries_ready"] == 10
+
+
+def test_a_namespace_quota_holds_at_every_instant(daemon_factory):
+    """Leased plus committed bytes never pass the quota while a producer streams puts into it."""
+    d = daemon_factory(size="64MiB", extra='[namespaces.capped]\nquota = "4MiB"\n')
+    peaks: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peaks.append(metric_by_label(scrape_metrics(d.metrics_port), "ecd_namespace_used_bytes", "namespace")
+                         .get("capped", 0.0))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with d.client(namespace="capped") as c:
+            for i in range(300):
+                c.put(f"k{i}", torch.full((N,), float(i)), wait=False)
+            c.flush()
+            assert float(c.get("k299")[0]) == 299
+    finally:
+        done.set()
+        watcher.join()
+    assert peaks and max(peaks) <= 4 << 20
+
+
+def test_a_quota_smaller_than_a_slab_is_refused_a_lease_and_puts_go_the_ordinary_way(daemon_factory):
+    d = daemon_factory(extra='[namespaces.tiny]\nquota = "256KiB"\n')
+    with d.client(namespace="tiny") as c:
+        c.put("a", torch.ones(N), wait=False)  # a lease of the put's size fits; a slab would not
+        c.flush()
+        with pytest.raises(QuotaExceeded):
+            c.put("huge", torch.ones(1 << 17))  # 512 KiB: over the quota whatever the route
+        assert torch.equal(c.get("a"), torch.ones(N))
+
+
+def test_submissions_off_puts_go_the_ordinary_way(daemon_factory):
+    d = daemon_factory(extra="[leases]\nsubmit_records = 0\n")
+    sent: list[str] = []
+    with d.client() as c:
+        assert submission_page(c) is None
+        with intercept_round_trips(c, lambda request, send: (sent.append(type(request).__name__), send(request))[1]):
+            c.put("a", torch.ones(N), wait=False)
+        c.flush()
+        assert sent == ["PutInline"]
+        assert torch.equal(c.get("a"), torch.ones(N))
