@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-local-reads bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional venvs test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-local-reads bench-writes bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional venvs test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -125,6 +125,11 @@ bench-fleet: $(VENV)/.installed redis-server
 # the daemon's requests per read from another process (benchmarks/bench_local_reads.py)
 bench-local-reads: $(VENV)/.installed
 	$(PY) benchmarks/bench_local_reads.py $(BENCH_LOCAL_READS_ARGS)
+
+# puts without a round trip (issue 43): a stream of puts vs the round-trip route and a memcpy, a
+# waited put and a put + get across processes vs a bare REQ/REP round trip, requests per put
+bench-writes: $(VENV)/.installed
+	$(PY) benchmarks/bench_writes.py $(BENCH_WRITES_ARGS)
 
 # [events] on vs off (paired ratios, a reading and a deaf subscriber) and event latency vs a bare ZMQ hop
 bench-events: $(VENV)/.installed

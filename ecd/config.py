@@ -228,7 +228,7 @@ class LeasesSection(Section):
     # Puts without a message (ecd/writes/submission.py): each of up to `slot_sessions` sessions
     # gets a ring of `submit_records` records (256 bytes each, in shared memory beside the read
     # slots; 0: off, every put asks the daemon) and leases of `put_slab` bytes of the pool (at
-    # most 1/32 of it) that it places its puts in.
+    # most 1/128 of it) that it places its puts in.
     submit_records: int = 128
     put_slab: ByteSize = ByteSize(16 << 20)
 

@@ -118,7 +118,7 @@ def write(endpoint: str, ident: str, seed: int, entries: int, log_path: str, nam
 def stale_put(endpoint: str, key: str, nbytes: int, count: int = 0) -> None:
     from ecd.client.testing import intercept_round_trips
     from ecd.protocol import Alloc
-    client = Client(endpoint, timeout=5.0)
+    client = Client(endpoint, timeout=5.0, submit=False)  # the round-trip route: it stops after its Alloc
     stopped = []
 
     def call(request, send):

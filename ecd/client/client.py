@@ -119,7 +119,7 @@ class Client(ControlClient):
         """Its page of read slots, if the daemon gave one. Views open on the old page (another
         session's soon) take read leases instead (after a restart: _restarted does)."""
         old, self._slots = self._slots, slot_page(welcome, self._map)
-        self._writes = submissions(welcome, self._map) if self.submit else None
+        self._writes = submissions(welcome, self._map, self._writes) if self.submit else None
         if self._pins is not None:  # the daemon takes over what the old page pinned
             for ns, by_time in self._pins.handed_over().items():
                 for seconds, keys in by_time.items():

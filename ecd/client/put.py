@@ -135,6 +135,9 @@ class PutRoute:
                         del pending[key]
                 return
             except StaleGeneration:
+                writes = c._writes
+                if not attempt and c._map.epoch == epoch and writes is not None and writes.gone():
+                    c.ping()  # the page says the daemon restarted: reconnect (a new session, page, epoch)
                 if attempt or c._map.epoch == epoch:
                     raise
 
@@ -192,8 +195,10 @@ class PutRoute:
         dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline()).placed = placed
         digests = self.copy(c, dest, checksum)
         with c._lock:
+            cache = c.location_cache
             for keyhash in dest.keyhashes:
-                c.location_cache.forget(keyhash)  # a generation cached before is being replaced
+                cache.forget(keyhash)  # a generation cached before is being replaced
+            cache.catch_up(c.mapping.ring)  # a client that only puts keeps up with the ring
         writes.post(placed, digests, checksum, wait, c.timeout)
         return {key: t for key, t in tensors.items() if key not in dest.keys} if len(placed) < len(tensors) else {}
 

@@ -88,7 +88,8 @@ def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
         return None
     segment = d.pool.segments[0]
     area = SubmissionArea(d.pool.segments, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
-                          Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch)
+                          Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch,
+                          float(leases.write_ttl))
     store.session_closers.append(area.close)
     area.start(d.loop)
     return area

@@ -29,6 +29,7 @@ from ..errors import RESTARTED, Code, DaemonUnavailable, StaleGeneration, error_
 from ..memory import kernel_copy
 from ..memory.allocator import align_up
 from ..memory.fence import barrier, full_barrier
+from ..memory.ring import READER_TRUST_S
 from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
 from . import futex
 from .submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
@@ -44,8 +45,10 @@ WAIT_SLICE_S = 0.05  # a wait looks at the session this often (a reconnect, the 
 LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
 
 
-def submissions(welcome: "Welcome", mapping: "EpochMapping | None") -> "Submissions | None":
-    """The session's page, when the daemon gave one and this client maps the pool."""
+def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
+                previous: "Submissions | None" = None) -> "Submissions | None":
+    """The session's page, when the daemon gave one and this client maps the pool (taking over
+    what `previous`, the page of this client's session before, has not reported)."""
     location = welcome.ring.submissions
     if len(location) != 4 or mapping is None or not mapping.local or not mapping.sealed:
         return None  # (a named file may be truncated under the page's loads: none is given for one)
@@ -55,7 +58,10 @@ def submissions(welcome: "Welcome", mapping: "EpochMapping | None") -> "Submissi
         return None  # not inside segment 0: ignore it, put the ordinary way
     heartbeat_s = welcome.heartbeat_s  # > 0: the daemon cannot watch this process; its leases expire
     window = math.inf if heartbeat_s <= 0 else min(welcome.limits.write_ttl_s / 2, 1.5 * heartbeat_s)
-    return Submissions(location, mapping, welcome.session, welcome.epoch, window)
+    page = Submissions(location, mapping, welcome.session, welcome.epoch, window)
+    if previous is not None:
+        page.inherit(previous)
+    return page
 
 
 class _Lease:
@@ -106,6 +112,8 @@ class Submissions:
         self._errors_seen = 0
         self._unreported: list[tuple[int, int, str]] = []  # (seq, code, message) of refusals not raised yet
         self._waiters = 0
+        self._committed_seen = 0  # the highest `committed` read while the page was this run's
+        self._raised_lost = 0  # records of waited puts a restart took, already raised to their callers
 
     # ---- place ----------------------------------------------------------------------------
 
@@ -213,7 +221,11 @@ class Submissions:
         if wait or self.area[SLEEPING_AT // 4]:
             self.ring()
         if wait:
-            self.wait_for(placed[-1].seq, timeout)
+            try:
+                self.wait_for(placed[-1].seq, timeout)
+            except StaleGeneration:
+                self._raised_lost += len(placed)  # said by this raise: not again as lost
+                raise
             self._raise_refused([p.seq for p in placed])
 
     def ring(self) -> None:
@@ -226,10 +238,48 @@ class Submissions:
             self.ring()
             self.wait_for(seq - self.records, timeout, word=CONSUMED_AT)
 
+    def stale(self) -> bool:
+        """A new daemon run owns the area now (this page may be another session's)."""
+        return int(self.area_epoch[0]) != self.epoch
+
+    def gone(self) -> bool:
+        """Stale, or this run's daemon stopped: its ring closed, or silent past READER_TRUST_S (a
+        cold restart maps a new pool: nobody writes this area again)."""
+        return self.stale() or not self.mapping.ring.alive(READER_TRUST_S)
+
     def _check_epoch(self) -> None:
-        """The page is still this daemon run's."""
-        if int(self.area_epoch[0]) != self.epoch:
+        if self.stale():
             raise StaleGeneration(RESTARTED)
+
+    def _committed(self) -> int:
+        """The last sequence number the daemon settled, as far as this run's page says (read
+        before the epoch: a value read after a restart handed the page on is not believed)."""
+        committed = int(self.header[COMMITTED_AT // 8])
+        if not self.stale():
+            self._committed_seen = max(self._committed_seen, committed)
+        return self._committed_seen
+
+    def _drop_lost(self, raise_it: bool) -> None:
+        """The daemon restarted: what it had not settled is gone with it. Said once: raised, or
+        kept for the next flush (of this client's next page: `inherit`)."""
+        lost = max(0, self.posted - self._committed_seen - self._raised_lost)
+        self.posted = self._committed_seen
+        self._keys.clear()
+        if lost:
+            message = (f"the daemon restarted: up to {lost} put(s) made with wait=False were dropped with it "
+                       "(committed entries are kept): put them again")
+            if raise_it:
+                raise StaleGeneration(message)
+            self._unreported.append((0, Code.STALE, message))
+
+    def inherit(self, previous: "Submissions") -> None:
+        """This session's page follows `previous` (a reconnect): its unreported refusals and lost
+        puts are this one's to report."""
+        if previous.gone():
+            previous._drop_lost(raise_it=False)
+        else:
+            previous._collect(previous.posted)
+        self._unreported = previous._unreported + self._unreported
 
     # ---- wait -----------------------------------------------------------------------------
 
@@ -242,7 +292,9 @@ class Submissions:
         deadline = time.monotonic() + timeout
         last = int(header[index])
         while last < seq:
-            self._check_epoch()
+            self._committed()
+            if self.gone():
+                raise StaleGeneration(RESTARTED)
             with self.lock:
                 self._waiters += 1
                 header[WAITING_AT // 8] = 1
@@ -262,17 +314,26 @@ class Submissions:
             elif time.monotonic() > deadline:
                 raise DaemonUnavailable(f"the daemon committed no put record within {timeout:g}s "
                                         f"(record {seq} waits; {last} committed)")
+        self._committed()
+        if self.stale():  # what was read may be a new run's, for another session: not believed
+            raise StaleGeneration(RESTARTED)
 
     def pending(self) -> bool:
-        return self.posted > int(self.header[COMMITTED_AT // 8])
+        return self.posted > self._committed()
 
     def flush(self, timeout: float, raise_refused: bool = True) -> None:
         """Wait until every record posted so far is committed or refused; raise the first refusal
-        not yet raised (`raise_refused`), else keep it for the next flush."""
+        not yet raised (`raise_refused`), else keep it for the next flush. Across a daemon restart:
+        StaleGeneration saying how many puts may have been dropped (or kept, likewise)."""
         target = self.posted
-        if target > int(self.header[COMMITTED_AT // 8]):
+        if self.gone():
+            return self._drop_lost(raise_refused)
+        if target > self._committed():
             self.ring()
-            self.wait_for(target, timeout)
+            try:
+                self.wait_for(target, timeout)
+            except StaleGeneration:
+                return self._drop_lost(raise_refused)
         self._collect(target)
         if raise_refused and self._unreported:
             (_, code, message), more = self._unreported[0], len(self._unreported) - 1

@@ -88,6 +88,6 @@ def record_offset(page_at: int, records: int, seq: int) -> int:
 
 
 def slab_bytes(configured: int, pool_bytes: int) -> int:
-    """A put lease's size: the configured slab, at most 1/32 of the host pool (a small pool is
-    shared by many writers), at least 64 KiB."""
-    return align_up(max(64 << 10, min(configured, pool_bytes // 32)))
+    """A put lease's size: the configured slab, at most 1/128 of the host pool (every producing
+    session holds up to two: the one it fills and the next), at least 64 KiB."""
+    return align_up(max(64 << 10, min(configured, pool_bytes // 128)))

@@ -76,14 +76,15 @@ def test_client_killed_while_parked_is_forgotten(daemon):
 
 def test_client_killed_while_idle_gives_back_its_session_and_reservation(daemon):
     idle = serving_worker(daemon.endpoint)
-    assert idle.ask(f"put {BIG}") == "ok"  # a large put leaves a reservation for the next one
+    assert idle.ask(f"put {BIG}") == "ok"
+    assert idle.ask("put small#1000") == "ok"  # its put lease holds pool space for the next puts
     assert idle.ask("exists big#8000000") == "ok True"
     with daemon.client() as c:
         stats = c.stats()
-        assert stats["clients"] == 2 and stats["reservations"] == 1
+        assert stats["clients"] == 2 and stats["leased_bytes"] > 0
         idle.kill()
         stats = wait_for(lambda: (s := c.stats())["clients"] == 1 and s, timeout=5.0)
-        assert stats and stats["reservations"] == 0 and stats["reserved_bytes"] == 0
+        assert stats and stats["leased_bytes"] == 0 and stats["reservations"] == 0 and stats["reserved_bytes"] == 0
         assert c.get(BIG).equal(payload(BIG))  # what it published stays
     assert_healthy(daemon)
 

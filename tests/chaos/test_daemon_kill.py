@@ -51,7 +51,7 @@ def _wait_out_quarantine(daemon) -> None:
 
 @ADOPT
 def test_daemon_restart_client_reconnects(daemon_factory, adopt):
-    daemon = daemon_factory(extra="" if adopt else COLD)
+    daemon = daemon_factory(extra=SHORT_TTL if adopt else COLD)
     with daemon.client(timeout=TIMEOUT) as c:
         c.put("before#1000", payload("before#1000"))
         first_epoch = c.epoch
@@ -80,6 +80,7 @@ def test_daemon_restart_client_reconnects(daemon_factory, adopt):
         c.put("after#100000", payload("after#100000"))
         assert c.get("after#100000").equal(payload("after#100000"))
         assert c.epoch != first_epoch
+    _wait_out_quarantine(daemon)  # the killed run's put leases
     assert_healthy(daemon)
 
 

@@ -55,7 +55,8 @@ def test_a_dropped_location_costs_one_round_trip_never_a_wrong_answer(daemon_fac
     daemon = daemon_factory(extra="[ring]\npresence_buckets = 64")
     t = torch.ones(KIB128)
     keys = same_bucket_keys(20)
-    with daemon.client() as c, daemon.client() as other:
+    # submit=False: the round trip's reply is what puts the location in the cache
+    with daemon.client(submit=False) as c, daemon.client() as other:
         replace_location_cache(c, LocationCache(8))  # room for the last 8 only
         for key in keys:
             c.put(key, t)
@@ -74,7 +75,7 @@ def test_a_client_that_only_puts_and_gets_follows_the_ring(daemon_factory):
     evicted leaves its cache without an exists() call, and nothing is reported as an overrun."""
     d = daemon_factory(size="8MiB")  # 64 entries of 128 KiB
     t = torch.ones(KIB128)
-    with d.client() as c:
+    with d.client(submit=False) as c:  # the round trip's reply caches the location
         c.put("mine", t)
         mine = key_hash("default", "mine")
         assert mine in c.location_cache
@@ -91,7 +92,7 @@ def test_an_idle_client_catches_up_with_the_ring_quietly(daemon):
     """A client that was idle while others wrote more than RING_MAX_BACKLOG events drops its
     locations at its next put (it cannot tell which are still valid) without an overrun
     report, and answers right afterwards."""
-    with daemon.client() as c, daemon.client() as other:
+    with daemon.client(submit=False) as c, daemon.client() as other:  # locations cached from replies
         c.put("mine", torch.ones(KIB128))
         assert key_hash("default", "mine") in c.location_cache
         other.put_many({f"o{i}": torch.ones(1) for i in range(5000)})  # 5000 events

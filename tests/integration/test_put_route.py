@@ -14,13 +14,13 @@ from ecd.protocol import Failure, Location
 
 N = 300_032  # 1.2 MB of float32: above the inline limit
 
+
 @pytest.fixture
 def daemon(daemon_factory):
     """The round-trip route these tests follow (Alloc, Commit, Publish, reservations): a daemon
     without submission pages (`[leases] submit_records = 0`; tests/integration/test_submissions.py
     covers puts without a message)."""
     return daemon_factory(extra="[leases]\nsubmit_records = 0\n")
-
 
 
 def test_each_put_is_placed_once_then_copied_and_committed(daemon):

@@ -10,13 +10,13 @@ from conftest import entry_bytes, metric, metric_by_label, scrape_metrics, wait_
 
 N = 300_032  # 1.2 MB of float32: above the inline limit, a whole number of 256-byte units
 
+
 @pytest.fixture
 def daemon(daemon_factory):
     """The round-trip route these tests follow (Alloc, Commit, Publish, reservations): a daemon
     without submission pages (`[leases] submit_records = 0`; tests/integration/test_submissions.py
     covers puts without a message)."""
     return daemon_factory(extra="[leases]\nsubmit_records = 0\n")
-
 
 
 def test_repeated_same_size_puts_take_one_round_trip_each(daemon, actors):

@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from ...errors import Code
 from ...memory import kernel_copy
@@ -35,7 +36,7 @@ from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.fence import barrier, full_barrier
 from ...protocol import AllocItem, EntryMeta, Failure
 from ...writes import futex
-from ...writes.submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
                                   GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes)
@@ -67,17 +68,23 @@ class _Page:
 
 class SubmissionArea:
     def __init__(self, segments: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
-                 epoch: int) -> None:
+                 epoch: int, quarantine_s: float) -> None:
         """`segments`: the host pool's (ShmFiles); the area is segment 0's bytes from `offset`. A
         kept pool's area is the previous run's: records it had not read are dropped (their bytes
-        lie in its leases' intents, quarantined by the adoption) and the area is cleared."""
+        lie in its leases' intents, quarantined by the adoption), and the pages its sessions used
+        are quarantined too, for `quarantine_s`: a client of that run stopped between its epoch
+        check and its record would write into a page handed to a new session (clobbering that
+        session's record), so no new session gets one until the old run's writes cannot be in
+        progress. The rest of the area is cleared and carries this run's epoch."""
         segment = segments[0]
         self.segment, self.segments, self.offset, self.pages, self.records = segment, segments, offset, pages, records
         self._meta_decoder = msgspec.msgpack.Decoder(EntryMeta)
         self.store, self.leasing = store, leasing
         self.page_bytes = page_bytes(records)
         self.nbytes = area_bytes(pages, records)
-        self._free = list(range(pages))
+        self._quarantined = self._previous_run_pages()
+        self._quarantine_s = quarantine_s
+        self._free = [page for page in range(pages) if page not in self._quarantined]
         self._by_session: dict[int, _Page] = {}
         self._base = kernel_copy.address_of(segment.buf)  # for the futex words' addresses
         self._run = bytearray(records * RECORD)
@@ -88,9 +95,32 @@ class SubmissionArea:
         self._last_record = self._last_expiry = 0.0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        segment.write_at(offset, bytes(self.nbytes))
+        if self._quarantined:
+            segment.write_at(offset, bytes(AREA_HEADER))
+            for page in self._free:
+                segment.write_at(self._page_at(page), bytes(self.page_bytes))
+        else:
+            segment.write_at(offset, bytes(self.nbytes))
         segment.write_at(offset + EPOCH_AT, _U64.pack(epoch))
         self._set_sleeping(True)  # nothing to do until a client rings
+
+    def _page_at(self, page: int) -> int:
+        return self.offset + AREA_HEADER + page * self.page_bytes
+
+    def _previous_run_pages(self) -> set[int]:
+        """Pages of a previous run's area (its epoch set) that are not all zeros."""
+        raw = bytearray(self.nbytes)
+        if self.segment.read_into(self.offset, memoryview(raw)) < self.nbytes or not _U64.unpack_from(raw, EPOCH_AT)[0]:
+            return set()
+        pages = np.frombuffer(raw, np.uint64, offset=AREA_HEADER).reshape(self.pages, self.page_bytes // 8)
+        return set(np.flatnonzero(pages.any(axis=1)).tolist())
+
+    def _end_quarantine(self) -> None:
+        for page in self._quarantined:
+            self.segment.write_at(self._page_at(page), bytes(self.page_bytes))
+            heapq.heappush(self._free, page)
+        log.info("restart: %d submission page(s) the previous run used are free again", len(self._quarantined))
+        self._quarantined = set()
 
     # ---- sessions -------------------------------------------------------------------------
 
@@ -99,13 +129,10 @@ class SubmissionArea:
         if not self._free:
             return []
         page = heapq.heappop(self._free)
-        state = _Page(page, self.offset + 4096 + page * self.page_bytes, session)
+        state = _Page(page, self._page_at(page), session)
         self.segment.write_at(state.at, bytes(self.page_bytes))
         self._by_session[session.id] = state
         return [0, state.at, self.records, self.offset]
-
-    def owns_page(self, session: Session) -> bool:
-        return session.id in self._by_session
 
     def close(self, session: Session) -> None:
         """The session ends: what it posted completely is committed (its copies were done), then
@@ -266,7 +293,7 @@ class SubmissionArea:
         live = self.leasing.live(state.session)
         if len(live) >= LIVE_LEASES or not live or live[-1] is not lease:
             return
-        granted = self.leasing.grant(state.session, lease.ns)
+        granted = self.leasing.grant(state.session, lease.ns, evict=False)
         if isinstance(granted, PutLease):
             self._write_grant(state, granted)
 
@@ -283,6 +310,8 @@ class SubmissionArea:
 
     def start(self, loop: "asyncio.AbstractEventLoop") -> None:
         self._loop = loop
+        if self._quarantined:
+            loop.call_later(self._quarantine_s, self._end_quarantine)
         self._thread = threading.Thread(target=self._doorbell, name="ecd-doorbell", daemon=True)
         self._thread.start()
 
@@ -314,6 +343,8 @@ class SubmissionArea:
                     return
 
     def _rung(self) -> None:
+        if self._stopping.is_set():
+            return  # queued by the doorbell thread before the stop: the pool may be gone
         now = time.monotonic()
         if now - self._last_expiry >= DOORBELL_POLL_S:
             self._last_expiry = now
@@ -325,6 +356,8 @@ class SubmissionArea:
 
     def _tick(self) -> None:
         self._timer = None
+        if self._stopping.is_set():
+            return
         now = time.monotonic()
         if self.drain():
             self._last_record = now

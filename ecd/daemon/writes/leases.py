@@ -1,6 +1,6 @@
 """Put leases: pool space a session holds so that its puts need no Alloc (issue 43, item 1).
 
-A lease is one extent of the host pool (a slab: `[leases] put_slab`, at most 1/32 of the pool;
+A lease is one extent of the host pool (a slab: `[leases] put_slab`, at most 1/128 of the pool;
 or exactly one put's size when that is larger), granted to a session in one namespace. The
 client places its puts in it from the front, in order, and names each in a submission record
 (submission.py); the daemon carves the record's bytes off the front as an entry, and gives back
@@ -10,8 +10,9 @@ splits it (ExtentAllocator.split), and what is left at the lease's end returns t
 Invariants:
 - Quota: a lease is charged to its namespace when granted (its whole size); a carved entry's
   bytes move from the lease to the entry and what is given back is uncharged, so leased +
-  committed bytes never pass the quota at any instant. A grant evicts like an Alloc would
-  (the namespace's own entries first when its quota demands; then for room).
+  committed bytes never pass the quota at any instant. A lease a put asks for (LeaseSpace)
+  evicts like an Alloc would (the namespace's own entries first when its quota demands; then
+  for room); one granted ahead evicts nothing and is not granted past the quota.
 - Restart: a lease is journaled as an intent for [front, end); a carve writes the new intent
   before the entry's record and forgets the old one after, so a kill at any point leaves every
   byte of it owned by exactly one record (an adopting restart skips an intent that starts
@@ -74,8 +75,10 @@ class Leasing:
                 return lease
         return None
 
-    def grant(self, session: Session, ns: str, nbytes: int = 0) -> PutLease | Failure:
-        """A new lease of max(slab, nbytes) in `ns` for `session`, placed like an Alloc."""
+    def grant(self, session: Session, ns: str, nbytes: int = 0, evict: bool = True) -> PutLease | Failure:
+        """A new lease of max(slab, nbytes) in `ns` for `session`, placed like an Alloc; `evict`
+        False (a lease granted ahead, for puts that may never come): only where it fits as is,
+        as a reservation, so a lease never costs the cache an entry for nothing."""
         store = self.store
         leases = self.by_session.setdefault(session.id, [])
         if len(leases) >= MAX_LEASES:
@@ -91,10 +94,13 @@ class Leasing:
             too_large = store.host.too_large(size, pools)
         if too_large:
             return self._refused(Failure(Code.INVALID, f"no put lease: {too_large}"))
-        victims = store.placement.quota_victims(ns, size)
+        victims = store.placement.quota_victims(ns, size) if evict else []
         if isinstance(victims, Failure):
             return self._refused(victims)
-        placed = store.placement.place(size, ns, victims, pools=pools)
+        quota = store.quotas.get(ns)
+        if not evict and quota is not None and store.ns_used.get(ns, 0) + size > quota:
+            return self._refused(Failure(Code.QUOTA_EXCEEDED, f"no put lease ahead: namespace {ns!r} is at its quota"))
+        placed = store.placement.place(size, ns, victims, evict=evict, pools=pools)
         if placed is None:
             store.counters["pool_full"] += 1
             return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(size, pools)))
