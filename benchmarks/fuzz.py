@@ -39,7 +39,8 @@ from ecd.errors import Code  # noqa: E402
 from ecd.protocol import (DTYPE_ITEMSIZE, PROTOCOL_VERSION, Abort, Acquire, Alloc, AllocItem,  # noqa: E402
                           Bye, Commit, Delete, Error, Evict, Exists, Extent, Failure, Held, Hello, Keys,
                           Location, Ping, Publish, PutInline, Release, Report, Stats, Unpin, encoder,
-                          reply_decoder, request_decoder, salvage_request_id)
+                          reply_decoder, request_decoder)
+from ecd.daemon.control.loop import salvage_request_id  # noqa: E402
 
 MAX_KEY = 1024
 MAX_BATCH = 4096

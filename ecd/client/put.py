@@ -188,10 +188,11 @@ class PutRoute:
         no message unless a lease must be asked for. The tensors it could not take."""
         dest = Destination(c.namespace, tensors)
         placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta)
-        if not placed:
-            return tensors
         if len(placed) < len(tensors):
-            dest = Destination(c.namespace, {p.key: tensors[p.key] for p in placed})
+            # One the page cannot take (a long key, no lease to be had): the whole batch goes the
+            # round-trip route, whose Alloc places all of it or none (a refused item, nothing stored).
+            writes.post(placed, [0] * len(placed), False, False, c.timeout, aborted=True)
+            return tensors
         dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline()).placed = placed
         digests = self.copy(c, dest, checksum)
         with c._lock:
@@ -200,7 +201,7 @@ class PutRoute:
                 cache.forget(keyhash)  # a generation cached before is being replaced
             cache.catch_up(c.mapping.ring)  # a client that only puts keeps up with the ring
         writes.post(placed, digests, checksum, wait, c.timeout)
-        return {key: t for key, t in tensors.items() if key not in dest.keys} if len(placed) < len(tensors) else {}
+        return {}
 
     def claim_reservation(self, c: Client, dest: Destination, arena: int) -> Destination | None:
         """Take the reservation for this put, without the lock: list.pop is atomic, so two threads

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import Welcome
 
 WAIT_SLICE_S = 0.05  # a wait looks at the session this often (a reconnect, the client's timeout)
+MAX_ASK = 64 << 20  # a lease asked for holds at most this much of a batch's rest (one contiguous extent)
 LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
 
 
@@ -106,6 +107,7 @@ class Submissions:
         # this process, and its leases end only with it; else they expire unused: PutRoute.safe_write_window)
         self.window = window
         self.grants_taken = 0
+        self.namespace = ""  # the namespace of its leases (Client.namespace may change between puts)
         self._refused_until = 0.0
         self._asked_at = time.monotonic()  # a grant is no older than the last LeaseSpace, or the page's Welcome
         self._keys: dict[int, str] = {}  # seq -> key, of records posted and not yet settled
@@ -123,27 +125,43 @@ class Submissions:
         others (a key over MAX_KEY bytes, over MAX_NDIM dimensions, a meta over MAX_META, no
         lease to be had) are left out for the ordinary route."""
         placed: list[Placed] = []
+        left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
         with self.lock:
+            if c.namespace != self.namespace:  # leases are a namespace's: those held so far are another's
+                self.namespace, self.lease = c.namespace, None
+                self.grants_taken = int(self.header[GRANTS_COUNT_AT // 8])
             for (key, tensor), nbytes, dtype in zip(tensors.items(), sizes, dtypes):
                 code = DTYPE_CODES.get(dtype)
                 meta = encoder.encode(metas[key]) if metas and metas.get(key) is not None else b""
                 if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY or len(meta) > MAX_META:
                     continue
-                extent = self._take(c, align_up(max(nbytes, 1)) + align_up(len(meta)))
+                size = align_up(max(nbytes, 1)) + align_up(len(meta))
+                extent = self._take(c, size, left + align_up(len(meta)))
+                left -= align_up(max(nbytes, 1))
                 if extent is None:
                     continue
                 placed.append(Placed(key, extent, self.next_seq, code, tuple(tensor.shape), nbytes, meta))
                 self.next_seq += 1
         return placed
 
-    def _take(self, c: "Client", size: int) -> Extent | None:
+    def _take(self, c: "Client", size: int, ask: int) -> Extent | None:
+        """`size` bytes from the front of the current lease (or the next); a lease of `ask` bytes
+        is asked for when none holds them. Called under `self.lock`, which it lets go of while it
+        asks."""
         lease, now = self.lease, time.monotonic()
         if lease is not None and now - lease.used_at > self.window:
             lease = self.lease = None  # the daemon may have taken it back
         if lease is None or lease.front + size > lease.end:
             lease = self._next_lease(size)
             if lease is None:
-                if now < self._refused_until or not self._ask(c, size):
+                if now < self._refused_until:
+                    return None
+                self.lock.release()  # no lock across the round trip (a reconnect in it reads this page)
+                try:
+                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)))
+                finally:
+                    self.lock.acquire()
+                if not asked:
                     return None
                 lease = self._next_lease(size)
                 if lease is None:
@@ -177,14 +195,19 @@ class Submissions:
                 return self.lease
         return None
 
-    def _ask(self, c: "Client", size: int) -> bool:
-        """LeaseSpace: one round trip for a lease of at least `size` bytes."""
+    def _ask(self, c: "Client", size: int, ask: int) -> bool:
+        """LeaseSpace: one round trip for a lease of at least `ask` bytes (`size`: this put's).
+        A refusal of just this put's size for its quota or for room is the put's own (an Alloc
+        would be refused the same): raised. Any other refusal: the put goes the round-trip way."""
         with c._lock:
             if c._session != self.session:
                 return False
             self._asked_at = time.monotonic()
-            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, size))
-        if isinstance(reply.results[0], Failure):
+            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, ask))
+        refused = reply.results[0]
+        if isinstance(refused, Failure):
+            if ask == size and refused.code in (Code.QUOTA_EXCEEDED, Code.POOL_FULL):
+                raise error_from_code(refused.code, refused.message)
             self._refused_until = time.monotonic() + LEASE_RETRY_S
             return False
         return True

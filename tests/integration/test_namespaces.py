@@ -56,14 +56,15 @@ def test_quota_and_guarantee_across_processes(daemon_factory, actors):
             body = scrape(d.metrics_port)
             assert metric(body, "ecd_namespace_used_bytes", namespace="tenant-a") == 4 * MiB
             assert metric(body, "ecd_namespace_quota_bytes", namespace="tenant-a") == 4 * MiB
-            # its 4 MiB share, and the reservation b's last put left for its next one (1 MiB)
-            assert metric(body, "ecd_namespace_used_bytes", namespace="tenant-b") == 5 * MiB
+            # its 4 MiB share; b's puts took put leases of one put's size each (larger than the
+            # 16 MiB pool's slab), all carved: nothing held for a next put
+            assert metric(body, "ecd_namespace_used_bytes", namespace="tenant-b") == 4 * MiB
             assert metric(body, "ecd_namespace_guaranteed_bytes", namespace="tenant-b") == 4 * MiB
             assert metric(body, "ecd_namespace_quota_bytes", namespace="tenant-b") == 0
             assert metric(body, "ecd_namespace_quota_exceeded_total", namespace="tenant-a") == 2
             assert metric(body, "ecd_evictions_total", reason="quota") == 1
             refused = sum(metric(body, "ecd_requests_total", op=op, outcome="quota_exceeded")
-                          for op in ("alloc", "publish") if f'op="{op}",outcome="quota_exceeded"' in body)
+                          for op in ("alloc", "publish", "lease_space") if f'op="{op}",outcome="quota_exceeded"' in body)
             assert refused == 2
             assert 'namespace="default"' not in body  # unconfigured: no series of its own
             with pytest.raises(ecd.QuotaExceeded):

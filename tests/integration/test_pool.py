@@ -117,7 +117,10 @@ def test_batched_put_and_get(small):
         with pytest.raises(ecd.KeyNotFound):
             c.get_many(["blk0", "missing"])
         ops = c.stats()["ops"]
-        assert ops["alloc"] == 1 and ops["commit"] == 1 and ops["acquire"] == 2
+        # one request for all 50 puts (a put lease; or Alloc + Commit on the round-trip route), and
+        # at most one lookup each for the gets (entries it can locate are read without one)
+        assert ops.get("lease_space", 0) + ops.get("alloc", 0) <= 1 and ops.get("commit", 0) <= 1
+        assert ops.get("acquire", 0) <= 2 and "publish" not in ops
 
 
 def test_failed_batch_put_leaves_nothing_behind(small):

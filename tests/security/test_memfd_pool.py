@@ -29,9 +29,12 @@ from secutil import write_node_toml
 from ecd.errors import DaemonUnavailable
 from ecd.config import LeasesSection
 from ecd.memory.entry_index import slot_area_bytes
+from ecd.writes.submission import area_bytes
 
-# segment 0 holds the read slots after its share of the pool (memory/entry_index.py)
-SLOT_AREA = slot_area_bytes(LeasesSection().slot_sessions, LeasesSection().read_slots)
+# segment 0 holds the submission area (memfd pools: ecd/writes/submission.py) and the read slots
+# (memory/entry_index.py) after its share of the pool
+SLOT_AREA = (slot_area_bytes(LeasesSection().slot_sessions, LeasesSection().read_slots)
+             + area_bytes(LeasesSection().slot_sessions, LeasesSection().submit_records))
 
 NS_CLIENT = Path(__file__).resolve().parent / "memfd_ns_client.py"
 NOBODY = pwd.getpwnam("nobody").pw_uid

@@ -39,7 +39,7 @@ import ecd  # noqa: E402
 from conftest import metric, metric_samples, proc_memory_kib, scrape_metrics, wait_for  # noqa: E402
 from ecd.client.testing import intercept_round_trips  # noqa: E402
 from ecd.errors import Code  # noqa: E402
-from ecd.protocol import (PROTOCOL_VERSION, Acquire, Alloc, AllocItem, Bye, Commit, Error, Hello,  # noqa: E402
+from ecd.protocol import (PROTOCOL_VERSION, Acquire, Alloc, AllocItem, Bye, Commit, Error, Hello, LeaseSpace,  # noqa: E402
                           Welcome, encoder, pid_namespace, reply_decoder)
 from invariants import assert_healthy  # noqa: E402
 from tenant_worker import version_of  # noqa: E402
@@ -129,7 +129,7 @@ def test_quota_edges_exact_over_replace_and_replace_under_read(daemon_factory):
 
         def spy(request, send):
             reply = send(request)
-            if isinstance(request, Alloc):
+            if isinstance(request, (Alloc, LeaseSpace)):  # the put's place: an extent, or a put lease
                 seen["exists_during_write"] = reader.exists("k")
                 seen["used_during_write"] = ns_used(d, "q")
             return reply
@@ -181,7 +181,7 @@ def test_reservations_do_not_hold_pool_bytes_outside_the_quota(daemon_factory):
             assert stats["reservations"] == 0 and stats["reserved_bytes"] == 0
             c.put("other-tenant", u8(4, 8 * MiB))  # was PoolFull
         # An honest producer still gets its reservation while under the quota: it counts there.
-        with d.client(namespace="q") as q:
+        with d.client(namespace="q", submit=False) as q:  # the round-trip route: reservations
             q.put("a", u8(1, 256 << 10))
             assert q.stats()["reservations"] == 1 and ns_used(d, "q") == 768 + (512 << 10)
             q.put("b", u8(2, 256 << 10))  # through the reservation: already paid for
@@ -281,7 +281,7 @@ def test_odd_keys_and_namespaces_are_just_names(daemon_factory):
         # A lone surrogate cannot be UTF-8: the client refuses it before anything is sent or
         # copied (it used to raise UnicodeEncodeError from deep inside, a big put after copying
         # into its reservation, which stayed held by the daemon).
-        c.put("fill#L", torch.arange(70_000, dtype=torch.int32))  # leaves a reservation of that size
+        c.put("fill#L", torch.arange(70_000, dtype=torch.int32))  # leaves room held for the next put
         for key in ("a\udc80", "\ud800"):
             for call in (lambda: c.put(key, torch.zeros(4)),
                          lambda: c.put(key, torch.arange(70_000, dtype=torch.int32)),
@@ -291,8 +291,10 @@ def test_odd_keys_and_namespaces_are_just_names(daemon_factory):
                     call()
         with pytest.raises(ecd.InvalidRequest, match="not valid UTF-8"):
             ecd.Client(d.endpoint, namespace="\udc80")
-        c.put("after#L", torch.arange(70_000, dtype=torch.int32))  # the reservation was still usable
-        assert c.stats()["reservations"] == 1
+        c.put("after#L", torch.arange(70_000, dtype=torch.int32))  # what it held was still usable
+        stats = c.stats()
+        assert c.exists("after#L") and stats["entries_writing"] == 0 and stats["reservations"] <= 1
+        assert stats["errors"].get("unhandled", 0) == 0
 
     # ... and a hostile client sending surrogates or overlong UTF-8 on the wire gets PROTOCOL
     ctx = zmq.Context()

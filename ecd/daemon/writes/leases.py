@@ -1,7 +1,8 @@
 """Put leases: pool space a session holds so that its puts need no Alloc (issue 43, item 1).
 
-A lease is one extent of the host pool (a slab: `[leases] put_slab`, at most 1/128 of the pool;
-or exactly one put's size when that is larger), granted to a session in one namespace. The
+A lease is one extent of the host pool, granted to a session in one namespace: 64 KiB at first,
+twice the last with each grant up to a slab (`[leases] put_slab`, at most 1/128 of the pool), or
+exactly one put's size when that is larger or nothing larger fits without evicting. The
 client places its puts in it from the front, in order, and names each in a submission record
 (submission.py); the daemon carves the record's bytes off the front as an entry, and gives back
 what a failed put skipped. So the pool's allocator holds the lease as one extent until carving
@@ -10,9 +11,10 @@ splits it (ExtentAllocator.split), and what is left at the lease's end returns t
 Invariants:
 - Quota: a lease is charged to its namespace when granted (its whole size); a carved entry's
   bytes move from the lease to the entry and what is given back is uncharged, so leased +
-  committed bytes never pass the quota at any instant. A lease a put asks for (LeaseSpace)
-  evicts like an Alloc would (the namespace's own entries first when its quota demands; then
-  for room); one granted ahead evicts nothing and is not granted past the quota.
+  committed bytes never pass the quota at any instant. A lease evicts only when it is of just
+  the put's size, as an Alloc of it would (the namespace's own entries first when its quota
+  demands; then for room); a larger one, or one granted ahead, evicts nothing and is not
+  granted past the quota.
 - Restart: a lease is journaled as an intent for [front, end); a carve writes the new intent
   before the entry's record and forgets the old one after, so a kill at any point leaves every
   byte of it owned by exactly one record (an adopting restart skips an intent that starts
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LIVE_LEASES = 2  # the daemon refills ahead up to this many
 MAX_LEASES = 8  # a client may ask for more (LeaseSpace: a put larger than its leases' room)
+MIN_LEASE = 64 << 10  # a session's first lease; each next one twice the last, up to the slab
 LEASE_OUTCOMES = ("granted", "refused", "filled", "retired", "expired", "reclaimed")
 
 
@@ -64,6 +67,7 @@ class Leasing:
     store: "Store"
     slab: int  # bytes of a lease (slab_bytes)
     by_session: dict[int, list[PutLease]] = field(default_factory=dict)  # session id -> oldest first
+    _next_size: dict[int, int] = field(default_factory=dict)  # session id -> its next lease's size
     leased_bytes: int = 0  # not yet carved
 
     def live(self, session: Session) -> list[PutLease]:
@@ -76,9 +80,11 @@ class Leasing:
         return None
 
     def grant(self, session: Session, ns: str, nbytes: int = 0, evict: bool = True) -> PutLease | Failure:
-        """A new lease of max(slab, nbytes) in `ns` for `session`, placed like an Alloc; `evict`
-        False (a lease granted ahead, for puts that may never come): only where it fits as is,
-        as a reservation, so a lease never costs the cache an entry for nothing."""
+        """A new lease for `session` in `ns`: of its next size (MIN_LEASE, doubling with each
+        grant up to the slab: a session that puts little holds little) where that fits without
+        evicting; else, with `evict`, of just `nbytes`, placed as an Alloc of that put would be
+        (its quota's victims, then room), so a lease never costs the cache more than the put
+        itself. `evict` False: a lease granted ahead, for puts that may never come (a refill)."""
         store = self.store
         leases = self.by_session.setdefault(session.id, [])
         if len(leases) >= MAX_LEASES:
@@ -86,24 +92,27 @@ class Leasing:
         failure = store.check_key(ns, "lease")
         if failure is not None:
             return failure
-        size = align_up(max(self.slab, nbytes, 1))
-        pools = store.host.host_pools
-        too_large = store.host.too_large(size, pools)
-        if too_large:
-            size = align_up(max(nbytes, 1))  # a slab larger than a small pool: the put's size only
+        pools, quota, used = store.host.host_pools, store.quotas.get(ns), store.ns_used.get(ns, 0)
+        need = align_up(max(nbytes, 1))
+        size = max(need, align_up(min(self.slab, self._next_size.get(session.id, MIN_LEASE))))
+        placed = None
+        if not store.host.too_large(size, pools) and (quota is None or used + size <= quota):
+            placed = store.placement.place(size, ns, (), evict=False, pools=pools)
+        if placed is None and evict:
+            size = need
             too_large = store.host.too_large(size, pools)
-        if too_large:
-            return self._refused(Failure(Code.INVALID, f"no put lease: {too_large}"))
-        victims = store.placement.quota_victims(ns, size) if evict else []
-        if isinstance(victims, Failure):
-            return self._refused(victims)
-        quota = store.quotas.get(ns)
-        if not evict and quota is not None and store.ns_used.get(ns, 0) + size > quota:
-            return self._refused(Failure(Code.QUOTA_EXCEEDED, f"no put lease ahead: namespace {ns!r} is at its quota"))
-        placed = store.placement.place(size, ns, victims, evict=evict, pools=pools)
+            if too_large:
+                return self._refused(Failure(Code.INVALID, f"no put lease: {too_large}"))
+            victims = store.placement.quota_victims(ns, size)
+            if isinstance(victims, Failure):
+                return self._refused(victims)
+            placed = store.placement.place(size, ns, victims, pools=pools)
+            if placed is None:
+                store.counters["pool_full"] += 1
+                return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(size, pools)))
         if placed is None:
-            store.counters["pool_full"] += 1
-            return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(size, pools)))
+            return self._refused(Failure(Code.POOL_FULL, "no put lease ahead: no free extent without evicting"))
+        self._next_size[session.id] = min(self.slab, 2 * size)
         pool, offset = placed
         lease = PutLease(store.take_generation(), pool, offset, offset + size, offset, sys.intern(ns), session,
                          store.clock())
@@ -197,6 +206,7 @@ class Leasing:
     def end_session(self, session: Session) -> None:
         for lease in list(self.by_session.get(session.id, ())):
             self.end(lease, "reclaimed")
+        self._next_size.pop(session.id, None)
 
     def expire(self, write_ttl: float) -> None:
         """Leases of clients the daemon cannot watch, unused for the write TTL."""
