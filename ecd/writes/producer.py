@@ -126,6 +126,8 @@ class Submissions:
         lease to be had) are left out for the ordinary route."""
         placed: list[Placed] = []
         left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
+        if self.stale():
+            return placed  # a new daemon run's area: this client reconnects (put_many) and gets a page of it
         with self.lock:
             if c.namespace != self.namespace:  # leases are a namespace's: those held so far are another's
                 self.namespace, self.lease = c.namespace, None
@@ -136,7 +138,7 @@ class Submissions:
                 if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY or len(meta) > MAX_META:
                     continue
                 size = align_up(max(nbytes, 1)) + align_up(len(meta))
-                extent = self._take(c, size, left + align_up(len(meta)))
+                extent = self._take(c, size, left + align_up(len(meta)), nbytes + align_up(len(meta)))
                 left -= align_up(max(nbytes, 1))
                 if extent is None:
                     continue
@@ -144,9 +146,10 @@ class Submissions:
                 self.next_seq += 1
         return placed
 
-    def _take(self, c: "Client", size: int, ask: int) -> Extent | None:
+    def _take(self, c: "Client", size: int, ask: int, exact: int) -> Extent | None:
         """`size` bytes from the front of the current lease (or the next); a lease of `ask` bytes
-        is asked for when none holds them. Called under `self.lock`, which it lets go of while it
+        is asked for when none holds them (`exact`: the put's own bytes, unaligned, asked for when
+        the batch has nothing after it). Called under `self.lock`, which it lets go of while it
         asks."""
         lease, now = self.lease, time.monotonic()
         if lease is not None and now - lease.used_at > self.window:
@@ -158,7 +161,8 @@ class Submissions:
                     return None
                 self.lock.release()  # no lock across the round trip (a reconnect in it reads this page)
                 try:
-                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)))
+                    # just this put (its exact bytes, as an Alloc names them), or the batch's rest
+                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)) if ask > size else exact)
                 finally:
                     self.lock.acquire()
                 if not asked:
@@ -204,9 +208,11 @@ class Submissions:
                 return False
             self._asked_at = time.monotonic()
             reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, ask))
+        if c._writes is not self:
+            return False  # it reconnected (a restarted daemon): the grant is on its new session's page
         refused = reply.results[0]
         if isinstance(refused, Failure):
-            if ask == size and refused.code in (Code.QUOTA_EXCEEDED, Code.POOL_FULL):
+            if align_up(max(ask, 1)) == size and refused.code in (Code.QUOTA_EXCEEDED, Code.POOL_FULL):
                 raise error_from_code(refused.code, refused.message)
             self._refused_until = time.monotonic() + LEASE_RETRY_S
             return False

@@ -117,7 +117,7 @@ def apply_daemon_mutant(mutant: str) -> None:
 
         leases.Leasing.carve = carve
     elif mutant == "no-bounds-check":
-        real_settle = consumer.SubmissionArea._settle
+        real_settle = consumer.SubmissionArea.settle
 
         def settle(self, state, seq, fields):
             lease = self.leasing.find(state.session, fields[0])
@@ -125,7 +125,7 @@ def apply_daemon_mutant(mutant: str) -> None:
                 lease.front = fields[1]  # "in bounds" whatever it names
             return real_settle(self, state, seq, fields)
 
-        consumer.SubmissionArea._settle = settle
+        consumer.SubmissionArea.settle = settle
     else:
         raise SystemExit(f"unknown mutant {mutant}")
 

@@ -187,7 +187,7 @@ class SubmissionArea:
                 last = seq  # rewritten since: a hostile client; read again next time
                 break
             try:
-                self._settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
+                self.settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
             except Exception as exc:  # a bug of ours: this record is refused, the daemon goes on
                 log.exception("submission record %d of session %d", seq, state.session.id)
                 self._refuse(state, seq, Code.INTERNAL, f"record {seq}: the daemon failed on it: {exc!r}")
@@ -204,7 +204,7 @@ class SubmissionArea:
     def _slot_at(self, state: _Page, seq: int) -> int:
         return state.at + PAGE_HEADER + ((seq - 1) % self.records) * RECORD
 
-    def _settle(self, state: _Page, seq: int, fields: tuple) -> None:
+    def settle(self, state: _Page, seq: int, fields: tuple) -> None:
         """One record: an entry, or a refusal on the page."""
         lease_generation, offset, nbytes, checksum, flags, dtype_code, ndim, key_length, meta_length = fields[:9]
         shape, key_bytes = fields[9:9 + MAX_NDIM], fields[9 + MAX_NDIM]

@@ -109,7 +109,7 @@ class Leasing:
             placed = store.placement.place(size, ns, victims, pools=pools)
             if placed is None:
                 store.counters["pool_full"] += 1
-                return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(size, pools)))
+                return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(nbytes, pools)))
         if placed is None:
             return self._refused(Failure(Code.POOL_FULL, "no put lease ahead: no free extent without evicting"))
         self._next_size[session.id] = min(self.slab, 2 * size)
