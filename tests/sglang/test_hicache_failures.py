@@ -77,10 +77,10 @@ def test_pages_batch_exists_found_survive_memory_pressure_until_loaded(daemon_fa
     keys = [f"p{i}" for i in range(4)]
     backend, host, want = stored(daemon, 2, keys + ["q"])
     assert backend.batch_exists(keys) == 4  # pinned for pin_seconds (q is not asked for: not pinned)
-    with Client(daemon.endpoint, "filler") as c:  # 3x the pool in other entries: everything unpinned goes
+    with Client(daemon.endpoint, "filler") as c:  # 3x the pool in other entries: the pressure is real
         for i in range(24):
             c.put(f"f{i}", torch.ones(1 << 18))
-    assert backend.batch_exists(["q"]) == 0  # what was not pinned went
+        assert c.stats()["evictions"] >= 16  # (q, unpinned, may go or stay: the plans evict what makes room)
     assert backend.batch_get_v1(keys, slots(64, 4)) == [True] * 4
     assert all(torch.equal(a, b) for a, b in zip(want, pages(host, 64, 4)))
     backend.close()
