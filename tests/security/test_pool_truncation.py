@@ -257,7 +257,9 @@ while time.monotonic() < end:
     served = 0
     for i in stored:
         answer = client.ask(f"get k{i} {100 + i} {SMALL}")
-        assert answer in ("ok", "missing"), f"k{i}: {answer}"
+        # A get without a round trip may copy an entry whose bytes a late cut took before the
+        # daemon's check drops it: its checksum refuses them (IntegrityError), never served.
+        assert answer in ("ok", "missing") or answer.startswith("error IntegrityError"), f"k{i}: {answer}"
         served += answer == "ok"
     assert client.ask(f"put after 3 {BIG}") == "ok"
     assert client.ask(f"get after 3 {BIG}") == "ok"
