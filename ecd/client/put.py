@@ -122,7 +122,7 @@ class PutRoute:
         pending = dict(items)
         on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in items.values())
         for attempt in range(2):
-            epoch = c._map.epoch
+            epoch, page = c._map.epoch, c._writes
             try:
                 if on_gpu:  # one Alloc/Commit per tier: the host pool, and each arena the tensors go to
                     groups = c._cuda_plane(cast(EpochMapping, c._map)).group_by_tier(pending, tier)
@@ -135,11 +135,13 @@ class PutRoute:
                         del pending[key]
                 return
             except StaleGeneration:
-                writes = c._writes
-                if not attempt and c._map.epoch == epoch and writes is not None and writes.gone():
-                    c.ping()  # the page says the daemon restarted: reconnect (a new session, page, epoch)
-                if attempt or c._map.epoch == epoch:
+                if attempt:
                     raise
+                writes = c._writes
+                if writes is not None and writes is page and writes.gone():
+                    c.ping()  # the page says the daemon restarted: reconnect (a new session, page, epoch)
+                if c._map.epoch == epoch and c._writes is page:
+                    raise  # not a restart this client met: the daemon's own refusal
 
     def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
             meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:

@@ -17,23 +17,24 @@ N = 16384  # 64 KiB of float32
 def test_a_stream_of_puts_sends_the_daemon_no_message_per_put(daemon_factory):
     """1000 puts: the only requests are the lease the first one asks for (the daemon grants the
     next ones ahead, on the page), and every entry is there with its bytes."""
-    daemon = daemon_factory(size="1GiB")  # 8 MiB slabs: 128 puts of 64 KiB each
+    daemon = daemon_factory(size="1GiB")  # 8 MiB slabs: 128 puts of 64 KiB each, once grown
     sent: list[str] = []
     with daemon.client() as c:
         with intercept_round_trips(c, lambda request, send: (sent.append(type(request).__name__), send(request))[1]):
             for i in range(1000):
                 c.put(f"k{i}", torch.full((N,), float(i)), wait=False)
             c.flush()
-        # 1000 x 64 KiB through 8 leases, granted ahead on the page; a daemon slower than the
-        # producer (a loaded machine) leaves it to ask for some of them: one request per lease at most
-        assert sent.count("LeaseSpace") <= 9, sent
+        # 1000 x 64 KiB through ~15 leases (64 KiB doubling to the 8 MiB slab), granted ahead on the
+        # page; a daemon slower than the producer (a loaded machine) leaves it to ask for some of
+        # them: one request per lease at most, 2 % of the puts
+        assert sent.count("LeaseSpace") <= 20, sent
         assert set(sent) <= {"LeaseSpace"}, sent
         with daemon.client() as other:
             for i in (0, 1, 500, 999):
                 assert torch.equal(other.get(f"k{i}"), torch.full((N,), float(i)))
         body = scrape_metrics(daemon.metrics_port)
         assert metric_by_label(body, "ecd_submission_records_total", "outcome")["committed"] == 1000
-        assert metric_by_label(body, "ecd_put_leases_total", "outcome")["granted"] >= 8
+        assert metric_by_label(body, "ecd_put_leases_total", "outcome")["granted"] >= max(8, sent.count("LeaseSpace"))
 
 
 def test_a_put_not_waited_for_is_visible_to_another_process_after_flush(daemon, actors):
