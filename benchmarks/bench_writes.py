@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,8 +27,10 @@ import time
 
 import torch
 
+from bench_copy import cpu_name
 from bench_core import _echo_server, bare_socket, child_starter
 from bench_daemon import BenchDaemon, write_results
+from bench_local_reads import per_op_ns
 from ecd.client.client import Client
 
 KIB = 1 << 10
@@ -38,13 +39,6 @@ ROUNDS, BLOCK = 30, 100
 PUTS = 1000
 TARGET_PUT_GET_RATIO = 1.0  # 64 KiB put + get across two processes <= 1 bare round trip
 TARGET_REQUESTS_PER_PUT = 0.01
-
-
-def per_op_ns(fn, n: int) -> float:
-    start = time.perf_counter_ns()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter_ns() - start) / n
 
 
 def _streamer(endpoint: str, conn) -> None:
@@ -161,16 +155,6 @@ def run(ringed: BenchDaemon, tripped: BenchDaemon, start, rounds: int) -> dict:
             "medians_us": {k: statistics.median(v) / 1e3 for k, v in raw.items()},
             "stream_requests": requests, "stream_requests_per_put": others / PUTS, "stream_lease_requests": leases,
             "rounds": rounds, "block": BLOCK}
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def report(res: dict) -> None:

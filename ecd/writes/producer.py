@@ -34,7 +34,8 @@ from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
 from . import futex
 from .submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                          ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
-                         MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes)
+                         MAX_META, MAX_NDIM, PAGE_HEADER, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes,
+                         record_offset)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..client.client import Client
@@ -235,7 +236,7 @@ class Submissions:
             if put.meta and not aborted:
                 meta_at = put.extent.offset + align_up(max(put.nbytes, 1))
                 pool[put.extent.pool][meta_at:meta_at + len(put.meta)] = put.meta
-            at = self.page_at + PAGE_HEADER + ((put.seq - 1) % records) * RECORD
+            at = record_offset(self.page_at, records, put.seq)
             key = put.key.encode()
             shape = put.shape + (0,) * (MAX_NDIM - len(put.shape))
             RECORD_BODY.pack_into(buf, at + 8, put.extent.generation, put.extent.offset, put.nbytes, digest, flags,

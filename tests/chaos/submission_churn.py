@@ -33,8 +33,8 @@ def _page(endpoint: str):
 def _write_body(page, put, flags: int = 0, nbytes: int | None = None, dtype: int | None = None,
                 key: bytes | None = None, generation: int | None = None, offset: int | None = None,
                 meta_length: int = 0) -> int:
-    from ecd.writes.submission import MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY
-    at = page.page_at + PAGE_HEADER + ((put.seq - 1) % page.records) * RECORD
+    from ecd.writes.submission import MAX_NDIM, RECORD_BODY, record_offset
+    at = record_offset(page.page_at, page.records, put.seq)
     key = put.key.encode() if key is None else key
     shape = put.shape + (0,) * (MAX_NDIM - len(put.shape))
     RECORD_BODY.pack_into(page.buf, at + 8, put.extent.generation if generation is None else generation,

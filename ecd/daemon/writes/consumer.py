@@ -39,7 +39,8 @@ from ...writes import futex
 from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
                                   GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
-                                  SLEEPING_AT, WAITING_AT, area_bytes, page_bytes)
+                                  SLEEPING_AT, WAITING_AT, area_bytes, page_bytes, page_offset,
+                                  record_offset)
 from ..registry.entries import Session
 from .leases import LIVE_LEASES, Leasing, PutLease
 
@@ -105,7 +106,7 @@ class SubmissionArea:
         self._set_sleeping(True)  # nothing to do until a client rings
 
     def _page_at(self, page: int) -> int:
-        return self.offset + AREA_HEADER + page * self.page_bytes
+        return page_offset(self.offset, page, self.records)
 
     def _previous_run_pages(self) -> set[int]:
         """Pages of a previous run's area (its epoch set) that are not all zeros."""
@@ -202,7 +203,7 @@ class SubmissionArea:
         return last - first
 
     def _slot_at(self, state: _Page, seq: int) -> int:
-        return state.at + PAGE_HEADER + ((seq - 1) % self.records) * RECORD
+        return record_offset(state.at, self.records, seq)
 
     def settle(self, state: _Page, seq: int, fields: tuple) -> None:
         """One record: an entry, or a refusal on the page."""
