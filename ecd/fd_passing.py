@@ -27,7 +27,7 @@ MAX_HEADER_BYTES = 64 << 10
 
 
 class FdItem(msgspec.Struct, array_like=True):
-    kind: str  # "ring" (a read-only descriptor), "pool" (read-write) or "arena" (a CUDA VMM export)
+    kind: str  # "ring" (read-only), "pool" (read-write), "arena" (a CUDA VMM export) or "doorbell" (an eventfd)
     index: int  # the pool segment's or arena's pool number (0 for the ring)
     size: int
 

@@ -104,9 +104,9 @@ class Client(ControlClient):
                 self._res.sock.send(encoder.encode(Bye(0)), zmq.NOBLOCK)
             raise
         self._res.close_cuda()  # the old daemon's arenas are gone; its mappings go next
-        if self._res.close_arena_fds is not None:
-            self._res.close_arena_fds()
-        self._res.close_arena_fds = mapping.close_arena_fds
+        if self._res.close_fds is not None:
+            self._res.close_fds()
+        self._res.close_fds = mapping.close_fds
         mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()

@@ -173,9 +173,9 @@ class Resources:
         self.handshake_drops = 0  # consecutive NO_DETAIL handshake failures of `sock`
         self.stop = threading.Event()  # ends the heartbeat thread
         self.cuda: CudaPlane | None = None  # of the current epoch, once CUDA was involved
-        # closes the current epoch's arena descriptors (EpochMapping.close_arena_fds): at close
+        # closes the current epoch's arena and doorbell descriptors (EpochMapping.close_fds): at close
         # or when a new epoch replaces it, not whenever the old mapping is collected
-        self.close_arena_fds: Callable[[], object] | None = None
+        self.close_fds: Callable[[], object] | None = None
         # generations read without a round trip and not yet reported (client/local_read.py's
         # LocalReads keeps them here): told to the daemon with the goodbye, even at exit
         self.unreported: list[int] = []
@@ -238,8 +238,8 @@ class Resources:
     def close(self) -> None:
         self.stop.set()
         self.close_cuda()
-        if self.close_arena_fds is not None:
-            self.close_arena_fds()
+        if self.close_fds is not None:
+            self.close_fds()
         self.drop_socket(say_bye=True)
         self.ctx.term()
 

@@ -96,7 +96,8 @@ class EpochMapping:
         # pool index -> descriptor of each arena exported as one (`[pool.cuda] export = "fd"`):
         # ecd.client.cuda imports it on first use; closed with this mapping
         self.arena_fds: dict[int, int] = {}
-        self.close_arena_fds: Any = _nothing  # closes them once (the Client at close or a new epoch, else GC)
+        self.doorbell_fd = -1  # the submission area's eventfd (ecd.writes.producer rings it), when handed one
+        self.close_fds: Any = _nothing  # closes these once (the Client at close or a new epoch, else GC)
         # `populate`: the pools' page tables built ahead of the first copies, in the background
         # where the kernel can (ecd.memory.prefault), else by MAP_POPULATE while mapping
         self.prefaulting: threading.Thread | None = None
@@ -183,8 +184,12 @@ class EpochMapping:
             self.ro = [map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
                        for p in welcome.pools]
             self.arena_fds = arena_descriptors(welcome, fds, path)
-            if self.arena_fds:
-                self.close_arena_fds = weakref.finalize(self, _close_all, list(self.arena_fds.values()))
+            kept = list(self.arena_fds.values())
+            if ("doorbell", 0) in fds:
+                self.doorbell_fd = os.dup(fds["doorbell", 0][1])
+                kept.append(self.doorbell_fd)
+            if kept:
+                self.close_fds = weakref.finalize(self, _close_all, kept)
         except (OSError, ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory from {path}: {exc}") from None
         finally:

@@ -42,7 +42,7 @@ from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
-from .restart.adopt import slot_tail_bytes
+from .restart.adopt import slot_tail_bytes, submission_bytes
 from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target, submission_area
 from .writes.consumer import SubmissionArea
 
@@ -310,8 +310,7 @@ class Daemon:
         self.sock = sock
 
     def _bind_fd_socket(self) -> None:
-        """backing = "memfd": the fd socket beside the control socket (control/fd_server.py); Welcome
-        names it by its basename (by its path for a tcp control endpoint)."""
+        """memfds: the fd socket beside the control socket; Welcome names it by basename (tcp: path)."""
         if not isinstance(self.ring_file, MemfdFile):
             return
         ipc = self._ipc_path()
@@ -319,7 +318,8 @@ class Daemon:
                 else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds"))
         try:
             self.fd_server = FdServer(path, self.gid, self.epoch, self.ring_file, self.pool.segments,
-                                      lambda: self.config.control, arena_fds(self), self.fd_limit)
+                                      lambda: self.config.control, arena_fds(self), self.fd_limit,
+                                      doorbell=submission_bytes(self.config) > 0)
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
         self.fd_socket_name = os.path.basename(path) if ipc is not None else path
@@ -513,7 +513,7 @@ class Daemon:
     def close(self) -> None:
         """Release everything prepare() created; safe to call more than once."""
         if self.submissions is not None:
-            self.submissions.stop()  # its doorbell thread, before the pool goes
+            self.submissions.stop()  # its timers and doorbell, before the pool goes
         if self.cluster is not None:
             self.cluster.close()
             self.cluster = None

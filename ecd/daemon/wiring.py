@@ -81,15 +81,15 @@ def reload_target(d: "Daemon") -> ReloadTarget:
 
 def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
     """The submission area at the start of segment 0's `tail` (None when it has no bytes:
-    restart.adopt.submission_bytes), its leases' keeper, and its doorbell thread started."""
+    restart.adopt.submission_bytes), its leases' keeper, and its doorbell (the fd server's eventfd) watched."""
     leases, store = d.config.leases, d.store
     assert store is not None and d.loop is not None
-    if not submission_bytes(d.config):
+    if not submission_bytes(d.config) or d.fd_server is None or d.fd_server.doorbell < 0:
         return None
     segment = d.pool.segments[0]
     area = SubmissionArea(d.pool.segments, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
                           Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch,
-                          float(leases.write_ttl))
+                          float(leases.write_ttl), d.fd_server.doorbell)
     store.session_closers.append(area.close)
     area.start(d.loop)
     return area

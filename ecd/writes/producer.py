@@ -4,7 +4,8 @@ The put route (ecd/client/put.py) hands a host-pool put here when the daemon gav
 page; `place` takes each tensor's bytes from the front of the current lease (the next granted
 one when it is full, or one asked for with LeaseSpace: the only round trip, once a lease), and
 a sequence number; the route copies the bytes; `post` writes each record, sequence number last,
-and rings the doorbell only when the daemon said it sleeps (or the caller will wait). So a
+and rings the doorbell (the daemon's eventfd) only when the daemon said it sleeps (or the caller
+will wait). So a
 steady producer sends the daemon no message: the daemon grants the next lease on the page
 before the current one runs out.
 
@@ -19,6 +20,7 @@ StaleGeneration (RESTARTED), as a put whose commit the old daemon never answered
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping
@@ -32,7 +34,7 @@ from ..memory.fence import barrier, full_barrier
 from ..memory.ring import READER_TRUST_S
 from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
 from . import futex
-from .submission import (COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+from .submission import (COMMITTED_AT, CONSUMED_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                          ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
                          MAX_META, MAX_NDIM, PAGE_HEADER, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes,
                          record_offset)
@@ -52,7 +54,7 @@ def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
     """The session's page, when the daemon gave one and this client maps the pool (taking over
     what `previous`, the page of this client's session before, has not reported)."""
     location = welcome.ring.submissions
-    if len(location) != 4 or mapping is None or not mapping.local or not mapping.sealed:
+    if len(location) != 4 or mapping is None or not mapping.local or not mapping.sealed or mapping.doorbell_fd < 0:
         return None  # (a named file may be truncated under the page's loads: none is given for one)
     pool, page_at, records, area_at = location
     if not (pool == 0 < len(mapping.rw) and 0 < records and 0 <= area_at < page_at
@@ -99,7 +101,7 @@ class Submissions:
         self.area_epoch = np.frombuffer(buf, np.uint64, count=1, offset=self.area_at + EPOCH_AT)
         base = kernel_copy.address_of(buf)
         self._committed_address = base + self.page_at + COMMITTED_AT
-        self._doorbell_address = base + self.area_at + DOORBELL_AT
+        self.doorbell = mapping.doorbell_fd
         self.lock = threading.Lock()
         self.next_seq = 1
         self.posted = 0  # the last sequence number posted
@@ -259,8 +261,10 @@ class Submissions:
             self._raise_refused([p.seq for p in placed])
 
     def ring(self) -> None:
-        self.area[DOORBELL_AT // 4] += np.uint32(1)
-        futex.wake(self._doorbell_address, 1)
+        try:
+            os.eventfd_write(self.doorbell, 1)
+        except BlockingIOError:
+            pass  # its counter is full: the daemon has a ring to read already
 
     def _room_for(self, seq: int, timeout: float) -> None:
         """The record's slot is free once the daemon read the record `records` before it."""
@@ -344,6 +348,8 @@ class Submissions:
             elif time.monotonic() > deadline:
                 raise DaemonUnavailable(f"the daemon committed no put record within {timeout:g}s "
                                         f"(record {seq} waits; {last} committed)")
+            else:
+                self.ring()  # a slice without progress: ring again (another client may have read the eventfd)
         self._committed()
         if self.stale():  # what was read may be a new run's, for another session: not believed
             raise StaleGeneration(RESTARTED)

@@ -3,9 +3,9 @@
 A region of shared memory after the host pool's first segment (before the read slots), laid out
 once at start and read by both sides:
 
-    area header (4096 bytes)   u32 doorbell at 0 (a futex word clients bump and wake while the
-                               daemon sleeps), u32 sleeping at 64 (the daemon's, 1 while asleep),
-                               u64 epoch at 128 (the daemon run's)
+    area header (4096 bytes)   u32 sleeping at 64 (the daemon's, 1 while asleep: a client then
+                               rings the doorbell, the eventfd the fd socket hands out), u64
+                               epoch at 128 (the daemon run's)
     page 0 .. pages-1          one per session that got one (Welcome's RingInfo.submissions)
 
 A page (PAGE_HEADER bytes, then `records` RECORD-byte records):
@@ -36,7 +36,6 @@ from ..memory.allocator import align_up
 from ..protocol import DTYPE_ITEMSIZE
 
 AREA_HEADER = 4096
-DOORBELL_AT = 0
 SLEEPING_AT = 64
 EPOCH_AT = 128  # u64: the daemon run's epoch (a client of another run posts nothing)
 PAGE_HEADER = 1024

@@ -37,6 +37,32 @@ def test_a_stream_of_puts_sends_the_daemon_no_message_per_put(daemon_factory):
         assert metric_by_label(body, "ecd_put_leases_total", "outcome")["granted"] >= max(8, sent.count("LeaseSpace"))
 
 
+def test_a_stream_into_a_full_pool_asks_for_a_lease_once_per_slab_not_once_per_put(daemon):
+    """The steady state of a cache: its pool is full. A lease asked for evicts for the session's
+    next size (the 64 MiB pool's 512 KiB slab: 8 puts of 64 KiB), not for just the one put."""
+    sent: list[str] = []
+    replies = []
+    with daemon.client() as c:
+        for i in range(1200):  # 75 MiB through a 64 MiB pool: full of entries of the stream's size
+            c.put(f"fill{i}", torch.ones(N), wait=False)
+        c.flush()
+        def hook(request, send):
+            sent.append(type(request).__name__)
+            replies.append(send(request))
+            return replies[-1]
+        with intercept_round_trips(c, hook):
+            for i in range(400):
+                c.put(f"k{i}", torch.full((N,), float(i)), wait=False)
+            c.flush()
+        refused = [(a, b) for a, b in zip(sent, replies) if a != "LeaseSpace" or "Failure" in str(b)]
+        assert not refused, refused[:3]
+        assert sent.count("LeaseSpace") <= 400 // 4, len(sent)  # ~50 (one per slab); one per put was 400
+        with daemon.client() as other:
+            for i in (0, 200, 399):
+                assert torch.equal(other.get(f"k{i}"), torch.full((N,), float(i)))
+        assert not c.exists("fill0")  # the coldest went for the leases
+
+
 def test_a_put_not_waited_for_is_visible_to_another_process_after_flush(daemon, actors):
     producer, consumer = actors(daemon.endpoint), actors(daemon.endpoint)
     for i in range(20):

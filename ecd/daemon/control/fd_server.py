@@ -1,5 +1,6 @@
-"""The fd socket: hands the host pool's memfds, the ring's read-only descriptor and the CUDA arenas
-exported as file descriptors (`[pool.cuda] export = "fd"`) to local clients.
+"""The fd socket: hands the host pool's memfds, the ring's read-only descriptor, the CUDA arenas
+exported as file descriptors (`[pool.cuda] export = "fd"`) and the submission area's doorbell (an
+eventfd clients write to wake the daemon: daemon/writes/consumer.py) to local clients.
 
 Beside the control socket, `<control socket>.fds` (a tcp control endpoint: `<runtime_dir>/ecd.<node>.fds`),
 a SOCK_SEQPACKET unix socket with the control socket's group and mode (0660). The wire is
@@ -76,10 +77,11 @@ class FdServer:
 
     def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
                  control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
-                 fd_limit: int = 1024) -> None:
+                 fd_limit: int = 1024, doorbell: bool = False) -> None:
         """`control`: the daemon's `[control]` section as it is now (after any SIGHUP); `arenas`:
         (pool index, size, descriptor) of the CUDA arenas exported as file descriptors; `fd_limit`:
-        the daemon's open-file limit (the kernel's bound on its descriptors in flight)."""
+        the daemon's open-file limit (the kernel's bound on its descriptors in flight); `doorbell`:
+        make the submission area's eventfd (`self.doorbell`) and hand it out too."""
         self.path = path
         self._control = control
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
@@ -89,7 +91,7 @@ class FdServer:
         self._unread_pids: Counter[int] = Counter()
         self._limited_uids: set[int] = set()  # logged once each
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ring_fd = -1
+        self._ring_fd = self.doorbell = -1
         self._epoch = epoch
         self._warned_emfile = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -100,15 +102,17 @@ class FdServer:
                 sock.bind(path)
             sock.listen(BACKLOG)
             self._ring_fd = ring.read_only_fd()
+            if doorbell:  # non-blocking for every holder: a client's ring never waits
+                self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         except BaseException:
             sock.close()
-            if self._ring_fd >= 0:
-                os.close(self._ring_fd)
+            self._close_own()
             raise
         self.sock = sock
         items = [(FdItem("ring", 0, ring.size), self._ring_fd)]
         items += [(FdItem("pool", i, seg.size), seg.fd) for i, seg in enumerate(segments)]
         items += [(FdItem("arena", index, size), fd) for index, size, fd in arenas]
+        items += [(FdItem("doorbell", 0, 0), self.doorbell)] if doorbell else []
         self._batches = []
         for first in range(0, len(items), FDS_PER_MESSAGE):
             chunk = items[first:first + FDS_PER_MESSAGE]
@@ -243,7 +247,11 @@ class FdServer:
         self.sock.close()
         with suppress(FileNotFoundError):
             os.unlink(self.path)
-        if self._ring_fd >= 0:
-            os.close(self._ring_fd)
-            self._ring_fd = -1
+        self._close_own()
+
+    def _close_own(self) -> None:
+        for fd in (self._ring_fd, self.doorbell):
+            if fd >= 0:
+                os.close(fd)
+        self._ring_fd = self.doorbell = -1
 

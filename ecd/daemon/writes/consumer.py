@@ -13,8 +13,10 @@ When it runs (all on the event loop, between requests):
 - awake: every POLL_S while records keep coming, and at once when a client rings;
 - asleep after IDLE_S without a record: it stores `sleeping`, fences, looks once more (a record
   posted before the client saw `sleeping` is found here), and then only the doorbell wakes it.
-  A thread waits on the doorbell futex (and wakes itself every DOORBELL_POLL_S as a safety net)
-  and hands each ring to the loop.
+  The doorbell is an eventfd the fd socket hands every client: the loop watches it like any
+  socket, so a ring reaches the daemon in one wake-up, with no thread between. Any client can
+  also read it (and so swallow another's ring): a client waiting for its commit rings again
+  every WAIT_SLICE_S, and the daemon looks at every page each DOORBELL_POLL_S regardless.
 Pages are read with pread (never a fault on a truncated named file): the records once to find
 the run whose sequence numbers are stored, then, after a fence, once more for their fields.
 """
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import struct
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,7 @@ from ...memory.allocator import ALIGNMENT, align_up
 from ...memory.fence import barrier, full_barrier
 from ...protocol import AllocItem, EntryMeta, Failure
 from ...writes import futex
-from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DOORBELL_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
                                   GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes, page_offset,
@@ -69,14 +71,15 @@ class _Page:
 
 class SubmissionArea:
     def __init__(self, segments: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
-                 epoch: int, quarantine_s: float) -> None:
+                 epoch: int, quarantine_s: float, doorbell: int) -> None:
         """`segments`: the host pool's (ShmFiles); the area is segment 0's bytes from `offset`. A
         kept pool's area is the previous run's: records it had not read are dropped (their bytes
         lie in its leases' intents, quarantined by the adoption), and the pages its sessions used
         are quarantined too, for `quarantine_s`: a client of that run stopped between its epoch
         check and its record would write into a page handed to a new session (clobbering that
         session's record), so no new session gets one until the old run's writes cannot be in
-        progress. The rest of the area is cleared and carries this run's epoch."""
+        progress. The rest of the area is cleared and carries this run's epoch. `doorbell`: the
+        eventfd clients write to wake the daemon (the caller's: it closes it)."""
         segment = segments[0]
         self.segment, self.segments, self.offset, self.pages, self.records = segment, segments, offset, pages, records
         self._meta_decoder = msgspec.msgpack.Decoder(EntryMeta)
@@ -94,8 +97,9 @@ class SubmissionArea:
         self._timer: Any = None
         self._asleep = False
         self._last_record = self._last_expiry = 0.0
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.doorbell = doorbell
+        self._poller: Any = None
         if self._quarantined:
             segment.write_at(offset, bytes(AREA_HEADER))
             for page in self._free:
@@ -151,6 +155,7 @@ class SubmissionArea:
         if state is None:
             return Failure(Code.INVALID, "this client has no submission page (leases.slot_sessions are all taken, "
                                          "or leases.submit_records = 0): put the ordinary way")
+        self._consume(state)  # its records first: they retire the leases it has moved on from
         lease = self.leasing.grant(session, ns, nbytes)
         if isinstance(lease, Failure):
             return lease
@@ -313,39 +318,34 @@ class SubmissionArea:
         self._loop = loop
         if self._quarantined:
             loop.call_later(self._quarantine_s, self._end_quarantine)
-        self._thread = threading.Thread(target=self._doorbell, name="ecd-doorbell", daemon=True)
-        self._thread.start()
+        loop.add_reader(self.doorbell, self._on_doorbell)
+        self._poller = loop.call_later(DOORBELL_POLL_S, self._poll)
 
     def stop(self) -> None:
-        self._stopping.set()
-        self.segment.write_at(self.offset + DOORBELL_AT, _U32.pack(0xFFFFFFFF))
-        futex.wake(self._base + self.offset + DOORBELL_AT)
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._stopping = True
+        for timer in (self._timer, self._poller):
+            if timer is not None:
+                timer.cancel()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.doorbell)
 
-    def _doorbell(self) -> None:
-        word = bytearray(4)
-        address = self._base + self.offset + DOORBELL_AT
-        while not self._stopping.is_set():
-            self.segment.read_into(self.offset + DOORBELL_AT, memoryview(word))
-            try:
-                futex.wait(address, _U32.unpack(word)[0], DOORBELL_POLL_S)
-            except OSError:
-                time.sleep(DOORBELL_POLL_S)  # a truncated pool: poll slowly until the daemon stops
-            if self._stopping.is_set():
-                return
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                try:
-                    loop.call_soon_threadsafe(self._rung)
-                except RuntimeError:  # closed meanwhile
-                    return
+    def _on_doorbell(self) -> None:
+        try:
+            os.eventfd_read(self.doorbell)  # back to 0: the next ring wakes the loop again
+        except BlockingIOError:
+            pass  # another client read it first (a hostile one): it rang all the same
+        self._rung()
+
+    def _poll(self) -> None:
+        """The safety net: a ring swallowed by another client is found here, and leases expire."""
+        if self._stopping or self._loop is None:
+            return
+        self._rung()
+        self._poller = self._loop.call_later(DOORBELL_POLL_S, self._poll)
 
     def _rung(self) -> None:
-        if self._stopping.is_set():
-            return  # queued by the doorbell thread before the stop: the pool may be gone
+        if self._stopping:
+            return
         now = time.monotonic()
         if now - self._last_expiry >= DOORBELL_POLL_S:
             self._last_expiry = now
@@ -357,7 +357,7 @@ class SubmissionArea:
 
     def _tick(self) -> None:
         self._timer = None
-        if self._stopping.is_set():
+        if self._stopping:
             return
         now = time.monotonic()
         if self.drain():

@@ -11,9 +11,10 @@ splits it (ExtentAllocator.split), and what is left at the lease's end returns t
 Invariants:
 - Quota: a lease is charged to its namespace when granted (its whole size); a carved entry's
   bytes move from the lease to the entry and what is given back is uncharged, so leased +
-  committed bytes never pass the quota at any instant. A lease evicts only when it is of just
-  the put's size, as an Alloc of it would (the namespace's own entries first when its quota
-  demands; then for room); a larger one, or one granted ahead, evicts nothing and is not
+  committed bytes never pass the quota at any instant. A lease a client asks for (LeaseSpace)
+  evicts as an Alloc of its size would (the namespace's own entries first when its quota
+  demands; then for room), at most the session's next size (up to one slab: pool/128), so a
+  producer into a full pool asks once per slab; one granted ahead evicts nothing and is not
   granted past the quota.
 - Restart: a lease is journaled as an intent for [front, end); a carve writes the new intent
   before the entry's record and forgets the old one after, so a kill at any point leaves every
@@ -80,11 +81,11 @@ class Leasing:
         return None
 
     def grant(self, session: Session, ns: str, nbytes: int = 0, evict: bool = True) -> PutLease | Failure:
-        """A new lease for `session` in `ns`: of its next size (MIN_LEASE, doubling with each
-        grant up to the slab: a session that puts little holds little) where that fits without
-        evicting; else, with `evict`, of just `nbytes`, placed as an Alloc of that put would be
-        (its quota's victims, then room), so a lease never costs the cache more than the put
-        itself. `evict` False: a lease granted ahead, for puts that may never come (a refill)."""
+        """A new lease for `session` in `ns` of at least `nbytes`: of its next size (MIN_LEASE,
+        doubling with each grant up to the slab: a session that puts little holds little) where
+        that fits without evicting; else, with `evict`, evicting for it as an Alloc of it would
+        (_evicting). `evict` False: a lease granted ahead, for puts that may never come (a refill)
+        takes free space only."""
         store = self.store
         leases = self.by_session.setdefault(session.id, [])
         if len(leases) >= MAX_LEASES:
@@ -99,17 +100,10 @@ class Leasing:
         if not store.host.too_large(size, pools) and (quota is None or used + size <= quota):
             placed = store.placement.place(size, ns, (), evict=False, pools=pools)
         if placed is None and evict:
-            size = need
-            too_large = store.host.too_large(size, pools)
-            if too_large:
-                return self._refused(Failure(Code.INVALID, f"no put lease: {too_large}"))
-            victims = store.placement.quota_victims(ns, size)
-            if isinstance(victims, Failure):
-                return self._refused(victims)
-            placed = store.placement.place(size, ns, victims, pools=pools)
-            if placed is None:
-                store.counters["pool_full"] += 1
-                return self._refused(Failure(Code.POOL_FULL, store.placement.pool_full_message(nbytes, pools)))
+            evicted, size = self._evicting(ns, size, need, nbytes)
+            if isinstance(evicted, Failure):
+                return self._refused(evicted)
+            placed = evicted
         if placed is None:
             return self._refused(Failure(Code.POOL_FULL, "no put lease ahead: no free extent without evicting"))
         self._next_size[session.id] = min(self.slab, 2 * size)
@@ -122,6 +116,31 @@ class Leasing:
         self.leased_bytes += size
         store.counters["put_leases_granted"] += 1
         return lease
+
+    def _evicting(self, ns: str, wanted: int, need: int, nbytes: int) -> tuple[tuple[int, int] | Failure, int]:
+        """A place for a lease of `wanted` bytes (its next size), evicting as an Alloc would (the
+        namespace's own entries first where its quota demands, then the coldest for room); where
+        that cannot be, for just the put's `need`. So a producer into a full pool evicts a slab
+        at a time, one LeaseSpace per slab, not one per put."""
+        store, pools = self.store, self.store.host.host_pools
+        failure: Failure | None = None
+        size = need
+        for size in dict.fromkeys((wanted, need)):  # the larger first; `need` alone when they are equal
+            too_large = store.host.too_large(size, pools)
+            if too_large:
+                failure = Failure(Code.INVALID, f"no put lease: {too_large}")
+                continue
+            victims = store.placement.quota_victims(ns, size)
+            if isinstance(victims, Failure):
+                failure = victims
+                continue
+            placed = store.placement.place(size, ns, victims, pools=pools)
+            if placed is not None:
+                return placed, size
+            store.counters["pool_full"] += 1
+            failure = Failure(Code.POOL_FULL, store.placement.pool_full_message(nbytes, pools))
+        assert failure is not None
+        return failure, size
 
     def _refused(self, failure: Failure) -> Failure:
         self.store.counters["put_leases_refused"] += 1
