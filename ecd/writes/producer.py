@@ -34,9 +34,9 @@ from ..memory.fence import barrier, full_barrier
 from ..memory.ring import READER_TRUST_S
 from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
 from . import futex
-from .submission import (COMMITTED_AT, CONSUMED_AT, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
+from .submission import (COMMITTED_AT, CONSUMED_AT, COPY_WINDOW, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                          ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
-                         MAX_META, MAX_NDIM, PAGE_HEADER, RECORD_BODY, SEQ, SLEEPING_AT, WAITING_AT, page_bytes,
+                         MAX_META, MAX_NDIM, PAGE_HEADER, RECORD_BODY, REVOKED_AT, SEQ, SLEEPING_AT, WAITING_AT, page_bytes,
                          record_offset)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,9 +60,10 @@ def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
     if not (pool == 0 < len(mapping.rw) and 0 < records and 0 <= area_at < page_at
             and page_at + page_bytes(records) <= len(mapping.rw[0])):
         return None  # not inside segment 0: ignore it, put the ordinary way
-    heartbeat_s = welcome.heartbeat_s  # > 0: the daemon cannot watch this process; its leases expire
-    window = math.inf if heartbeat_s <= 0 else min(welcome.limits.write_ttl_s / 2, 1.5 * heartbeat_s)
-    page = Submissions(location, mapping, welcome.session, welcome.epoch, window)
+    heartbeat_s, write_ttl = welcome.heartbeat_s, welcome.limits.write_ttl_s
+    # > 0: the daemon cannot watch this process: a lease it left unused this long may be gone
+    window = math.inf if heartbeat_s <= 0 else min(write_ttl / 2, 1.5 * heartbeat_s)
+    page = Submissions(location, mapping, welcome.session, welcome.epoch, window, min(window, COPY_WINDOW * write_ttl))
     if previous is not None:
         page.inherit(previous)
     return page
@@ -91,7 +92,7 @@ class Placed:
 
 class Submissions:
     def __init__(self, location: list[int], mapping: "EpochMapping", session: int, epoch: int,
-                 window: float) -> None:
+                 window: float, copy_window: float) -> None:
         pool, self.page_at, self.records, self.area_at = location
         buf = mapping.rw[pool]
         self.mapping, self.session, self.epoch = mapping, session, epoch
@@ -106,9 +107,10 @@ class Submissions:
         self.next_seq = 1
         self.posted = 0  # the last sequence number posted
         self.lease: _Lease | None = None
-        # how long after its last use a lease may still be copied into (inf: the daemon watches
-        # this process, and its leases end only with it; else they expire unused: PutRoute.safe_write_window)
-        self.window = window
+        # how long after its last use a lease may still be placed in (inf: the daemon watches this
+        # process, its leases end only with it or revoked on the page; else they expire unused:
+        # PutRoute.safe_write_window), and how long after a placement its bytes may be copied
+        self.window, self.copy_window = window, copy_window
         self.grants_taken = 0
         self.namespace = ""  # the namespace of its leases (Client.namespace may change between puts)
         self._refused_until = 0.0
@@ -155,8 +157,8 @@ class Submissions:
         the batch has nothing after it). Called under `self.lock`, which it lets go of while it
         asks."""
         lease, now = self.lease, time.monotonic()
-        if lease is not None and now - lease.used_at > self.window:
-            lease = self.lease = None  # the daemon may have taken it back
+        if lease is not None and (now - lease.used_at > self.window or lease.generation < self._revoked()):
+            lease = self.lease = None  # the daemon may have taken it back, or is taking it back
         if lease is None or lease.front + size > lease.end:
             lease = self._next_lease(size)
             if lease is None:
@@ -180,7 +182,12 @@ class Submissions:
 
     def deadline(self) -> float:
         """Until when the bytes of what was just placed may be copied."""
-        return self.lease.used_at + self.window if self.lease is not None else 0.0
+        return self.lease.used_at + self.copy_window if self.lease is not None else 0.0
+
+    def _revoked(self) -> int:
+        """Leases below this generation are being taken back (unused for the write TTL)."""
+        full_barrier()  # this load after the placement's before it (the daemon frees a grace later)
+        return int(self.header[REVOKED_AT // 8])
 
     def _next_lease(self, size: int) -> _Lease | None:
         """The next lease the daemon granted on the page that holds `size` bytes (the client never
@@ -195,8 +202,8 @@ class Submissions:
             generation, pool, start, nbytes = GRANT.unpack_from(self.header.data.cast("B"), at)
             self.grants_taken += 1
             sizes = self.mapping.sizes
-            if not (pool < len(sizes) and start + nbytes <= sizes[pool]):
-                continue  # not in this client's pools: a broken page
+            if not (pool < len(sizes) and start + nbytes <= sizes[pool]) or generation < self._revoked():
+                continue  # not in this client's pools (a broken page), or revoked already
             self.lease = _Lease(generation, pool, start, start + nbytes, self._asked_at)
             if nbytes >= size:
                 return self.lease

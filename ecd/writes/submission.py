@@ -14,6 +14,8 @@ A page (PAGE_HEADER bytes, then `records` RECORD-byte records):
     8    u64 committed     daemon: the last sequence number settled (stored or refused); a futex
                            word (its low half) the client waits on, woken when `waiting` is set
     16   u64 grants        daemon: how many put leases it has granted (GRANTS slots at 128)
+    24   u64 revoked       daemon: leases of a generation below it are being taken back (unused
+                           for the write TTL; freed LEASE_GRACE of the TTL later): placed in no more
     64   u32 waiting       client: 1 while it waits on `committed`
     128  GRANTS x (generation, pool, offset, size) u64: lease grant i is in slot i % GRANTS
     256  u64 errors        daemon: how many records it refused (ERRORS slots at 264)
@@ -39,7 +41,10 @@ AREA_HEADER = 4096
 SLEEPING_AT = 64
 EPOCH_AT = 128  # u64: the daemon run's epoch (a client of another run posts nothing)
 PAGE_HEADER = 1024
-CONSUMED_AT, COMMITTED_AT, GRANTS_COUNT_AT, WAITING_AT = 0, 8, 16, 64
+CONSUMED_AT, COMMITTED_AT, GRANTS_COUNT_AT, REVOKED_AT, WAITING_AT = 0, 8, 16, 24, 64
+# A lease unused for the write TTL is marked revoked on its page and freed LEASE_GRACE x the TTL
+# later; a client copies into a lease at most COPY_WINDOW x the TTL after it saw it unrevoked.
+LEASE_GRACE, COPY_WINDOW = 0.5, 0.25
 GRANTS, GRANTS_AT, GRANT = 4, 128, struct.Struct("<4Q")
 ERRORS_COUNT_AT, ERRORS_AT, ERRORS = 256, 264, 7
 ERROR = struct.Struct("<QII80s")  # seq, code, length of the message, the message (utf-8, cut)

@@ -124,6 +124,30 @@ def test_lease_space_goes_back_when_the_client_goes(daemon):
         assert stats["entries_ready"] == 10
 
 
+def test_leases_a_live_client_left_unused_are_revoked_and_it_puts_on_after(daemon_factory):
+    """A client the daemon watches (same pid namespace) holds its leases while it lives; unused
+    for the write TTL they are marked revoked on its page and freed half a TTL later. The client
+    places in none of them after the mark: its next puts ask for a new lease and are stored."""
+    d = daemon_factory(extra='[leases]\nwrite_ttl = "2s"\n')
+    sent: list[str] = []
+    with d.client() as c:
+        for i in range(10):
+            c.put(f"k{i}", torch.full((N,), float(i)), wait=False)
+        c.flush()
+        assert metric(scrape_metrics(d.metrics_port), "ecd_leased_bytes") > 0
+        # unused for 2 s: marked; 1 s later freed (the daemon looks each second)
+        wait_for(lambda: metric(scrape_metrics(d.metrics_port), "ecd_leased_bytes") == 0, timeout=10)
+        assert metric_by_label(scrape_metrics(d.metrics_port), "ecd_put_leases_total", "outcome")["expired"] >= 1
+        assert c.stats()["used_bytes"] == 10 * N * 4  # the entries only: every leased byte returned
+        with intercept_round_trips(c, lambda request, send: (sent.append(type(request).__name__), send(request))[1]):
+            for i in range(10, 20):
+                c.put(f"k{i}", torch.full((N,), float(i)))  # waited: a record in a freed lease is refused
+        assert sent[:1] == ["LeaseSpace"], sent
+        with d.client() as other:
+            for i in range(20):
+                assert torch.equal(other.get(f"k{i}"), torch.full((N,), float(i)))
+
+
 def test_a_namespace_quota_holds_at_every_instant(daemon_factory):
     """Leased plus committed bytes never pass the quota while a producer streams puts into it."""
     d = daemon_factory(size="64MiB", extra='[namespaces.capped]\nquota = "4MiB"\n')

@@ -40,7 +40,7 @@ from ...protocol import AllocItem, EntryMeta, Failure
 from ...writes import futex
 from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
-                                  GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, SEQ,
+                                  GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, REVOKED_AT, SEQ,
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes, page_offset,
                                   record_offset)
 from ..registry.entries import Session
@@ -349,11 +349,20 @@ class SubmissionArea:
         now = time.monotonic()
         if now - self._last_expiry >= DOORBELL_POLL_S:
             self._last_expiry = now
-            self.leasing.expire(float(self.store.leases.write_ttl))
+            self._revoke_idle(float(self.store.leases.write_ttl))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._tick()
+
+    def _revoke_idle(self, write_ttl: float) -> None:
+        """Mark revoked the leases of sessions that used none for the write TTL; free those marked
+        long enough ago (leases.py)."""
+        for state in self._by_session.values():
+            below = self.leasing.idle(state.session, write_ttl)
+            if below:
+                self.segment.write_at(state.at + REVOKED_AT, _U64.pack(below))
+        self.leasing.expire(write_ttl)
 
     def _tick(self) -> None:
         self._timer = None

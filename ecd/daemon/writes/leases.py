@@ -25,8 +25,11 @@ Invariants:
   (LeaseSpace, up to MAX_LEASES: a put larger than what its leases have left). A record naming a
   lease retires every older one (the client places in sequence order and never goes back, so
   every record of an older lease came before).
-- A lease ends with its session, when fully carved, when its client moves on, or (only for a
-  client the daemon cannot watch) when unused for the write TTL.
+- A lease ends with its session, when fully carved, when its client moves on, or when revoked:
+  once none of its session's leases was used for the write TTL, the consumer marks them revoked
+  on the page (REVOKED_AT) and `expire` frees them LEASE_GRACE x the TTL later. A client looks
+  at the mark before each placement and copies at most COPY_WINDOW x the TTL after it, so no
+  copy is still landing when the bytes go back (submission.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 from ...errors import Code
 from ...memory.allocator import align_up
 from ...protocol import Failure
+from ...writes.submission import LEASE_GRACE
 from ..registry.entries import Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,6 +63,7 @@ class PutLease:
     owner: Session
     last_used: float
     journal: int = -1  # its intent record for [front, end)
+    revoked_at: float = 0.0  # when marked revoked on its page (0: not); freed LEASE_GRACE x the TTL later
 
 
 @dataclass(slots=True)
@@ -227,12 +232,22 @@ class Leasing:
             self.end(lease, "reclaimed")
         self._next_size.pop(session.id, None)
 
+    def idle(self, session: Session, write_ttl: float) -> int:
+        """0, or (none of the session's leases used for the write TTL, none revoked yet) the
+        generation below which its page's mark revokes them all: they are marked revoked now."""
+        leases, now = self.by_session.get(session.id, []), self.store.clock()
+        if not leases or leases[-1].revoked_at or now - max(lease.last_used for lease in leases) <= write_ttl:
+            return 0
+        for lease in leases:
+            lease.revoked_at = now
+        return leases[-1].generation + 1
+
     def expire(self, write_ttl: float) -> None:
-        """Leases of clients the daemon cannot watch, unused for the write TTL."""
+        """Leases marked revoked more than LEASE_GRACE x the TTL ago go back to the pool."""
         now = self.store.clock()
         for leases in list(self.by_session.values()):
             for lease in list(leases):
-                if not lease.owner.watched and now - lease.last_used > write_ttl:
+                if lease.revoked_at and now - lease.revoked_at > LEASE_GRACE * write_ttl:
                     self.end(lease, "expired")
 
     def totals(self) -> tuple[int, int]:
