@@ -310,11 +310,12 @@ class Abort(_Msg, tag="abort"):
 
 
 class LeaseSpace(_Msg, tag="lease_space"):
-    """A put lease of at least `nbytes` in `ns`, granted on this client's submission page (Acked)."""
+    """A put lease of `nbytes` or more in `ns` and `arena` (-1: the host pool), granted on the client's page."""
 
     id: int
     ns: str
     nbytes: U64 = 0
+    arena: int = -1
 
 
 class PutInline(_Msg, tag="put_inline"):

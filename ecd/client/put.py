@@ -146,11 +146,11 @@ class PutRoute:
     def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
             meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
         """The one put route for one tier's tensors: place, copy, commit (`meta`: by key, what
-        Alloc, Publish or PutInline says each entry is). Host-pool puts go through the session's
-        submission page when it has one (`wait`: until the daemon committed them)."""
+        Alloc, Publish or PutInline says each entry is). Puts go through the session's submission
+        page when it has one (`wait`: until the daemon committed them)."""
         writes = c._writes
-        if writes is not None and arena < 0 and not persist and writes.mapping is c._map:
-            tensors = self.submit(c, writes, tensors, checksum, wait, meta)
+        if writes is not None and not persist and writes.mapping is c._map:
+            tensors = self.submit(c, writes, tensors, checksum, wait, meta, arena)
             if not tensors:
                 return
         for dest in self.place(c, tensors, arena, meta):
@@ -185,17 +185,19 @@ class PutRoute:
             yield self.allocate(c, dest, arena)
 
     def submit(self, c: Client, writes: Submissions, tensors: dict[str, torch.Tensor], checksum: bool,
-               wait: bool, meta: Mapping[str, EntryMeta] | None = None) -> dict[str, torch.Tensor]:
-        """Place in the session's put leases, copy, post a record each (ecd/writes/producer.py):
-        no message unless a lease must be asked for. The tensors it could not take."""
+               wait: bool, meta: Mapping[str, EntryMeta] | None = None, arena: int = HOST) -> dict[str, torch.Tensor]:
+        """Place in the session's put leases of this tier, copy (an arena's: on the device, waited
+        for), post a record each (ecd/writes/producer.py): no message unless a lease must be
+        asked for. The tensors it could not take."""
         dest = Destination(c.namespace, tensors)
-        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta)
+        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta,
+                              arena)
         if len(placed) < len(tensors):
             # One the page cannot take (a long key, no lease to be had): the whole batch goes the
             # round-trip route, whose Alloc places all of it or none (a refused item, nothing stored).
             writes.post(placed, [0] * len(placed), False, False, c.timeout, aborted=True)
             return tensors
-        dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline()).placed = placed
+        dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline(arena)).placed = placed
         digests = self.copy(c, dest, checksum)
         with c._lock:
             cache = c.location_cache

@@ -10,7 +10,9 @@ breaking them.
 - `acquire`: take read leases at the wire level, as get() does before it copies, and release them;
 - `replace_location_cache`: give a client a location cache of another size;
 - `submission_page`: the client's submission page (ecd.writes.producer.Submissions), to place
-  and post records by hand as a broken or hostile producer would.
+  and post records by hand as a broken or hostile producer would;
+- `put_into_arena`: the put route a CUDA tensor takes once its tier is chosen (an arena), for
+  tensors of a machine without a GPU (tests/fake_gpu_plane.py copies them "on the device").
 """
 from __future__ import annotations
 
@@ -80,3 +82,10 @@ def replace_location_cache(client, cache: LocationCache) -> None:
 def submission_page(client):
     """The Submissions object of the client's current session (None: it has no page)."""
     return client._writes
+
+
+def put_into_arena(client, items: dict, arena: int, wait: bool = True, checksum: bool = False) -> None:
+    """Put `items` into the CUDA arena of pool index `arena` as Client.put does for tensors on
+    its device after choosing their tier: placed in the session's put leases of that arena (or
+    allocated there), copied by the client's CUDA plane, committed."""
+    client._puts.put(client, dict(items), client._verifies(checksum), arena, False, None, wait)

@@ -18,7 +18,6 @@ from .peer.context import PeerContext
 from .restart.adopt import submission_bytes
 from .writes.consumer import SubmissionArea
 from .writes.leases import Leasing
-from ..writes.submission import slab_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .server import Daemon
@@ -88,7 +87,7 @@ def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
         return None
     segment = d.pool.segments[0]
     area = SubmissionArea(d.pool.segments, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
-                          Leasing(store, slab_bytes(int(leases.put_slab), int(d.config.pool.host.size))), d.epoch,
+                          Leasing(store, int(leases.put_slab)), d.epoch,
                           float(leases.write_ttl), d.fd_server.doorbell)
     store.session_closers.append(area.close)
     area.start(d.loop)

@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import Welcome
 
 WAIT_SLICE_S = 0.05  # a wait looks at the session this often (a reconnect, the client's timeout)
+HOST_TIER = -1  # a lease in the host pool (else: in the CUDA arena of that pool index)
 MAX_ASK = 64 << 20  # a lease asked for holds at most this much of a batch's rest (one contiguous extent)
 LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
 
@@ -102,18 +104,21 @@ class Submissions:
         self.area_epoch = np.frombuffer(buf, np.uint64, count=1, offset=self.area_at + EPOCH_AT)
         base = kernel_copy.address_of(buf)
         self._committed_address = base + self.page_at + COMMITTED_AT
-        self.doorbell = mapping.doorbell_fd
+        # its own descriptor of the doorbell: the mapping's closes with its epoch, and a number
+        # closed under a put in flight could be some other file's by the time it rings
+        self.doorbell = os.dup(mapping.doorbell_fd)
+        weakref.finalize(self, os.close, self.doorbell)
         self.lock = threading.Lock()
         self.next_seq = 1
         self.posted = 0  # the last sequence number posted
-        self.lease: _Lease | None = None
+        self.leases: dict[int, _Lease] = {}  # by tier (HOST_TIER, or a CUDA arena's pool index): placed in now
         # how long after its last use a lease may still be placed in (inf: the daemon watches this
         # process, its leases end only with it or revoked on the page; else they expire unused:
         # PutRoute.safe_write_window), and how long after a placement its bytes may be copied
         self.window, self.copy_window = window, copy_window
         self.grants_taken = 0
         self.namespace = ""  # the namespace of its leases (Client.namespace may change between puts)
-        self._refused_until = 0.0
+        self._refused_until: dict[int, float] = {}  # by tier: after a refused LeaseSpace, the ordinary route
         self._asked_at = time.monotonic()  # a grant is no older than the last LeaseSpace, or the page's Welcome
         self._keys: dict[int, str] = {}  # seq -> key, of records posted and not yet settled
         self._errors_seen = 0
@@ -125,25 +130,28 @@ class Submissions:
     # ---- place ----------------------------------------------------------------------------
 
     def place(self, c: "Client", tensors: dict[str, Any], sizes: list[int], dtypes: list[str],
-              metas: Mapping[str, Any] | None = None) -> list[Placed]:
-        """A place in a lease and a sequence number for each tensor it can take, in order; the
-        others (a key over MAX_KEY bytes, over MAX_NDIM dimensions, a meta over MAX_META, no
-        lease to be had) are left out for the ordinary route."""
+              metas: Mapping[str, Any] | None = None, tier: int = HOST_TIER) -> list[Placed]:
+        """A place in a lease of `tier` (the host pool, or a CUDA arena's pool index) and a
+        sequence number for each tensor it can take, in order; the others (a key over MAX_KEY
+        bytes, over MAX_NDIM dimensions, a meta over MAX_META or any in an arena, no lease to be
+        had) are left out for the ordinary route."""
         placed: list[Placed] = []
         left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
         if self.stale():
             return placed  # a new daemon run's area: this client reconnects (put_many) and gets a page of it
         with self.lock:
             if c.namespace != self.namespace:  # leases are a namespace's: those held so far are another's
-                self.namespace, self.lease = c.namespace, None
+                self.namespace = c.namespace
+                self.leases.clear()
                 self.grants_taken = int(self.header[GRANTS_COUNT_AT // 8])
             for (key, tensor), nbytes, dtype in zip(tensors.items(), sizes, dtypes):
                 code = DTYPE_CODES.get(dtype)
                 meta = encoder.encode(metas[key]) if metas and metas.get(key) is not None else b""
-                if code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY or len(meta) > MAX_META:
+                if (code is None or tensor.dim() > MAX_NDIM or len(key.encode()) > MAX_KEY or len(meta) > MAX_META
+                        or (meta and tier != HOST_TIER)):  # (an arena's bytes are not this process's to write)
                     continue
                 size = align_up(max(nbytes, 1)) + align_up(len(meta))
-                extent = self._take(c, size, left + align_up(len(meta)), nbytes + align_up(len(meta)))
+                extent = self._take(c, size, left + align_up(len(meta)), nbytes + align_up(len(meta)), tier)
                 left -= align_up(max(nbytes, 1))
                 if extent is None:
                     continue
@@ -151,28 +159,29 @@ class Submissions:
                 self.next_seq += 1
         return placed
 
-    def _take(self, c: "Client", size: int, ask: int, exact: int) -> Extent | None:
+    def _take(self, c: "Client", size: int, ask: int, exact: int, tier: int) -> Extent | None:
         """`size` bytes from the front of the current lease (or the next); a lease of `ask` bytes
         is asked for when none holds them (`exact`: the put's own bytes, unaligned, asked for when
         the batch has nothing after it). Called under `self.lock`, which it lets go of while it
         asks."""
-        lease, now = self.lease, time.monotonic()
+        lease, now = self.leases.get(tier), time.monotonic()
         if lease is not None and (now - lease.used_at > self.window or lease.generation < self._revoked()):
-            lease = self.lease = None  # the daemon may have taken it back, or is taking it back
+            lease = None  # the daemon may have taken it back, or is taking it back
+            del self.leases[tier]
         if lease is None or lease.front + size > lease.end:
-            lease = self._next_lease(size)
+            lease = self._next_lease(size, tier)
             if lease is None:
-                if now < self._refused_until:
+                if now < self._refused_until.get(tier, 0.0):
                     return None
                 self.lock.release()  # no lock across the round trip (a reconnect in it reads this page)
                 try:
                     # just this put (its exact bytes, as an Alloc names them), or the batch's rest
-                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)) if ask > size else exact)
+                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)) if ask > size else exact, tier)
                 finally:
                     self.lock.acquire()
                 if not asked:
                     return None
-                lease = self._next_lease(size)
+                lease = self._next_lease(size, tier)
                 if lease is None:
                     return None
         extent = Extent(lease.generation, lease.pool, lease.front)
@@ -180,18 +189,20 @@ class Submissions:
         lease.used_at = now
         return extent
 
-    def deadline(self) -> float:
-        """Until when the bytes of what was just placed may be copied."""
-        return self.lease.used_at + self.copy_window if self.lease is not None else 0.0
+    def deadline(self, tier: int = HOST_TIER) -> float:
+        """Until when the bytes of what was just placed in `tier` may be copied."""
+        lease = self.leases.get(tier)
+        return lease.used_at + self.copy_window if lease is not None else 0.0
 
     def _revoked(self) -> int:
         """Leases below this generation are being taken back (unused for the write TTL)."""
         full_barrier()  # this load after the placement's before it (the daemon frees a grace later)
         return int(self.header[REVOKED_AT // 8])
 
-    def _next_lease(self, size: int) -> _Lease | None:
-        """The next lease the daemon granted on the page that holds `size` bytes (the client never
-        goes back to an older one)."""
+    def _next_lease(self, size: int, tier: int) -> _Lease | None:
+        """The next lease of `tier` the daemon granted on the page that holds `size` bytes (the
+        client never goes back to an older one of a tier). Grants of other tiers passed on the way
+        become their tier's current lease."""
         granted = int(self.header[GRANTS_COUNT_AT // 8])
         if granted - self.grants_taken > GRANTS:
             self.grants_taken = granted - GRANTS  # a hostile or broken page: skip what was overwritten
@@ -201,15 +212,17 @@ class Submissions:
             at = GRANTS_AT + (self.grants_taken % GRANTS) * GRANT.size
             generation, pool, start, nbytes = GRANT.unpack_from(self.header.data.cast("B"), at)
             self.grants_taken += 1
-            sizes = self.mapping.sizes
-            if not (pool < len(sizes) and start + nbytes <= sizes[pool]) or generation < self._revoked():
+            sizes, arenas = self.mapping.sizes, self.mapping.arena_sizes
+            pool_size = sizes[pool] if pool < len(sizes) else arenas.get(pool, 0)
+            if start + nbytes > pool_size or generation < self._revoked():
                 continue  # not in this client's pools (a broken page), or revoked already
-            self.lease = _Lease(generation, pool, start, start + nbytes, self._asked_at)
-            if nbytes >= size:
-                return self.lease
+            granted_tier = HOST_TIER if pool < len(sizes) else pool
+            lease = self.leases[granted_tier] = _Lease(generation, pool, start, start + nbytes, self._asked_at)
+            if granted_tier == tier and nbytes >= size:
+                return lease
         return None
 
-    def _ask(self, c: "Client", size: int, ask: int) -> bool:
+    def _ask(self, c: "Client", size: int, ask: int, tier: int) -> bool:
         """LeaseSpace: one round trip for a lease of at least `ask` bytes (`size`: this put's).
         A refusal of just this put's size for its quota or for room is the put's own (an Alloc
         would be refused the same): raised. Any other refusal: the put goes the round-trip way."""
@@ -217,14 +230,14 @@ class Submissions:
             if c._session != self.session:
                 return False
             self._asked_at = time.monotonic()
-            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, ask))
+            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, ask, tier))
         if c._writes is not self:
             return False  # it reconnected (a restarted daemon): the grant is on its new session's page
         refused = reply.results[0]
         if isinstance(refused, Failure):
             if align_up(max(ask, 1)) == size and refused.code in (Code.QUOTA_EXCEEDED, Code.POOL_FULL):
                 raise error_from_code(refused.code, refused.message)
-            self._refused_until = time.monotonic() + LEASE_RETRY_S
+            self._refused_until[tier] = time.monotonic() + LEASE_RETRY_S
             return False
         return True
 
@@ -242,7 +255,7 @@ class Submissions:
         pool = self.mapping.rw
         for put, digest in zip(placed, digests):
             self._room_for(put.seq, timeout)
-            if put.meta and not aborted:
+            if put.meta and not aborted and put.extent.pool < len(pool):  # (place leaves none in an arena)
                 meta_at = put.extent.offset + align_up(max(put.nbytes, 1))
                 pool[put.extent.pool][meta_at:meta_at + len(put.meta)] = put.meta
             at = record_offset(self.page_at, records, put.seq)

@@ -92,6 +92,7 @@ def record_offset(page_at: int, records: int, seq: int) -> int:
 
 
 def slab_bytes(configured: int, pool_bytes: int) -> int:
-    """A put lease's size: the configured slab, at most 1/128 of the host pool (every producing
-    session holds up to two: the one it fills and the next), at least 64 KiB."""
+    """A put lease's size: the configured slab, at most 1/128 of its tier (the host pool, or a
+    CUDA arena: every producing session holds up to two per tier, the one it fills and the
+    next), at least 64 KiB."""
     return align_up(max(64 << 10, min(configured, pool_bytes // 128)))

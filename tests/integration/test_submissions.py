@@ -193,3 +193,50 @@ def test_submissions_off_puts_go_the_ordinary_way(daemon_factory):
         c.flush()
         assert sent == ["PutInline"]
         assert torch.equal(c.get("a"), torch.ones(N))
+
+
+DOORBELL_THIEF = """
+import os, sys, time
+from ecd.fd_passing import receive
+_, items = receive(sys.argv[1], 10.0)
+bell = next(fd for item, fd in items if item.kind == "doorbell")
+print("ready", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:  # swallow every ring, and now and then fill the counter to its top
+    try:
+        os.eventfd_read(bell)
+    except BlockingIOError:
+        pass
+    try:
+        os.eventfd_write(bell, 0xFFFFFFFFFFFFFFFE)
+    except BlockingIOError:
+        pass
+"""
+
+
+def test_a_client_that_swallows_and_floods_the_doorbell_stops_no_put(daemon):
+    """Every client holds the doorbell (an eventfd): one may read other clients' rings off it, or
+    fill its counter so that writes would block. Waiting clients ring again each slice and the
+    daemon looks at every page each second, so waited puts and flushes all complete."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    fds = daemon.socket_path + ".fds"
+    thief = subprocess.Popen([sys.executable, "-c", DOORBELL_THIEF, fds, "20"], cwd=REPO, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert thief.stdout.readline().strip() == "ready"
+        with daemon.client() as c:
+            for i in range(30):
+                c.put(f"w{i}", torch.full((N,), float(i)))  # waited: visible on return
+                c.put(f"n{i}", torch.full((N,), float(i)), wait=False)
+            c.flush()
+            with daemon.client() as other:
+                for i in range(30):
+                    assert torch.equal(other.get(f"w{i}"), torch.full((N,), float(i)))
+                    assert torch.equal(other.get(f"n{i}"), torch.full((N,), float(i)))
+        assert thief.poll() is None  # it was at it the whole time
+    finally:
+        thief.kill()
+        thief.wait()

@@ -119,7 +119,7 @@ def test_the_fd_socket_admits_as_the_control_socket_does(daemon_factory):
     write_node_toml(d, runtime_dir=os.path.dirname(fds), endpoint=d.endpoint, node='group = "nogroup"',
                     control=f"allowed_uids = [{NOBODY}]")
     d.start()
-    assert _run_client("attack", fds, namespaces=False, uid=NOBODY)["kinds"] == ["pool", "ring"]
+    assert _run_client("attack", fds, namespaces=False, uid=NOBODY)["kinds"] == ["doorbell", "pool", "ring"]
 
 
 def test_view_maps_the_daemons_memfd_read_only(daemon):
@@ -138,7 +138,7 @@ def test_received_pool_descriptors_cannot_be_resized_and_the_ring_cannot_be_writ
         c.put("before", before)
     # a separate process, the daemon's own uid (root here: the worst case; seals bind root too)
     verdict = _run_client("attack", daemon.socket_path + ".fds", namespaces=False, uid=None)
-    assert verdict["kinds"] == ["pool", "ring"], verdict
+    assert verdict["kinds"] == ["doorbell", "pool", "ring"], verdict
     assert verdict["shrink"] == "EPERM" and verdict["grow"] == "EPERM", verdict
     assert verdict["pool_size_after"] == (64 << 20) + SLOT_AREA, verdict
     assert verdict["ring_map_rw"] == "EACCES", verdict  # the descriptor is O_RDONLY

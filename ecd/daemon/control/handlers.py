@@ -119,9 +119,9 @@ class Handlers:
             case Abort(id=rid, generations=generations):
                 store.check_batch(len(generations))
                 return Acked(rid, [store.abort(session, g) for g in generations])
-            case LeaseSpace(id=rid, ns=ns, nbytes=nbytes):
+            case LeaseSpace(id=rid, ns=ns, nbytes=nbytes, arena=arena):
                 area = self.context.submissions
-                return Acked(rid, [area.grant(session, ns, nbytes) if area is not None else
+                return Acked(rid, [area.grant(session, ns, nbytes, arena) if area is not None else
                                    Failure(Code.INVALID, "puts without a message are off (leases.submit_records = 0)")])
             case PutInline():
                 if request.persist:

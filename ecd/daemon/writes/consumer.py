@@ -44,7 +44,7 @@ from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DTYPES
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes, page_offset,
                                   record_offset)
 from ..registry.entries import Session
-from .leases import LIVE_LEASES, Leasing, PutLease
+from .leases import LIVE_LEASES, TIER_HOST, Leasing, PutLease
 
 if TYPE_CHECKING:  # pragma: no cover
     import asyncio
@@ -149,14 +149,15 @@ class SubmissionArea:
             heapq.heappush(self._free, state.page)
         self.leasing.end_session(session)
 
-    def grant(self, session: Session, ns: str, nbytes: int) -> Failure | None:
-        """LeaseSpace: a lease for this session's next puts, written to its page."""
+    def grant(self, session: Session, ns: str, nbytes: int, tier: int = TIER_HOST) -> Failure | None:
+        """LeaseSpace: a lease for this session's next puts in `tier` (the host pool, or a CUDA
+        arena's pool index), written to its page."""
         state = self._by_session.get(session.id)
         if state is None:
             return Failure(Code.INVALID, "this client has no submission page (leases.slot_sessions are all taken, "
                                          "or leases.submit_records = 0): put the ordinary way")
         self._consume(state)  # its records first: they retire the leases it has moved on from
-        lease = self.leasing.grant(session, ns, nbytes)
+        lease = self.leasing.grant(session, ns, nbytes, tier=tier)
         if isinstance(lease, Failure):
             return lease
         self._write_grant(state, lease)
@@ -224,6 +225,9 @@ class SubmissionArea:
             return self._refuse(state, seq, Code.INVALID, f"record {seq}: offset {offset} is not aligned to "
                                                           f"{ALIGNMENT} bytes")
         end = offset + size + align_up(meta_length) if meta_length else offset + size
+        if meta_length and lease.pool >= len(self.segments):
+            return self._refuse(state, seq, Code.INVALID, f"record {seq}: a meta in a CUDA arena's lease (put it "
+                                                          "the ordinary way)")
         if not lease.front <= offset < end <= lease.end or meta_length > MAX_META:
             return self._refuse(state, seq, Code.INVALID, f"record {seq}: bytes [{offset}, {offset + size}) are not "
                                                           f"in the free part [{lease.front}, {lease.end}) of put "
@@ -296,10 +300,11 @@ class SubmissionArea:
         how old one is when it asked for it itself (LeaseSpace)."""
         if not state.session.watched:
             return
-        live = self.leasing.live(state.session)
+        tier = self.leasing.tier_of(lease)
+        live = self.leasing.live(state.session, tier)
         if len(live) >= LIVE_LEASES or not live or live[-1] is not lease:
             return
-        granted = self.leasing.grant(state.session, lease.ns, evict=False)
+        granted = self.leasing.grant(state.session, lease.ns, evict=False, tier=tier)
         if isinstance(granted, PutLease):
             self._write_grant(state, granted)
 

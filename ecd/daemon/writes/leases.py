@@ -13,9 +13,11 @@ Invariants:
   bytes move from the lease to the entry and what is given back is uncharged, so leased +
   committed bytes never pass the quota at any instant. A lease a client asks for (LeaseSpace)
   evicts as an Alloc of its size would (the namespace's own entries first when its quota
-  demands; then for room), at most the session's next size (up to one slab: pool/128), so a
-  producer into a full pool asks once per slab; one granted ahead evicts nothing and is not
-  granted past the quota.
+  demands; then for room): for just the put, or, for a session that used at least half of its
+  last lease in the tier (a streaming producer), for its next size (up to one slab: pool/128),
+  so a producer into a full pool asks once per slab while a client that puts once per
+  namespace evicts no more than its puts. One granted ahead evicts nothing and is not granted
+  past the quota.
 - Restart: a lease is journaled as an intent for [front, end); a carve writes the new intent
   before the entry's record and forgets the old one after, so a kill at any point leaves every
   byte of it owned by exactly one record (an adopting restart skips an intent that starts
@@ -40,13 +42,14 @@ from typing import TYPE_CHECKING
 from ...errors import Code
 from ...memory.allocator import align_up
 from ...protocol import Failure
-from ...writes.submission import LEASE_GRACE
+from ...writes.submission import LEASE_GRACE, slab_bytes
 from ..registry.entries import Session
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..registry.store import Store
 
-LIVE_LEASES = 2  # the daemon refills ahead up to this many
+TIER_HOST = -1  # a lease in the host pool (else: in the CUDA arena of that pool index)
+LIVE_LEASES = 2  # the daemon refills ahead up to this many per tier
 MAX_LEASES = 8  # a client may ask for more (LeaseSpace: a put larger than its leases' room)
 MIN_LEASE = 64 << 10  # a session's first lease; each next one twice the last, up to the slab
 LEASE_OUTCOMES = ("granted", "refused", "filled", "retired", "expired", "reclaimed")
@@ -68,16 +71,34 @@ class PutLease:
 
 @dataclass(slots=True)
 class Leasing:
-    """The daemon's put leases, for the submission consumer (consumer.py)."""
+    """The daemon's put leases, for the submission consumer (consumer.py). A session's leases are
+    of one tier each: the host pool (TIER_HOST) or one CUDA arena (its pool index); a session
+    fills one lease per tier at a time, its puts in each tier in order."""
 
     store: "Store"
-    slab: int  # bytes of a lease (slab_bytes)
+    put_slab: int  # [leases] put_slab: a lease's bytes, at most 1/128 of its tier (slab_bytes)
     by_session: dict[int, list[PutLease]] = field(default_factory=dict)  # session id -> oldest first
-    _next_size: dict[int, int] = field(default_factory=dict)  # session id -> its next lease's size
+    _next_size: dict[tuple[int, int], int] = field(default_factory=dict)  # (session id, tier) -> next size
+    # (session id, tier) -> whether its last lease ended at least half used: a producer streaming
+    # into the tier, for whom a lease asked for may evict for its next size
+    _streaming: dict[tuple[int, int], bool] = field(default_factory=dict)
+    _slabs: dict[int, int] = field(default_factory=dict)  # tier -> its slab
     leased_bytes: int = 0  # not yet carved
 
-    def live(self, session: Session) -> list[PutLease]:
-        return self.by_session.get(session.id, [])
+    def tier_of(self, lease: PutLease) -> int:
+        return lease.pool if lease.pool in self.store.host.arena_pools else TIER_HOST
+
+    def slab(self, tier: int) -> int:
+        slab = self._slabs.get(tier)
+        if slab is None:
+            host = self.store.host
+            pools = host.tier(tier)
+            slab = self._slabs[tier] = slab_bytes(self.put_slab, sum(host.allocators[p].capacity for p in pools))
+        return slab
+
+    def live(self, session: Session, tier: int) -> list[PutLease]:
+        """The session's leases in `tier`, oldest first."""
+        return [lease for lease in self.by_session.get(session.id, ()) if self.tier_of(lease) == tier]
 
     def find(self, session: Session, generation: int) -> PutLease | None:
         for lease in self.by_session.get(session.id, ()):
@@ -85,33 +106,37 @@ class Leasing:
                 return lease
         return None
 
-    def grant(self, session: Session, ns: str, nbytes: int = 0, evict: bool = True) -> PutLease | Failure:
-        """A new lease for `session` in `ns` of at least `nbytes`: of its next size (MIN_LEASE,
+    def grant(self, session: Session, ns: str, nbytes: int = 0, evict: bool = True,
+              tier: int = -1) -> PutLease | Failure:
+        """A new lease for `session` in `ns` and `tier` (TIER_HOST, or a CUDA arena's pool index:
+        RequestError INVALID for another) of at least `nbytes`: of its next size (MIN_LEASE,
         doubling with each grant up to the slab: a session that puts little holds little) where
         that fits without evicting; else, with `evict`, evicting for it as an Alloc of it would
         (_evicting). `evict` False: a lease granted ahead, for puts that may never come (a refill)
         takes free space only."""
         store = self.store
+        pools = store.tier(tier)  # first: a bad tier raises before anything is kept
         leases = self.by_session.setdefault(session.id, [])
         if len(leases) >= MAX_LEASES:
             return Failure(Code.LIMIT, f"this client holds {MAX_LEASES} put leases already")
         failure = store.check_key(ns, "lease")
         if failure is not None:
             return failure
-        pools, quota, used = store.host.host_pools, store.quotas.get(ns), store.ns_used.get(ns, 0)
-        need = align_up(max(nbytes, 1))
-        size = max(need, align_up(min(self.slab, self._next_size.get(session.id, MIN_LEASE))))
+        quota, used = store.quotas.get(ns), store.ns_used.get(ns, 0)
+        need, slab = align_up(max(nbytes, 1)), self.slab(tier)
+        size = max(need, align_up(min(slab, self._next_size.get((session.id, tier), MIN_LEASE))))
         placed = None
         if not store.host.too_large(size, pools) and (quota is None or used + size <= quota):
             placed = store.placement.place(size, ns, (), evict=False, pools=pools)
         if placed is None and evict:
-            evicted, size = self._evicting(ns, size, need, nbytes)
+            wanted = size if self._streaming.get((session.id, tier)) else need
+            evicted, size = self._evicting(ns, pools, wanted, need, nbytes)
             if isinstance(evicted, Failure):
                 return self._refused(evicted)
             placed = evicted
         if placed is None:
             return self._refused(Failure(Code.POOL_FULL, "no put lease ahead: no free extent without evicting"))
-        self._next_size[session.id] = min(self.slab, 2 * size)
+        self._next_size[(session.id, tier)] = min(slab, 2 * size)
         pool, offset = placed
         lease = PutLease(store.take_generation(), pool, offset, offset + size, offset, sys.intern(ns), session,
                          store.clock())
@@ -122,12 +147,13 @@ class Leasing:
         store.counters["put_leases_granted"] += 1
         return lease
 
-    def _evicting(self, ns: str, wanted: int, need: int, nbytes: int) -> tuple[tuple[int, int] | Failure, int]:
+    def _evicting(self, ns: str, pools: tuple[int, ...], wanted: int, need: int,
+                  nbytes: int) -> tuple[tuple[int, int] | Failure, int]:
         """A place for a lease of `wanted` bytes (its next size), evicting as an Alloc would (the
         namespace's own entries first where its quota demands, then the coldest for room); where
         that cannot be, for just the put's `need`. So a producer into a full pool evicts a slab
         at a time, one LeaseSpace per slab, not one per put."""
-        store, pools = self.store, self.store.host.host_pools
+        store = self.store
         failure: Failure | None = None
         size = need
         for size in dict.fromkeys((wanted, need)):  # the larger first; `need` alone when they are equal
@@ -200,8 +226,9 @@ class Leasing:
         self.store.uncharge(lease.ns, size)
 
     def retire_older(self, lease: PutLease) -> None:
-        """A record named `lease`: the client has moved on from every lease granted before it."""
-        for older in list(self.by_session.get(lease.owner.id, ())):
+        """A record named `lease`: the client has moved on from every lease of its tier granted
+        before it."""
+        for older in self.live(lease.owner, self.tier_of(lease)):
             if older is lease:
                 break
             self.end(older, "retired")
@@ -209,6 +236,7 @@ class Leasing:
     def end(self, lease: PutLease, outcome: str) -> None:
         """Give the uncarved rest back to the pool and its namespace."""
         store = self.store
+        self._streaming[(lease.owner.id, self.tier_of(lease))] = 2 * (lease.front - lease.start) >= lease.end - lease.start
         if lease.front < lease.end:
             size = lease.end - lease.front
             store.host.free(lease.pool, lease.front, size)
@@ -225,12 +253,16 @@ class Leasing:
             leases.remove(lease)
             if not leases:
                 del self.by_session[lease.owner.id]
+        if outcome == "filled":
+            self._streaming[(lease.owner.id, self.tier_of(lease))] = True
         self.store.counters[f"put_leases_{outcome}"] += 1
 
     def end_session(self, session: Session) -> None:
         for lease in list(self.by_session.get(session.id, ())):
             self.end(lease, "reclaimed")
-        self._next_size.pop(session.id, None)
+        for tier in [t for s, t in self._next_size if s == session.id]:
+            del self._next_size[(session.id, tier)]
+            self._streaming.pop((session.id, tier), None)
 
     def idle(self, session: Session, write_ttl: float) -> int:
         """0, or (none of the session's leases used for the write TTL, none revoked yet) the
