@@ -12,7 +12,9 @@ by side:
      the entry index: no request), against one bare round trip;
   4. how many requests the daemon handles while another process makes 1000 puts of 64 KiB with
      wait=False and one flush (its stats' per-operation counters: the target is <= 1 % beyond
-     the LeaseSpace requests that start or refill leases).
+     the LeaseSpace requests that start or refill leases);
+  5. the same once the pool is full of 64 KiB entries (a cache's steady state: every lease
+     evicts), with the LeaseSpace requests a put.
 Prints medians of the per-round ratios and PASS/MISS per target; `--json PATH` writes them.
 `make bench-writes` runs it.
 """
@@ -42,14 +44,17 @@ TARGET_REQUESTS_PER_PUT = 0.01
 
 
 def _streamer(endpoint: str, conn) -> None:
-    """Another process: PUTS puts of 64 KiB with wait=False and one flush."""
+    """Another process: on each count it is sent, that many puts of 64 KiB with wait=False and
+    one flush."""
     with Client(endpoint, timeout=10, name="bench-streamer") as c:
-        conn.recv()
         value = torch.ones(N)
-        for i in range(PUTS):
-            c.put(f"s{i}", value, wait=False)
-        c.flush()
-        conn.send("done")
+        first = 0
+        while (count := conn.recv()) is not None:
+            for i in range(first, first + count):
+                c.put(f"s{i}", value, wait=False)
+            c.flush()
+            first += count
+            conn.send("done")
 
 
 def _getter(endpoint: str, conn) -> None:
@@ -137,16 +142,15 @@ def run(ringed: BenchDaemon, tripped: BenchDaemon, start, rounds: int) -> dict:
         ratios["waited_put_vs_rtt"].append(w / r)
         ratios["put_get_vs_rtt"].append(h / r)
     getter.send(None)
-    # 4. requests per put of a streaming producer in another process
+    # 4. requests per put of a streaming producer in another process; 5. into a full pool
     streamer = start(_streamer, ringed.endpoint)
-    ops0 = fast.stats()["ops"]
-    streamer.send("go")
-    assert streamer.recv() == "done"
-    ops1 = fast.stats()["ops"]
-    requests = {op: ops1.get(op, 0) - ops0.get(op, 0) for op in ops1 if ops1.get(op, 0) != ops0.get(op, 0)}
-    requests["stats"] = requests.get("stats", 0) - 1  # our own
+    requests = stream_requests(fast, streamer, PUTS)
     leases = requests.get("lease_space", 0)
     others = sum(n for op, n in requests.items() if op not in ("lease_space", "hello", "bye"))
+    streamer.send(ringed_pool_entries(fast) * 5 // 4)  # the pool full of 64 KiB entries, evicting
+    assert streamer.recv() == "done"
+    full = stream_requests(fast, streamer, PUTS)
+    streamer.send(None)
     req.close(0)
     ctx.term()
     fast.close()
@@ -154,7 +158,24 @@ def run(ringed: BenchDaemon, tripped: BenchDaemon, start, rounds: int) -> dict:
     return {"ratios_median": {k: statistics.median(v) for k, v in ratios.items()},
             "medians_us": {k: statistics.median(v) / 1e3 for k, v in raw.items()},
             "stream_requests": requests, "stream_requests_per_put": others / PUTS, "stream_lease_requests": leases,
+            "full_pool_requests": full, "full_pool_lease_requests_per_put": full.get("lease_space", 0) / PUTS,
             "rounds": rounds, "block": BLOCK}
+
+
+def ringed_pool_entries(c: Client) -> int:
+    """How many 64 KiB entries the daemon's host pool holds."""
+    return sum(capacity for capacity, _ in c.stats()["pools"]) // (N * 4)
+
+
+def stream_requests(c: Client, streamer, puts: int) -> dict[str, int]:
+    """The daemon's requests by operation while `streamer` makes `puts` puts (and a flush)."""
+    ops0 = c.stats()["ops"]
+    streamer.send(puts)
+    assert streamer.recv() == "done"
+    ops1 = c.stats()["ops"]
+    requests = {op: ops1.get(op, 0) - ops0.get(op, 0) for op in ops1 if ops1.get(op, 0) != ops0.get(op, 0)}
+    requests["stats"] = requests.get("stats", 0) - 1  # our own
+    return requests
 
 
 def report(res: dict) -> None:
@@ -172,6 +193,8 @@ def report(res: dict) -> None:
     print(f"  a producer's {PUTS} puts: {res['stream_lease_requests']} lease requests, "
           f"{res['stream_requests_per_put']:.3f} other requests per put {res['stream_requests']}  "
           f"[{'PASS' if ok else 'MISS'}: <= {TARGET_REQUESTS_PER_PUT} beyond leases]")
+    print(f"  the same into a full pool (every lease evicts): {res['full_pool_lease_requests_per_put']:.3f} lease "
+          f"requests per put {res['full_pool_requests']}")
 
 
 if __name__ == "__main__":

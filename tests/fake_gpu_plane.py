@@ -68,10 +68,18 @@ class StreamBatch(cuda.CopyBatch):
     def after(self, tensor: torch.Tensor) -> None:
         pass
 
+    def record(self) -> None:
+        self.marks = getattr(self, "marks", [])
+        self.marks.append(threading.Event())
+        _enqueue(None, None, self.marks[-1])  # an event recorded after everything queued so far
+
+    def done(self) -> bool:
+        return all(mark.is_set() for mark in getattr(self, "marks", []))
+
     def wait(self) -> None:
-        done = threading.Event()
-        _enqueue(None, None, done)  # an event recorded after everything queued so far
-        done.wait()
+        self.record()
+        for mark in self.marks:
+            mark.wait()
 
     def wait_quietly(self) -> None:
         self.wait()

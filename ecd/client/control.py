@@ -533,7 +533,12 @@ class ControlClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                with contextlib.suppress(Exception):  # (a dead daemon: nothing to settle, nothing lost here)
+                    self._settle_writes()  # puts whose records wait for a device copy, before the goodbye
                 self._finalizer()
+
+    def _settle_writes(self) -> None:
+        """A subclass's posted puts settled (Client: its submission page's)."""
 
     def __enter__(self: _Self) -> _Self:
         return self

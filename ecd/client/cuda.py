@@ -314,6 +314,20 @@ class CudaPlane:
             groups.setdefault(arena, {})[key] = t
         return groups
 
+    def copy_in_async(self, extents: Sequence[Extent], tensors: Sequence[torch.Tensor]) -> "CopyBatch":
+        """Copy tensors into extents on the callers' current streams without waiting: the batch
+        returned says when they are done (done(), wait()). The tensors' later work on those
+        streams runs after the copies, as with any copy_ there."""
+        batch = self.batch()
+        try:
+            for extent, t in zip(extents, tensors):
+                batch.put(extent.pool, extent.offset, t)
+            batch.record()
+        except BaseException:
+            batch.wait_quietly()  # never give an extent back while a copy may still write into it
+            raise
+        return batch
+
     def copy_in(self, extents: Sequence[Extent], tensors: Sequence[torch.Tensor], with_checksum: bool) -> list[int]:
         """Copy tensors into extents on the callers' current streams and wait for the copies: the
         bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
@@ -373,11 +387,14 @@ class CopyBatch:
     def __init__(self, plane: CudaPlane) -> None:
         self.plane = plane
         self.devices: set[int] = set()
+        self.events: list = []  # recorded by record(): what done() and wait() look at
+        self.used: set[int] = set()  # every device touched (wait_quietly's last resort)
 
     def _touch(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             if t.is_cuda:
                 self.devices.add(t.device.index)
+                self.used.add(t.device.index)
 
     def put(self, pool: int, offset: int, tensor: torch.Tensor) -> None:
         """Enqueue tensor -> the extent at (pool, offset): D2D into an arena, D2H into the host pool."""
@@ -412,27 +429,37 @@ class CopyBatch:
         """Also wait, in wait(), for the work queued so far on tensor's device (e.g. on a view)."""
         self._touch(tensor)
 
-    def wait(self) -> None:
-        """Block until everything queued on the streams used is done."""
-        events = []
+    def record(self) -> None:
+        """Mark the end of what was queued so far on the streams used (done() and wait() then
+        look at these marks, not at what the streams run later)."""
         for ordinal in sorted(self.devices):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(ordinal))
-            events.append(event)
-        for event in events:
-            event.synchronize()
+            self.events.append(event)
         self.devices.clear()
+
+    def done(self) -> bool:
+        """Whether the copies recorded have completed (never blocks)."""
+        return all(event.query() for event in self.events)
+
+    def wait(self) -> None:
+        """Block until everything queued on the streams used (or recorded) is done."""
+        self.record()
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
 
     def wait_quietly(self) -> None:
         """wait() on an error path: never let a copy still run into an extent being given back."""
-        if not self.devices:
+        if not self.devices and not self.events:
             return
         try:
             self.wait()
         except Exception:
-            for ordinal in sorted(self.devices):
+            for ordinal in sorted(self.used):
                 try:
                     torch.cuda.synchronize(ordinal)
                 except Exception:
                     pass
             self.devices.clear()
+            self.events.clear()

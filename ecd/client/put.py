@@ -198,14 +198,32 @@ class PutRoute:
             writes.post(placed, [0] * len(placed), False, False, c.timeout, aborted=True)
             return tensors
         dest.into(SUBMITTED, [p.extent for p in placed], writes.mapping, -1, writes.deadline(arena)).placed = placed
-        digests = self.copy(c, dest, checksum)
+        # All on the device, not waited for, no checksum to read back: the copies are queued on
+        # the caller's streams and their records posted once the copies are done (post_after)
+        on_device = not wait and not checksum and all(t.is_cuda or arena != HOST for t in dest.tensors)
+        copies = self.copy_later(c, dest) if on_device else None
+        digests = [0] * len(placed) if on_device else self.copy(c, dest, checksum)
         with c._lock:
             cache = c.location_cache
             for keyhash in dest.keyhashes:
                 cache.forget(keyhash)  # a generation cached before is being replaced
             cache.catch_up(c.mapping.ring)  # a client that only puts keeps up with the ring
-        writes.post(placed, digests, checksum, wait, c.timeout)
+        if copies is not None:
+            writes.post_after(copies, placed, c.timeout)
+        else:
+            writes.post(placed, digests, checksum, wait, c.timeout)
         return {}
+
+    def copy_later(self, c: Client, dest: Destination) -> object:
+        """Queue the device copies of a submitted put (not waited for): their CopyBatch."""
+        try:
+            if time.monotonic() > dest.deadline:  # as in copy: the lease may be someone else's now
+                raise StaleGeneration("the put lease may have been revoked (leases.write_ttl) before its "
+                                      "bytes were copied: put again")
+            return c._cuda_plane(cast(EpochMapping, dest.mapping)).copy_in_async(dest.extents, dest.tensors)
+        except BaseException:
+            self.give_back(c, dest)
+            raise
 
     def claim_reservation(self, c: Client, dest: Destination, arena: int) -> Destination | None:
         """Take the reservation for this put, without the lock: list.pop is atomic, so two threads

@@ -19,6 +19,7 @@ StaleGeneration (RESTARTED), as a put whose commit the old daemon never answered
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from ..errors import RESTARTED, Code, DaemonUnavailable, StaleGeneration, error_from_code
+from ..errors import RESTARTED, Code, DaemonUnavailable, EcdError, StaleGeneration, error_from_code
 from ..memory import kernel_copy
 from ..memory.allocator import align_up
 from ..memory.fence import barrier, full_barrier
@@ -49,6 +50,7 @@ WAIT_SLICE_S = 0.05  # a wait looks at the session this often (a reconnect, the 
 HOST_TIER = -1  # a lease in the host pool (else: in the CUDA arena of that pool index)
 MAX_ASK = 64 << 20  # a lease asked for holds at most this much of a batch's rest (one contiguous extent)
 LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
+GONE_SILENCE_S = 3 * READER_TRUST_S  # a ring this silent: its daemon was killed (SIGKILL leaves it open)
 
 
 def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
@@ -126,6 +128,10 @@ class Submissions:
         self._waiters = 0
         self._committed_seen = 0  # the highest `committed` read while the page was this run's
         self._raised_lost = 0  # records of waited puts a restart took, already raised to their callers
+        # (device copies, placed, timeout) of puts whose records wait for their copies (post_after)
+        self._deferred: collections.deque[tuple[Any, list[Placed], float]] = collections.deque()
+        self._deferred_lock = threading.RLock()
+        self._posting_deferred = False  # reentry guard: post -> a wait for room -> post_deferred
 
     # ---- place ----------------------------------------------------------------------------
 
@@ -249,6 +255,8 @@ class Submissions:
         ring when the daemon sleeps or the caller waits; wait for the commit with `wait`."""
         if not placed:
             return
+        if self._deferred:
+            self.post_deferred(block=False)
         self._check_epoch()
         flags = FLAG_ABORT if aborted else (FLAG_CHECKSUM if checksum else 0)
         buf, records = self.buf, self.records
@@ -280,6 +288,47 @@ class Submissions:
                 raise
             self._raise_refused([p.seq for p in placed])
 
+    def post_after(self, copies: Any, placed: list[Placed], timeout: float) -> None:
+        """Post `placed` once `copies` (a CopyBatch of their copies, queued on the device and
+        recorded) have completed, without waiting for them now: at this client's next use of
+        the page after that (its next put, a flush, a read settling its writes, its close)."""
+        with self._deferred_lock:
+            self._deferred.append((copies, placed, timeout))
+        self.post_deferred(block=False)
+
+    def post_deferred(self, block: bool) -> None:
+        """Post, in order, the records whose copies are done (`block`: waiting for each). A copy
+        that failed posts its records as aborted and its error is reported at the next flush; a
+        restart meanwhile drops them, said likewise."""
+        with self._deferred_lock:
+            if self._posting_deferred:
+                return  # (this thread is posting them already, and now waits for room)
+            self._posting_deferred = True
+            try:
+                while self._deferred:
+                    copies, placed, timeout = self._deferred[0]
+                    if not block and not copies.done():
+                        return
+                    self._deferred.popleft()
+                    self._post_copied(copies, placed, timeout)
+            finally:
+                self._posting_deferred = False
+
+    def _post_copied(self, copies: Any, placed: list[Placed], timeout: float) -> None:
+        keys = ", ".join(repr(p.key) for p in placed[:3]) + (" ..." if len(placed) > 3 else "")
+        failed = ""
+        try:
+            copies.wait()
+        except Exception as exc:  # the device failed the copy: nothing of these puts is stored
+            copies.wait_quietly()
+            failed = f"the device copy of {keys} failed: {exc}"
+        try:
+            self.post(placed, [0] * len(placed), False, False, timeout, aborted=bool(failed))
+        except EcdError as exc:  # a restart took the page: these puts went with it
+            failed = failed or f"{keys} not stored: {exc}"
+        if failed:
+            self._unreported.append((placed[0].seq, Code.INVALID, failed))
+
     def ring(self) -> None:
         try:
             os.eventfd_write(self.doorbell, 1)
@@ -297,9 +346,11 @@ class Submissions:
         return int(self.area_epoch[0]) != self.epoch
 
     def gone(self) -> bool:
-        """Stale, or this run's daemon stopped: its ring closed, or silent past READER_TRUST_S (a
-        cold restart maps a new pool: nobody writes this area again)."""
-        return self.stale() or not self.mapping.ring.alive(READER_TRUST_S)
+        """Stale, or this run's daemon stopped: its ring closed, or silent past GONE_SILENCE_S (a
+        cold restart maps a new pool: nobody writes this area again). Longer than a reader's
+        trust in the ring: a daemon only slow to beat (a loaded machine) still commits what was
+        posted, and a put said to be dropped must have been."""
+        return self.stale() or not self.mapping.ring.alive(GONE_SILENCE_S)
 
     def _check_epoch(self) -> None:
         if self.stale():
@@ -329,6 +380,7 @@ class Submissions:
     def inherit(self, previous: "Submissions") -> None:
         """This session's page follows `previous` (a reconnect): its unreported refusals and lost
         puts are this one's to report."""
+        previous.post_deferred(block=True)
         if previous.gone():
             previous._drop_lost(raise_it=False)
         else:
@@ -341,6 +393,8 @@ class Submissions:
         """Until the page's `word` (committed, or consumed) reaches `seq`: a futex wait, woken by
         the daemon after each batch. StaleGeneration when the daemon restarted meanwhile,
         DaemonUnavailable past `timeout` without progress."""
+        if self._deferred:
+            self.post_deferred(block=True)  # records waited for may come after ones still held back
         header = self.header
         index = word // 8
         deadline = time.monotonic() + timeout
@@ -375,12 +429,13 @@ class Submissions:
             raise StaleGeneration(RESTARTED)
 
     def pending(self) -> bool:
-        return self.posted > self._committed()
+        return bool(self._deferred) or self.posted > self._committed()
 
     def flush(self, timeout: float, raise_refused: bool = True) -> None:
         """Wait until every record posted so far is committed or refused; raise the first refusal
         not yet raised (`raise_refused`), else keep it for the next flush. Across a daemon restart:
         StaleGeneration saying how many puts may have been dropped (or kept, likewise)."""
+        self.post_deferred(block=True)
         target = self.posted
         if self.gone():
             return self._drop_lost(raise_refused)

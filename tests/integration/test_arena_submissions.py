@@ -5,6 +5,8 @@ waited for, and posted as a record: the daemon sees no Alloc and no Commit, anot
 the bytes the copy wrote, and a record that names a meta in an arena lease is refused."""
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 
 import pytest
@@ -14,8 +16,10 @@ from conftest import REPO, metric_by_label, scrape_metrics
 from ecd.client import cuda
 from ecd.client.testing import intercept_round_trips, put_into_arena, submission_page
 from ecd.errors import EcdError
+from ecd.protocol import Acquire, Release
 
 sys.path.insert(0, str(REPO / "tests"))
+import fake_gpu_plane  # noqa: E402
 from fake_gpu_plane import HostArenaPlane  # noqa: E402
 from test_cuda_arenas import FakeCudaDaemon  # noqa: E402
 
@@ -93,3 +97,52 @@ def test_a_lease_in_no_arena_is_refused_and_an_arena_record_with_a_meta_too(aren
         put_into_arena(c, {"after": block(3)}, arena)
         with arena_daemon.client() as other:
             assert torch.equal(other.get("after"), block(3))
+
+
+def arena_now(client, key: str) -> torch.Tensor:
+    """The bytes of `key` in its arena as they are now, read from the arena's memory itself (not
+    through the fake stream, which would run after every copy queued before it)."""
+    from ecd import fd_passing
+    (loc,) = client.request(Acquire(0, "default", [key])).results
+    try:
+        path = os.path.join(os.path.dirname(client.endpoint[len("ipc://"):]), client.welcome.fd_socket)
+        _, items = fd_passing.receive(path, 5.0)
+        try:
+            fd = next(fd for item, fd in items if item.kind == "arena" and item.index == loc.pool)
+            with mmap.mmap(fd, loc.offset + loc.nbytes) as memory:
+                return torch.frombuffer(bytearray(memory[loc.offset:loc.offset + loc.nbytes]), dtype=torch.int64)
+        finally:
+            for _, fd in items:
+                os.close(fd)
+    finally:
+        client.request(Release(0, [loc.generation]))
+
+
+def test_an_arena_put_not_waited_for_returns_before_its_copy_and_posts_after_it(arena_daemon, monkeypatch):
+    """put(wait=False) into an arena queues the copy on the device and returns: its record is
+    posted only once the copy completed (the fake stream here runs each copy up to 20 ms late),
+    at the client's next use of its page; flush posts and commits them all, and the arena holds
+    exactly the bytes copied. A record posted before its copy ended would make an entry of bytes
+    not yet there: reading the arena at once after flush sees them."""
+    monkeypatch.setattr(fake_gpu_plane, "COPY_DELAY_S", 0.02)
+    with arena_daemon.client() as c, arena_daemon.client() as other:
+        arena = c.welcome.arenas[0].index
+        for i in range(24):
+            put_into_arena(c, {f"a{i}": block(i)}, arena, wait=False)
+        assert submission_page(c).pending()
+        assert not other.exists("a23")  # its copy may be done, its record is not posted yet
+        c.flush()
+        for i in reversed(range(24)):  # the last copies first: the latest to finish
+            assert torch.equal(arena_now(other, f"a{i}"), block(i)), i
+        put_into_arena(c, {"read-own": block(7)}, arena, wait=False)
+        assert torch.equal(c.get("read-own"), block(7))  # a client reads its own writes
+
+
+def test_a_client_closed_with_arena_puts_in_flight_posts_them_first(arena_daemon):
+    with arena_daemon.client() as c:
+        arena = c.welcome.arenas[0].index
+        for i in range(16):
+            put_into_arena(c, {f"a{i}": block(i)}, arena, wait=False)
+    with arena_daemon.client() as other:
+        for i in range(16):
+            assert torch.equal(other.get(f"a{i}"), block(i)), i
