@@ -17,8 +17,9 @@ When it runs (all on the event loop, between requests):
   socket, so a ring reaches the daemon in one wake-up, with no thread between. Any client can
   also read it (and so swallow another's ring): a client waiting for its commit rings again
   every WAIT_SLICE_S, and the daemon looks at every page each DOORBELL_POLL_S regardless.
-Pages are read with pread (never a fault on a truncated named file): the records once to find
-the run whose sequence numbers are stored, then, after a fence, once more for their fields.
+Pages are read in place (the pool is a sealed memfd: no load can fault): the sequence numbers
+first, to find the run stored, then, after a barrier where the CPU needs one, each record's
+fields, copied before they are checked.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from ...protocol import AllocItem, EntryMeta, Failure
 from ...writes import futex
 from ...writes.submission import (AREA_HEADER, COMMITTED_AT, CONSUMED_AT, DTYPES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                                   ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, FLAGS_KNOWN, GRANT, GRANTS, GRANTS_AT,
-                                  GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, PAGE_HEADER, RECORD, RECORD_BODY, REVOKED_AT, SEQ,
+                                  GRANTS_COUNT_AT, MAX_KEY, MAX_META, MAX_NDIM, RECORD, RECORD_BODY, REVOKED_AT, SEQ,
                                   SLEEPING_AT, WAITING_AT, area_bytes, page_bytes, page_offset,
                                   record_offset)
 from ..registry.entries import Session
@@ -91,8 +92,12 @@ class SubmissionArea:
         self._free = [page for page in range(pages) if page not in self._quarantined]
         self._by_session: dict[int, _Page] = {}
         self._base = kernel_copy.address_of(segment.buf)  # for the futex words' addresses
-        self._run = bytearray(records * RECORD)
-        self._fields = bytearray(records * RECORD)
+        # The area read in place: the pool is a sealed memfd (restart.adopt.submission_bytes gives
+        # none to a named file), so no load from it can fault
+        if not getattr(segment, "sealed", False):
+            raise ValueError("a submission area needs a sealed memfd pool ([pool.host] backing = \"memfd\")")
+        self._view = memoryview(segment.buf)[offset:offset + self.nbytes]
+        self._words = np.frombuffer(segment.buf, np.uint64, count=self.nbytes // 8, offset=offset)
         self._loop: "asyncio.AbstractEventLoop | None" = None
         self._timer: Any = None
         self._asleep = False
@@ -173,43 +178,39 @@ class SubmissionArea:
         return done
 
     def _consume(self, state: _Page) -> int:
-        segment, records = self.segment, self.records
-        head = bytearray(8)
-        first = state.expected
-        if segment.read_into(self._slot_at(state, first), memoryview(head)) < 8 or SEQ.unpack(head)[0] != first:
+        words, view, records = self._words, self._view, self.records
+        first = last = state.expected
+        while last - first < records and words[self._slot_at(state, last) // 8] == last:
+            last += 1  # (one load each from the mapping: no system call while nothing came)
+        if last == first:
             return 0
-        run = memoryview(self._run)
-        if segment.read_into(state.at + PAGE_HEADER, run) < len(run):
-            return 0  # truncated: nothing read from it is trusted
-        last = first
-        while last - first < records and SEQ.unpack_from(run, ((last - 1) % records) * RECORD)[0] == last:
-            last += 1
-        full_barrier()  # the sequence numbers' loads before the fields' (the client stored them after)
-        fields = memoryview(self._fields)
-        if segment.read_into(state.at + PAGE_HEADER, fields) < len(fields):
-            return 0
+        if barrier is not None:
+            barrier()  # the sequence numbers' loads before the fields' (the client stored them after)
         for seq in range(first, last):
-            at = ((seq - 1) % records) * RECORD
-            if SEQ.unpack_from(fields, at)[0] != seq:
+            at = self._slot_at(state, seq)
+            fields = bytes(view[at:at + RECORD])  # a copy: a hostile client cannot change it under the checks
+            if SEQ.unpack_from(fields)[0] != seq:
                 last = seq  # rewritten since: a hostile client; read again next time
                 break
             try:
-                self.settle(state, seq, RECORD_BODY.unpack_from(fields, at + 8))
+                self.settle(state, seq, RECORD_BODY.unpack_from(fields, 8))
             except Exception as exc:  # a bug of ours: this record is refused, the daemon goes on
                 log.exception("submission record %d of session %d", seq, state.session.id)
                 self._refuse(state, seq, Code.INTERNAL, f"record {seq}: the daemon failed on it: {exc!r}")
         state.expected = last
         if last > first:
             self.store.counters["submission_records"] += last - first
-            segment.write_at(state.at + CONSUMED_AT, _U64.pack(last - 1) + _U64.pack(last - 1))  # and committed
+            header = (state.at - self.offset) // 8
+            words[header + CONSUMED_AT // 8] = last - 1
+            words[header + COMMITTED_AT // 8] = last - 1
             full_barrier()  # committed's store before waiting's load (the client: the reverse)
-            waiting = bytearray(4)
-            if segment.read_into(state.at + WAITING_AT, memoryview(waiting)) == 4 and _U32.unpack(waiting)[0]:
+            if words[header + WAITING_AT // 8] & 0xFFFFFFFF:
                 futex.wake(self._base + state.at + COMMITTED_AT)
         return last - first
 
     def _slot_at(self, state: _Page, seq: int) -> int:
-        return record_offset(state.at, self.records, seq)
+        """Record `seq`'s offset in the area (its page's offset is the segment's)."""
+        return record_offset(state.at, self.records, seq) - self.offset
 
     def settle(self, state: _Page, seq: int, fields: tuple) -> None:
         """One record: an entry, or a refusal on the page."""
