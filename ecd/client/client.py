@@ -190,10 +190,10 @@ class Client(ControlClient):
         if self._writes is not None:
             self._writes.flush(self.timeout)
 
-    def _settle_writes(self) -> None:
-        """Before a read: this client's posted puts committed (refusals kept for flush)."""
+    def _settle_writes(self, keys: Sequence[str] | None = None) -> None:
+        """Before a read (of `keys`): this client's posted puts (of them) committed (refusals kept for flush)."""
         writes = self._writes
-        if writes is not None and writes.pending():
+        if writes is not None and writes.pending(keys):
             writes.flush(self.timeout, raise_refused=False)
 
     def _cuda_plane(self, mapping: EpochMapping):
@@ -285,7 +285,7 @@ class Client(ControlClient):
         `device` as in get."""
         keys = list(keys)
         verify = self._verifies(verify)
-        self._settle_writes()
+        self._settle_writes(keys)
         target = parse_device(device)
         to_gpu = target is not None and target.type == "cuda"
         if not to_gpu:
@@ -383,7 +383,7 @@ class Client(ControlClient):
         copying entries somewhere of its own wants: one copy, out of the pool."""
         keys = list(keys)
         verify = self._verifies(verify)
-        self._settle_writes()
+        self._settle_writes(keys)
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
         slotted = hold_slots(self, keys)  # no round trip for what this client can locate
@@ -462,7 +462,7 @@ class Client(ControlClient):
         consumed (IntegrityError)."""
         keys = list(keys)
         verify = self._verifies(verify)
-        self._settle_writes()
+        self._settle_writes(keys)
         if not faulthandler.is_enabled():  # a write into a view is a SIGSEGV: say where it came from
             faulthandler.enable()
         done, result = read_cached(self, keys, consume, verify)
@@ -524,7 +524,7 @@ class Client(ControlClient):
         with no round trip (absent ones; present ones it can name, see ecd.memory.ring), and this
         session's read slots take most pins (client/pins.py: within the pin budget)."""
         keys, single = self._checked_keys(keys)
-        self._settle_writes()
+        self._settle_writes(keys)
         with self._lock:
             answers = answer_exists(self, keys, float(pin_s))
         return cast("bool | list[bool]", answers[0] if single else answers)  # every answer is filled in

@@ -537,8 +537,8 @@ class ControlClient:
                     self._settle_writes()  # puts whose records wait for a device copy, before the goodbye
                 self._finalizer()
 
-    def _settle_writes(self) -> None:
-        """A subclass's posted puts settled (Client: its submission page's)."""
+    def _settle_writes(self, keys: typing.Sequence[str] | None = None) -> None:
+        """A subclass's posted puts (of `keys`) settled (Client: its submission page's)."""
 
     def __enter__(self: _Self) -> _Self:
         return self

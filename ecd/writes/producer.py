@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -277,6 +277,8 @@ class Submissions:
             self._keys[put.seq] = put.key
         with self.lock:
             self.posted = max(self.posted, placed[-1].seq)
+        if len(self._keys) > 2 * records:  # a producer that never flushes: forget what was settled
+            self._collect(self._committed())
         full_barrier()  # the sequence numbers' stores before `sleeping`'s load (the daemon: the reverse)
         if wait or self.area[SLEEPING_AT // 4]:
             self.ring()
@@ -428,8 +430,18 @@ class Submissions:
         if self.stale():  # what was read may be a new run's, for another session: not believed
             raise StaleGeneration(RESTARTED)
 
-    def pending(self) -> bool:
-        return bool(self._deferred) or self.posted > self._committed()
+    def pending(self, keys: Sequence[str] | None = None) -> bool:
+        """Whether puts posted (or held back for their device copies) are not settled yet: any of
+        them, or (`keys`) any of these keys' (in any namespace: at worst a wait too many)."""
+        if not self._deferred and self.posted <= self._committed():
+            return False
+        if keys is None:
+            return True
+        wanted = set(keys)
+        with self.lock:
+            if any(key in wanted for key in self._keys.values()):
+                return True
+        return any(put.key in wanted for _, placed, _ in list(self._deferred) for put in placed)
 
     def flush(self, timeout: float, raise_refused: bool = True) -> None:
         """Wait until every record posted so far is committed or refused; raise the first refusal

@@ -240,3 +240,27 @@ def test_a_client_that_swallows_and_floods_the_doorbell_stops_no_put(daemon):
     finally:
         thief.kill()
         thief.wait()
+
+
+def test_a_read_waits_only_for_pending_puts_of_the_keys_it_reads(daemon):
+    """With the daemon stopped (SIGSTOP), puts made with wait=False stay posted and uncommitted:
+    a get of another key is served at once (its own writes need not settle first); a get of a
+    pending key would wait for the commit, and does once the daemon runs again."""
+    import os
+    import signal
+
+    with daemon.client(timeout=2.0) as c:
+        c.put("old", torch.full((N,), 1.0))
+        for i in range(4):  # a lease with room left, granted before the daemon stops
+            c.put(f"warm{i}", torch.ones(N), wait=False)
+        c.flush()
+        assert torch.equal(c.get("old"), torch.full((N,), 1.0))  # its location is known now
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            c.put("new", torch.full((N,), 2.0), wait=False)
+            assert submission_page(c).pending() and submission_page(c).pending(["new"])
+            assert not submission_page(c).pending(["old"])
+            assert torch.equal(c.get("old"), torch.full((N,), 1.0))  # no wait for "new" to commit
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert torch.equal(c.get("new"), torch.full((N,), 2.0))  # settled first: read-your-writes

@@ -15,6 +15,13 @@ Nothing here raises into SGLang's threads: a daemon that is down or restarted, a
 deleted between batch_exists and the load, a checksum mismatch (verify) or an entry of the wrong
 size is a miss (False / None) for that page, logged rate-limited, and the host page is left as it
 was. The client reconnects by itself (ecd.integrations.vllm.lazy_client).
+
+A store copies its pages into the daemon's pool before it returns (SGLang may reuse its host
+pages at once) but does not wait for the daemon to commit them (`put_many(wait=False)`): they
+are visible to this server at once and to others within a millisecond or so. The next store
+settles the ones before it (`flush`): pages the daemon refused (a quota, a limit) are logged then
+(`failed_pages` counts one for each store that finds any); SGLang meets them as any page the
+cache no longer holds: a miss.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolHitPolicy, PoolName, PoolTransferResult
 
+from ...errors import EcdError
 from ..vllm.lazy_client import LOG_INTERVAL_S, LazyClient, batches, skipping_corrupt
 from ..vllm.ratelimit import RateLimitedLog
 from .pages import PoolPages, load_into
@@ -144,11 +152,16 @@ class EcdHiCacheStorage(HiCacheStorage):
         """Store the entries of `names` the daemon does not hold yet (value(i): names[i]'s tensor),
         one exists and one put_many per batch, and count them (pages already there are skipped)."""
         stored = nbytes = 0
+        try:
+            c.flush()  # the stores before this one, not waited for: what the daemon refused of them
+        except EcdError as exc:
+            self._count(failed_pages=1)
+            self._log.warning("store:refused", "an earlier store was refused by the daemon: %s", exc)
         for chunk in batches(list(range(len(names))), c.limits.max_batch):
             present = c.exists([names[i] for i in chunk])
             items = {names[i]: value(i) for i, here in zip(chunk, present) if not here}
             if items:
-                c.put_many(items, checksum=self.settings.verify)
+                c.put_many(items, checksum=self.settings.verify, wait=False)
                 stored += len(items)
                 nbytes += sum(v.numel() * v.element_size() for v in items.values())
         self._count(stored_pages=stored, skipped_pages=len(names) - stored, stored_bytes=nbytes)
