@@ -161,9 +161,8 @@ class Daemon:
             raise
 
     def _preflight(self) -> None:
-        """`ecd doctor`'s checks (ecd/cli/doctor.py), but CUDA's (_open_cuda keeps the driver it
-        loads): warnings are logged, errors refuse the start with the line doctor prints, before
-        a pool larger than the cgroup's memory gets the daemon OOM-killed with no word."""
+        """`ecd doctor`'s checks but CUDA's (_open_cuda keeps its driver): warnings logged, errors refuse the
+        start with doctor's line, before a pool over the cgroup's memory gets the daemon OOM-killed."""
         from ..cli.doctor import preflight
         findings = preflight(self.config, self.gid, cuda=False)
         for finding in findings:
@@ -414,6 +413,7 @@ class Daemon:
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
                                                            self.notifier.watchdog)))
         self.state = "serving"
+        self.ring.heartbeat()  # the ring's stamp is from its making: a slow start (a holder to spawn) aged it
         log.info("serving node %s on %s: host pool %d bytes in %d %s segment(s), %d CUDA arena(s), epoch %d",
                  self.node, self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments),
                  self.config.pool.host.backing,
