@@ -209,7 +209,7 @@ class PutRoute:
                 cache.forget(keyhash)  # a generation cached before is being replaced
             cache.catch_up(c.mapping.ring)  # a client that only puts keeps up with the ring
         if copies is not None:
-            writes.post_after(copies, placed, c.timeout)
+            writes.post_after(copies, placed, c.timeout, dest.tensors)
         else:
             writes.post(placed, digests, checksum, wait, c.timeout)
         return {}

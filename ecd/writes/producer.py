@@ -128,8 +128,8 @@ class Submissions:
         self._waiters = 0
         self._committed_seen = 0  # the highest `committed` read while the page was this run's
         self._raised_lost = 0  # records of waited puts a restart took, already raised to their callers
-        # (device copies, placed, timeout) of puts whose records wait for their copies (post_after)
-        self._deferred: collections.deque[tuple[Any, list[Placed], float]] = collections.deque()
+        # (device copies, placed, timeout, sources) of puts whose records wait for their copies (post_after)
+        self._deferred: collections.deque[tuple[Any, list[Placed], float, Any]] = collections.deque()
         self._deferred_lock = threading.RLock()
         self._posting_deferred = False  # reentry guard: post -> a wait for room -> post_deferred
 
@@ -290,12 +290,14 @@ class Submissions:
                 raise
             self._raise_refused([p.seq for p in placed])
 
-    def post_after(self, copies: Any, placed: list[Placed], timeout: float) -> None:
+    def post_after(self, copies: Any, placed: list[Placed], timeout: float, sources: Any) -> None:
         """Post `placed` once `copies` (a CopyBatch of their copies, queued on the device and
         recorded) have completed, without waiting for them now: at this client's next use of
-        the page after that (its next put, a flush, a read settling its writes, its close)."""
+        the page after that (its next put, a flush, a read settling its writes, its close).
+        `sources`: the tensors copied from, kept until then (a temporary freed sooner could have
+        its memory handed to other work, on another stream, while the copy still reads it)."""
         with self._deferred_lock:
-            self._deferred.append((copies, placed, timeout))
+            self._deferred.append((copies, placed, timeout, sources))
         self.post_deferred(block=False)
 
     def post_deferred(self, block: bool) -> None:
@@ -308,11 +310,12 @@ class Submissions:
             self._posting_deferred = True
             try:
                 while self._deferred:
-                    copies, placed, timeout = self._deferred[0]
+                    copies, placed, timeout, sources = self._deferred[0]
                     if not block and not copies.done():
                         return
                     self._deferred.popleft()
-                    self._post_copied(copies, placed, timeout)
+                    self._post_copied(copies, placed, timeout)  # (waits for the copies first)
+                    del sources  # only now: the copies no longer read them
             finally:
                 self._posting_deferred = False
 
@@ -441,7 +444,7 @@ class Submissions:
         with self.lock:
             if any(key in wanted for key in self._keys.values()):
                 return True
-        return any(put.key in wanted for _, placed, _ in list(self._deferred) for put in placed)
+        return any(put.key in wanted for _, placed, _, _ in list(self._deferred) for put in placed)
 
     def flush(self, timeout: float, raise_refused: bool = True) -> None:
         """Wait until every record posted so far is committed or refused; raise the first refusal
