@@ -25,7 +25,26 @@ KEYS = 8
 
 @pytest.mark.parametrize("mutant", ["none", "no-ring-wait"])
 def test_a_local_get_right_after_an_adopting_restart_never_reads_a_reused_extent(daemon_factory, mutant):
-    d = daemon_factory(size="8MiB")
+    # The mutant shows only if the reader's gets come within READER_TRUST_S of the kill: on a
+    # loaded machine a run may be slower than that, so it gets up to three tries to be fast enough.
+    for _ in range(3 if mutant != "none" else 1):
+        d = daemon_factory(size="8MiB")
+        answers, took = restart_and_read(d, mutant)
+        if mutant == "none":
+            assert answers == ["missing"] * KEYS, answers
+            assert took >= READER_TRUST_S or "waiting" in d.log()
+            return
+        if took < READER_TRUST_S:
+            assert "mismatch" in answers, f"the mutant went unseen: {answers}"
+            return
+        d.stop()
+    raise AssertionError("too slow to show the mutant three times (the old ring was no longer trusted)")
+
+
+def restart_and_read(d, mutant: str) -> tuple[list[str], float]:
+    """Entries put and read locally, the daemon killed and restarted (adopting) at once, the
+    entries deleted and their extents put into: the reader's gets of the old keys, and how long
+    after the kill they were answered."""
     producer, reader, other = Actor(d.endpoint), Actor(d.endpoint), Actor(d.endpoint)
     try:
         for k in range(KEYS):
@@ -53,12 +72,7 @@ def test_a_local_get_right_after_an_adopting_restart_never_reads_a_reused_extent
         answers = [reader.ask(f"get r{k} {k} {NUMEL}") for k in range(KEYS)]
         took = time.monotonic() - killed
         print(f"{mutant}: the reader's gets {took:.2f}s after the kill: {answers}")
-        if mutant == "none":
-            assert answers == ["missing"] * KEYS, answers
-            assert took >= READER_TRUST_S or "waiting" in d.log()
-        else:
-            assert took < READER_TRUST_S, "too slow to show the mutant (the old ring was no longer trusted)"
-            assert "mismatch" in answers, f"the mutant went unseen: {answers}"
+        return answers, took
     finally:
         for actor in (producer, reader, other):
             actor.proc.kill()
