@@ -331,10 +331,8 @@ class CudaPlane:
     def copy_in(self, extents: Sequence[Extent], tensors: Sequence[torch.Tensor], with_checksum: bool) -> list[int]:
         """Copy tensors into extents on the callers' current streams and wait for the copies: the
         bytes are there when this returns (a put may commit). Digests (0 without checksum)."""
-        batch = self.batch()
+        batch = self.copy_in_async(extents, tensors)
         try:
-            for extent, t in zip(extents, tensors):
-                batch.put(extent.pool, extent.offset, t)
             batch.wait()
         except BaseException:
             batch.wait_quietly()  # never give an extent back while a copy may still write into it
