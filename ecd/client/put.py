@@ -26,9 +26,10 @@ stored, and that put goes once more the ordinary way (ALLOCATED).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping, Protocol, Sequence, cast
 
 import torch
 
@@ -36,19 +37,55 @@ from ..errors import RESTARTED, Code, EcdError, InvalidRequest, StaleGeneration,
 from ..memory.allocator import align_up
 from ..memory.ring import key_hash
 from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure,
-                        Location, Publish, PutInline)
+                        LeaseSpace, Location, Publish, PutInline)
 from .control import _check_encodable
 from .mapping import EpochMapping
 from .tensors import copy_into, copy_many_into, dtype_name, host_tensor
 from ..writes.producer import Placed, Submissions
 
 if TYPE_CHECKING:
-    from .client import Client
+    from ..protocol import Limits, Welcome
+    from .location_cache import LocationCache
 
 PERSIST_WAIT_S = 60.0  # beyond the client's timeout, for a put(persist=True) to be made durable
 HOST = -1  # a group's arena for the host pool (Alloc.arena's value for it; cuda.HOST, without importing it)
 
 INLINE, RESERVED, ALLOCATED, SUBMITTED = "inline", "reserved", "allocated", "submitted"
+
+
+class PutLink(Protocol):
+    """All the put route uses of the client that owns it (ecd.client.client.Client is one): where
+    its puts go (namespace, limits, the daemon run's mapping and submission page, the session they
+    belong to), its lock, request ids and round trips, its location cache and CUDA plane. Typed
+    against this, the route can reach nothing else of Client (mypy holds it to that)."""
+
+    namespace: str
+    timeout: float
+
+    @property
+    def welcome(self) -> Welcome: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def location_cache(self) -> LocationCache: ...
+    @property
+    def _map(self) -> EpochMapping | None: ...  # the current daemon run's mapping
+    @property
+    def _writes(self) -> Submissions | None: ...  # its session's submission page
+    @property
+    def _session(self) -> int: ...
+    @property
+    def _heartbeat_s(self) -> float: ...
+    @property
+    def _lock(self) -> ContextManager[Any]: ...  # one acquisition per step that must not interleave
+    @property
+    def _ids(self) -> Iterator[int]: ...  # request ids
+    def ping(self) -> Any: ...  # reconnect to a restarted daemon
+    def _call(self, request: Any, wait_s: float = 0.0) -> Any: ...  # a round trip (takes the lock)
+    def _call_locked(self, request: Any, wait_s: float = 0.0) -> Any: ...
+    def _send_quietly(self, request: Any) -> None: ...  # fire and forget (id 0)
+    def _cuda_plane(self, mapping: EpochMapping) -> Any: ...
+    def _verifies(self, asked: bool) -> bool: ...  # a checksum asked for, or the namespace verifies
 
 
 class Destination:
@@ -109,7 +146,7 @@ class PutRoute:
 
     # ---- the entry point and the route --------------------------------------------------
 
-    def put_many(self, c: Client, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool,
+    def put_many(self, c: PutLink, items: Mapping[str, torch.Tensor], checksum: bool, tier: str | None, persist: bool,
                  meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
         """Client.put_many: one route per tier; the whole put once more if the daemon restarted
         between placing and committing (the bytes went with it)."""
@@ -143,7 +180,7 @@ class PutRoute:
                 if c._map.epoch == epoch and c._writes is page:
                     raise  # not a restart this client met: the daemon's own refusal
 
-    def put(self, c: Client, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
+    def put(self, c: PutLink, tensors: dict[str, torch.Tensor], checksum: bool, arena: int, persist: bool,
             meta: Mapping[str, EntryMeta] | None = None, wait: bool = True) -> None:
         """The one put route for one tier's tensors: place, copy, commit (`meta`: by key, what
         Alloc, Publish or PutInline says each entry is). Puts go through the session's submission
@@ -163,7 +200,7 @@ class PutRoute:
 
     # ---- 1. place -----------------------------------------------------------------------
 
-    def place(self, c: Client, tensors: dict[str, torch.Tensor], arena: int,
+    def place(self, c: PutLink, tensors: dict[str, torch.Tensor], arena: int,
               meta: Mapping[str, EntryMeta] | None = None) -> Iterator[Destination]:
         """Where these tensors go: inline (one at a time: each is committed before the next is
         described), into the reservation, or into extents allocated now."""
@@ -184,14 +221,14 @@ class PutRoute:
         else:
             yield self.allocate(c, dest, arena)
 
-    def submit(self, c: Client, writes: Submissions, tensors: dict[str, torch.Tensor], checksum: bool,
+    def submit(self, c: PutLink, writes: Submissions, tensors: dict[str, torch.Tensor], checksum: bool,
                wait: bool, meta: Mapping[str, EntryMeta] | None = None, arena: int = HOST) -> dict[str, torch.Tensor]:
         """Place in the session's put leases of this tier, copy (an arena's: on the device, waited
         for), post a record each (ecd/writes/producer.py): no message unless a lease must be
         asked for. The tensors it could not take."""
         dest = Destination(c.namespace, tensors)
-        placed = writes.place(c, tensors, [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta,
-                              arena)
+        placed = writes.place(c.namespace, functools.partial(self.lease_space, c), tensors,
+                              [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta, arena)
         if len(placed) < len(tensors):
             # One the page cannot take (a long key, no lease to be had): the whole batch goes the
             # round-trip route, whose Alloc places all of it or none (a refused item, nothing stored).
@@ -207,14 +244,23 @@ class PutRoute:
             cache = c.location_cache
             for keyhash in dest.keyhashes:
                 cache.forget(keyhash)  # a generation cached before is being replaced
-            cache.catch_up(c.mapping.ring)  # a client that only puts keeps up with the ring
+            cache.catch_up(cast(EpochMapping, c._map).ring)  # a client that only puts keeps up with the ring
         if copies is not None:
             writes.post_after(copies, placed, c.timeout, dest.tensors)
         else:
             writes.post(placed, digests, checksum, wait, c.timeout)
         return {}
 
-    def copy_later(self, c: Client, dest: Destination) -> object:
+    def lease_space(self, c: PutLink, page: Submissions, namespace: str, nbytes: int, tier: int) -> Acked | None:
+        """The page's one round trip: LeaseSpace for a lease of `nbytes` in `tier` (the grant
+        lands on the page). None when the client's session is not the page's (any more)."""
+        with c._lock:
+            if c._session != page.session:
+                return None
+            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), namespace, nbytes, tier))
+        return reply if c._writes is page else None  # else: reconnected meanwhile, the grant is elsewhere
+
+    def copy_later(self, c: PutLink, dest: Destination) -> object:
         """Queue the device copies of a submitted put (not waited for): their CopyBatch."""
         try:
             if time.monotonic() > dest.deadline:  # as in copy: the lease may be someone else's now
@@ -225,7 +271,7 @@ class PutRoute:
             self.give_back(c, dest)
             raise
 
-    def claim_reservation(self, c: Client, dest: Destination, arena: int) -> Destination | None:
+    def claim_reservation(self, c: PutLink, dest: Destination, arena: int) -> Destination | None:
         """Take the reservation for this put, without the lock: list.pop is atomic, so two threads
         never get the same one. None when there is none, or it does not fit this put."""
         try:
@@ -244,7 +290,7 @@ class PutRoute:
         # use_by was checked just now: the copy does not look at the clock again
         return dest.into(RESERVED, [extent], mapping, ring_pos)
 
-    def allocate(self, c: Client, dest: Destination, arena: int) -> Destination:
+    def allocate(self, c: PutLink, dest: Destination, arena: int) -> Destination:
         """Alloc extents for the destination's items (one round trip); a refused item gives the
         others back and raises."""
         with c._lock:
@@ -260,7 +306,7 @@ class PutRoute:
             raise error_from_code(failed.code, failed.message)
         return dest
 
-    def give_back(self, c: Client, dest: Destination) -> None:
+    def give_back(self, c: PutLink, dest: Destination) -> None:
         """Hand back extents whose put will not commit: a reservation with a fire-and-forget
         Abort (the lock may not be free: no round trip), allocated ones with a round trip."""
         generations = [e.generation for e in dest.extents]
@@ -275,7 +321,7 @@ class PutRoute:
 
     # ---- 2. copy ------------------------------------------------------------------------
 
-    def copy(self, c: Client, dest: Destination, checksum: bool) -> list[int]:
+    def copy(self, c: PutLink, dest: Destination, checksum: bool) -> list[int]:
         """Copy each tensor into its place, with its checksum (0 without `checksum`): a host copy
         into the message's bytes or the pool's writable mapping, and those that run on a GPU (a
         tensor on a device going into extents, or an extent in an arena) afterwards, started
@@ -335,7 +381,7 @@ class PutRoute:
 
     # ---- 3. commit ----------------------------------------------------------------------
 
-    def commit(self, c: Client, dest: Destination, digests: list[int], checksum: bool, persist: bool) -> bool:
+    def commit(self, c: PutLink, dest: Destination, digests: list[int], checksum: bool, persist: bool) -> bool:
         """The put's last round trip, under one acquisition of the lock: ask for a reservation for
         the next put unless this client holds one, send, keep the one that comes back and the
         locations learnt. False when a Publish found its reservation gone or unfit (the caller
@@ -376,15 +422,16 @@ class PutRoute:
                 locations = [Location(e.generation, e.pool, e.offset, it.nbytes, it.dtype, list(it.shape),
                                       digest if checksum else 0)
                              for e, it, digest in zip(dest.extents, dest.items, digests)]
-                cache.remember_reply(c.mapping.ring, dest.ring_pos, c.namespace, dest.keys, dest.keyhashes,
-                                     [e.generation for e in dest.extents], catch_up=c.mapping.local,
+                mapping = cast(EpochMapping, c._map)
+                cache.remember_reply(mapping.ring, dest.ring_pos, c.namespace, dest.keys, dest.keyhashes,
+                                     [e.generation for e in dest.extents], catch_up=mapping.local,
                                      locations=locations)
         if failure is not None and dest.kind == RESERVED and failure.code in (Code.STALE, Code.INVALID):
             return False  # the reservation was gone or unfit: put it the ordinary way
         _raise_first(reply.results)
         return True
 
-    def safe_write_window(self, c: Client) -> float:
+    def safe_write_window(self, c: PutLink) -> float:
         """How long after an Alloc (or reservation) this client may still start copying: half of
         what the daemon waits before it takes the extent back — the write TTL, or for a session it
         cannot watch by pid the session TTL (three heartbeat intervals)."""
@@ -393,7 +440,7 @@ class PutRoute:
             window = min(window, 1.5 * c._heartbeat_s)
         return window
 
-    def _keep_reservation(self, c: Client, reservation: Extent | Failure | None, nbytes: int) -> None:
+    def _keep_reservation(self, c: PutLink, reservation: Extent | Failure | None, nbytes: int) -> None:
         """Under the lock, with the reply that brought it."""
         if isinstance(reservation, Extent):
             # Use it only well inside the time the daemon gives it: after that the extent may belong

@@ -17,6 +17,7 @@ breaking them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 from ..protocol import Failure, Location
@@ -82,6 +83,16 @@ def replace_location_cache(client, cache: LocationCache) -> None:
 def submission_page(client):
     """The Submissions object of the client's current session (None: it has no page)."""
     return client._writes
+
+
+def place_on_page(client, tensors: dict, sizes: list[int], dtypes: list[str], metas: dict | None = None,
+                  tier: int = -1) -> list:
+    """Place `tensors` on the client's submission page as its put route does (Placed each: where
+    its bytes go, its sequence number), asking for a lease when none holds them; nothing copied
+    or posted (a test writes the record itself)."""
+    page = client._writes
+    return page.place(client.namespace, functools.partial(client._puts.lease_space, client), tensors, sizes, dtypes,
+                      metas, tier)
 
 
 def put_into_arena(client, items: dict, arena: int, wait: bool = True, checksum: bool = False) -> None:

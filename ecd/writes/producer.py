@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from ..memory import kernel_copy
 from ..memory.allocator import align_up
 from ..memory.fence import barrier, full_barrier
 from ..memory.ring import READER_TRUST_S
-from ..protocol import Acked, Extent, Failure, LeaseSpace, encoder
+from ..protocol import Acked, Extent, Failure, encoder
 from . import futex
 from .submission import (COMMITTED_AT, CONSUMED_AT, COPY_WINDOW, DTYPE_CODES, EPOCH_AT, ERROR, ERRORS, ERRORS_AT,
                          ERRORS_COUNT_AT, FLAG_ABORT, FLAG_CHECKSUM, GRANT, GRANTS, GRANTS_AT, GRANTS_COUNT_AT, MAX_KEY,
@@ -42,7 +42,6 @@ from .submission import (COMMITTED_AT, CONSUMED_AT, COPY_WINDOW, DTYPE_CODES, EP
                          record_offset)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..client.client import Client
     from ..client.mapping import EpochMapping
     from ..protocol import Welcome
 
@@ -51,6 +50,10 @@ HOST_TIER = -1  # a lease in the host pool (else: in the CUDA arena of that pool
 MAX_ASK = 64 << 20  # a lease asked for holds at most this much of a batch's rest (one contiguous extent)
 LEASE_RETRY_S = 0.5  # after a refused LeaseSpace, puts go the ordinary way this long before asking again
 GONE_SILENCE_S = 3 * READER_TRUST_S  # a ring this silent: its daemon was killed (SIGKILL leaves it open)
+
+# (page, namespace, nbytes, tier) -> the daemon's reply to LeaseSpace, or None when the client's
+# session is no longer this page's: the round trip the page asks its client for (PutRoute.lease_space)
+LeaseSpaceCall = Callable[["Submissions", str, int, int], Optional[Acked]]
 
 
 def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
@@ -135,19 +138,20 @@ class Submissions:
 
     # ---- place ----------------------------------------------------------------------------
 
-    def place(self, c: "Client", tensors: dict[str, Any], sizes: list[int], dtypes: list[str],
-              metas: Mapping[str, Any] | None = None, tier: int = HOST_TIER) -> list[Placed]:
+    def place(self, namespace: str, lease_space: LeaseSpaceCall, tensors: dict[str, Any], sizes: list[int],
+              dtypes: list[str], metas: Mapping[str, Any] | None = None, tier: int = HOST_TIER) -> list[Placed]:
         """A place in a lease of `tier` (the host pool, or a CUDA arena's pool index) and a
-        sequence number for each tensor it can take, in order; the others (a key over MAX_KEY
-        bytes, over MAX_NDIM dimensions, a meta over MAX_META or any in an arena, no lease to be
-        had) are left out for the ordinary route."""
+        sequence number for each tensor of `namespace` it can take, in order; the others (a key
+        over MAX_KEY bytes, over MAX_NDIM dimensions, a meta over MAX_META or any in an arena, no
+        lease to be had) are left out for the ordinary route. `lease_space`: the client's one
+        round trip for a lease (the only thing the page asks of it)."""
         placed: list[Placed] = []
         left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
         if self.stale():
             return placed  # a new daemon run's area: this client reconnects (put_many) and gets a page of it
         with self.lock:
-            if c.namespace != self.namespace:  # leases are a namespace's: those held so far are another's
-                self.namespace = c.namespace
+            if namespace != self.namespace:  # leases are a namespace's: those held so far are another's
+                self.namespace = namespace
                 self.leases.clear()
                 self.grants_taken = int(self.header[GRANTS_COUNT_AT // 8])
             for (key, tensor), nbytes, dtype in zip(tensors.items(), sizes, dtypes):
@@ -157,7 +161,7 @@ class Submissions:
                         or (meta and tier != HOST_TIER)):  # (an arena's bytes are not this process's to write)
                     continue
                 size = align_up(max(nbytes, 1)) + align_up(len(meta))
-                extent = self._take(c, size, left + align_up(len(meta)), nbytes + align_up(len(meta)), tier)
+                extent = self._take(lease_space, size, left + align_up(len(meta)), nbytes + align_up(len(meta)), tier)
                 left -= align_up(max(nbytes, 1))
                 if extent is None:
                     continue
@@ -165,7 +169,7 @@ class Submissions:
                 self.next_seq += 1
         return placed
 
-    def _take(self, c: "Client", size: int, ask: int, exact: int, tier: int) -> Extent | None:
+    def _take(self, lease_space: LeaseSpaceCall, size: int, ask: int, exact: int, tier: int) -> Extent | None:
         """`size` bytes from the front of the current lease (or the next); a lease of `ask` bytes
         is asked for when none holds them (`exact`: the put's own bytes, unaligned, asked for when
         the batch has nothing after it). Called under `self.lock`, which it lets go of while it
@@ -182,7 +186,7 @@ class Submissions:
                 self.lock.release()  # no lock across the round trip (a reconnect in it reads this page)
                 try:
                     # just this put (its exact bytes, as an Alloc names them), or the batch's rest
-                    asked = self._ask(c, size, max(size, min(ask, MAX_ASK)) if ask > size else exact, tier)
+                    asked = self._ask(lease_space, size, max(size, min(ask, MAX_ASK)) if ask > size else exact, tier)
                 finally:
                     self.lock.acquire()
                 if not asked:
@@ -228,17 +232,14 @@ class Submissions:
                 return lease
         return None
 
-    def _ask(self, c: "Client", size: int, ask: int, tier: int) -> bool:
+    def _ask(self, lease_space: LeaseSpaceCall, size: int, ask: int, tier: int) -> bool:
         """LeaseSpace: one round trip for a lease of at least `ask` bytes (`size`: this put's).
         A refusal of just this put's size for its quota or for room is the put's own (an Alloc
         would be refused the same): raised. Any other refusal: the put goes the round-trip way."""
-        with c._lock:
-            if c._session != self.session:
-                return False
-            self._asked_at = time.monotonic()
-            reply: Acked = c._call_locked(LeaseSpace(next(c._ids), c.namespace, ask, tier))
-        if c._writes is not self:
-            return False  # it reconnected (a restarted daemon): the grant is on its new session's page
+        self._asked_at = time.monotonic()
+        reply = lease_space(self, self.namespace, ask, tier)
+        if reply is None:
+            return False  # another session's page by now (a restarted daemon): its grant is there
         refused = reply.results[0]
         if isinstance(refused, Failure):
             if align_up(max(ask, 1)) == size and refused.code in (Code.QUOTA_EXCEEDED, Code.POOL_FULL):

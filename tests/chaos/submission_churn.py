@@ -44,10 +44,11 @@ def _write_body(page, put, flags: int = 0, nbytes: int | None = None, dtype: int
 
 
 def producer_killed(endpoint: str, stage: str, key: str) -> None:
+    from ecd.client.testing import place_on_page
     from ecd.writes.submission import SEQ
     client, page = _page(endpoint)
     tensor = torch.full((16384,), 7.0)
-    [put] = page.place(client, {key: tensor}, [tensor.numel() * 4], ["float32"])
+    [put] = place_on_page(client, {key: tensor}, [tensor.numel() * 4], ["float32"])
     raw = tensor.view(torch.uint8).numpy()
     half = len(raw) // 2 if stage == "mid-copy" else len(raw)
     page.buf[put.extent.offset:put.extent.offset + half] = raw[:half].tobytes()
@@ -64,6 +65,7 @@ def hostile(endpoint: str) -> None:
     for it; the refusal read back from the page is printed."""
     from ecd.errors import EcdError
     from ecd.protocol import KVBlockMeta
+    from ecd.client.testing import place_on_page
     from ecd.writes.submission import FLAGS_KNOWN, SEQ
     client, page = _page(endpoint)
     tensor = torch.ones(1024)
@@ -80,7 +82,7 @@ def hostile(endpoint: str) -> None:
     }
     for name, change in cases.items():
         metas = {f"h-{name}": KVBlockMeta(1)} if change == "bad-meta" else None
-        [put] = page.place(client, {f"h-{name}": tensor}, [4096], ["float32"], metas)
+        [put] = place_on_page(client, {f"h-{name}": tensor}, [4096], ["float32"], metas)
         if change == "bad-meta":  # room for a meta after the bytes, and garbage in it
             page.buf[put.extent.offset + 4096:put.extent.offset + 4106] = b"\xc1" * 10
             change = dict(meta_length=10)

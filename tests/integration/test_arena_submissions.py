@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, metric_by_label, scrape_metrics
 from ecd.client import cuda
-from ecd.client.testing import intercept_round_trips, put_into_arena, submission_page
+from ecd.client.testing import intercept_round_trips, place_on_page, put_into_arena, submission_page
 from ecd.errors import EcdError
 from ecd.protocol import Acquire, Release
 
@@ -89,7 +89,7 @@ def test_a_lease_in_no_arena_is_refused_and_an_arena_record_with_a_meta_too(aren
         arena = c.welcome.arenas[0].index
         put_into_arena(c, {"first": block(1)}, arena)  # holds an arena lease now
         page = submission_page(c)
-        placed = page.place(c, {"hostile": block(2)}, [BLOCK], ["int64"], tier=arena)
+        placed = place_on_page(c, {"hostile": block(2)}, [BLOCK], ["int64"], tier=arena)
         placed[0].meta = b"\x80"  # a meta in device memory the daemon cannot read: refused with a reason
         with pytest.raises(EcdError, match="meta in a CUDA arena"):
             page.post(placed, [0], False, True, 5.0)
