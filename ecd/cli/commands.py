@@ -68,7 +68,9 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="node.toml"),
 @app.command()
 def doctor(config: Annotated[Optional[Path], typer.Option(
                "--config", "-c", help="node.toml [default: the built-in defaults]", show_default=False)] = None,
-           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print problems only")] = False) -> None:
+           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print problems only")] = False,
+           uid: Annotated[Optional[int], typer.Option(
+               "--uid", help="also say what a client of this uid needs to connect", show_default=False)] = None) -> None:
     """Check that this node can run the daemon as configured, one line per finding with its fix:
     the pool against the cgroup's memory limit and /dev/shm, RLIMIT_MEMLOCK where the pool is
     pinned, RLIMIT_NOFILE against limits.max_connections, the socket directory against node.group
@@ -79,7 +81,7 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
     config that does not load."""
     from ..config import load_config
     from ..daemon.ops.security import check_security
-    from .doctor import Finding, preflight
+    from .doctor import Finding, check_uid, preflight
     try:
         cfg = load_config_file(config) if config is not None else load_config({})
     except ConfigError as exc:
@@ -92,6 +94,8 @@ def doctor(config: Annotated[Optional[Path], typer.Option(
         findings.append(Finding("error", key, message))
         gid = os.getegid()
     findings += preflight(cfg, gid)
+    if uid is not None:
+        findings += check_uid(cfg, gid, uid)
     for finding in findings:
         if finding.level != "ok" or not quiet:
             typer.echo(f"{finding.level}: {finding.line()}", err=finding.level != "ok")

@@ -14,13 +14,16 @@ live with, or that bite in another process:
 - warning: RLIMIT_MEMLOCK below the pool where it gets pinned (CUDA clients register it with
   cuMemHostRegister in *their* processes; NIXL registers it in the daemon, and UCX may fall back
   to unpinned transports); the hard RLIMIT_NOFILE cannot hold limits.max_connections (the daemon
-  lowers the cap itself); node.group or an allowed uid/gid cannot reach the socket directory.
+  lowers the cap itself); node.group or an allowed uid/gid cannot reach the socket directory
+  (allowed ids get ACL entries from the daemon where it owns the directory and ACLs are kept).
+- `ecd doctor --uid N`: what a client of uid N needs (admission, and the socket by ACL or group).
 
 One function per check, each taking what it reads as parameters so tests can give it a fake
 cgroup tree or rlimit.
 """
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
@@ -31,6 +34,7 @@ from typing import Any, Iterable
 
 from ..config import Config
 from ..errors import ConfigError
+from ..listeners import ACL_XATTR
 
 # The daemon's own memory beside its pool and ring, charged to the same cgroup: its interpreter,
 # libraries and bookkeeping (measured: 79 MiB RSS idle, 45 MiB of it anonymous and 24 MiB mapped
@@ -367,20 +371,62 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
         findings.append(Finding("warning", "node.group", (
             f"{shown}: members of group {_group_name(gid)} (node.group) cannot reach the socket; "
             f"chgrp {_group_name(gid)} {directory} && chmod g+x {directory}")))
+    # the daemon gives the allowed ids a search entry on it (ecd.listeners.SocketFiles) where it can
+    by_acl = _acl_grantable(directory, st, euid)
+    cannot = (f"the daemon cannot give it an ACL entry (not the directory's owner, or no ACLs on its "
+              f"filesystem); setfacl -m {{}}:x {directory}, or chmod o+x {directory} (who connects is then the "
+              f"daemon's SO_PEERCRED check)")
     for uid in getattr(config.control, "allowed_uids", []):
-        if uid != euid and not _permits(st, uid, _groups_of(uid)):
-            findings.append(Finding("warning", "control.allowed_uids", (
-                f"{shown}: uid {uid} cannot reach the socket; chmod o+x {directory} (who connects is then "
-                f"the daemon's SO_PEERCRED check) or make the directory's group one uid {uid} has")))
+        if uid != euid and not _permits(st, uid, _groups_of(uid)) and not by_acl:
+            findings.append(Finding("warning", "control.allowed_uids", f"{shown}: uid {uid} cannot reach the socket; "
+                                                                       + cannot.format(f"u:{uid}")))
     for other in getattr(config.control, "allowed_gids", []):
-        if not _permits(st, -1, [other]):
+        if not _permits(st, -1, [other]) and not by_acl:
             findings.append(Finding("warning", "control.allowed_gids", (
-                f"{shown}: group {_group_name(other)} cannot reach the socket; chmod o+x {directory} (who "
-                f"connects is then the daemon's SO_PEERCRED check)")))
+                f"{shown}: group {_group_name(other)} cannot reach the socket; " + cannot.format(f"g:{other}"))))
     if not findings:
-        findings.append(Finding("ok", "control.endpoint", f"{shown}: the daemon creates its socket there and "
-                                                          f"its clients can reach it"))
+        allowed = getattr(config.control, "allowed_uids", []) or getattr(config.control, "allowed_gids", [])
+        findings.append(Finding("ok", "control.endpoint", f"{shown}: the daemon creates its socket there and its "
+                                f"clients can reach it" + (" (the allowed uids/gids by ACL entries the daemon gives "
+                                                           "them)" if allowed and by_acl else "")))
     return findings
+
+
+def _acl_grantable(directory: str, st: os.stat_result, euid: int) -> bool:
+    """Whether a daemon of `euid` can give ids ACL entries on `directory`: it owns it (or is root)
+    and the filesystem keeps POSIX ACLs."""
+    if euid not in (0, st.st_uid):
+        return False
+    try:
+        os.getxattr(directory, ACL_XATTR)
+    except OSError as exc:
+        return exc.errno == errno.ENODATA
+    return True
+
+
+def check_uid(config: Config, gid: int, uid: int) -> list[Finding]:
+    """What a client of `uid` needs to use this daemon (`ecd doctor --uid`): to be admitted by
+    [control] allowed_uids / allowed_gids, and to reach the socket, by an ACL entry (allowed ids)
+    or as a member of node.group."""
+    from ..daemon.control.admission import admit
+    groups = _groups_of(uid)
+    try:
+        primary = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        primary = uid  # no passwd entry (most containers): its own gid, as a pod's runAsUser alone gives
+    why = admit(uid, primary, config, groups)
+    if why is not None:
+        return [Finding("error", "control.allowed_uids", why)]
+    control = config.control
+    if uid in control.allowed_uids or groups & set(control.allowed_gids):
+        return [Finding("ok", "control.allowed_uids", f"uid {uid} is admitted and reaches the sockets by the ACL "
+                                                      f"entries the daemon gives it: no group membership needed")]
+    if not config.node.group or gid in groups:
+        return [Finding("ok", "node.group", f"uid {uid} reaches the socket as a member of group {_group_name(gid)}")]
+    return [Finding("warning", "node.group", (
+        f"uid {uid} reaches the socket only as a member of group {_group_name(gid)} (node.group): add that gid to "
+        f"its supplementary groups (a pod's securityContext.supplementalGroups: [{gid}]), or list uid {uid} in "
+        f"[control] allowed_uids (no group needed then)"))]
 
 
 # ---- CUDA -----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import zmq
 
 from ..config import Config
 from ..errors import Code, ConfigError
-from ..listeners import group_socket_file
+from ..listeners import SocketFiles
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile
 from ..memory.memfd import MemfdFile
 from ..memory.entry_index import slot_area_at_end
@@ -127,6 +127,7 @@ class Daemon:
         """Everything that can fail at start, in an order that leaves nothing behind on failure."""
         try:
             self.gid, self.curve = check_security(self.config)
+            self.socket_files = SocketFiles(self.gid, self.config.control.allowed_uids, self.config.control.allowed_gids)
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         self._preflight()
@@ -195,13 +196,13 @@ class Daemon:
         return cap
 
     def install_config(self, new: Config) -> None:
-        """On SIGHUP (ops/reload.py decided what of the new file applies): the store's limits and
-        namespaces, the largest message, and [limits] max_connections and client_queue_bytes
-        (_bind sets them at start; ZMQ_RCVHWM, derived from them, and MAXMSGSIZE apply to
-        connections made after they are set)."""
+        """On SIGHUP (ops/reload.py decided what applies): the store's limits and namespaces, the
+        sockets' allowed ids, the largest message, [limits] max_connections and client_queue_bytes
+        (ZMQ_RCVHWM and MAXMSGSIZE apply to connections made after they are set)."""
         self.config = new
         self.store.set_limits(new.limits, new.leases)
         self.store.set_namespaces(new.namespaces)
+        self.socket_files.allow(new.control.allowed_uids, new.control.allowed_gids)
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
         self.max_connections = self._connection_cap()
         self.connections.max_connections = self.max_connections
@@ -297,7 +298,7 @@ class Daemon:
         self.connections = Connections(sock, self.max_connections, int(limits.client_queue_bytes),
                                        self._on_connection_gone)
         try:
-            with group_socket_file(self._ipc_path(), self.gid):
+            with self.socket_files.bind(self._ipc_path()):
                 sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self.connections.close_monitor()
@@ -313,10 +314,9 @@ class Daemon:
         if not isinstance(self.ring_file, MemfdFile):
             return
         ipc = self._ipc_path()
-        path = (ipc + ".fds" if ipc is not None
-                else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds"))
+        path = ipc + ".fds" if ipc is not None else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds")
         try:
-            self.fd_server = FdServer(path, self.gid, self.epoch, self.ring_file, self.pool.segments,
+            self.fd_server = FdServer(path, self.socket_files, self.epoch, self.ring_file, self.pool.segments,
                                       lambda: self.config.control, arena_fds(self), self.fd_limit,
                                       doorbell=submission_bytes(self.config) > 0)
         except OSError as exc:

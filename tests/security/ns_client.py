@@ -6,10 +6,11 @@ container's init, forks the engine and waits).
         hello, read-lease and pin KEY of NS, start a 1 MiB write it never commits, print {"host_pid", "ns_pid", "pid_ns"} and hold them
         until killed; with `fork` the engine forks a child that keeps the connection open (and
         prints its host pid as "child_host_pid") and does nothing else
-    ns_client.py connect ENDPOINT [--uid UID --gid GID --groups G,G..]
+    ns_client.py connect ENDPOINT [--uid UID --gid GID --groups G,G..] [--put 1]
         as root, drop to that uid, gid and supplementary groups (after the imports: this Python's
         files may sit where that user cannot read), then say hello with ecd's ControlClient;
-        print {"uid", "gid", "groups", "outcome": welcome | ErrorClassName, "message"}
+        print {"uid", "gid", "groups", "outcome": welcome | ErrorClassName, "message"}; with --put also
+        put and get 1 MiB with ecd's Client: {"put_get": equal, "sealed", "local"}
 
 host_pid comes from /proc/self/status's NSpid (this process's pid in each namespace from the
 host's down): run without --mount-proc so /proc is the host's.
@@ -90,7 +91,10 @@ def hold(endpoint: str, ns: str, key: str, fork: bool) -> None:
         time.sleep(60)
 
 
-def connect(endpoint: str, uid: int | None, gid: int | None, groups: list[int]) -> None:
+def connect(endpoint: str, uid: int | None, gid: int | None, groups: list[int], put: bool = False) -> None:
+    if put:
+        from ecd import Client  # (imported before the drop: torch's files may not be that user's to read)
+        import torch
     if uid is not None:
         os.setgroups(groups)
         os.setgid(gid if gid is not None else uid)
@@ -100,6 +104,12 @@ def connect(endpoint: str, uid: int | None, gid: int | None, groups: list[int]) 
         with ControlClient(endpoint, timeout=30.0) as client:
             client.ping()
         out.update(outcome="welcome", message="")
+        if put:  # a put and a get through the pool as this uid maps it (the fd socket's memfds)
+            with Client(endpoint, timeout=30.0) as c:
+                sent = torch.randn(1 << 18)
+                c.put(f"from-{os.getuid()}", sent)
+                got = c.get(f"from-{os.getuid()}")
+                out.update(put_get=bool(torch.equal(sent, got)), sealed=c.mapping.sealed, local=c.mapping.local)
     except EcdError as exc:
         out.update(outcome=type(exc).__name__, message=str(exc))
     print(json.dumps(out), flush=True)
@@ -116,7 +126,7 @@ def main() -> None:
         uid = int(opts["--uid"]) if "--uid" in opts else None
         gid = int(opts["--gid"]) if "--gid" in opts else None
         groups = [int(g) for g in opts.get("--groups", "").split(",") if g]
-        connect(endpoint, uid, gid, groups)
+        connect(endpoint, uid, gid, groups, put="--put" in rest)
     else:
         raise SystemExit(f"unknown command {what}")
 

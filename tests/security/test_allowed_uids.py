@@ -28,10 +28,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids
                                                            "privileges: these tests need to run as root")
 
 
-def connect_as(endpoint: str, uid: int, gid: int, groups: tuple[int, ...] = (SOCKET_GID,)) -> dict:
-    """One client process of that uid, gid and supplementary groups: its hello's outcome."""
+def connect_as(endpoint: str, uid: int, gid: int, groups: tuple[int, ...] = (SOCKET_GID,), put: bool = False) -> dict:
+    """One client process of that uid, gid and supplementary groups: its hello's outcome (`put`:
+    and a put and get through the pool)."""
     out = subprocess.run([sys.executable, str(NS_CLIENT), "connect", endpoint, "--uid", str(uid), "--gid", str(gid),
-                          "--groups", ",".join(map(str, groups))], capture_output=True, text=True, timeout=60)
+                          "--groups", ",".join(map(str, groups))] + (["--put", "1"] if put else []),
+                         capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert (report["uid"], report["gid"]) == (uid, gid), report  # it did drop
@@ -70,6 +72,41 @@ def test_a_uid_that_is_not_allowed_is_refused_with_its_uid_and_what_to_set(daemo
     allowed_now = connect_as(d.endpoint, NOBODY, NOBODY)
     assert allowed_now["outcome"] == "welcome", allowed_now
     assert connect_as(d.endpoint, 5555, 7777)["outcome"] == "PermissionDenied"  # 7777 no longer listed
+
+
+def acl_users(path) -> set[int]:
+    from ecd.listeners import USER, read_acl
+    return {ident for tag, ident in read_acl(str(path)) if tag == USER}
+
+
+def test_an_allowed_uid_in_no_group_of_the_socket_connects_puts_and_gets_by_acl(daemon_factory):
+    """Issue 44 (from the pods work): a uid in allowed_uids reaches the sockets by that alone, no
+    supplementalGroups, no world-writable socket or directory: the daemon gives the control and
+    fd sockets ACL entries for it and its directory a search entry. Before: EACCES at connect."""
+    d = daemon_factory(start=False)
+    start(d, "allowed_uids = [4242]\nallowed_gids = [7777]")
+    fds = Path(d.endpoint.removeprefix("ipc://") + ".fds")
+    for path in (Path(d.endpoint.removeprefix("ipc://")), fds):
+        assert os.stat(path).st_mode & 0o007 == 0, oct(os.stat(path).st_mode)  # nothing for others
+        assert acl_users(path) == {4242}, path
+    assert os.stat(d.runtime_dir).st_mode & 0o007 == 0
+    assert 4242 in acl_users(d.runtime_dir)
+
+    allowed = connect_as(d.endpoint, 4242, 4242, groups=(), put=True)  # in no group of the daemon's
+    assert allowed["outcome"] == "welcome" and allowed["groups"] == [], allowed
+    assert allowed["put_get"] and allowed["sealed"] and allowed["local"], allowed
+    by_gid = connect_as(d.endpoint, 5555, 7777, groups=())  # its primary gid is allowed: a group entry
+    assert by_gid["outcome"] == "welcome", by_gid
+    outsider = connect_as(d.endpoint, NOBODY, NOBODY, groups=())  # the socket's permissions stop it
+    assert outsider["outcome"] != "welcome", outsider
+
+    # SIGHUP: the sockets' entries follow the lists (4242 out, nobody in)
+    write_node_toml(d, control=f"allowed_uids = [{NOBODY}]")
+    d.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: "SIGHUP: applied" in d.log(), timeout=10), d.log()
+    assert acl_users(fds) == {NOBODY}
+    assert connect_as(d.endpoint, NOBODY, NOBODY, groups=(), put=True)["put_get"]
+    assert connect_as(d.endpoint, 4242, 4242, groups=())["outcome"] != "welcome"
 
 
 def test_without_allowed_lists_whoever_can_open_the_socket_is_served(daemon):

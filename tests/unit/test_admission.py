@@ -3,6 +3,7 @@ the `ecd status` table that shows how each session is watched."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 from rich.console import Console
@@ -74,3 +75,40 @@ def test_status_table_says_how_each_session_is_watched():
 def test_allowed_lists_with_a_tcp_endpoint_are_a_config_error():
     with pytest.raises(ConfigError, match="control.allowed_gids: applies to an ipc:// endpoint only"):
         load_config({"control": {"endpoint": "tcp://127.0.0.1:5555", "allowed_gids": [5]}})
+
+
+# ---- ACL entries for the allowed ids (ecd.listeners) ------------------------------------------------
+
+def _named(path) -> dict:
+    from ecd.listeners import GROUP, USER, read_acl
+    return {(("user" if tag == USER else "group"), ident): perm for (tag, ident), perm in read_acl(str(path)).items()
+            if tag in (USER, GROUP)}
+
+
+def test_grant_exact_replaces_the_named_entries_and_keeps_the_mode(tmp_path):
+    import stat
+    from ecd.listeners import grant
+    f = tmp_path / "sock"
+    f.write_text("")
+    os.chmod(f, 0o660)
+    grant(str(f), [4242, 5], [7777], 0o6, exact=True)
+    assert _named(f) == {("user", 5): 6, ("user", 4242): 6, ("group", 7777): 6}
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o660  # the mask (group bits) is rw, others nothing
+    grant(str(f), [9], [], 0o6, exact=True)
+    assert _named(f) == {("user", 9): 6}
+    grant(str(f), [], [], 0o6, exact=True)  # none left: the mode bits alone again
+    assert _named(f) == {} and stat.S_IMODE(os.stat(f).st_mode) == 0o660
+    with pytest.raises(OSError):
+        os.getxattr(f, "system.posix_acl_access")
+
+
+def test_grant_on_a_directory_adds_search_and_keeps_an_administrators_entries(tmp_path):
+    import stat
+    from ecd.listeners import grant
+    d = tmp_path / "run"
+    d.mkdir()
+    os.chmod(d, 0o1750)
+    grant(str(d), [1000], [], 0o7, exact=True)  # an administrator's entry
+    grant(str(d), [4242], [], 0o1, exact=False)
+    assert _named(d) == {("user", 1000): 7, ("user", 4242): 1}
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o1770  # sticky kept; group bits show the mask (rwx)

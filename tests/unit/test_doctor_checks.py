@@ -157,12 +157,20 @@ def test_socket_directory_against_group_and_allowed_ids(tmp_path):
     allowed = config(node={"runtime_dir": str(sock_dir)},
                      control={"endpoint": f"ipc://{sock_dir}/ecd.sock", "allowed_uids": [euid, 54321],
                               "allowed_gids": [54322]})
-    found = check_socket_dir(allowed, egid)
-    assert [(f.level, f.key) for f in found] == [("warning", "control.allowed_uids"),
-                                                 ("warning", "control.allowed_gids")]
-    assert "uid 54321 cannot reach the socket; chmod o+x" in found[0].message
-    sock_dir.chmod(0o771)
-    assert [f.level for f in check_socket_dir(allowed, egid)] == ["ok"]
+    found = check_socket_dir(allowed, egid)  # the daemon (its owner) gives them a search entry at start
+    assert [f.level for f in found] == ["ok"] and "by ACL entries the daemon gives them" in found[0].message
+    real_grantable = doctor._acl_grantable
+    doctor._acl_grantable = lambda *args: False  # not the directory's owner, or a filesystem without ACLs
+    try:
+        found = check_socket_dir(allowed, egid)
+        assert [(f.level, f.key) for f in found] == [("warning", "control.allowed_uids"),
+                                                     ("warning", "control.allowed_gids")]
+        assert "uid 54321 cannot reach the socket; the daemon cannot give it an ACL entry" in found[0].message
+        assert f"setfacl -m u:54321:x {sock_dir}" in found[0].message
+        sock_dir.chmod(0o771)
+        assert [f.level for f in check_socket_dir(allowed, egid)] == ["ok"]
+    finally:
+        doctor._acl_grantable = real_grantable
     sock_dir.chmod(0o777)
     assert "any user can replace the socket" in check_socket_dir(cfg, egid)[0].message
     sock_dir.chmod(0o770)
@@ -170,6 +178,19 @@ def test_socket_directory_against_group_and_allowed_ids(tmp_path):
     if euid == 0:
         found = check_socket_dir(cfg, egid, euid=54321)
         assert [f.level for f in found] == ["error"] and "cannot create its socket" in found[0].message
+
+
+def test_what_a_uid_needs(tmp_path):
+    from ecd.cli.doctor import check_uid
+    listed = config(control={"endpoint": f"ipc://{tmp_path}/ecd.sock", "allowed_uids": [4242]}, node={"group": "0"})
+    [found] = check_uid(listed, 0, 4242)
+    assert found.level == "ok" and "no group membership needed" in found.message
+    [found] = check_uid(listed, 0, 5555)
+    assert found.level == "error" and "add 5555 to control.allowed_uids" in found.message
+    open_node = config(control={"endpoint": f"ipc://{tmp_path}/ecd.sock"}, node={"group": "54999"})
+    [found] = check_uid(open_node, 54999, 5555)  # no lists: anyone who reaches the socket, i.e. the group
+    assert found.level == "warning" and "supplementalGroups: [54999]" in found.message
+    assert "allowed_uids" in found.message
 
 
 def test_socket_directory_missing():

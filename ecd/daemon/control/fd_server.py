@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import msgspec
 
 from ...fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
-from ...listeners import group_socket_file
+from ...listeners import SocketFiles
 from .admission import MAX_LOGGED_UIDS, admit as admit_ids
 from .connections import peer_credentials
 from ...memory.host import ShmFile
@@ -75,7 +75,7 @@ class Handout:
 class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
-    def __init__(self, path: str, gid: int, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
+    def __init__(self, path: str, files: SocketFiles, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
                  control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
                  fd_limit: int = 1024, doorbell: bool = False) -> None:
         """`control`: the daemon's `[control]` section as it is now (after any SIGHUP); `arenas`:
@@ -98,7 +98,7 @@ class FdServer:
         try:
             with suppress(FileNotFoundError):
                 os.unlink(path)  # a socket file left by a daemon that died (the node lock is held)
-            with group_socket_file(path, gid):
+            with files.bind(path):  # node.group's, and the allowed uids' (ACL)
                 sock.bind(path)
             sock.listen(BACKLOG)
             self._ring_fd = ring.read_only_fd()
