@@ -322,6 +322,55 @@ class NamespaceSection(Section):
                f"must be <= quota ({int(self.quota)}), got {int(self.guaranteed)}")
 
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+DEFAULT_TENANT = "default"  # who matches no other tenant: its namespaces are the names clients say
+
+
+class TenantSection(Section):
+    """`[tenants.NAME]`: whose clients are this tenant's (docs/SECURITY.md, Tenants). A tenant's
+    namespaces are its own: the same name in two tenants is two namespaces."""
+
+    uids: list[int] = msgspec.field(default_factory=list)  # local clients by SO_PEERCRED uid
+    gids: list[int] = msgspec.field(default_factory=list)  # or by primary / supplementary gid
+    curve_keys: list[str] = msgspec.field(default_factory=list)  # remote clients by CURVE public key (Z85)
+    admit: bool = True  # [tenants.default] only (`[tenants] default = false`): clients of no tenant refused
+
+    def __post_init__(self) -> None:
+        for name in ("uids", "gids"):
+            ids = getattr(self, name)
+            bad = [i for i in ids if not 0 <= i < 2**32 - 1]
+            check_field(not bad, name, f"must be uids/gids between 0 and 4294967294, got {bad[0] if bad else 0}")
+            setattr(self, name, sorted(set(ids)))
+        bad_keys = [k for k in self.curve_keys if not re.fullmatch(r"[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}", k)]
+        check_field(not bad_keys, "curve_keys", f"must be 40-character Z85 public keys (ecd keygen writes them), "
+                                                f"got {bad_keys[0][:48] if bad_keys else ''!r}")
+
+
+def _check_tenants(config: "Config") -> None:
+    """Every id names one tenant at most (a client belongs to exactly one); the default tenant
+    lists none (it is who matches no other); ids by the kind of endpoint that can see them."""
+    seen: dict[tuple[str, object], str] = {}
+    for name, tenant in config.tenants.items():
+        check_field(TENANT_NAME.fullmatch(name) is not None, f"tenants.{name}",
+                    "a tenant name is 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        if name == DEFAULT_TENANT:
+            check_field(not (tenant.uids or tenant.gids or tenant.curve_keys), "tenants.default",
+                        "lists no ids: the default tenant is every client that matches no other tenant")
+            continue
+        check_field(tenant.admit, f"tenants.{name}.admit", "applies to [tenants.default] only")
+        for kind in ("uids", "gids", "curve_keys"):
+            for ident in getattr(tenant, kind):
+                other = seen.setdefault((kind, ident), name)
+                check_field(other == name, f"tenants.{name}.{kind}",
+                            f"{ident} is tenants.{other}.{kind}'s too: a client belongs to exactly one tenant")
+        local = tenant.uids or tenant.gids
+        check_field(not local or config.control.endpoint.startswith("ipc://"), f"tenants.{name}",
+                    "uids/gids identify clients of an ipc:// endpoint only (a tcp client has no uid the daemon "
+                    "can check: name its curve_keys)")
+        check_field(not tenant.curve_keys or bool(config.control.curve), f"tenants.{name}.curve_keys",
+                    "needs control.curve_secret_key and control.curve_allowed_keys (the keys are CURVE's)")
+
+
 class Config(Section):
     node: NodeSection = msgspec.field(default_factory=NodeSection)
     control: ControlSection = msgspec.field(default_factory=ControlSection)
@@ -334,8 +383,10 @@ class Config(Section):
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
     events: EventsSection = msgspec.field(default_factory=EventsSection)
     namespaces: dict[str, NamespaceSection] = msgspec.field(default_factory=dict)
+    tenants: dict[str, TenantSection] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_tenants(self)
         # Quotas and guaranteed shares count an entry's bytes in every tier (host and CUDA arenas).
         pool, what = int(self.pool.host.size), "pool.host.size"
         check_field(self.pool.cuda is None or self.pool.cuda.export != "fd" or self.pool.host.backing == "memfd",
@@ -362,6 +413,15 @@ class Config(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self, enc_hook=enc_hook)
+
+    def client_ids(self) -> tuple[set[int], set[int]]:
+        """The uids and gids named as local clients: [control] allowed_uids / allowed_gids and
+        every tenant's (admitted once either list is set; the sockets give each an ACL entry)."""
+        uids, gids = set(self.control.allowed_uids), set(self.control.allowed_gids)
+        for tenant in self.tenants.values():
+            uids.update(tenant.uids)
+            gids.update(tenant.gids)
+        return uids, gids
 
 
 def check_control_policy(config: Config) -> None:
@@ -408,23 +468,28 @@ def _one_line(error: msgspec.ValidationError) -> str:
     return f"{path}: {message[0].lower()}{message[1:]}" if path else message
 
 
-def _check_namespace_tables(data: dict[str, Any]) -> None:
+def _check_named_tables(data: dict[str, Any], section: str, kind: type) -> None:
     """msgspec reports a bad value inside a dict as `namespaces[...]`; check each table first so
-    the error names the namespace: `namespaces.tenant-a.quota: ...`."""
-    tables = data.get("namespaces")
+    the error names the namespace (or tenant): `namespaces.tenant-a.quota: ...`."""
+    tables = data.get(section)
     if not isinstance(tables, dict):
         return
     for name, table in tables.items():
         try:
-            msgspec.convert(table, NamespaceSection, dec_hook=dec_hook)
+            msgspec.convert(table, kind, dec_hook=dec_hook)
         except msgspec.ValidationError as exc:
             line = _one_line(exc)
-            where = f"namespaces.{name}" if line.startswith("Expected") else f"namespaces.{name}."
+            where = f"{section}.{name}" if line.startswith("Expected") else f"{section}.{name}."
             raise ConfigError(f"{where}{line}".replace("Expected", ": expected", 1)) from None
 
 
 def load_config(data: dict[str, Any]) -> Config:
-    _check_namespace_tables(data)
+    tenants = data.get("tenants")
+    if isinstance(tenants, dict) and isinstance(tenants.get(DEFAULT_TENANT), bool):
+        # `[tenants] default = false`: the default tenant's table, said short
+        data = {**data, "tenants": {**tenants, DEFAULT_TENANT: {"admit": tenants[DEFAULT_TENANT]}}}
+    _check_named_tables(data, "namespaces", NamespaceSection)
+    _check_named_tables(data, "tenants", TenantSection)
     try:
         return msgspec.convert(data, Config, dec_hook=dec_hook)
     except msgspec.ValidationError as exc:

@@ -168,8 +168,7 @@ class PeerState(Struct):
 
 
 class SessionInfo(Struct):
-    """One client session, as `ecd status` shows it: who the kernel says connected and how the
-    daemon learns that it is gone."""
+    """One client session, as `ecd status` shows it: who connected (the kernel says) and how it is watched."""
     id: int
     name: str  # Hello.name: the client's own word, cut to 64 characters
     pid: int  # in the daemon's pid namespace (SO_PEERCRED); 0: not visible from it (another container), or tcp
@@ -178,6 +177,7 @@ class SessionInfo(Struct):
     uid: int  # -1: a tcp client (no credentials)
     gid: int
     watch: str  # "pidfd": reclaimed the moment its process exits; "heartbeat": after leases.session_ttl of silence
+    tenant: str = ""  # "": the default tenant
 
 
 class DiskStats(Struct):
@@ -445,12 +445,12 @@ class Welcome(_Msg, tag="welcome"):
     arenas: list[ArenaInfo] = []
     # The peer plane ([cluster]): this node's peer endpoint as bound (tcp://HOST:PORT; "": none), for engines
     cluster_listen: str = ""
-    # `[pool.disk]` is configured: puts may ask for persist (the daemon refuses them otherwise).
-    disk: bool = False
+    disk: bool = False  # `[pool.disk]` is configured: puts may ask for persist (else refused)
     # `[pool.host] backing = "memfd"`: the pools and the ring are descriptors (names only label them) handed
     # out on this fd socket (ecd/fd_passing.py): its basename, in the control socket's directory as the
     # client knows it; an absolute path for a tcp control endpoint. "": named files in /dev/shm.
     fd_socket: str = ""
+    tenant: str = ""  # this client's tenant ("": the default): its namespaces are the tenant's (docs/SECURITY.md)
 
 
 class Pong(_Msg, tag="pong"):

@@ -30,7 +30,6 @@ import zmq
 from ..errors import (RESTARTED, Code, EcdError, KeyNotFound, StaleGeneration, error_from_code)
 from ..integrity import checksum as checksum_of
 from ..memory.entry_index import SlotPage
-from ..memory.ring import key_hash
 from ..protocol import (EntryMeta, Acquire, Acquired, Bye, Exists, Failure, LeaseSpace, Location, Release, Welcome,
                         encoder)
 from .connection import pool_not_visible, same_host, watch_views
@@ -110,6 +109,7 @@ class Client(ControlClient):
         mapping.views = PoolViews(mapping.ro)
         self._map = mapping
         self._cache.clear()
+        self._cache.tenant = welcome.tenant  # its keys hash in the tenant's namespaces (as the daemon stores them)
         if self._local_reads is None:  # made here: the first connect made the Resources it reports through
             self._local_reads = LocalReads(self._res.unreported)
         self._local_reads.drop()
@@ -235,7 +235,7 @@ class Client(ControlClient):
             found = [(key, r) for key, r in zip(keys, reply.results) if isinstance(r, Location)]
             if self._map.ring.next_seq == ring_pos:  # else an event read meanwhile may be this entry's eviction
                 self._cache.remember_reply(self._map.ring, ring_pos, self.namespace, [k for k, _ in found],
-                                           [key_hash(self.namespace, k) for k, _ in found],
+                                           [self._cache.keyhash(self.namespace, k) for k, _ in found],
                                            [loc.generation for _, loc in found], catch_up=self._map.local,
                                            locations=[loc for _, loc in found])
         for result in reply.results:
@@ -547,4 +547,4 @@ class Client(ControlClient):
         """Deleted: their cached locations go (delete() is ControlClient's)."""
         with self._lock:
             for key in keys:
-                self._cache.forget(key_hash(ns, key))
+                self._cache.forget(self._cache.keyhash(ns, key))

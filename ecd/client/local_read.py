@@ -45,7 +45,6 @@ from ..errors import IntegrityError
 from ..integrity import checksum as entry_checksum, describe
 from ..memory.entry_index import SLOT_BYTES, SlotPage
 from ..memory.fence import barrier as memory_barrier, full_barrier
-from ..memory.ring import key_hash
 from ..protocol import Location, Report, Welcome
 from .control import _check_encodable
 from .tensors import copy_many_out, copy_out_checked
@@ -89,7 +88,7 @@ def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMappi
         return None
     found = []
     for i, key in enumerate(keys):
-        keyhash = key_hash(ns, key)
+        keyhash = cache.keyhash(ns, key)
         loc = cache.located(keyhash, ns, key)
         if loc is None and same_as is None:
             loc = indexed_location(ring, mapping, keyhash, ns, key)
@@ -308,7 +307,7 @@ def slots_released(c: "Client", held: "OpenView") -> None:
         return
     trusted, _ = c._cache.sync(mapping.ring)
     for key, generation in zip(held.keys, held.generations):
-        loc = c._cache.located(key_hash(held.ns, key), held.ns, key) if trusted else None
+        loc = c._cache.located(c._cache.keyhash(held.ns, key), held.ns, key) if trusted else None
         if loc is None or loc.generation != generation:
             c._send_quietly(Report(0))
             return
@@ -319,7 +318,7 @@ def corrupt_error(c: "Client", key: str, loc: Location, actual: int) -> Integrit
     the error; the caller releases the lease."""
     c._send_quietly(Report(0, integrity_failures=1))
     with c._lock:
-        c._cache.forget(key_hash(c.namespace, key))
+        c._cache.forget(c._cache.keyhash(c.namespace, key))
     return IntegrityError(
         f"{key!r} in namespace {c.namespace!r} (generation {loc.generation}, {loc.nbytes} bytes) "
         f"failed verification: its producer stored checksum {describe(loc.checksum)}, the bytes "

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from ..memory.ring import READER_TRUST_S, EventKind
+from ..memory.ring import READER_TRUST_S, EventKind, key_hash, tenant_namespace
 from ..protocol import Location
 
 # Locations kept per Client: enough for the unpinned exists() an engine asks of what it handled
@@ -53,13 +53,19 @@ RING_SYNC_BACKLOG = 1024
 class LocationCache:
     """keyhash -> (namespace, key, generation, location or None), least recently used first."""
 
-    __slots__ = ("capacity", "_entries")
+    __slots__ = ("capacity", "_entries", "tenant")
 
     def __init__(self, capacity: int = LOCATION_CACHE_ENTRIES) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[int, tuple[str, str, int, Location | None]] = OrderedDict()
+        self.tenant = ""  # the client's tenant (Welcome.tenant): its namespaces are stored as the tenant's
+
+    def keyhash(self, namespace: str, key: str) -> int:
+        """The key hash the daemon publishes for `key` of this client's `namespace` (ring.key_hash
+        of the namespace as the daemon stores it: its tenant's)."""
+        return key_hash(tenant_namespace(self.tenant, namespace) if self.tenant else namespace, key)
 
     def remember(self, keyhash: int, namespace: str, key: str, generation: int,
                  location: Location | None = None) -> None:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from ..memory.entry_index import SlotPage
 from ..memory.fence import full_barrier
-from ..memory.ring import HERE, NOT_HERE, key_hash
+from ..memory.ring import HERE, NOT_HERE
 from ..protocol import Exists, Flags, Location, Report, Unpin
 from .local_read import indexed_location
 
@@ -128,7 +128,7 @@ class SlotPins:
                 continue
             self.page.clear([mine[0]])
             answers.append(mine[2] > now)
-            current = c._cache.located(key_hash(ns, key), ns, key) if trusted else None
+            current = c._cache.located(c._cache.keyhash(ns, key), ns, key) if trusted else None
             if current is None or current.generation != mine[1]:
                 moved.append(key)
         return answers, moved
@@ -159,7 +159,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | Non
     to_pin: dict[str, tuple[int, Location]] = {}
     is_cached, lookup = cache.known, ring.lookup
     for i, key in enumerate(keys):
-        keyhash = key_hash(ns, key)
+        keyhash = cache.keyhash(ns, key)
         if trusted:
             said = lookup(keyhash)
             if said == NOT_HERE:
@@ -195,7 +195,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | Non
         for i, found in zip(ask, reply.values):
             answers[i] = found
             if not found:  # whatever generation was cached is gone
-                cache.forget(key_hash(ns, keys[i]))
+                cache.forget(cache.keyhash(ns, keys[i]))
     return answers
 
 

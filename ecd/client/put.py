@@ -35,7 +35,6 @@ import torch
 
 from ..errors import RESTARTED, Code, EcdError, InvalidRequest, StaleGeneration, error_from_code
 from ..memory.allocator import align_up
-from ..memory.ring import key_hash
 from ..protocol import (EntryMeta, Abort, Acked, Alloc, Allocated, AllocItem, Commit, Committed, Extent, Failure,
                         LeaseSpace, Location, Publish, PutInline)
 from .control import _check_encodable
@@ -98,14 +97,14 @@ class Destination:
     __slots__ = ("kind", "keys", "tensors", "items", "keyhashes", "extents", "mapping", "ring_pos", "deadline",
                  "data", "placed")
 
-    def __init__(self, namespace: str, tensors: dict[str, torch.Tensor],
+    def __init__(self, namespace: str, tensors: dict[str, torch.Tensor], cache: LocationCache,
                  meta: Mapping[str, EntryMeta] | None = None) -> None:
         self.kind = INLINE
         self.keys = list(tensors)
         self.tensors = list(tensors.values())
         self.items = [AllocItem(key, dtype_name(t.dtype), list(t.shape), _nbytes(t), meta.get(key) if meta else None)
                       for key, t in tensors.items()]
-        self.keyhashes = [key_hash(namespace, key) for key in self.keys]
+        self.keyhashes = [cache.keyhash(namespace, key) for key in self.keys]
         self.extents: list[Extent] = []
         self.mapping: EpochMapping | None = None
         self.ring_pos = -1
@@ -210,9 +209,9 @@ class PutRoute:
             if max(_nbytes(t) for t in tensors.values()) > inline_max:
                 mapping.require_local("a put larger than limits.inline_max_bytes", inline_max)
             for key, t in tensors.items():
-                yield Destination(ns, {key: t}, meta)
+                yield Destination(ns, {key: t}, c.location_cache, meta)
             return
-        dest = Destination(ns, tensors, meta)
+        dest = Destination(ns, tensors, c.location_cache, meta)
         if len(dest.items) == 1:
             if arena < 0 and dest.items[0].nbytes <= inline_max:
                 yield dest  # INLINE
@@ -226,7 +225,7 @@ class PutRoute:
         """Place in the session's put leases of this tier, copy (an arena's: on the device, waited
         for), post a record each (ecd/writes/producer.py): no message unless a lease must be
         asked for. The tensors it could not take."""
-        dest = Destination(c.namespace, tensors)
+        dest = Destination(c.namespace, tensors, c.location_cache)
         placed = writes.place(c.namespace, functools.partial(self.lease_space, c), tensors,
                               [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta, arena)
         if len(placed) < len(tensors):

@@ -127,7 +127,7 @@ class Daemon:
         """Everything that can fail at start, in an order that leaves nothing behind on failure."""
         try:
             self.gid, self.curve = check_security(self.config)
-            self.socket_files = SocketFiles(self.gid, self.config.control.allowed_uids, self.config.control.allowed_gids)
+            self.socket_files = SocketFiles(self.gid, *self.config.client_ids())  # allowed ids: ACL entries
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         self._preflight()
@@ -202,7 +202,7 @@ class Daemon:
         self.config = new
         self.store.set_limits(new.limits, new.leases)
         self.store.set_namespaces(new.namespaces)
-        self.socket_files.allow(new.control.allowed_uids, new.control.allowed_gids)
+        self.socket_files.allow(*new.client_ids())
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
         self.max_connections = self._connection_cap()
         self.connections.max_connections = self.max_connections
@@ -317,7 +317,7 @@ class Daemon:
         path = ipc + ".fds" if ipc is not None else os.path.join(self.config.node.runtime_dir, f"ecd.{self.node}.fds")
         try:
             self.fd_server = FdServer(path, self.socket_files, self.epoch, self.ring_file, self.pool.segments,
-                                      lambda: self.config.control, arena_fds(self), self.fd_limit,
+                                      lambda: self.config, arena_fds(self), self.fd_limit,
                                       doorbell=submission_bytes(self.config) > 0)
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None

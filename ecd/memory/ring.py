@@ -163,6 +163,22 @@ _KINDS = len(EventKind)  # valid kinds are 1.._KINDS
 _KIND_SET = frozenset(int(kind) for kind in EventKind)
 
 
+# A tenant's namespace as the daemon stores it: "TENANT\0NAME" (config.TENANT_NAME has no NUL,
+# and no client may name a namespace with one: handlers.py refuses it), so two tenants' same
+# name are two namespaces and the default tenant's names stay as clients say them.
+TENANT_SEP = "\0"
+
+
+def tenant_namespace(tenant: str, namespace: str) -> str:
+    return f"{tenant}{TENANT_SEP}{namespace}" if tenant else namespace
+
+
+def split_namespace(stored: str) -> tuple[str, str]:
+    """(tenant, namespace as its clients name it) of a stored namespace."""
+    tenant, sep, name = stored.partition(TENANT_SEP)
+    return (tenant, name) if sep else ("", stored)
+
+
 def key_hash(namespace: str, key: str) -> int:
     """64-bit hash of (namespace, key), identical in every process (unlike hash()).
 

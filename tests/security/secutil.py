@@ -14,8 +14,9 @@ ECD = [sys.executable, "-m", "ecd"]
 
 
 def write_node_toml(d: DaemonProcess, *, endpoint: str | None = None, control: str = "", node: str = "",
-                    leases: str = "", runtime_dir: str | None = None) -> None:
-    """Rewrite the daemon's node.toml (same node name and paths) with extra keys per section."""
+                    leases: str = "", runtime_dir: str | None = None, tables: str = "") -> None:
+    """Rewrite the daemon's node.toml (same node name and paths) with extra keys per section
+    (`tables`: whole tables after the rest, e.g. [tenants.NAME])."""
     runtime_dir = runtime_dir or d.runtime_dir
     endpoint = endpoint or d.endpoint
     Path(d.config).write_text(f"""
@@ -34,6 +35,7 @@ backing = "{d.backing}"
 {leases}
 [metrics]
 listen = "127.0.0.1:0"
+{tables}
 """)
     d.endpoint = endpoint
 

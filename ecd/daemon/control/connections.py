@@ -224,6 +224,7 @@ class Connection:
     identity: bytes | None = None  # the ROUTER routing id of its messages, once one arrived
     session: Any = None  # the store Session opened by this connection's Hello
     credentials: Credentials | None = None  # looked up once, at its first Hello
+    user_id: str = ""  # a CURVE client's public key (Z85), as the ZAP handler named it; tcp only
     closing: bool = False  # its DISCONNECTED came; its last messages may still be in the ROUTER
     sent_bytes: int = 0  # every reply byte queued to this peer
     drained_bytes: int = 0  # of which libzmq is known to have handed to the kernel

@@ -76,14 +76,14 @@ class FdServer:
     """Bound at start (errors are start-up errors), served on the loop from `start`."""
 
     def __init__(self, path: str, files: SocketFiles, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
-                 control: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
+                 config: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
                  fd_limit: int = 1024, doorbell: bool = False) -> None:
-        """`control`: the daemon's `[control]` section as it is now (after any SIGHUP); `arenas`:
+        """`config`: the daemon's Config as it is now (after any SIGHUP); `arenas`:
         (pool index, size, descriptor) of the CUDA arenas exported as file descriptors; `fd_limit`:
         the daemon's open-file limit (the kernel's bound on its descriptors in flight); `doorbell`:
         make the submission area's eventfd (`self.doorbell`) and hand it out too."""
         self.path = path
-        self._control = control
+        self._config = config  # the daemon's current Config (its [control] lists and tenants' ids)
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
         self.counts = {"sent": 0, "refused": 0, "failed": 0, "unread_limit": 0}
         self._unread: dict[int, Handout] = {}  # by the connection's descriptor
@@ -151,7 +151,7 @@ class FdServer:
             creds = peer_credentials(conn.fileno())
             if creds is None:
                 raise OSError(0, "the peer is gone")
-            why = admit_ids(creds.uid, creds.gid, self._control(), creds.groups)
+            why = admit_ids(creds.uid, creds.gid, self._config(), creds.groups)
             if why is not None:
                 self.counts["refused"] += 1
                 if creds.uid not in self._logged_uids and len(self._logged_uids) < MAX_LOGGED_UIDS:

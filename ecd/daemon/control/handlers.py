@@ -18,6 +18,7 @@ from ...protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Allo
 from .connections import Connection
 from ..ops.metrics import client_sessions
 from ..registry.entries import Entry, RequestError, Session, State
+from ...memory.ring import TENANT_SEP, split_namespace, tenant_namespace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import HandlerContext
@@ -53,7 +54,15 @@ class Handlers:
     def dispatch(self, identity: bytes, session: Session, request: Any) -> Any:
         """The request's answer, or None when it is answered later. A request that removed disk
         records is answered once they are gone for good: a key deleted or replaced must not come
-        back at the next start (the unlinks run on the disk tier's worker threads)."""
+        back at the next start (the unlinks run on the disk tier's worker threads).
+        A namespace a request names is its session's tenant's (TENANT\0NAME, memory/ring.py)."""
+        ns = getattr(request, "ns", None)
+        if ns is not None:
+            if TENANT_SEP in ns:
+                raise RequestError(Code.INVALID, "a namespace name may not contain NUL (a tenant's namespaces "
+                                                 "are stored as TENANT NUL NAME)")
+            if session.tenant and (ns or not isinstance(request, Keys)):  # Keys "": every namespace of its tenant
+                request.ns = tenant_namespace(session.tenant, ns)
         if not isinstance(request, REMOVES_RECORDS):
             return self._dispatch(identity, session, request)
         self._removal_mark = self.context.lower_tier.removal_mark()
@@ -138,11 +147,13 @@ class Handlers:
             case Ping(id=rid):
                 return Pong(rid, self.context.epoch)
             case Stats(id=rid):
-                return StatsReply(rid, daemon_stats(self.context, self.counters))
+                return StatsReply(rid, daemon_stats(self.context, self.counters, session.tenant))
             case Keys(id=rid, ns=ns, limit=limit, after=after):
-                return self.list_keys(rid, ns, limit, after)
+                return self.list_keys(rid, ns, limit, after, session.tenant)
             case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
-                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force)
+                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force, session.tenant)
+                if everything:  # "NS/KEY" of the tenant's namespaces, as its clients name them
+                    refused = [split_namespace(name)[1] for name in refused]
                 return Evicted(rid, evicted, refused, missing, draining)
             case Fetch(id=rid, ns=ns, keys=keys, peer=peer, timeout_s=timeout_s):
                 return self.fetch(identity, session, rid, ns, keys, peer, timeout_s)
@@ -227,10 +238,14 @@ class Handlers:
                 self.send(identity, reply(task.result()))
         task.add_done_callback(done)
 
-    def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None) -> KeyList:
-        """One page of `ecd keys`, at most LISTING_REPLY_BYTES encoded: a listing of a big index
-        must not become one huge reply queued to a client that may never read it."""
-        total, entries = self.context.store.list_keys(ns, limit + 1, after)  # one more tells if more follow
+    def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None, tenant: str = "") -> KeyList:
+        """One page of `ecd keys` (of `tenant`'s namespaces, shown as its clients name them), at
+        most LISTING_REPLY_BYTES encoded: a listing of a big index must not become one huge reply
+        queued to a client that may never read it."""
+        if after is not None:
+            after = (tenant_namespace(tenant, after[0]), after[1])
+        # one more tells if more follow
+        total, entries = self.context.store.list_keys(ns, limit + 1, after, tenant)
         now = time.monotonic()
         page: list[KeyInfo] = []
         size = 0
@@ -249,12 +264,12 @@ class Handlers:
         if isinstance(e, Entry):
             tier = "memory+disk" if self.context.lower_tier.clean(e) else "memory"
             viewed, pinned = slotted
-            return KeyInfo(e.ns, e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
+            return KeyInfo(split_namespace(e.ns)[1], e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                            now - e.last_access, e.readers + (e.generation in viewed), e.pins + pinned[e.generation],
                            tier)
         header = e.header
         age = max(0.0, time.time() - header.written_ns / 1e9)
-        return KeyInfo(header.ns, header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
+        return KeyInfo(split_namespace(header.ns)[1], header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
                        "disk")
 
     def put_inline(self, session: Session, request: PutInline) -> Failure | int:
@@ -300,8 +315,8 @@ class Handlers:
                                      f"not supported; daemon speaks {PROTOCOL_VERSION}")
         # RequestError in Welcome's place: NOT_ALLOWED (control.allowed_uids/gids), LIMIT
         ctx, cfg = self.context, self.context.config()
-        ctx.sessions.admit(conn, cfg.control)
-        session = ctx.sessions.open(conn, hello)
+        tenant = ctx.sessions.admit(conn, cfg)
+        session = ctx.sessions.open(conn, hello, tenant)
         limits = cfg.limits
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
         self.send(identity, Welcome(
@@ -313,13 +328,14 @@ class Handlers:
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
-            sorted(ctx.store.verify_namespaces), ctx.arenas,
-            ctx.peers.advertised if ctx.peers is not None else "", ctx.lower_tier.persists, ctx.fd_socket))
+            [] if tenant else sorted(ctx.store.verify_namespaces), ctx.arenas,  # ([namespaces.X]: the default's)
+            ctx.peers.advertised if ctx.peers is not None else "", ctx.lower_tier.persists, ctx.fd_socket, tenant))
         return "ok"
 
 
-def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> DaemonStats:
-    """Stats: the store's state and the loop's counters."""
+def daemon_stats(context: "HandlerContext", counters: "ServeCounters", tenant: str | None = None) -> DaemonStats:
+    """Stats: the store's state and the loop's counters; the sessions listed are `tenant`'s (a
+    client's Stats: its own tenant's) or all (None: the daemon's own status)."""
     store = context.store
     states = store.count_states()
     leases, pins, waiters = store.lease_totals()
@@ -337,7 +353,7 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters") -> Daemon
         reclaimed_sessions=c["reclaimed_sessions"], expired_writes=c["expired_writes"],
         ring_events=context.ring.events_written, ops=counters.requests.by_op(), errors=error_counts(context, counters),
         integrity_failures=sum(counters.integrity_failures.values()),
-        disk=context.lower_tier.stats(), sessions=context.sessions.listing(), restart=context.restart(),
+        disk=context.lower_tier.stats(), sessions=context.sessions.listing(tenant), restart=context.restart(),
         events=context.events(), leased_bytes=context.submissions.totals()[1] if context.submissions else 0,
         **cluster_stats(context))
 

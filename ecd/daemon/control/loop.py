@@ -66,6 +66,7 @@ class ControlLoop:
         self._decoder = request_decoder()
         self._drain_scheduled = False
         self._draining = False
+        self._curve = bool(sock.getsockopt(zmq.CURVE_SERVER))  # its clients are known by their public keys
 
     def stop(self) -> None:
         """The daemon is closing the socket: a drain still scheduled (a reply sent at shutdown
@@ -131,7 +132,10 @@ class ControlLoop:
         while frame.more:
             frame = sock.recv(NOBLOCK, copy=False)
             frames.append(frame.bytes)
-        return self.connections.of(frames[0], identity.get(SRCFD)), frames
+        conn = self.connections.of(frames[0], identity.get(SRCFD))
+        if self._curve and not conn.user_id:  # the key the ZAP handler vetted ([tenants.NAME] curve_keys)
+            conn.user_id = str(identity.get("User-Id") or "")
+        return conn, frames
 
     def send(self, identity: bytes, reply: Any) -> None:
         failure = self.connections.send(identity, encoder.encode(reply))

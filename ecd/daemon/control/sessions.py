@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from ...errors import Code
 from ...protocol import Hello, SessionInfo
-from .admission import Refusals, admit
+from .admission import Refusals, admit, tenant_of
 from .connections import Connection, Connections, Credentials, peer_pidfd, pid_namespace, process_inode
 from ..registry.entries import RequestError, Session
 from ..registry.store import Store
@@ -86,23 +86,28 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._connection_of)
 
-    def admit(self, conn: Connection, control: Any) -> None:
-        """RequestError(NOT_ALLOWED) for a local peer `[control] allowed_uids` / `allowed_gids`
-        do not admit (its session, if it had one, ends: it is no longer allowed)."""
+    def admit(self, conn: Connection, config: Any) -> str:
+        """The tenant of the peer ("": the default tenant; admission.tenant_of), or
+        RequestError(NOT_ALLOWED) for a local peer `[control] allowed_uids` / `allowed_gids` do not
+        admit, or one of no tenant (or two) that tenants refuse (its session, if it had one, ends:
+        it is no longer allowed)."""
         creds = self.connections.credentials(conn) if self.local else None
         if creds is None:
-            return
-        why = admit(creds.uid, creds.gid, control, creds.groups)
+            return tenant_of(config, None, curve_key=conn.user_id)
+        why = admit(creds.uid, creds.gid, config, creds.groups)
         if why is None:
-            return
+            try:
+                return tenant_of(config, creds.uid, creds.gid, creds.groups)
+            except RequestError as exc:
+                why = str(exc)
         if conn.session is not None:
             self.end(conn.session)
         self.not_allowed.refused(creds.uid, creds.gid, creds.pid, why)
         self.refused["allowed_uids"] = self.not_allowed.count
         raise RequestError(Code.NOT_ALLOWED, why)
 
-    def open(self, conn: Connection, hello: Hello) -> Session:
-        """A session for this connection (replacing the one it had), or RequestError(LIMIT)."""
+    def open(self, conn: Connection, hello: Hello, tenant: str = "") -> Session:
+        """A session of `tenant` for this connection (replacing the one it had), or RequestError(LIMIT)."""
         if conn.session is not None:
             self.end(conn.session)
         creds = self.connections.credentials(conn) if self.local else None
@@ -124,7 +129,7 @@ class Sessions:
             if pidfd >= 0:
                 os.close(pidfd)
             raise
-        session = self.store.open_session(self._next_id, pid)
+        session = self.store.open_session(self._next_id, pid, tenant)
         self._next_id += 1
         self._connection_of[session.id] = conn
         self.connections.bind_session(conn, session)
@@ -185,16 +190,19 @@ class Sessions:
                      session.id)
             self.end(session, reclaimed=True)
 
-    def listing(self) -> list[SessionInfo]:
-        """Every client session for Stats, oldest first."""
+    def listing(self, tenant: str | None = None) -> list[SessionInfo]:
+        """Every client session (of `tenant`: None, every tenant's) for Stats, oldest first."""
         out = []
         for sid in self._connection_of:
             session, peer = self.store.session(sid), self._peers[sid]
+            if tenant is not None and (session is None or session.tenant != tenant):
+                continue
             creds = peer.creds
             out.append(SessionInfo(sid, peer.name, session.pid if session is not None else 0, peer.pid_ns,
                                    peer.pid_ns_claimed, creds.uid if creds is not None else -1,
                                    creds.gid if creds is not None else -1,
-                                   "pidfd" if session is not None and session.watched else "heartbeat"))
+                                   "pidfd" if session is not None and session.watched else "heartbeat",
+                                   session.tenant if session is not None else ""))
         return out
 
     def watch_counts(self) -> dict[str, int]:

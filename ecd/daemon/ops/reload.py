@@ -6,7 +6,8 @@ apply to requests from now on; a new limits.max_message_bytes only to connection
 it, and clients learn new limits when they next say hello), and [namespaces.*] quotas
 and guaranteed shares (they apply to allocations from now on: a namespace already over a lowered quota
 is not evicted at once, its next allocation evicts its own entries). Anything else (node name, runtime
-dir, endpoint, pool, ring, metrics address, a namespace's verify flag) needs a restart: the change is logged and ignored.
+dir, endpoint, pool, ring, metrics address, a namespace's verify flag, a tenant added or removed) needs a
+restart: the change is logged and ignored. A tenant's uids, gids and curve_keys apply to hellos from then on.
 An invalid file is logged and nothing changes. The directory of allowed CURVE client keys
 (control.curve_allowed_keys) is re-read on every SIGHUP; a new leases.session_ttl reaches
 clients' heartbeat interval when they next say hello. limits.max_connections and
@@ -59,6 +60,22 @@ def _keep_verify_flags(old: dict[str, NamespaceSection], new: dict[str, Namespac
             new[name] = NamespaceSection(verify=True)
 
 
+def _tenant_ids(key: str, old, new) -> bool:
+    """A tenant's uids, gids or curve_keys: admitting ids is a reload, adding or removing a tenant
+    a restart (its namespaces, and later its part of the pool, are made at start)."""
+    section, _, rest = key.partition(".")
+    name, _, field = rest.rpartition(".")
+    return section == "tenants" and field in ("uids", "gids", "curve_keys") and name in old.tenants \
+        and name in new.tenants
+
+
+def _keep_tenants(old, new) -> None:
+    """The tenants of the running daemon, with the ids the new file gives them."""
+    new.tenants = {name: msgspec.structs.replace(tenant, uids=new.tenants[name].uids, gids=new.tenants[name].gids,
+                                                 curve_keys=new.tenants[name].curve_keys)
+                   if name in new.tenants else tenant for name, tenant in old.tenants.items()}
+
+
 def reload_config(target: "ReloadTarget") -> None:
     if target.curve is not None:
         target.curve.reload()  # the allowed client keys: new handshakes see the new set
@@ -77,7 +94,8 @@ def reload_config(target: "ReloadTarget") -> None:
     # both ways: a [namespaces.NAME] table can be removed
     changed = sorted(k for k in new_flat.keys() | old_flat.keys() if new_flat.get(k) != old_flat.get(k))
     applied = [k for k in changed if (k in RUNTIME_KEYS or k.split(".", 1)[0] in RUNTIME_SECTIONS
-                                      or k.startswith(RUNTIME_PREFIXES)) and not k.endswith(".verify")
+                                      or k.startswith(RUNTIME_PREFIXES) or _tenant_ids(k, old, new))
+               and not k.endswith(".verify")
                and k not in START_ONLY_KEYS]
     refused = [k for k in changed if k not in applied]
     if target.peers is not None and (old.cluster.enabled == new.cluster.enabled):
@@ -96,6 +114,7 @@ def reload_config(target: "ReloadTarget") -> None:
                                          submit_records=old.leases.submit_records, put_slab=old.leases.put_slab)
     new.cluster = old.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(old.namespaces, new.namespaces)
+    _keep_tenants(old, new)
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
         log.info("SIGHUP: applied %s", ", ".join(

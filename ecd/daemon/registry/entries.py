@@ -113,6 +113,8 @@ class Session:
     replies_pending: int = 0
     closed: bool = False
     slot_page: int | None = None  # its page of read slots (memory/entry_index.py), if it got one
+    # its tenant ("": the default): the namespaces it names are its tenant's (TENANT_SEP, handlers.py)
+    tenant: str = ""
 
 
 class Cancellable(Protocol):

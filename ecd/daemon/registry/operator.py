@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from ...memory.ring import EventKind
+from ...memory.ring import EventKind, split_namespace
 from .entries import Entry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -19,24 +19,29 @@ class OperatorRequests:
     def __init__(self, records: "RecordSet") -> None:
         self.r = records
 
-    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None,
+                  tenant: str = "") -> tuple[int, list[Any]]:
         """(how many keys match, the first `limit` of them by namespace and key, after `after`
-        when given): READY entries, and the lower tier's records (disk.DiskRecord) of keys with none."""
+        when given): READY entries, and the lower tier's records (disk.DiskRecord) of keys with none.
+        `ns` "": every namespace of `tenant`."""
         index = self.r.index
-        matching: list[Any] = [e for e in index.values() if not ns or e.ns == ns]
-        matching += [r for r in self.r.lower_tier.listing(ns or None) if (r.ns, r.key) not in index]
+        matching: list[Any] = [e for e in index.values() if e.ns == ns or not ns and split_namespace(e.ns)[0] == tenant]
+        matching += [r for r in self.r.lower_tier.listing(ns or None) if (r.ns, r.key) not in index
+                     and (ns or split_namespace(r.ns)[0] == tenant)]
         if after is not None:
             later = [e for e in matching if (e.ns, e.key) > after]
             return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
         return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
 
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
-              force: bool) -> tuple[int, list[str], list[str], list[int]]:
-        """(evicted, refused because leased/pinned, missing, generations still draining readers)."""
+              force: bool, tenant: str = "") -> tuple[int, list[str], list[str], list[int]]:
+        """(evicted, refused because leased/pinned, missing, generations still draining readers);
+        `everything`: every namespace of `tenant`."""
         r = self.r
         index, lower = r.index, r.lower_tier
         if everything or whole_namespace:
-            targets = [e for e in index.values() if everything or e.ns == ns]
+            targets = [e for e in index.values()
+                       if e.ns == ns or everything and split_namespace(e.ns)[0] == tenant]
             missing: list[str] = []
         else:
             r.check_batch(len(keys))
@@ -62,7 +67,8 @@ class OperatorRequests:
                 draining.append(entry.generation)
         # keys only the lower tier holds go too (their records and files)
         if everything or whole_namespace:
-            below = [(record.ns, record.key) for record in lower.listing(None if everything else ns)]
+            below = [(record.ns, record.key) for record in lower.listing(None if everything else ns)
+                     if not everything or split_namespace(record.ns)[0] == tenant]
         else:
             below = [(ns, k) for k in dict.fromkeys(keys) if (ns, k) not in index and lower.holds(ns, k)]
             missing = [k for k in missing if not lower.holds(ns, k)]

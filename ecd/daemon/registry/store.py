@@ -146,8 +146,8 @@ class Store:
 
     # ---- sessions -----------------------------------------------------------------------
 
-    def open_session(self, session_id: int, pid: int) -> Session:
-        session = Session(session_id, pid)
+    def open_session(self, session_id: int, pid: int, tenant: str = "") -> Session:
+        session = Session(session_id, pid, tenant=tenant)
         self._sessions[session_id] = session
         return session
 
@@ -460,12 +460,13 @@ class Store:
         self.deadlines.expire()
         self.slot_holds.recheck()
 
-    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None) -> tuple[int, list[Any]]:
-        return self.operator.list_keys(ns, limit, after)
+    def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None,
+                  tenant: str = "") -> tuple[int, list[Any]]:
+        return self.operator.list_keys(ns, limit, after, tenant)
 
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
-              force: bool) -> tuple[int, list[str], list[str], list[int]]:
-        return self.operator.evict(ns, keys, whole_namespace, everything, force)
+              force: bool, tenant: str = "") -> tuple[int, list[str], list[str], list[int]]:
+        return self.operator.evict(ns, keys, whole_namespace, everything, force, tenant)
 
     def held(self, generations: list[int]) -> list[bool]:
         return self.operator.held(generations)

@@ -1,0 +1,64 @@
+"""A client process of one uid, for tests/security/test_tenants.py: it drops root to that uid
+(after its imports: this Python's files need not be that user's to read), does one thing with
+ecd's Client, and prints what it saw as one JSON line.
+
+    tenant_client.py ENDPOINT UID GID GROUPS put NS KEY SEED   put 1 MiB of float32 from torch.manual_seed(SEED)
+    tenant_client.py ENDPOINT UID GID GROUPS probe NS KEY...  what get, exists, view and keys say of each key
+    tenant_client.py ENDPOINT UID GID GROUPS check NS KEY SEED whether KEY holds SEED's bytes
+(GROUPS: comma-separated supplementary gids, "-" for none.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from ecd import Client
+from ecd.errors import EcdError, KeyNotFound
+
+PATTERN_ELEMENTS = 1 << 18  # 1 MiB of float32
+
+
+def pattern(seed: int) -> torch.Tensor:
+    return torch.randn(PATTERN_ELEMENTS, generator=torch.Generator().manual_seed(seed))
+
+
+def main() -> None:
+    endpoint, uid, gid, groups, what, ns, *rest = sys.argv[1:]
+    os.setgroups([int(g) for g in groups.split(",")] if groups != "-" else [])
+    os.setgid(int(gid))
+    os.setuid(int(uid))
+    out: dict = {"uid": os.getuid()}
+    try:
+        with Client(endpoint, namespace=ns, timeout=30.0) as c:
+            out["tenant"] = c.welcome.tenant
+            if what == "put":
+                c.put(rest[0], pattern(int(rest[1])))
+                out["put"] = True
+            elif what == "check":
+                out["same"] = bool(torch.equal(c.get(rest[0]), pattern(int(rest[1]))))
+            elif what == "probe":
+                for key in rest:
+                    seen = {"exists": c.exists(key)}
+                    try:
+                        c.get(key)
+                        seen["get"] = "hit"
+                    except KeyNotFound:
+                        seen["get"] = "miss"
+                    try:
+                        with c.view(key):
+                            seen["view"] = "hit"
+                    except KeyNotFound:
+                        seen["view"] = "miss"
+                    out[key] = seen
+                out["keys"] = sorted(f"{info['ns']}/{info['key']}" for info in c.keys()[1])
+                out["session_tenants"] = sorted({s["tenant"] for s in c.stats()["sessions"]})
+    except EcdError as exc:
+        out.update(error=type(exc).__name__, message=str(exc))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
