@@ -372,7 +372,7 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
             f"{shown}: members of group {_group_name(gid)} (node.group) cannot reach the socket; "
             f"chgrp {_group_name(gid)} {directory} && chmod g+x {directory}")))
     # the daemon gives the allowed ids a search entry on it (ecd.listeners.SocketFiles) where it can
-    by_acl = _acl_grantable(directory, st, euid)
+    by_acl = acl_grantable(directory, st, euid)
     cannot = (f"the daemon cannot give it an ACL entry (not the directory's owner, or no ACLs on its "
               f"filesystem); setfacl -m {{}}:x {directory}, or chmod o+x {directory} (who connects is then the "
               f"daemon's SO_PEERCRED check)")
@@ -392,7 +392,7 @@ def check_socket_dir(config: Config, gid: int, euid: int | None = None) -> list[
     return findings
 
 
-def _acl_grantable(directory: str, st: os.stat_result, euid: int) -> bool:
+def acl_grantable(directory: str, st: os.stat_result, euid: int) -> bool:
     """Whether a daemon of `euid` can give ids ACL entries on `directory`: it owns it (or is root)
     and the filesystem keeps POSIX ACLs."""
     if euid not in (0, st.st_uid):

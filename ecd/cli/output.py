@@ -136,7 +136,8 @@ def render_sessions(sessions: list[dict], console: Console) -> None:
     if not sessions:
         return
     table = Table(title="sessions", title_justify="left", show_edge=False)
-    for name in ("id", "name", "pid", "pid namespace", "uid", "gid", "watched by"):
+    tenants = any(s.get("tenant") for s in sessions)  # [tenants.NAME] configured: whose each one is
+    for name in ("id", "name", "pid", "pid namespace", "uid", "gid", "watched by") + (("tenant",) if tenants else ()):
         table.add_column(name, justify="right" if name in ("id", "pid", "uid", "gid") else "left")
     for s in sessions[:SESSIONS_SHOWN]:
         remote = s["uid"] < 0
@@ -144,9 +145,10 @@ def render_sessions(sessions: list[dict], console: Console) -> None:
         ns = "-" if remote or not s["pid_ns"] else f"{s['pid_ns']}{' (its claim)' if s['pid_ns_claimed'] else ''}"
         watch = "pidfd" if s["watch"] == "pidfd" else "heartbeat (leases.session_ttl)"
         table.add_row(str(s["id"]), escape(shown(s["name"])) or "-", pid, ns, "-" if remote else str(s["uid"]),
-                      "-" if remote else str(s["gid"]), watch)
+                      "-" if remote else str(s["gid"]), watch, *((s.get("tenant") or "default",) if tenants else ()))
     if len(sessions) > SESSIONS_SHOWN:
-        table.add_row("...", f"{len(sessions) - SESSIONS_SHOWN} more (ecd status --json lists all)", "", "", "", "", "")
+        table.add_row("...", f"{len(sessions) - SESSIONS_SHOWN} more (ecd status --json lists all)",
+                      *[""] * (len(table.columns) - 2))
     console.print(table)
 
 

@@ -164,8 +164,8 @@ _KIND_SET = frozenset(int(kind) for kind in EventKind)
 
 
 # A tenant's namespace as the daemon stores it: "TENANT\0NAME" (config.TENANT_NAME has no NUL,
-# and no client may name a namespace with one: handlers.py refuses it), so two tenants' same
-# name are two namespaces and the default tenant's names stay as clients say them.
+# and while tenants are configured no client may name a namespace with one: handlers.py refuses
+# it), so two tenants' same name are two namespaces and the default tenant's names stay as said.
 TENANT_SEP = "\0"
 
 

@@ -1,6 +1,6 @@
 """Processes for the submission chaos tests (test_submission_crashes.py).
 
-  producer-killed ENDPOINT STAGE KEY  place one put by hand on the session's page and SIGKILL
+  producer-killed ENDPOINT STAGE KEY  place one put by hand on the session's page, print "ready", and at a line on stdin SIGKILL
                                       itself at STAGE: "mid-copy" (half the bytes copied, no
                                       record), "no-seq" (bytes and record fields, no sequence
                                       number), "posted" (the whole record: committed at its end)
@@ -57,6 +57,7 @@ def producer_killed(endpoint: str, stage: str, key: str) -> None:
         if stage == "posted":
             SEQ.pack_into(page.buf, at, put.seq)
     print("ready", flush=True)
+    sys.stdin.readline()  # the test looks at the daemon's leased bytes while this process still holds its lease
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -21,7 +21,8 @@ WRITE_TTL = 3.0  # the quarantine of a killed daemon's unfinished writes, in the
 
 
 def churn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(CHURN), *args], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    return subprocess.Popen([sys.executable, str(CHURN), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
 
 
 @pytest.mark.parametrize("stage,visible", [("mid-copy", False), ("no-seq", False), ("posted", True)])
@@ -35,6 +36,8 @@ def test_a_producer_killed_mid_put_leaves_nothing_half_done(daemon, stage, visib
         proc = churn("producer-killed", daemon.endpoint, stage, "victim")
         assert proc.stdout.readline().strip() == "ready"
         assert metric(scrape_metrics(daemon.metrics_port), "ecd_leased_bytes") > leased
+        proc.stdin.write("kill yourself\n")
+        proc.stdin.flush()
         assert proc.wait(10) == -signal.SIGKILL
         assert wait_for(lambda: metric(scrape_metrics(daemon.metrics_port), "ecd_leased_bytes") == leased)
         assert c.exists("victim") is visible

@@ -5,6 +5,7 @@ ecd's Client, and prints what it saw as one JSON line.
     tenant_client.py ENDPOINT UID GID GROUPS put NS KEY SEED   put 1 MiB of float32 from torch.manual_seed(SEED)
     tenant_client.py ENDPOINT UID GID GROUPS probe NS KEY...  what get, exists, view and keys say of each key
     tenant_client.py ENDPOINT UID GID GROUPS check NS KEY SEED whether KEY holds SEED's bytes
+    tenant_client.py ENDPOINT UID GID GROUPS evict-all NS     evict(everything=True): how many went
 (GROUPS: comma-separated supplementary gids, "-" for none.)
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
             if what == "put":
                 c.put(rest[0], pattern(int(rest[1])))
                 out["put"] = True
+            elif what == "evict-all":  # the operator request at its widest: "everything"
+                out["evicted"] = c.evict(everything=True)["evicted"]
             elif what == "check":
                 out["same"] = bool(torch.equal(c.get(rest[0]), pattern(int(rest[1]))))
             elif what == "probe":

@@ -77,6 +77,10 @@ def test_a_tenants_keys_are_its_own_whatever_another_asks(daemon_factory):
     assert mine["block-1"] == {"exists": True, "get": "hit", "view": "hit"}, mine
     assert mine["keys"] == ["kv/block-1", "kv/block-2"], mine
 
+    # B's "evict everything" is B's everything
+    assert run_as(d.endpoint, B_UID, "evict-all", "kv")["evicted"] == 1
+    assert run_as(d.endpoint, A_UID, "probe", "kv")["keys"] == ["kv/block-1", "kv/block-2"]
+
     # by a gid: a process of another uid whose supplementary group is team-b's is team-b's
     by_group = run_as(d.endpoint, STRANGER, "probe", "kv", "block-2", groups=(B_GID,))
     assert by_group["tenant"] == "team-b" and by_group["block-2"]["get"] == "miss", by_group
@@ -85,6 +89,8 @@ def test_a_tenants_keys_are_its_own_whatever_another_asks(daemon_factory):
     with Client(d.endpoint, namespace="kv", timeout=10.0) as root:
         assert root.welcome.tenant == ""
         assert not root.exists("block-1") and root.keys()[0] == 0
+        # (the daemon's own uid is the operator: its Stats list every tenant's sessions, `ecd status`)
+        assert [s["tenant"] for s in root.stats()["sessions"]] == [""]
         root.put("block-1", __import__("torch").zeros(4))  # and its "kv" is a third namespace
     assert run_as(d.endpoint, A_UID, "check", "kv", "block-1", 1)["same"] is True
 

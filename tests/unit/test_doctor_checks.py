@@ -159,8 +159,8 @@ def test_socket_directory_against_group_and_allowed_ids(tmp_path):
                               "allowed_gids": [54322]})
     found = check_socket_dir(allowed, egid)  # the daemon (its owner) gives them a search entry at start
     assert [f.level for f in found] == ["ok"] and "by ACL entries the daemon gives them" in found[0].message
-    real_grantable = doctor._acl_grantable
-    doctor._acl_grantable = lambda *args: False  # not the directory's owner, or a filesystem without ACLs
+    real_grantable = doctor.acl_grantable
+    doctor.acl_grantable = lambda *args: False  # not the directory's owner, or a filesystem without ACLs
     try:
         found = check_socket_dir(allowed, egid)
         assert [(f.level, f.key) for f in found] == [("warning", "control.allowed_uids"),
@@ -170,7 +170,7 @@ def test_socket_directory_against_group_and_allowed_ids(tmp_path):
         sock_dir.chmod(0o771)
         assert [f.level for f in check_socket_dir(allowed, egid)] == ["ok"]
     finally:
-        doctor._acl_grantable = real_grantable
+        doctor.acl_grantable = real_grantable
     sock_dir.chmod(0o777)
     assert "any user can replace the socket" in check_socket_dir(cfg, egid)[0].message
     sock_dir.chmod(0o770)

@@ -18,7 +18,7 @@ from ...protocol import (PROTOCOL_VERSION, Abort, Acked, Acquire, Acquired, Allo
 from .connections import Connection
 from ..ops.metrics import client_sessions
 from ..registry.entries import Entry, RequestError, Session, State
-from ...memory.ring import TENANT_SEP, split_namespace, tenant_namespace
+from ...memory.ring import TENANT_SEP, tenant_namespace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import HandlerContext
@@ -58,9 +58,9 @@ class Handlers:
         A namespace a request names is its session's tenant's (TENANT\0NAME, memory/ring.py)."""
         ns = getattr(request, "ns", None)
         if ns is not None:
-            if TENANT_SEP in ns:
-                raise RequestError(Code.INVALID, "a namespace name may not contain NUL (a tenant's namespaces "
-                                                 "are stored as TENANT NUL NAME)")
+            if TENANT_SEP in ns and self.context.config().tenants:  # (no tenants: NUL is just a character)
+                raise RequestError(Code.INVALID, "a namespace name may not contain NUL while [tenants] are "
+                                                 "configured (a tenant's namespaces are stored as TENANT NUL NAME)")
             if session.tenant and (ns or not isinstance(request, Keys)):  # Keys "": every namespace of its tenant
                 request.ns = tenant_namespace(session.tenant, ns)
         if not isinstance(request, REMOVES_RECORDS):
@@ -147,13 +147,15 @@ class Handlers:
             case Ping(id=rid):
                 return Pong(rid, self.context.epoch)
             case Stats(id=rid):
-                return StatsReply(rid, daemon_stats(self.context, self.counters, session.tenant))
+                tenant = None if self.context.sessions.operator(session) else session.tenant
+                return StatsReply(rid, daemon_stats(self.context, self.counters, tenant))
             case Keys(id=rid, ns=ns, limit=limit, after=after):
-                return self.list_keys(rid, ns, limit, after, session.tenant)
+                return self.list_keys(rid, ns, limit, after, self._scope(session))
             case Evict(id=rid, ns=ns, keys=keys, whole_namespace=whole, everything=everything, force=force):
-                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force, session.tenant)
-                if everything:  # "NS/KEY" of the tenant's namespaces, as its clients name them
-                    refused = [split_namespace(name)[1] for name in refused]
+                evicted, refused, missing, draining = store.evict(ns, keys, whole, everything, force,
+                                                                  self._scope(session))
+                if everything and session.tenant:  # "NS/KEY" of the tenant's namespaces, as its clients name them
+                    refused = [name[len(session.tenant) + 1:] for name in refused]
                 return Evicted(rid, evicted, refused, missing, draining)
             case Fetch(id=rid, ns=ns, keys=keys, peer=peer, timeout_s=timeout_s):
                 return self.fetch(identity, session, rid, ns, keys, peer, timeout_s)
@@ -238,11 +240,17 @@ class Handlers:
                 self.send(identity, reply(task.result()))
         task.add_done_callback(done)
 
-    def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None, tenant: str = "") -> KeyList:
+    def _scope(self, session: Session) -> str | None:
+        """Whose namespaces an operator request (Keys, Evict) reaches: the session's tenant's
+        (None: no tenants configured, every namespace)."""
+        return session.tenant if self.context.config().tenants else None
+
+    def list_keys(self, rid: int, ns: str, limit: int, after: tuple[str, str] | None,
+                  tenant: str | None = None) -> KeyList:
         """One page of `ecd keys` (of `tenant`'s namespaces, shown as its clients name them), at
         most LISTING_REPLY_BYTES encoded: a listing of a big index must not become one huge reply
         queued to a client that may never read it."""
-        if after is not None:
+        if after is not None and tenant:
             after = (tenant_namespace(tenant, after[0]), after[1])
         # one more tells if more follow
         total, entries = self.context.store.list_keys(ns, limit + 1, after, tenant)
@@ -251,7 +259,7 @@ class Handlers:
         size = 0
         slotted = self.context.store.slot_holds.snapshot()  # views and pins held by read slots
         for e in entries[:limit]:
-            info = self._key_info(e, now, slotted)
+            info = self._key_info(e, now, slotted, len(tenant) + 1 if tenant else 0)
             size += (KEY_INFO_OVERHEAD + len(info.ns.encode()) + len(info.key.encode()) + len(info.dtype)
                      + 9 * len(info.shape))
             if page and size > LISTING_REPLY_BYTES:
@@ -259,17 +267,18 @@ class Handlers:
             page.append(info)
         return KeyList(rid, total, page, more=len(entries) > len(page))
 
-    def _key_info(self, e: Any, now: float, slotted: tuple) -> KeyInfo:
-        """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory."""
+    def _key_info(self, e: Any, now: float, slotted: tuple, prefix: int) -> KeyInfo:
+        """One row of `ecd keys`: a READY entry, or a disk record of a key not in memory (its
+        namespace without the first `prefix` characters: the tenant's, as its clients name it)."""
         if isinstance(e, Entry):
             tier = "memory+disk" if self.context.lower_tier.clean(e) else "memory"
             viewed, pinned = slotted
-            return KeyInfo(split_namespace(e.ns)[1], e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
+            return KeyInfo(e.ns[prefix:], e.key, e.generation, e.nbytes, e.dtype, list(e.shape), now - e.published_at,
                            now - e.last_access, e.readers + (e.generation in viewed), e.pins + pinned[e.generation],
                            tier)
         header = e.header
         age = max(0.0, time.time() - header.written_ns / 1e9)
-        return KeyInfo(split_namespace(header.ns)[1], header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
+        return KeyInfo(header.ns[prefix:], header.key, 0, header.nbytes, header.dtype, list(header.shape), age, age, 0, 0,
                        "disk")
 
     def put_inline(self, session: Session, request: PutInline) -> Failure | int:

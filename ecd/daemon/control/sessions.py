@@ -190,6 +190,13 @@ class Sessions:
                      session.id)
             self.end(session, reclaimed=True)
 
+    def operator(self, session: Session) -> bool:
+        """A local session of the daemon's own uid in the default tenant (`ecd status`): its Stats
+        list every tenant's sessions."""
+        peer = self._peers.get(session.id)
+        creds = peer.creds if peer is not None else None
+        return not session.tenant and creds is not None and creds.uid == os.geteuid()
+
     def listing(self, tenant: str | None = None) -> list[SessionInfo]:
         """Every client session (of `tenant`: None, every tenant's) for Stats, oldest first."""
         out = []

@@ -15,33 +15,38 @@ if TYPE_CHECKING:  # pragma: no cover
 EVICT_ECHO_MAX = 1000  # keys an Evicted reply lists as refused or missing, at most
 
 
+def _of(tenant: str | None, stored: str) -> bool:
+    """Whether a stored namespace is `tenant`'s (None: any is)."""
+    return tenant is None or split_namespace(stored)[0] == tenant
+
+
 class OperatorRequests:
     def __init__(self, records: "RecordSet") -> None:
         self.r = records
 
     def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None,
-                  tenant: str = "") -> tuple[int, list[Any]]:
+                  tenant: str | None = None) -> tuple[int, list[Any]]:
         """(how many keys match, the first `limit` of them by namespace and key, after `after`
         when given): READY entries, and the lower tier's records (disk.DiskRecord) of keys with none.
-        `ns` "": every namespace of `tenant`."""
+        `ns` "": every namespace of `tenant` (None: of every tenant)."""
         index = self.r.index
-        matching: list[Any] = [e for e in index.values() if e.ns == ns or not ns and split_namespace(e.ns)[0] == tenant]
+        matching: list[Any] = [e for e in index.values() if e.ns == ns or not ns and _of(tenant, e.ns)]
         matching += [r for r in self.r.lower_tier.listing(ns or None) if (r.ns, r.key) not in index
-                     and (ns or split_namespace(r.ns)[0] == tenant)]
+                     and (ns or _of(tenant, r.ns))]
         if after is not None:
             later = [e for e in matching if (e.ns, e.key) > after]
             return len(matching), heapq.nsmallest(limit, later, key=lambda e: (e.ns, e.key))
         return len(matching), heapq.nsmallest(limit, matching, key=lambda e: (e.ns, e.key))
 
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
-              force: bool, tenant: str = "") -> tuple[int, list[str], list[str], list[int]]:
+              force: bool, tenant: str | None = None) -> tuple[int, list[str], list[str], list[int]]:
         """(evicted, refused because leased/pinned, missing, generations still draining readers);
-        `everything`: every namespace of `tenant`."""
+        `everything`: every namespace of `tenant` (None: of every tenant)."""
         r = self.r
         index, lower = r.index, r.lower_tier
         if everything or whole_namespace:
             targets = [e for e in index.values()
-                       if e.ns == ns or everything and split_namespace(e.ns)[0] == tenant]
+                       if e.ns == ns or everything and _of(tenant, e.ns)]
             missing: list[str] = []
         else:
             r.check_batch(len(keys))
@@ -68,7 +73,7 @@ class OperatorRequests:
         # keys only the lower tier holds go too (their records and files)
         if everything or whole_namespace:
             below = [(record.ns, record.key) for record in lower.listing(None if everything else ns)
-                     if not everything or split_namespace(record.ns)[0] == tenant]
+                     if not everything or _of(tenant, record.ns)]
         else:
             below = [(ns, k) for k in dict.fromkeys(keys) if (ns, k) not in index and lower.holds(ns, k)]
             missing = [k for k in missing if not lower.holds(ns, k)]

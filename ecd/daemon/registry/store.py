@@ -461,11 +461,11 @@ class Store:
         self.slot_holds.recheck()
 
     def list_keys(self, ns: str, limit: int, after: tuple[str, str] | None = None,
-                  tenant: str = "") -> tuple[int, list[Any]]:
+                  tenant: str | None = None) -> tuple[int, list[Any]]:
         return self.operator.list_keys(ns, limit, after, tenant)
 
     def evict(self, ns: str, keys: list[str], whole_namespace: bool, everything: bool,
-              force: bool, tenant: str = "") -> tuple[int, list[str], list[str], list[int]]:
+              force: bool, tenant: str | None = None) -> tuple[int, list[str], list[str], list[int]]:
         return self.operator.evict(ns, keys, whole_namespace, everything, force, tenant)
 
     def held(self, generations: list[int]) -> list[bool]:
