@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ecd import Client, ControlClient
-from ecd.errors import InvalidRequest
+from ecd.errors import InvalidRequest, KeyNotFound
 from ecd.protocol import Acquire, Delete, Exists, Keys
 from secutil import wait_for, write_node_toml
 
@@ -130,3 +130,36 @@ def test_a_namespace_with_nul_is_refused_so_no_client_can_name_a_tenants(daemon_
             with pytest.raises(InvalidRequest, match="may not contain NUL"):
                 root.request(request)
     assert run_as(d.endpoint, A_UID, "check", "kv", "secret", 7)["same"] is True
+
+
+def test_remote_clients_belong_to_the_tenant_of_their_curve_key(daemon_factory, tmp_path):
+    """tcp with CURVE: a client's tenant is the one naming the public key the ZAP handler vetted
+    (the daemon reads it from the connection's User-Id at hello)."""
+    import shutil
+
+    import torch
+    import zmq.auth
+
+    from secutil import keygen, start_tcp
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_pub, server_sec = keygen(tmp_path / "server", "server")
+    pairs = {name: keygen(tmp_path / "clients", name) for name in ("engine-a", "engine-b")}
+    for name, (public, _) in pairs.items():
+        shutil.copy(public, allowed / f"{name}.key")
+    a_key = zmq.auth.load_certificate(str(pairs["engine-a"][0]))[0].decode()
+    d = daemon_factory(start=False)
+    endpoint = start_tcp(d, control=f'curve_secret_key = "{server_sec}"\ncurve_allowed_keys = "{allowed}"\n',
+                         tables=f'[tenants.team-a]\ncurve_keys = ["{a_key}"]\n')
+
+    def client(name: str) -> Client:
+        return Client(endpoint, namespace="ec", timeout=10.0, curve_secret_key=str(pairs[name][1]),
+                      curve_server_key=str(server_pub))
+    with client("engine-a") as a, client("engine-b") as b:
+        assert (a.welcome.tenant, b.welcome.tenant) == ("team-a", "")
+        a.put("mm-1", torch.arange(1000, dtype=torch.int32))
+        assert not b.exists("mm-1") and b.keys()[0] == 0
+        with pytest.raises(KeyNotFound):
+            b.get("mm-1")
+        b.put("mm-1", torch.zeros(3))
+        assert torch.equal(a.get("mm-1"), torch.arange(1000, dtype=torch.int32))
