@@ -408,7 +408,8 @@ def check_uid(config: Config, gid: int, uid: int) -> list[Finding]:
     """What a client of `uid` needs to use this daemon (`ecd doctor --uid`): to be admitted by
     [control] allowed_uids / allowed_gids, and to reach the socket, by an ACL entry (allowed ids)
     or as a member of node.group."""
-    from ..daemon.control.admission import admit
+    from ..daemon.control.admission import admit, tenant_of
+    from ..daemon.registry.entries import RequestError
     groups = _groups_of(uid)
     try:
         primary = pwd.getpwuid(uid).pw_gid
@@ -417,12 +418,18 @@ def check_uid(config: Config, gid: int, uid: int) -> list[Finding]:
     why = admit(uid, primary, config, groups)
     if why is not None:
         return [Finding("error", "control.allowed_uids", why)]
-    control = config.control
-    if uid in control.allowed_uids or groups & set(control.allowed_gids):
-        return [Finding("ok", "control.allowed_uids", f"uid {uid} is admitted and reaches the sockets by the ACL "
-                                                      f"entries the daemon gives it: no group membership needed")]
+    try:
+        tenant = tenant_of(config, uid, primary, groups)
+    except RequestError as exc:
+        return [Finding("error", "tenants", str(exc))]
+    whose = f" (tenant {tenant})" if tenant else " (the default tenant)" if config.tenants else ""
+    uids, gids = config.client_ids()
+    if uid in uids or groups & gids:
+        return [Finding("ok", "control.allowed_uids", f"uid {uid}{whose} is admitted and reaches the sockets by the "
+                                                      f"ACL entries the daemon gives it: no group membership needed")]
     if not config.node.group or gid in groups:
-        return [Finding("ok", "node.group", f"uid {uid} reaches the socket as a member of group {_group_name(gid)}")]
+        return [Finding("ok", "node.group", f"uid {uid}{whose} reaches the socket as a member of group "
+                                            f"{_group_name(gid)}")]
     return [Finding("warning", "node.group", (
         f"uid {uid} reaches the socket only as a member of group {_group_name(gid)} (node.group): add that gid to "
         f"its supplementary groups (a pod's securityContext.supplementalGroups: [{gid}]), or list uid {uid} in "

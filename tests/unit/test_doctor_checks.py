@@ -187,6 +187,10 @@ def test_what_a_uid_needs(tmp_path):
     assert found.level == "ok" and "no group membership needed" in found.message
     [found] = check_uid(listed, 0, 5555)
     assert found.level == "error" and "add 5555 to control.allowed_uids" in found.message
+    tenanted = config(control={"endpoint": f"ipc://{tmp_path}/ecd.sock"}, node={"group": "0"},
+                      tenants={"team-a": {"uids": [4242]}, "team-b": {"gids": [7001]}, "team-c": {"gids": [7002]}})
+    [found] = check_uid(tenanted, 0, 4242)
+    assert found.level == "ok" and "uid 4242 (tenant team-a) is admitted" in found.message
     open_node = config(control={"endpoint": f"ipc://{tmp_path}/ecd.sock"}, node={"group": "54999"})
     [found] = check_uid(open_node, 54999, 5555)  # no lists: anyone who reaches the socket, i.e. the group
     assert found.level == "warning" and "supplementalGroups: [54999]" in found.message
