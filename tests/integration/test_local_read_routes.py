@@ -4,12 +4,15 @@ what cannot be checked that way (a missing key, a corrupt entry, local_reads=Fal
 round trip, with the same answers as before."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import ecd
 from conftest import Actor
 from actor import make_tensor
+from ecd.client.local_read import REPORT_BATCH, REPORT_EVERY_S
 from ecd.protocol import Acquire, Location, Release
 
 NUMEL = 64 * 1024  # 256 KiB of float32: not inline
@@ -37,6 +40,7 @@ def test_gets_and_read_many_of_another_process_s_entries_send_no_request(produce
     with produced.client() as c:
         c.ping()
         before = ops(c)
+        started = time.monotonic()
         for _ in range(50):
             for i, key in enumerate(KEYS):
                 assert torch.equal(c.get(key), make_tensor(i, NUMEL))
@@ -46,8 +50,13 @@ def test_gets_and_read_many_of_another_process_s_entries_send_no_request(produce
         c.ping()  # the reports of the local reads go before it
         after = ops(c)
         asked = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        elapsed = time.monotonic() - started
         assert asked.get("acquire", 0) == 0, asked
-        assert sum(asked.values()) <= 9, asked  # the pings, and a batched report per 512 reads
+        # the pings, and a report per REPORT_BATCH reads or per REPORT_EVERY_S while reads go on (a
+        # loaded machine reads slower: more of the timed ones)
+        reads = 50 * len(KEYS) * 2 + len(KEYS)
+        assert asked.get("report", 0) <= reads // REPORT_BATCH + elapsed / REPORT_EVERY_S + 2, (asked, elapsed)
+        assert sum(asked.values()) - asked.get("report", 0) <= 2, asked
         stats = c.stats()
         assert stats["hits"] >= 50 * len(KEYS) * 2 + len(KEYS)  # the daemon counted them
 
