@@ -91,22 +91,27 @@ class SocketFiles:
             self._grant(path, 0o1, exact=False)
 
     @contextlib.contextmanager
-    def bind(self, path: str | None, clients: bool = True) -> Iterator[None]:
-        """Bind a unix socket at `path` inside: group_socket_file, then (`clients`: a socket the
-        allowed ids use) their ACL entries, and a search entry on its directory."""
+    def bind(self, path: str | None) -> Iterator[None]:
+        """Bind a client socket at `path` inside: group_socket_file, then the allowed ids' ACL
+        entries on it and a search entry on its directory (none to give: a new file has no named
+        entries to clear; `allow` gives them if a SIGHUP brings some)."""
         with group_socket_file(path, self.gid):
             yield
-        if path is not None and clients:
-            self._paths.append(path)
+        if path is None:
+            return
+        self._paths.append(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        new_directory = directory not in self._directories
+        if new_directory:
+            self._directories.append(directory)
+        if self.uids or self.gids:
             self._grant(path, 0o6, exact=True)
-            directory = os.path.dirname(os.path.abspath(path))
-            if directory not in self._directories:
-                self._directories.append(directory)
+            if new_directory:
                 self._grant(directory, 0o1, exact=False)
 
     def _grant(self, path: str, perm: int, exact: bool) -> None:
         if not (self.uids or self.gids or exact):
-            return
+            return  # (exact with none: the named entries a SIGHUP took away are cleared)
         try:
             grant(path, self.uids, self.gids, perm, exact)
         except FileNotFoundError:

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any, Iterable
 
+from ...config import DEFAULT_TENANT
 from ...errors import Code
 from ..registry.entries import RequestError
 
@@ -56,7 +57,6 @@ def tenant_of(config: Any, uid: int | None, gid: int = -1, groups: Iterable[int]
     tenants = getattr(config, "tenants", None)
     if not tenants:
         return ""
-    from ...config import DEFAULT_TENANT
     if uid is not None:
         for name, tenant in tenants.items():
             if uid in tenant.uids:
