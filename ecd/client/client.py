@@ -72,10 +72,9 @@ class Client(ControlClient):
         text), for a daemon with CURVE (remote tcp endpoints). Both or neither. `populate`:
         prefault the pool mappings ahead of first use: in a background thread where the kernel
         can (ecd.memory.prefault; `mapping.prefaulting`), else when they are made (MAP_POPULATE).
-        `local_reads`: a get of an entry whose location the client knows (it put or read it, or
-        the ring's entry index shows it) copies without asking the daemon (client/local_read.py);
-        False: every get asks (a read lease). `submit`: puts go through the session's submission
-        page, no message each (ecd/writes/producer.py); False: each put is a round trip."""
+        `local_reads`: a get of an entry the client can locate copies without asking the daemon
+        (client/local_read.py). `submit`: puts go through the session's submission page, no
+        message each (ecd/writes/producer.py). False: each get (put) is a round trip."""
         self.populate, self.local_reads, self.submit = populate, local_reads, submit
         self._puts = PutRoute()  # the put route, and the reservation for this client's next put
         self._map: EpochMapping | None = None
@@ -131,9 +130,8 @@ class Client(ControlClient):
 
     @property
     def mapping(self) -> EpochMapping:
-        """The daemon run's shared memory as this process maps it (read-only use): `local`
-        (False for a client off the daemon's node: nothing mapped), `sealed` (memfd pools),
-        `ring` (the event ring reader, its `overruns`)."""
+        """The daemon run's shared memory as this process maps it (read-only use): `local`,
+        `sealed` (memfd pools), `ring` (the event ring reader, its `overruns`)."""
         return cast(EpochMapping, self._map)  # connected: set
 
     def cuda_plane(self):
@@ -143,8 +141,7 @@ class Client(ControlClient):
 
     @property
     def location_cache(self) -> LocationCache:
-        """The locations this client learnt (keyhash -> namespace, key, generation): what its
-        exists() answers from without a round trip. For inspection; the client keeps it current."""
+        """The locations this client learnt (keyhash -> namespace, key, generation), for inspection."""
         return self._cache
 
     def _verifies(self, asked: bool) -> bool:
@@ -172,8 +169,7 @@ class Client(ControlClient):
         return only once it is durable there; PersistFailed when it could not be (the entry is
         stored in memory all the same), InvalidRequest (nothing stored) without a disk tier.
 
-        `meta`: what the entry is, for the fleet (KVBlockMeta: an engine KV block; EncoderMeta: an
-        encoder-cache entry): published in the daemon's KV events ([events], docs/events.md)."""
+        `meta`: what the entry is (KVBlockMeta, EncoderMeta), published in KV events (docs/events.md)."""
         self.put_many({key: tensor}, checksum=checksum, tier=tier, persist=persist,
                       meta={key: meta} if meta is not None else None, wait=wait)
 
@@ -190,14 +186,18 @@ class Client(ControlClient):
         if self._writes is not None:
             self._writes.flush(self.timeout)
 
-    def _settle_writes(self, keys: Sequence[str] | None = None) -> None:
-        """Before a read (of `keys`): this client's posted puts (of them) committed (refusals kept for flush)."""
+    def _settle_writes(self, keys: Sequence[str] | None = None, in_order: bool = False) -> None:
+        """Before a read (of `keys`): this client's posted puts (of them) committed (refusals kept for
+        flush). `in_order`: under the lock, which a put between its place and its post may wait for."""
         writes = self._writes
         if writes is not None and writes.pending(keys):
-            writes.flush(self.timeout, raise_refused=False)
+            writes.flush(self.timeout, raise_refused=False, in_order=in_order)
 
     def _cuda_plane(self, mapping: EpochMapping):
         """The CUDA plane (ecd.client.cuda) of `mapping`'s epoch, made on first use."""
+        plane = self._res.cuda
+        if plane is not None and plane.epoch == mapping.epoch and mapping is self._map:
+            return plane  # (no lock: a put between its place and its post must not wait for it)
         with self._lock:
             if mapping is not self._map:
                 raise StaleGeneration(RESTARTED)
@@ -210,9 +210,13 @@ class Client(ControlClient):
                 self._res.cuda = plane
             return plane
 
+    def _call(self, request, wait_s: float = 0.0):
+        self._settle_writes()  # before the lock: what it asks sees every put this thread posted
+        return super()._call(request, wait_s)
+
     def _call_locked(self, request, wait_s: float = 0.0):
         if not isinstance(request, LeaseSpace):  # what it asks sees this client's puts (a delete, a get)
-            self._settle_writes()
+            self._settle_writes(in_order=True)
         if self._local_reads:  # the daemon hears of this client's reads before what it asks next
             self._local_reads.tell(self)
         return super()._call_locked(request, wait_s)
@@ -244,10 +248,9 @@ class Client(ControlClient):
         return reply.results, session, cast(EpochMapping, mapping)  # connected: set
 
     def _release(self, generations: list[int], session: int, epoch: int) -> None:
-        """Fire-and-forget: the daemon frees the lease; no round trip is waited for."""
+        """Fire-and-forget: the daemon frees the lease. Leases of another session or daemon run
+        died with it (their numbers may name others' leases in the new one)."""
         with self._lock:
-            # Leases of another session or daemon run died with it; their numbers may already
-            # name someone else's leases in the new one.
             if session == self._session and epoch == self._map.epoch and generations:
                 self._send_quietly(Release(0, generations))
 
@@ -265,11 +268,9 @@ class Client(ControlClient):
         stored with the entry (entries stored without one are not checked): IntegrityError; a
         copy on a GPU is checked by staging it to host memory (slow).
 
-        `device`: where the copy goes: None (where the entry lives: an arena entry to this
-        process's device of that arena, a host entry to the CPU), "cpu", "cuda", "cuda:N", N or a
-        torch.device. Copies to a GPU run on the caller's current stream (peer-to-peer from
-        another device's arena; from the CUDA-registered host mapping for a host entry) and have
-        completed when get returns (the read lease is released only then)."""
+        `device`: where the copy goes: None (where the entry lives: an arena's to this process's
+        device of it, a host entry to the CPU), "cpu", "cuda", "cuda:N", N or a torch.device. A
+        copy to a GPU runs on the caller's current stream and has completed when get returns."""
         return self.get_many([key], timeout, verify=verify, device=device)[0]
 
     @overload
@@ -281,8 +282,7 @@ class Client(ControlClient):
 
     def get_many(self, keys: Sequence[str], timeout: float | None = None, *, missing_ok: bool = False,
                  verify: bool = False, device=None) -> list[torch.Tensor] | list[torch.Tensor | None]:
-        """Copies of several tensors in one round trip (None for a missing key if missing_ok);
-        `device` as in get."""
+        """Copies of several tensors in one round trip (None for a missing key if missing_ok)."""
         keys = list(keys)
         verify = self._verifies(verify)
         self._settle_writes(keys)

@@ -191,7 +191,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | Non
                 else:
                     ask.append(i)
     if ask:
-        reply: Flags = c._call(Exists(next(c._ids), ns, [keys[i] for i in ask], float(pin_s)))
+        reply: Flags = c._call_locked(Exists(next(c._ids), ns, [keys[i] for i in ask], float(pin_s)))
         for i, found in zip(ask, reply.values):
             answers[i] = found
             if not found:  # whatever generation was cached is gone
@@ -210,7 +210,7 @@ def unpin_keys(c: "Client", keys: list[str], wait: bool = True) -> list[bool | N
     if ask and not wait:  # keys come limits.max_batch at a time (ControlClient._chunks)
         c._send_quietly(Unpin(0, ns, [keys[i] for i in ask]))
     elif ask:
-        reply: Flags = c._call(Unpin(next(c._ids), ns, [keys[i] for i in ask]))
+        reply: Flags = c._call_locked(Unpin(next(c._ids), ns, [keys[i] for i in ask]))
         for i, was in zip(ask, reply.values):
             answers[i] = was
     return answers

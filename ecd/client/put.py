@@ -83,6 +83,7 @@ class PutLink(Protocol):
     def _call(self, request: Any, wait_s: float = 0.0) -> Any: ...  # a round trip (takes the lock)
     def _call_locked(self, request: Any, wait_s: float = 0.0) -> Any: ...
     def _send_quietly(self, request: Any) -> None: ...  # fire and forget (id 0)
+    def _settle_writes(self) -> None: ...  # its page's posted puts committed
     def _cuda_plane(self, mapping: EpochMapping) -> Any: ...
     def _verifies(self, asked: bool) -> bool: ...  # a checksum asked for, or the namespace verifies
 
@@ -189,6 +190,7 @@ class PutRoute:
             tensors = self.submit(c, writes, tensors, checksum, wait, meta, arena)
             if not tensors:
                 return
+        c._settle_writes()  # (this thread's puts of these keys on the page before this one)
         for dest in self.place(c, tensors, arena, meta):
             digests = self.copy(c, dest, checksum)
             if not self.commit(c, dest, digests, checksum, persist):
@@ -226,6 +228,11 @@ class PutRoute:
         for), post a record each (ecd/writes/producer.py): no message unless a lease must be
         asked for. The tensors it could not take."""
         dest = Destination(c.namespace, tensors, c.location_cache)
+        with c._lock:  # now: from its place to its post a put takes no lock (a read under it may wait for the post)
+            cache = c.location_cache
+            for keyhash in dest.keyhashes:
+                cache.forget(keyhash)  # a generation cached before is being replaced
+            cache.catch_up(cast(EpochMapping, c._map).ring)  # a client that only puts keeps up with the ring
         placed = writes.place(c.namespace, functools.partial(self.lease_space, c), tensors,
                               [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta, arena)
         if len(placed) < len(tensors):
@@ -239,11 +246,6 @@ class PutRoute:
         on_device = not wait and not checksum and all(t.is_cuda or arena != HOST for t in dest.tensors)
         copies = self.copy_later(c, dest) if on_device else None
         digests = [0] * len(placed) if on_device else self.copy(c, dest, checksum)
-        with c._lock:
-            cache = c.location_cache
-            for keyhash in dest.keyhashes:
-                cache.forget(keyhash)  # a generation cached before is being replaced
-            cache.catch_up(cast(EpochMapping, c._map).ring)  # a client that only puts keeps up with the ring
         if copies is not None:
             writes.post_after(copies, placed, c.timeout, dest.tensors)
         else:
@@ -295,7 +297,7 @@ class PutRoute:
         with c._lock:
             # Taken before the request: the daemon's write TTL starts later, when it allocates.
             deadline = time.monotonic() + self.safe_write_window(c)
-            reply: Allocated = c._call(Alloc(next(c._ids), c.namespace, dest.items, arena))
+            reply: Allocated = c._call_locked(Alloc(next(c._ids), c.namespace, dest.items, arena))
             mapping, ring_pos = cast(EpochMapping, c._map), c._map.ring.next_seq
         extents = [r for r in reply.results if not isinstance(r, Failure)]
         dest.into(ALLOCATED, extents, mapping, ring_pos, deadline)

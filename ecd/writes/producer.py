@@ -116,6 +116,10 @@ class Submissions:
         self.lock = threading.Lock()
         self.next_seq = 1
         self.posted = 0  # the last sequence number posted
+        # the last one posted with every one before it (others are placed, and a thread of this
+        # process is copying or asking for room): what a wait under the client's lock waits for
+        self.posted_in_order = 0
+        self._posted_ahead: set[int] = set()
         self.leases: dict[int, _Lease] = {}  # by tier (HOST_TIER, or a CUDA arena's pool index): placed in now
         # how long after its last use a lease may still be placed in (inf: the daemon watches this
         # process, its leases end only with it or revoked on the page; else they expire unused:
@@ -278,6 +282,10 @@ class Submissions:
             self._keys[put.seq] = put.key
         with self.lock:
             self.posted = max(self.posted, placed[-1].seq)
+            self._posted_ahead.update(put.seq for put in placed)
+            while self.posted_in_order + 1 in self._posted_ahead:
+                self.posted_in_order += 1
+                self._posted_ahead.discard(self.posted_in_order)
         if len(self._keys) > 2 * records:  # a producer that never flushes: forget what was settled
             self._collect(self._committed())
         full_barrier()  # the sequence numbers' stores before `sleeping`'s load (the daemon: the reverse)
@@ -374,7 +382,8 @@ class Submissions:
         """The daemon restarted: what it had not settled is gone with it. Said once: raised, or
         kept for the next flush (of this client's next page: `inherit`)."""
         lost = max(0, self.posted - self._committed_seen - self._raised_lost)
-        self.posted = self._committed_seen
+        self.posted = self.posted_in_order = self._committed_seen
+        self._posted_ahead.clear()
         self._keys.clear()
         if lost:
             message = (f"the daemon restarted: up to {lost} put(s) made with wait=False were dropped with it "
@@ -404,7 +413,7 @@ class Submissions:
         header = self.header
         index = word // 8
         deadline = time.monotonic() + timeout
-        last = int(header[index])
+        last, in_order = int(header[index]), self.posted_in_order
         while last < seq:
             self._committed()
             if self.gone():
@@ -423,9 +432,12 @@ class Submissions:
                     if not self._waiters:
                         header[WAITING_AT // 8] = 0
             now = int(header[index])
-            if now != last:
-                last, deadline = now, time.monotonic() + timeout
+            if now != last or self.posted_in_order != in_order:  # (another thread posting is progress too)
+                last, in_order, deadline = now, self.posted_in_order, time.monotonic() + timeout
             elif time.monotonic() > deadline:
+                if in_order <= last and in_order < seq:
+                    raise DaemonUnavailable(f"record {seq} waits {timeout:g}s for record {in_order + 1}, placed "
+                                            "by another thread of this process and not posted yet")
                 raise DaemonUnavailable(f"the daemon committed no put record within {timeout:g}s "
                                         f"(record {seq} waits; {last} committed)")
             else:
@@ -447,12 +459,15 @@ class Submissions:
                 return True
         return any(put.key in wanted for _, placed, _, _ in list(self._deferred) for put in placed)
 
-    def flush(self, timeout: float, raise_refused: bool = True) -> None:
+    def flush(self, timeout: float, raise_refused: bool = True, in_order: bool = False) -> None:
         """Wait until every record posted so far is committed or refused; raise the first refusal
         not yet raised (`raise_refused`), else keep it for the next flush. Across a daemon restart:
-        StaleGeneration saying how many puts may have been dropped (or kept, likewise)."""
+        StaleGeneration saying how many puts may have been dropped (or kept, likewise).
+        `in_order`: only those posted before any this process's threads are still placing (a
+        caller holding the client's lock, which such a put may be waiting for, must not wait
+        for it: the two would wait on each other)."""
         self.post_deferred(block=True)
-        target = self.posted
+        target = self.posted_in_order if in_order else self.posted
         if self.gone():
             return self._drop_lost(raise_refused)
         if target > self._committed():

@@ -114,3 +114,34 @@ def test_writing_into_a_view_faults_instead_of_corrupting_the_cache(daemon):
         assert result.returncode == -11 and "wrote" not in result.stdout  # SIGSEGV
         assert torch.equal(c.get("ro"), torch.ones(100_000))
         assert wait_for(lambda: c.stats()["read_leases"] == 0)  # the crashed reader was reclaimed
+
+
+def test_threads_putting_without_waiting_while_others_ask_the_daemon(daemon):
+    """A put holds its record's sequence number from its place to its post, and copies between: a
+    round trip in another thread (under the client's lock) settles the puts posted so far and
+    must not wait for that one, nor that put for the lock (the two would wait on each other)."""
+    errors: list[BaseException] = []
+    with daemon.client() as c:
+        def work(tid: int) -> None:
+            try:
+                for i in range(40):
+                    c.put(f"nw{tid}-{i}", torch.full((1 << 15,), float(tid * 1000 + i)), wait=False)
+                    if i % 2:
+                        assert c.stats()["entries_ready"] >= 1  # a round trip under the lock
+                    else:
+                        assert c.delete([f"nw{tid}-{i - 2}"] if i else ["absent"]) == [bool(i)]
+            except BaseException as exc:  # noqa: BLE001 - surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(tid,)) for tid in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        c.flush()
+        for tid in range(4):
+            for i in range(40):  # deleted: every even one but the last; each a thread's put before its delete
+                deleted = i % 2 == 0 and i < 38
+                assert c.exists(f"nw{tid}-{i}") != deleted, (tid, i)
+            assert c.get(f"nw{tid}-39")[0].item() == tid * 1000 + 39
