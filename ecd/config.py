@@ -334,6 +334,9 @@ class TenantSection(Section):
     gids: list[int] = msgspec.field(default_factory=list)  # or by primary / supplementary gid
     curve_keys: list[str] = msgspec.field(default_factory=list)  # remote clients by CURVE public key (Z85)
     admit: bool = True  # [tenants.default] only (`[tenants] default = false`): clients of no tenant refused
+    # Its part of the pool (host and arenas, counted as a namespace quota): its quota and its guaranteed
+    # share at once (docs/SECURITY.md, Tenants). 0: none; the default tenant has what the others leave.
+    size: ByteSize = ByteSize(0)
 
     def __post_init__(self) -> None:
         for name in ("uids", "gids"):
@@ -341,6 +344,8 @@ class TenantSection(Section):
             bad = [i for i in ids if not 0 <= i < 2**32 - 1]
             check_field(not bad, name, f"must be uids/gids between 0 and 4294967294, got {bad[0] if bad else 0}")
             setattr(self, name, sorted(set(ids)))
+        check_field(self.size >= 0 and self.size % POOL_UNIT == 0, "size",
+                    f"must be a multiple of {POOL_UNIT} bytes >= 0 (entries take whole units), got {int(self.size)}")
         bad_keys = [k for k in self.curve_keys if not re.fullmatch(r"[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}", k)]
         check_field(not bad_keys, "curve_keys", f"must be 40-character Z85 public keys (ecd keygen writes them), "
                                                 f"got {bad_keys[0][:48] if bad_keys else ''!r}")
@@ -356,6 +361,7 @@ def _check_tenants(config: "Config") -> None:
         if name == DEFAULT_TENANT:
             check_field(not (tenant.uids or tenant.gids or tenant.curve_keys), "tenants.default",
                         "lists no ids: the default tenant is every client that matches no other tenant")
+            check_field(not tenant.size, "tenants.default.size", "none: it has what the other tenants leave")
             continue
         check_field(tenant.admit, f"tenants.{name}.admit", "applies to [tenants.default] only")
         for kind in ("uids", "gids", "curve_keys"):
@@ -408,8 +414,10 @@ class Config(Section):
             check_field(ns.quota <= pool, f"namespaces.{name}.quota",
                    f"must be <= {what} ({pool}), got {int(ns.quota)}")
         guaranteed = sum(int(ns.guaranteed) for ns in self.namespaces.values())
-        check_field(guaranteed <= pool, "namespaces",
-               f"guaranteed shares add up to {guaranteed} bytes, more than {what} ({pool})")
+        sizes = sum(int(tenant.size) for tenant in self.tenants.values())
+        check_field(guaranteed + sizes <= pool, "tenants" if sizes else "namespaces",
+                    f"guaranteed shares{' and tenant sizes' if sizes else ''} add up to {guaranteed + sizes} bytes, "
+                    f"more than {what} ({pool})")
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self, enc_hook=enc_hook)

@@ -201,7 +201,7 @@ class Daemon:
         (ZMQ_RCVHWM and MAXMSGSIZE apply to connections made after they are set)."""
         self.config = new
         self.store.set_limits(new.limits, new.leases)
-        self.store.set_namespaces(new.namespaces)
+        self.store.set_namespaces(new.namespaces, new.tenants)
         self.socket_files.allow(*new.client_ids())
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(new.limits.max_message_bytes))
         self.max_connections = self._connection_cap()
@@ -373,7 +373,7 @@ class Daemon:
                         [a.size for a in self.arenas] if self.arenas is not None else [],
                         segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
         self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
-                           namespaces=self.config.namespaces, slots=slots)
+                           namespaces=self.config.namespaces, slots=slots, tenants=self.config.tenants)
         self.memory.adopt_entries(self.store, float(self.config.leases.write_ttl))
         self.submissions = submission_area(self, tail)
         # a session's end may queue replies: the control loop (made next) drains them

@@ -6,6 +6,9 @@ ecd's Client, and prints what it saw as one JSON line.
     tenant_client.py ENDPOINT UID GID GROUPS probe NS KEY...  what get, exists, view and keys say of each key
     tenant_client.py ENDPOINT UID GID GROUPS check NS KEY SEED whether KEY holds SEED's bytes
     tenant_client.py ENDPOINT UID GID GROUPS evict-all NS     evict(everything=True): how many went
+    tenant_client.py ENDPOINT UID GID GROUPS fill NS PREFIX N SEED  put PREFIX-0..N-1 (SEED+i's bytes): the refusals
+    tenant_client.py ENDPOINT UID GID GROUPS survey NS PREFIX N SEED which of PREFIX-i hold SEED+i's bytes
+    tenant_client.py ENDPOINT UID GID GROUPS put-big NS KEY MIB   put MIB MiB of zeros: its refusal, if any
 (GROUPS: comma-separated supplementary gids, "-" for none.)
 """
 from __future__ import annotations
@@ -40,6 +43,27 @@ def main() -> None:
                 out["put"] = True
             elif what == "evict-all":  # the operator request at its widest: "everything"
                 out["evicted"] = c.evict(everything=True)["evicted"]
+            elif what == "fill":
+                prefix, n, seed = rest[0], int(rest[1]), int(rest[2])
+                refused = []
+                for i in range(n):
+                    try:
+                        c.put(f"{prefix}-{i}", pattern(seed + i))
+                    except EcdError as exc:
+                        refused.append(f"{i}: {type(exc).__name__}: {exc}")
+                out["refused"] = refused
+            elif what == "survey":
+                prefix, n, seed = rest[0], int(rest[1]), int(rest[2])
+                out["intact"], out["wrong"] = [], []
+                for i in range(n):
+                    try:
+                        same = bool(torch.equal(c.get(f"{prefix}-{i}"), pattern(seed + i)))
+                    except KeyNotFound:
+                        continue
+                    out["intact" if same else "wrong"].append(i)
+            elif what == "put-big":
+                c.put(rest[0], torch.zeros(int(rest[1]) << 18))
+                out["put"] = True
             elif what == "check":
                 out["same"] = bool(torch.equal(c.get(rest[0]), pattern(int(rest[1]))))
             elif what == "probe":

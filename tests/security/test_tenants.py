@@ -10,12 +10,8 @@ every namespace: B's probe of A's key was a hit.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,36 +19,10 @@ from ecd import Client, ControlClient
 from ecd.errors import InvalidRequest, KeyNotFound
 from ecd.protocol import Acquire, Delete, Exists, Keys
 from secutil import wait_for, write_node_toml
-
-TENANT_CLIENT = Path(__file__).resolve().parent / "tenant_client.py"
-A_UID, B_UID, STRANGER = 4242, 4343, 4444
-A_GID, B_GID = 7001, 7002
+from tenant_util import A_GID, A_UID, B_GID, B_UID, STRANGER, TENANTS, run_as, start
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
                                                            "privileges: these tests need to run as root")
-
-TENANTS = f"""
-[tenants.team-a]
-uids = [{A_UID}]
-gids = [{A_GID}]
-[tenants.team-b]
-uids = [{B_UID}]
-gids = [{B_GID}]
-"""
-
-
-def run_as(endpoint: str, uid: int, what: str, ns: str, *args, gid: int | None = None, groups=()) -> dict:
-    out = subprocess.run([sys.executable, str(TENANT_CLIENT), endpoint, str(uid), str(uid if gid is None else gid),
-                          ",".join(map(str, groups)) or "-", what, ns, *map(str, args)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def start(d, tables: str = TENANTS, control: str = "") -> None:
-    write_node_toml(d, control=control, tables=tables)
-    os.chmod(d.runtime_dir, 0o750)  # others reach nothing: the tenants' uids by ACL entries alone
-    d.start()
 
 
 def test_a_tenants_keys_are_its_own_whatever_another_asks(daemon_factory):

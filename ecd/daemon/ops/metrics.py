@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ... import __version__
 from ...listeners import bind_tcp_listener
+from ...memory.ring import TENANT_SEP
 from ..registry.entries import State
 from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
@@ -199,15 +200,23 @@ class DaemonCollector:
                                           "namespace other namespaces never evict", labels=["namespace"])
         ns_refused = CounterMetricFamily("ecd_namespace_quota_exceeded", "Items refused QuotaExceeded",
                                          labels=["namespace"])
+        # A tenant with a size: its namespaces together (registry/placement.py, scope TENANT NUL)
+        tenant_used = GaugeMetricFamily("ecd_tenant_used_bytes", "Bytes held by a tenant's namespaces "
+                                        "(counted as ecd_namespace_used_bytes)", labels=["tenant"])
+        tenant_size = GaugeMetricFamily("ecd_tenant_size_bytes", "A tenant's size: its quota and its "
+                                        "guaranteed share", labels=["tenant"])
+        tenant_refused = CounterMetricFamily("ecd_tenant_quota_exceeded", "Items refused QuotaExceeded for "
+                                             "the tenant's size", labels=["tenant"])
         for name, (quota, guaranteed) in sorted(store.policies.items()):
-            ns_used.add_metric([name], store.ns_used.get(name, 0))
-            ns_quota.add_metric([name], quota)
-            ns_guaranteed.add_metric([name], guaranteed)
-            ns_refused.add_metric([name], store.quota_refusals.get(name, 0))
-        yield ns_used
-        yield ns_quota
-        yield ns_guaranteed
-        yield ns_refused
+            used, refused = store.ns_used.get(name, 0), store.quota_refusals.get(name, 0)
+            if name.endswith(TENANT_SEP):
+                for family, value in ((tenant_used, used), (tenant_size, quota), (tenant_refused, refused)):
+                    family.add_metric([name[:-1]], value)
+                continue
+            for family, value in ((ns_used, used), (ns_quota, quota), (ns_guaranteed, guaranteed),
+                                  (ns_refused, refused)):
+                family.add_metric([name], value)
+        yield from (ns_used, ns_quota, ns_guaranteed, ns_refused, tenant_used, tenant_size, tenant_refused)
 
         lookups = CounterMetricFamily("ecd_lookups", "Key lookups (get, view, exists)", labels=["result"])
         lookups.add_metric(["hit"], c["hits"])

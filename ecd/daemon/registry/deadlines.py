@@ -14,6 +14,7 @@ import heapq
 from typing import TYPE_CHECKING, cast
 
 from ...memory.allocator import align_up
+from ...memory.ring import TENANT_SEP
 from .entries import Entry, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,8 +76,10 @@ class Deadlines:
             pools = r.host.host_pools if group == -1 else (group,)
             capacity = self._capacity[group] = sum(r.host.allocators[p].capacity for p in pools)
         budget = int(capacity * r.limits.pinned_share)
-        if group == -1:  # what guaranteed shares still lack must stay evictable or free
-            budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items())
+        if group == -1:  # what namespaces' guaranteed shares still lack must stay evictable or free
+            # (not tenants' sizes: those may add up to the whole pool, and would leave no pins at all)
+            budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items()
+                          if not ns.endswith(TENANT_SEP))
         return budget
 
     def group(self, pool: int) -> int:

@@ -3,15 +3,20 @@ eviction planned before anything is evicted (nothing goes unless the hole it ope
 enough), namespace quotas (a namespace over its quota evicts its own LRU entries) and guaranteed
 shares (never evicted below them for another namespace), and the LRU order itself. A part the
 Store owns (store.placement): it works on the store's records (state.RecordSet: the index, the LRU
-order, the namespaces' bytes) and allocates through the host tier (tiers/host.py)."""
+order, the namespaces' bytes) and allocates through the host tier (tiers/host.py).
+
+A policy's scope is a namespace ([namespaces.NAME]) or, for a tenant with a size ([tenants.NAME]
+size), all of that tenant's namespaces together, named TENANT NUL (`scope`): a tenant's size is
+its scope's quota and guaranteed share at once, so it evicts only its own entries for its size,
+and no other tenant's put evicts it below that."""
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ...errors import Code
 from ...memory.allocator import ALIGNMENT, align_up
-from ...memory.ring import EventKind
+from ...memory.ring import TENANT_SEP, EventKind, tenant_namespace
 from ...protocol import AllocItem, Failure
 from .entries import Entry, State
 
@@ -33,6 +38,41 @@ class Placement:
         self.quota_lru: dict[str, collections.OrderedDict[int, Entry]] = {}
         self.quota_evictable_bytes: dict[str, int] = {}
         self.protected = 0  # entries the last failed eviction plan left for their guaranteed share
+        self.tenant_scopes = False  # a tenant has a size: its namespaces count toward its scope
+
+    # ---- policies -------------------------------------------------------------------------
+
+    def set_policies(self, namespaces: Mapping[str, Any], tenants: Mapping[str, Any]) -> None:
+        """`[namespaces.NAME]` (.quota, .guaranteed in bytes, 0: none; .verify: commits need a
+        checksum) and each tenant's .size (its scope's quota and guaranteed share). At start, and
+        on SIGHUP (tenants' sizes are the running daemon's then: the scopes entries were charged to
+        stay): a namespace already over a lowered quota is not evicted now; its next allocation
+        evicts its own entries. O(entries)."""
+        r = self.r
+        r.policies = {name: (int(ns.quota), int(ns.guaranteed)) for name, ns in namespaces.items()}
+        r.verify_namespaces = frozenset(name for name, ns in namespaces.items() if getattr(ns, "verify", False))
+        sized = {tenant_namespace(name, ""): int(t.size) for name, t in tenants.items() if int(t.size)}
+        self.tenant_scopes = bool(sized)
+        r.policies.update((scope, (size, size)) for scope, size in sized.items())
+        r.quotas = {name: q for name, (q, _) in r.policies.items() if q > 0}
+        r.guarantees = {name: g for name, (_, g) in r.policies.items() if g > 0}
+        r.guaranteed_ready = dict.fromkeys(r.guarantees, 0)
+        for entry in r.index.values():
+            scope = self.scope(entry.ns)
+            if scope in r.guaranteed_ready:
+                r.guaranteed_ready[scope] += align_up(max(entry.nbytes, 1))
+        self.reset_quotas()
+
+    def scope(self, ns: str) -> str:
+        """The policy scope an entry of `ns` counts toward (see the module's docstring)."""
+        if self.tenant_scopes and TENANT_SEP in ns:
+            return ns[:ns.index(TENANT_SEP) + 1]
+        return ns
+
+    @staticmethod
+    def scope_name(scope: str) -> str:
+        """How a refusal names a scope."""
+        return f"tenant {scope[:-1]!r}" if scope.endswith(TENANT_SEP) else f"namespace {scope!r}"
 
     # ---- the LRU order --------------------------------------------------------------------
 
@@ -42,10 +82,11 @@ class Placement:
         self.quota_lru = {name: collections.OrderedDict() for name in r.quotas}
         self.quota_evictable_bytes = dict.fromkeys(r.quotas, 0)
         for entry in r.evictable.values():  # LRU first, so each namespace's order is kept
-            lru = self.quota_lru.get(entry.ns)
+            scope = self.scope(entry.ns)
+            lru = self.quota_lru.get(scope)
             if lru is not None:
                 lru[entry.generation] = entry
-                self.quota_evictable_bytes[entry.ns] += align_up(max(entry.nbytes, 1))
+                self.quota_evictable_bytes[scope] += align_up(max(entry.nbytes, 1))
 
     def read_locally(self, generations: list[int]) -> None:
         """Entries a client copied without a round trip (client/local_read.py): hits, and the
@@ -68,7 +109,7 @@ class Placement:
     def make_evictable(self, entry: Entry) -> None:
         """An unheld READY entry (or one just used: to the most recently used end)."""
         r = self.r
-        lru = self.quota_lru.get(entry.ns) if self.quota_lru else None
+        lru = self.quota_lru.get(self.scope(entry.ns)) if self.quota_lru else None
         if entry.generation in r.evictable:
             r.evictable.move_to_end(entry.generation)
             if lru is not None:
@@ -79,7 +120,7 @@ class Placement:
             r.evictable[entry.generation] = entry  # the most recently used end
             if lru is not None:
                 lru[entry.generation] = entry
-                self.quota_evictable_bytes[entry.ns] += nbytes
+                self.quota_evictable_bytes[self.scope(entry.ns)] += nbytes
 
     def make_unevictable(self, entry: Entry) -> None:
         """A leased, pinned or unindexed entry: out of the LRU order."""
@@ -87,17 +128,19 @@ class Placement:
         if r.evictable.pop(entry.generation, None) is not None:
             nbytes = align_up(max(entry.nbytes, 1))
             r.evictable_bytes[entry.pool] -= nbytes
-            lru = self.quota_lru.get(entry.ns) if self.quota_lru else None
+            scope = self.scope(entry.ns) if self.quota_lru else ""
+            lru = self.quota_lru.get(scope) if self.quota_lru else None
             if lru is not None:
                 del lru[entry.generation]
-                self.quota_evictable_bytes[entry.ns] -= nbytes
+                self.quota_evictable_bytes[scope] -= nbytes
 
     # ---- quotas and room ------------------------------------------------------------------
 
     def quota_victims(self, ns: str, size: int) -> list[Entry] | Failure:
-        """The namespace's own LRU entries that must go for `size` more bytes to fit under its
+        """The scope's own LRU entries that must go for `size` more bytes of `ns` to fit under its
         quota ([] when it fits or has no quota), or QUOTA_EXCEEDED when they cannot make it fit."""
         r = self.r
+        ns = self.scope(ns)
         quota = r.quotas.get(ns)
         if quota is None:
             return []
@@ -116,7 +159,7 @@ class Placement:
             else:
                 why = (f"{used - evictable} bytes of it are held (leased, pinned, being written, "
                        f"reserved or replaced while still read) and only {evictable} may be evicted")
-            return Failure(Code.QUOTA_EXCEEDED, f"namespace {ns!r} is at its quota of {quota} bytes: "
+            return Failure(Code.QUOTA_EXCEEDED, f"{self.scope_name(ns)} is at its quota of {quota} bytes: "
                                                 f"{used} bytes in use, {size} more requested; {why}")
         victims, kept = [], {e.generation for e in viewed}
         for entry in lru.values():
@@ -134,7 +177,7 @@ class Placement:
         passes its checks, the namespace has no quota, and a hole holds them all without evicting
         anything; else None (nothing taken), and the items go one by one (Store.alloc)."""
         r = self.r
-        if len(items) < 2 or ns in r.quotas:
+        if len(items) < 2 or self.scope(ns) in r.quotas:
             return None
         item_failure = r.checks.item
         sizes = []
@@ -253,8 +296,9 @@ class Placement:
         if not any(candidates):
             return None
         skip = {e.generation for e in required} | r.slot_holds.kept()  # what readers' slots hold stays
-        guarantees = r.guarantees
-        planned: dict[str, int] = {}  # namespace -> bytes this plan takes from it
+        guarantees, scope = r.guarantees, self.scope
+        own = scope(ns) if ns is not None else None
+        planned: dict[str, int] = {}  # scope -> bytes this plan takes from it
         walked: list[Entry] = []
         for walked_n, entry in enumerate(r.evictable.values()):
             if only is not None:
@@ -264,15 +308,16 @@ class Placement:
                     continue
             if not candidates[entry.pool] or entry.generation in skip:
                 continue
-            if guarantees and entry.ns != ns:
-                share = guarantees.get(entry.ns)
+            if guarantees:
+                theirs = scope(entry.ns)
+                share = guarantees.get(theirs) if theirs != own else None
                 if share is not None:
                     nbytes = align_up(max(entry.nbytes, 1))
-                    taken = planned.get(entry.ns, 0) + nbytes
-                    if r.guaranteed_ready[entry.ns] - taken < share:
+                    taken = planned.get(theirs, 0) + nbytes
+                    if r.guaranteed_ready[theirs] - taken < share:
                         self.protected += 1
                         continue
-                    planned[entry.ns] = taken
+                    planned[theirs] = taken
             walked.append(entry)
             start, end = free_on_paper(entry)
             if end - start >= size:

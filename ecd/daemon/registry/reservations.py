@@ -49,11 +49,12 @@ class Reserving:
         if too_large:
             return Failure(Code.INVALID, f"cannot reserve: {too_large}")
         size = align_up(max(nbytes, 1))
-        quota = r.quotas.get(ns)
-        if quota is not None and r.ns_used.get(ns, 0) + size > quota:
+        scope = r.placement.scope(ns)
+        quota = r.quotas.get(scope)
+        if quota is not None and r.ns_used.get(scope, 0) + size > quota:
             r.counters["reservations_refused"] += 1  # not a refused put: the next put takes Alloc
-            return Failure(Code.QUOTA_EXCEEDED, f"no reservation of {nbytes} bytes: it would take namespace "
-                                                f"{ns!r} over its quota of {quota} bytes")
+            return Failure(Code.QUOTA_EXCEEDED, f"no reservation of {nbytes} bytes: it would take "
+                                                f"{r.placement.scope_name(scope)} over its quota of {quota} bytes")
         placed = r.placement.place(nbytes, None, (), evict=False, pools=pools)
         if placed is None:
             r.counters["reservations_refused"] += 1

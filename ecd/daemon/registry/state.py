@@ -43,7 +43,9 @@ class RecordSet(Protocol):
     waiters: dict[tuple[str, str], set[Waiter]]  # parked gets by the keys they wait for
     counters: collections.Counter[str]
     journal: "Journal | NullJournal"  # the restart journal (memory/journal.py)
-    ns_used: dict[str, int]
+    ns_used: dict[str, int]  # by policy scope (placement.py)
+    policies: dict[str, tuple[int, int]]
+    verify_namespaces: frozenset[str]
     quotas: dict[str, int]
     guarantees: dict[str, int]
     guaranteed_ready: dict[str, int]

@@ -77,7 +77,8 @@ class Store:
 
     def __init__(self, host: "HostTier", lower_tier: "LowerTier", ring: RingWriter, scheduler: Scheduler,
                  limits: "LimitsSection", leases: "LeasesSection", clock: Callable[[], float] = time.monotonic,
-                 namespaces: Mapping[str, Any] | None = None, slots: "SlotArea | None" = None) -> None:
+                 namespaces: Mapping[str, Any] | None = None, slots: "SlotArea | None" = None,
+                 tenants: Mapping[str, Any] | None = None) -> None:
         self.host = host
         self.lower_tier = lower_tier
         self.ring = ring
@@ -122,23 +123,13 @@ class Store:
         self.slot_holds = SlotHolds(self, slots)  # extents a reader's read slot names (reclaim.py)
         self.session_closers: list[Callable[[Session], None]] = []  # parts above with a session's things (reclaim)
         host.attach(self)
-        self.set_namespaces(namespaces or {})
+        self.set_namespaces(namespaces or {}, tenants)
 
     # ---- namespaces ---------------------------------------------------------------------
 
-    def set_namespaces(self, namespaces: Mapping[str, Any]) -> None:
-        """Apply `[namespaces.NAME]` policies (objects with .quota and .guaranteed, in bytes; 0:
-        none; and .verify: commits need a checksum). Also used by SIGHUP: a namespace already over a lowered quota is not evicted now;
-        its next allocation evicts its own entries. O(entries)."""
-        self.policies = {name: (int(ns.quota), int(ns.guaranteed)) for name, ns in namespaces.items()}
-        self.verify_namespaces = frozenset(name for name, ns in namespaces.items() if getattr(ns, "verify", False))
-        self.quotas = {name: q for name, (q, _) in self.policies.items() if q > 0}
-        self.guarantees = {name: g for name, (_, g) in self.policies.items() if g > 0}
-        self.guaranteed_ready = dict.fromkeys(self.guarantees, 0)
-        for entry in self.index.values():
-            if entry.ns in self.guaranteed_ready:
-                self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
-        self.placement.reset_quotas()
+    def set_namespaces(self, namespaces: Mapping[str, Any], tenants: Mapping[str, Any] | None = None) -> None:
+        """`[namespaces.NAME]` policies and `[tenants.NAME]` sizes (Placement.set_policies)."""
+        self.placement.set_policies(namespaces, tenants or {})
 
     def set_limits(self, limits: "LimitsSection", leases: "LeasesSection") -> None:
         """`[limits]` and `[leases]` (at start, and again on SIGHUP): requests from now on are held to them."""
@@ -295,8 +286,8 @@ class Store:
             self.slot_holds.move_pins(old, entry)  # and the pins slots hold
             self.retire_or_free(old)
         self.index[(entry.ns, entry.key)] = entry
-        if entry.ns in self.guaranteed_ready:
-            self.guaranteed_ready[entry.ns] += align_up(max(entry.nbytes, 1))
+        if self.guaranteed_ready:
+            self.guarantee(entry, align_up(max(entry.nbytes, 1)))
         if not entry.pins:
             self.placement.make_evictable(entry)
         self.announcer.announce(EventKind.PUBLISHED, entry, keyhash)
@@ -493,8 +484,8 @@ class Store:
         else:  # not adopted any more: its extent may be reused
             self.journal.forget(entry.journal)
             entry.journal = -1
-        if entry.ns in self.guaranteed_ready:
-            self.guaranteed_ready[entry.ns] -= align_up(max(entry.nbytes, 1))
+        if self.guaranteed_ready:
+            self.guarantee(entry, -align_up(max(entry.nbytes, 1)))
         self.placement.make_unevictable(entry)
         self.announcer.announce(kind, entry, keyhash)
 
@@ -517,14 +508,23 @@ class Store:
         self.uncharge(entry.ns, align_up(max(entry.nbytes, 1)))
 
     def charge(self, ns: str, nbytes: int) -> None:
+        """`ns_used` is by policy scope (Placement.scope: the namespace, or its sized tenant)."""
+        ns = self.placement.scope(ns)
         self.ns_used[ns] = self.ns_used.get(ns, 0) + nbytes
 
     def uncharge(self, ns: str, nbytes: int) -> None:
+        ns = self.placement.scope(ns)
         left = self.ns_used[ns] - nbytes
         if left:
             self.ns_used[ns] = left
         else:
             del self.ns_used[ns]
+
+    def guarantee(self, entry: Entry, nbytes: int) -> None:
+        """A READY entry's bytes in (or out of) its scope's guaranteed share, if it has one."""
+        scope = self.placement.scope(entry.ns)
+        if scope in self.guaranteed_ready:
+            self.guaranteed_ready[scope] += nbytes
 
     # ---- introspection ------------------------------------------------------------------
 

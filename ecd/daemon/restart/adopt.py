@@ -305,8 +305,7 @@ def _insert(store: "Store", record: EntryRecord, now: float, present: list[int])
     store.index[(ns, entry.key)] = entry
     size = align_up(max(entry.nbytes, 1))
     store.charge(ns, size)
-    if ns in store.guaranteed_ready:
-        store.guaranteed_ready[ns] += size
+    store.guarantee(entry, size)
     store.placement.make_evictable(entry)
     keyhash = record.keyhash or entry.keyhash
     store.announcer.index(entry, keyhash)

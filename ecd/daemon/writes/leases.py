@@ -122,7 +122,8 @@ class Leasing:
         failure = store.check_key(ns, "lease")
         if failure is not None:
             return failure
-        quota, used = store.quotas.get(ns), store.ns_used.get(ns, 0)
+        scope = store.placement.scope(ns)
+        quota, used = store.quotas.get(scope), store.ns_used.get(scope, 0)
         need, slab = align_up(max(nbytes, 1)), self.slab(tier)
         size = max(need, align_up(min(slab, self._next_size.get((session.id, tier), MIN_LEASE))))
         placed = None
