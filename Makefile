@@ -249,8 +249,11 @@ venvs: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.server $(ENGINE_VENV)/.installed
 # setup), so two modules side by side took 14 min where one after another took 22 on a 2-vCPU VM.
 # ENGINE_TEST_JOBS=0 runs them in this process, one by one.
 ENGINE_TEST_JOBS ?= 2
+# Variants whose path other engine tests cover piece by piece (marked engine_extended: a cold
+# restart under a load, SIGTERM's adoption) are left out; ENGINE_ALL=1 runs them too.
+ENGINE_MARKS = $(if $(ENGINE_ALL),,-m "not engine_extended")
 test-engine: $(ENGINE_VENV)/.installed
-	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine -n $(ENGINE_TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/engine -n $(ENGINE_TEST_JOBS) --dist loadfile $(ENGINE_MARKS) $(PYTEST_ARGS)
 	VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(ENGINE_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 	$(ENGINE_PY) tests/vllm_upstream/run.py
 

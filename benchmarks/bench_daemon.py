@@ -54,8 +54,9 @@ def _die_with_parent() -> None:
 
 class BenchDaemon:
     def __init__(self, workdir: str, node_prefix: str = "bench", pool: str = "1GiB",
-                 metrics: str = "127.0.0.1:0", extra: str = "") -> None:
-        """`metrics`: [metrics] listen; `extra`: more TOML appended to the config."""
+                 metrics: str = "127.0.0.1:0", extra: str = "", control: str = "") -> None:
+        """`metrics`: [metrics] listen; `extra`: more TOML appended to the config; `control`: more
+        keys of [control]."""
         self.node = f"{node_prefix}{os.getpid()}"
         self.runtime_dir = os.path.join(workdir, "run")
         self.endpoint = f"ipc://{self.runtime_dir}/ecd.sock"
@@ -63,7 +64,7 @@ class BenchDaemon:
         self.log_path = os.path.join(workdir, "daemon.log")
         with open(self.config_path, "w") as f:
             f.write(f'[node]\nname = "{self.node}"\nruntime_dir = "{self.runtime_dir}"\n'
-                    f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n\n'
+                    f'log_level = "warning"\n\n[control]\nendpoint = "{self.endpoint}"\n{control}\n'
                     f'[pool.host]\nsize = "{pool}"\n\n[metrics]\nlisten = "{metrics}"\n{extra}')
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "ecd", "serve", "--config", self.config_path],

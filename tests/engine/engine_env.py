@@ -20,6 +20,7 @@ SKIP_REASON = ("no vLLM with CPU kernels here: `make test-engine` builds .venv-e
 
 # Engines start in 17-35 s and each test starts two or three: far over the suite's 120 s default.
 ENGINE_TEST_TIMEOUT = 900
+COLD_RESTART = "[restart]\nadopt = false"  # a daemon whose every start is cold (no adoption)
 
 
 def require_engine() -> None:

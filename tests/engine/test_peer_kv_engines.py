@@ -26,8 +26,8 @@ from peerutil import cluster  # noqa: E402,F401 - the fixture
 from conftest import metric, scrape_metrics, wait_for  # noqa: E402
 from engine_env import (checkpoint_dir, engine_workdir, tiny_llama)  # noqa: E402,F401
 from engine_runner import kv_transfer_config, run_engine, start_engine  # noqa: E402
-from test_kv_engines import (BLOCK, PREFILL, PROMPTS, RESCHEDULED_LOGPROB_TOLERANCE,  # noqa: E402,F401
-                             assert_same_generation, distinct_blocks, generate, loadable_tokens, monolithic)
+from kv_prompts import (BLOCK, PREFILL, PROMPTS, RESCHEDULED_LOGPROB_TOLERANCE,  # noqa: E402,F401
+                        assert_same_generation, distinct_blocks, generate, loadable_tokens, monolithic)
 
 pytestmark = pytest.mark.timeout(ENGINE_TEST_TIMEOUT)
 
