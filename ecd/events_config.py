@@ -53,6 +53,7 @@ class EventsSection(Section):
         for key in ("topic", "encoder_topic"):
             value = getattr(self, key)
             check_field(len(value.encode()) <= 256, key, f"at most 256 bytes, got {len(value.encode())}")
+            check_field(not value.startswith("@"), key, f"may not start with '@' (tenants' topics do), got {value!r}")
         # SUB subscriptions match prefixes: a subscriber of one topic must not receive the other
         check_field(not (self.topic.startswith(self.encoder_topic) or self.encoder_topic.startswith(self.topic)),
                     "encoder_topic", f"{self.encoder_topic!r} and topic {self.topic!r}: neither may be a prefix "

@@ -348,7 +348,7 @@ class Daemon:
             return
         from .events.service import Events
         try:
-            self.events = Events(self.config.events, self.gid)
+            self.events = Events(self.config.events, self.gid, self.config.tenants)
             self.events.open()
         except ConfigError as exc:
             raise StartupError(str(exc)) from None

@@ -1,6 +1,7 @@
 """The loop's side of [events]: a HoldingsListener (daemon/holdings.py) that only appends to a
 bounded backlog and returns. Events wait per topic (KV entries and those without meta on `topic`,
-EncoderMeta entries on `encoder_topic`) until `batch_events` of them or `batch_interval` has
+EncoderMeta entries on `encoder_topic`; a tenant's entries on its own pair, "@TENANT/" and those:
+publisher.py) until `batch_events` of them or `batch_interval` has
 passed since the last batch, then go to the publisher thread as one batch (a change after a quiet
 interval goes at once, with whatever the same request changed).
 
@@ -18,6 +19,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ...memory.ring import TENANT_SEP
 from ...protocol import EncoderMeta
 from ..registry.entries import State
 from .publisher import CLEARED, Publisher
@@ -34,9 +36,9 @@ class EventsFeed:
     def __init__(self, config: "EventsSection", publisher: Publisher, store: "Store",
                  loop: asyncio.AbstractEventLoop) -> None:
         self.config, self.publisher, self.store, self.loop = config, publisher, store, loop
-        self.kv_topic, self.ec_topic = publisher.topics
-        self.kv: list[Any] = []
-        self.ec: list[Any] = []
+        self.topics_of = publisher.topics_of  # (kv, ec) topics by tenant
+        self.tenant_topics = len(self.topics_of) > 1
+        self.pending: dict[bytes, list[Any]] = {topic: [] for topic in publisher.topics}
         self.put_events = 0  # handed to the publisher (it counts what it took: the difference waits)
         self.dropped = 0
         self.resyncs = 0
@@ -48,33 +50,43 @@ class EventsFeed:
     # ---- HoldingsListener ---------------------------------------------------------------
 
     def stored(self, ns: str, key: str, medium: "Medium", meta: Any) -> None:
-        self._add((True, key, medium, meta), meta)  # Medium is a str enum: msgspec encodes its value
+        self._add((True, key, medium, meta), meta, ns)  # Medium is a str enum: msgspec encodes its value
 
     def removed(self, ns: str, key: str, medium: "Medium", meta: Any) -> None:
-        self._add((False, key, medium, meta), meta)
+        self._add((False, key, medium, meta), meta, ns)
 
     def cleared(self) -> None:
         """Start (or a resync): what subscribers knew of this node is void."""
-        self.kv, self.ec = [], []
+        self._drop_pending()
         self._resync()
 
     # ---- batching -----------------------------------------------------------------------
 
     @property
     def waiting(self) -> int:
-        return len(self.kv) + len(self.ec) + self.put_events - self.publisher.taken
+        return sum(map(len, self.pending.values())) + self.put_events - self.publisher.taken
 
-    def _add(self, event: tuple[Any, ...], meta: Any) -> None:
+    def _drop_pending(self) -> int:
+        """Forget the events not handed on yet: how many."""
+        lost = sum(map(len, self.pending.values()))
+        self.pending = {topic: [] for topic in self.pending}
+        return lost
+
+    def _add(self, event: tuple[Any, ...], meta: Any, ns: str) -> None:
         if self.dropping:
             self.dropped += 1
             return
-        pending = self.ec if type(meta) is EncoderMeta else self.kv
+        topics = self.topics_of[""]
+        if self.tenant_topics and TENANT_SEP in ns:  # (no tenants: a NUL is just a character)
+            topics = self.topics_of.get(ns[:ns.index(TENANT_SEP)], topics)
+        topic = topics[1] if type(meta) is EncoderMeta else topics[0]
+        pending = self.pending[topic]
         pending.append(event)
         if len(pending) >= self.config.batch_events:
             if self.waiting > self.config.queue_events:
                 self._overflow()
                 return
-            self._flush(pending is self.ec)
+            self._flush(topic)
         elif self.timer is None:
             # at once when the last batch went out an interval ago or more (a lone put's event does
             # not wait; the events of one request still share a batch: the callback runs after
@@ -82,14 +94,16 @@ class EventsFeed:
             delay = self.last_flush + float(self.config.batch_interval) - self.loop.time()
             self.timer = self.loop.call_later(max(0.0, delay), self._tick)
 
-    def _flush(self, encoder: bool) -> None:
-        if encoder:
-            events, self.ec = self.ec, []
-        else:
-            events, self.kv = self.kv, []
+    def _flush(self, topic: bytes) -> None:
+        events = self.pending[topic]
         if events:
+            self.pending[topic] = []
             self.put_events += len(events)
-            self.publisher.put(self.ec_topic if encoder else self.kv_topic, events)
+            self.publisher.put(topic, events)
+
+    def _flush_all(self) -> None:
+        for topic in self.pending:
+            self._flush(topic)
 
     def _tick(self) -> None:
         self.timer = None
@@ -103,8 +117,7 @@ class EventsFeed:
             self._overflow()
             return
         self.last_flush = self.loop.time()
-        self._flush(False)
-        self._flush(True)
+        self._flush_all()
         if self.snapshot is not None:
             self._snapshot_chunk()
 
@@ -115,13 +128,12 @@ class EventsFeed:
     # ---- overflow and resync ------------------------------------------------------------
 
     def _overflow(self) -> None:
-        lost = len(self.kv) + len(self.ec)
+        waiting, lost = self.waiting, self._drop_pending()
         self.dropped += lost
         if not self.dropping:
             log.warning("events: %d event(s) waiting for the publisher (events.queue_events = %d): dropped %d; "
                         "subscribers get AllBlocksCleared and a snapshot once it catches up",
-                        self.waiting, self.config.queue_events, lost)
-        self.kv, self.ec = [], []
+                        waiting, self.config.queue_events, lost)
         self.dropping = True
         self.snapshot = None
         self._arm()
@@ -129,7 +141,7 @@ class EventsFeed:
     def _resync(self) -> None:
         self.dropping = False
         self.resyncs += 1
-        for topic in (self.kv_topic, self.ec_topic):
+        for topic in self.pending:
             self.put_events += 1
             self.publisher.put(topic, [CLEARED])
         store = self.store
@@ -148,15 +160,14 @@ class EventsFeed:
             if hasattr(held, "state"):  # a host (or CUDA) entry
                 entry = store.index.get((held.ns, held.key))
                 if entry is held and entry.state is State.READY:
-                    self._add((True, entry.key, announcer.medium_of(entry), entry.meta), entry.meta)
+                    self._add((True, entry.key, announcer.medium_of(entry), entry.meta), entry.meta, entry.ns)
             elif held.ready and not held.dropped:  # a disk record
-                self._add((True, held.key, "STORAGE", held.meta), held.meta)
+                self._add((True, held.key, "STORAGE", held.meta), held.meta, held.ns)
             if self.dropping:
                 return
         if not self.snapshot:
             self.snapshot = None
-        self._flush(False)
-        self._flush(True)
+        self._flush_all()
         if self.snapshot is not None and self.timer is None:
             # the next chunk at once while the thread keeps up, else after it caught up a little
             delay = 0.0 if self.waiting < self.config.queue_events // 2 else float(self.config.batch_interval)

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import msgspec
 import zmq
@@ -47,11 +47,19 @@ Item = tuple[bytes, float, list[Any]]  # (topic, ts, events)
 
 
 class Publisher:
-    def __init__(self, config: "EventsSection", curve: "CurveAuth | None", gid: int = -1) -> None:
+    def __init__(self, config: "EventsSection", curve: "CurveAuth | None", gid: int = -1,
+                 tenants: Iterable[str] = ()) -> None:
         self.config = config
         self.curve = curve
         self.gid = gid  # node.group: an ipc endpoint's socket belongs to it (-1: the process's own)
-        self.topics = (config.topic.encode(), config.encoder_topic.encode())
+        # (topic, encoder_topic) by tenant ("": the default's): a tenant's are "@TENANT/" and those,
+        # so a router of one tenant subscribes to its own (no configured topic starts with "@")
+        base = (config.topic.encode(), config.encoder_topic.encode())
+        self.topics_of: dict[str, tuple[bytes, bytes]] = {"": base}
+        for tenant in tenants:
+            prefix = f"@{tenant}/".encode()
+            self.topics_of[tenant] = (prefix + base[0], prefix + base[1])
+        self.topics = tuple(topic for pair in self.topics_of.values() for topic in pair)  # the default's first
         self.queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self.taken = 0  # events this thread took off the queue (the feed subtracts it from what it put)
         self.seq = {t: 0 for t in self.topics}  # the next seq, per topic

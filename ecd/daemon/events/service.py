@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import zmq
 
+from ...config import DEFAULT_TENANT
 from ...errors import ConfigError
 from ...protocol import EventsStats
 from .feed import EventsFeed
@@ -23,12 +24,13 @@ log = logging.getLogger("ecd.daemon")
 
 
 class Events:
-    def __init__(self, config: "EventsSection", gid: int = -1) -> None:
+    def __init__(self, config: "EventsSection", gid: int = -1, tenants: Iterable[str] = ()) -> None:
+        """`tenants`: [tenants]' names (each has topics of its own; the default tenant's are the configured ones)."""
         from ..ops.security import CurveAuth
         self.config = config
         self.curve = (CurveAuth.from_files(config.curve_secret_key, config.curve_allowed_keys, "events")
                       if config.curve else None)
-        self.publisher = Publisher(config, self.curve, gid)
+        self.publisher = Publisher(config, self.curve, gid, [t for t in tenants if t != DEFAULT_TENANT])
         self.feed: EventsFeed | None = None
 
     def open(self) -> None:
