@@ -91,7 +91,7 @@ def cached_locations(c: "Client", ns: str, keys: list[str], mapping: "EpochMappi
         keyhash = cache.keyhash(ns, key)
         loc = cache.located(keyhash, ns, key)
         if loc is None and same_as is None:
-            loc = indexed_location(ring, mapping, keyhash, ns, key)
+            loc = indexed_location(ring, mapping, keyhash, cache.stored(ns), key)
             if loc is not None:
                 cache.remember(keyhash, ns, key, loc.generation, loc)
         if loc is None or (not arenas and mapping.is_arena(loc.pool)) or (same_as is not None and loc is not same_as[i]):

@@ -62,10 +62,15 @@ class LocationCache:
         self._entries: OrderedDict[int, tuple[str, str, int, Location | None]] = OrderedDict()
         self.tenant = ""  # the client's tenant (Welcome.tenant): its namespaces are stored as the tenant's
 
+    def stored(self, namespace: str) -> str:
+        """This client's `namespace` as the daemon stores it (its tenant's), as the ring and its
+        entry index name it."""
+        return tenant_namespace(self.tenant, namespace) if self.tenant else namespace
+
     def keyhash(self, namespace: str, key: str) -> int:
         """The key hash the daemon publishes for `key` of this client's `namespace` (ring.key_hash
-        of the namespace as the daemon stores it: its tenant's)."""
-        return key_hash(tenant_namespace(self.tenant, namespace) if self.tenant else namespace, key)
+        of the namespace as the daemon stores it)."""
+        return key_hash(self.stored(namespace), key)
 
     def remember(self, keyhash: int, namespace: str, key: str, generation: int,
                  location: Location | None = None) -> None:

@@ -173,7 +173,7 @@ def answer_exists(c: "Client", keys: list[str], pin_s: float) -> list[bool | Non
                     answers[i] = True
                     continue
             elif pins is not None:
-                loc = cache.located(keyhash, ns, key) or indexed_location(ring, mapping, keyhash, ns, key)
+                loc = cache.located(keyhash, ns, key) or indexed_location(ring, mapping, keyhash, cache.stored(ns), key)
                 if loc is not None:
                     cache.remember(keyhash, ns, key, loc.generation, loc)
                     to_pin[key] = (keyhash, loc)

@@ -64,8 +64,10 @@ def main() -> None:
             elif what == "put-big":
                 c.put(rest[0], torch.zeros(int(rest[1]) << 18))
                 out["put"] = True
-            elif what == "check":
+            elif what == "check":  # (and how many Acquires the daemon saw meanwhile: the node's count)
+                before = c.stats()["ops"].get("acquire", 0)
                 out["same"] = bool(torch.equal(c.get(rest[0]), pattern(int(rest[1]))))
+                out["acquires"] = c.stats()["ops"].get("acquire", 0) - before
             elif what == "probe":
                 for key in rest:
                     seen = {"exists": c.exists(key)}

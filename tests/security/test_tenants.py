@@ -39,9 +39,11 @@ def test_a_tenants_keys_are_its_own_whatever_another_asks(daemon_factory):
         assert probe[key] == {"exists": False, "get": "miss", "view": "miss"}, probe
     assert probe["keys"] == [] and probe["session_tenants"] == ["team-b"], probe
 
-    # the same name in B is B's own entry; A's stays A's
+    # the same name in B is B's own entry; A's stays A's. A new process of A reads it as any
+    # client reads what it can locate: from the ring's entry index, no request (no Acquire)
     assert run_as(d.endpoint, B_UID, "put", "kv", "block-1", 99)["put"]
-    assert run_as(d.endpoint, A_UID, "check", "kv", "block-1", 1)["same"] is True
+    assert run_as(d.endpoint, A_UID, "check", "kv", "block-1", 1) == {"uid": A_UID, "tenant": "team-a", "same": True,
+                                                                      "acquires": 0}
     assert run_as(d.endpoint, B_UID, "check", "kv", "block-1", 99)["same"] is True
     mine = run_as(d.endpoint, A_UID, "probe", "kv", "block-1")
     assert mine["block-1"] == {"exists": True, "get": "hit", "view": "hit"}, mine
