@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/node.toml
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-local-reads bench-writes bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional venvs test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
+.PHONY: serve test lint bench bench-local-reads bench-writes bench-tenants bench-copy check-copy bench-peers bench-events bench-adopt bench-fleet install uninstall venv clean promtool kubectl redis-server nixl nixl-optional venvs test-vllm test-vllm-upstream test-sglang bench-sglang sglang-server bench-vllm bench-save bench-scheduler test-engine bench-engine example-epd \
 	image image-tools test-containers bench-containers
 
 $(PY):
@@ -130,6 +130,11 @@ bench-local-reads: $(VENV)/.installed
 # waited put and a put + get across processes vs a bare REQ/REP round trip, requests per put
 bench-writes: $(VENV)/.installed
 	$(PY) benchmarks/bench_writes.py $(BENCH_WRITES_ARGS)
+
+# tenants' sizes (issue 44, as root: tenants are processes of other uids): B's put/get p50 while A
+# fills three times its size (full speed and held to a rate) vs A idle, and with tenants vs none
+bench-tenants: $(VENV)/.installed
+	$(PY) benchmarks/bench_tenants.py $(BENCH_TENANTS_ARGS)
 
 # [events] on vs off (paired ratios, a reading and a deaf subscriber) and event latency vs a bare ZMQ hop
 bench-events: $(VENV)/.installed
