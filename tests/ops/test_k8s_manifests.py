@@ -241,19 +241,34 @@ def test_no_host_namespaces_no_privilege_and_only_the_socket_dir(target):
 
 
 @needs_kubectl
-def test_the_engine_example_mounts_the_socket_dir_and_names_the_socket():
+def test_the_engine_example_is_one_engine_per_tenant_by_uid_alone():
+    """deploy/k8s/examples: an engine per tenant, each in its tenant's namespace (a privileged one,
+    for the hostPath) and as the uid node.toml's [tenants.NAME] names, in no group of the daemon's."""
     import json
-    pod = one(render("deploy/k8s/examples"), "Pod")
-    daemon_sc = daemonset(render("deploy/k8s"))["spec"]["template"]["spec"]["securityContext"]
-    sc = pod["spec"]["securityContext"]
-    assert sc["runAsUser"] != daemon_sc["runAsUser"], "the example should show another uid"
-    assert daemon_sc["runAsGroup"] in sc["supplementalGroups"], "the engine is not in the socket's group"
-    args = pod["spec"]["containers"][0]["args"]
-    configs = {a.split("=", 1)[0]: json.loads(a.split("=", 1)[1]) for a in args if a.startswith("--e") or
-               a.startswith("--kv")}
-    assert configs["--ec-transfer-config"]["ec_connector_extra_config"]["endpoint"] == f"ipc://{SOCKET_DIR}/ecd.sock"
-    assert configs["--kv-transfer-config"]["kv_connector_extra_config"]["endpoint"] == f"ipc://{SOCKET_DIR}/ecd.sock"
-    assert configs["--kv-transfer-config"]["kv_connector_module_path"] == "ecd.integrations.vllm"
+    import tomllib
+
+    from ecd.config import load_config
+    docs = render("deploy/k8s/examples")
+    rendered = render("deploy/k8s")
+    daemon_sc = daemonset(rendered)["spec"]["template"]["spec"]["securityContext"]
+    config = load_config(tomllib.loads(node_toml(rendered)))
+    tenants = {name: t for name, t in config.tenants.items() if name != "default"}
+    assert config.tenants["default"].admit is False  # a uid of no tenant is refused
+    pods = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Pod"}
+    namespaces = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Namespace"}
+    assert set(pods) == set(namespaces) == set(tenants), (set(pods), set(namespaces), set(tenants))
+    for name, pod in pods.items():
+        assert namespaces[name]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+        sc = pod["spec"]["securityContext"]
+        assert sc["runAsUser"] in tenants[name].uids and sc["runAsUser"] != daemon_sc["runAsUser"], name
+        assert daemon_sc["runAsGroup"] not in sc.get("supplementalGroups", []) + [sc["runAsGroup"]], name
+        args = pod["spec"]["containers"][0]["args"]
+        configs = {a.split("=", 1)[0]: json.loads(a.split("=", 1)[1]) for a in args if a.startswith("--e") or
+                   a.startswith("--kv")}
+        socket = f"ipc://{SOCKET_DIR}/ecd.sock"
+        assert configs["--ec-transfer-config"]["ec_connector_extra_config"]["endpoint"] == socket
+        assert configs["--kv-transfer-config"]["kv_connector_extra_config"]["endpoint"] == socket
+        assert configs["--kv-transfer-config"]["kv_connector_module_path"] == "ecd.integrations.vllm"
 
 
 @needs_kubectl
@@ -413,6 +428,7 @@ class HostNode:
                     f'runtime_dir = "{SOCKET_DIR}"': f'runtime_dir = "{self.runtime}"',
                     f'endpoint = "ipc://{SOCKET_DIR}/ecd.sock"': f'endpoint = "{self.endpoint}"',
                     'size = "4GiB"': 'size = "64MiB"', 'segment_size = "1GiB"': 'segment_size = "64MiB"',
+                    'size = "1GiB"': 'size = "16MiB"',  # the tenants' (after segment_size's)
                     'listen = "0.0.0.0:9464"': 'listen = "127.0.0.1:0"'}
         for old, new in replaced.items():
             assert old in text, f"the test expects {old!r} in deploy/k8s/node.toml"
