@@ -9,6 +9,7 @@ ecd's Client, and prints what it saw as one JSON line.
     tenant_client.py ENDPOINT UID GID GROUPS fill NS PREFIX N SEED  put PREFIX-0..N-1 (SEED+i's bytes): the refusals
     tenant_client.py ENDPOINT UID GID GROUPS survey NS PREFIX N SEED which of PREFIX-i hold SEED+i's bytes
     tenant_client.py ENDPOINT UID GID GROUPS put-big NS KEY MIB   put MIB MiB of zeros: its refusal, if any
+    tenant_client.py ENDPOINT UID GID GROUPS fetch NS PEER KEY SEED fetch KEY from PEER: whether it came, and SEED's bytes
 (GROUPS: comma-separated supplementary gids, "-" for none.)
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ def main() -> None:
                     except KeyNotFound:
                         continue
                     out["intact" if same else "wrong"].append(i)
+            elif what == "fetch":
+                out["fetched"] = c.fetch([rest[1]], peer=rest[0], timeout=20)[0]
+                if out["fetched"]:
+                    out["same"] = bool(torch.equal(c.get(rest[1]), pattern(int(rest[2]))))
             elif what == "put-big":
                 c.put(rest[0], torch.zeros(int(rest[1]) << 18))
                 out["put"] = True
