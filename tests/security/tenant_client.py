@@ -10,6 +10,8 @@ ecd's Client, and prints what it saw as one JSON line.
     tenant_client.py ENDPOINT UID GID GROUPS survey NS PREFIX N SEED which of PREFIX-i hold SEED+i's bytes
     tenant_client.py ENDPOINT UID GID GROUPS put-big NS KEY MIB   put MIB MiB of zeros: its refusal, if any
     tenant_client.py ENDPOINT UID GID GROUPS fetch NS PEER KEY SEED fetch KEY from PEER: whether it came, and SEED's bytes
+    tenant_client.py ENDPOINT UID GID GROUPS secret NS KEY SEED  put 16 MiB of random bytes from SEED
+    tenant_client.py ENDPOINT UID GID GROUPS scan NS SEED        whether any pool mapping it holds has 4 KiB of them
 (GROUPS: comma-separated supplementary gids, "-" for none.)
 """
 from __future__ import annotations
@@ -24,10 +26,15 @@ from ecd import Client
 from ecd.errors import EcdError, KeyNotFound
 
 PATTERN_ELEMENTS = 1 << 18  # 1 MiB of float32
+SECRET_BYTES = 16 << 20
 
 
 def pattern(seed: int) -> torch.Tensor:
     return torch.randn(PATTERN_ELEMENTS, generator=torch.Generator().manual_seed(seed))
+
+
+def secret(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (SECRET_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def main() -> None:
@@ -66,6 +73,14 @@ def main() -> None:
                 out["fetched"] = c.fetch([rest[1]], peer=rest[0], timeout=20)[0]
                 if out["fetched"]:
                     out["same"] = bool(torch.equal(c.get(rest[1]), pattern(int(rest[2]))))
+            elif what == "secret":
+                c.put(rest[0], secret(int(rest[1])))
+                out["put"] = True
+            elif what == "scan":  # every pool mapping this client holds, read whole
+                needle = secret(int(rest[0]))[SECRET_BYTES // 2:SECRET_BYTES // 2 + 4096].numpy().tobytes()
+                pools = c.mapping.ro
+                out["mapped_bytes"] = sum(len(p) for p in pools)
+                out["found"] = any(bytes(p).find(needle) >= 0 for p in pools)
             elif what == "put-big":
                 c.put(rest[0], torch.zeros(int(rest[1]) << 18))
                 out["put"] = True

@@ -135,3 +135,17 @@ def test_remote_clients_belong_to_the_tenant_of_their_curve_key(daemon_factory, 
             b.get("mm-1")
         b.put("mm-1", torch.zeros(3))
         assert torch.equal(a.get("mm-1"), torch.arange(1000, dtype=torch.int32))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 44 gap: the host pool is one mapping every admitted client "
+                   "holds (per-tenant segments are not built yet): B finds A's bytes in it")
+def test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps(daemon_factory):
+    """Item 2's test, the one the rest of issue 44 must turn: A stores 16 MiB of random bytes; B
+    reads every pool mapping its client holds, whole, for 4 KiB of them."""
+    d = daemon_factory(start=False)
+    start(d)
+    assert run_as(d.endpoint, A_UID, "secret", "kv", "secret", 77)["put"]
+    assert run_as(d.endpoint, A_UID, "scan", "kv", 77)["found"] is True  # (the scan finds what is there)
+    scan = run_as(d.endpoint, B_UID, "scan", "kv", 77)
+    assert scan["mapped_bytes"] > 0, scan
+    assert scan["found"] is False, scan
