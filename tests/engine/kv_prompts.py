@@ -3,6 +3,8 @@ test_kv_engine_faults.py, test_peer_kv_engines.py): four prompts (two sharing a 
 one of five blocks, one shorter than a block), and the monolithic engine's output they must give."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine_runner import LLM_DEFAULTS, run_engine
@@ -54,13 +56,23 @@ def assert_same_generation(outputs: list[dict], reference: list[dict],
         assert worst <= logprob_tolerance, f"logprobs differ by {worst:g} for {out['prompt'][:40]!r}"
 
 
+# The reference outputs by checkpoint name ("llama-seed1"): each module that imports the fixture
+# has a session fixture of its own, and the engine run (~40-60 s) is the same for all of them (the
+# same seeded weights, the same prompts), so a test worker runs it once.
+_REFERENCES: dict[str, list[dict]] = {}
+
+
 @pytest.fixture(scope="session")
 def monolithic(tiny_llama, engine_workdir) -> list[dict]:
-    """The reference: one engine, no connector, the same prompts. Run once per session."""
+    """The reference: one engine, no connector, the same prompts. Run once per test worker."""
+    name = Path(tiny_llama).name
+    if name in _REFERENCES:
+        return _REFERENCES[name]
     result = run_engine(tiny_llama, [generate()], workdir=engine_workdir)
     outputs = result["batches"][0]
     # Sanity of the reference itself: the model depends on its prompt (distinct prompts, distinct
     # continuations), else matching it would prove nothing.
     assert len({tuple(o["token_ids"]) for o in outputs}) == len(outputs)
     assert all(len(o["token_ids"]) == GENERATE["max_tokens"] for o in outputs)
+    _REFERENCES[name] = outputs
     return outputs

@@ -71,13 +71,22 @@ def assert_same_generation(out: dict, mono: dict, round_: int = 0) -> None:
         assert worst <= 1e-5 or math.isclose(worst, 0.0), f"logprobs differ by {worst}"
 
 
+# The reference by checkpoint name: test_peer_ec_engines.py imports the fixture (a fixture of its
+# own) and the engine run (~50-70 s) is the same for both (the same checkpoint and prompts).
+_REFERENCES: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module")
 def mono(paligemma, tmp_path_factory) -> dict:
-    """The reference: one engine, no connector."""
+    """The reference: one engine, no connector. Run once per test worker."""
+    name = Path(paligemma["main"]).name
+    if name in _REFERENCES:
+        return _REFERENCES[name]
     out = run_engine(spec(paligemma["main"]), tmp_path_factory.mktemp("mono"), "monolithic")
     # the checkpoint is good for this: images change the tokens
     toks = tokens(out)
     assert toks[0] != toks[2], "the tiny model's tokens do not depend on the image"
+    _REFERENCES[name] = out
     return out
 
 
