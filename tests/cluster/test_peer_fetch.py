@@ -74,8 +74,10 @@ def test_concurrent_fetches_of_one_key_pull_once(cluster):
     assert results == [True] * 6
     with a.client() as ca:
         assert leases_back(ca), ca.stats()  # the owner counts a send when it ends, after the fetch returned
-        served = {p["node"]: p for p in ca.stats()["peers"]}
-    assert served[b.node]["served_entries"] == 1
+        # a names b once its own link to b has shaken hands (b may have started after a: a's first
+        # hello to it then went unanswered, and a tries again a moment later)
+        served = wait_for(lambda: {p["node"]: p for p in ca.stats()["peers"]}.get(b.node), timeout=15)
+        assert served and served["served_entries"] == 1, ca.stats()["peers"]
 
 
 def test_fetch_errors(cluster, daemon):
