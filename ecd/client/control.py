@@ -530,11 +530,12 @@ class ControlClient:
         return self._call(Ping(next(self._ids))).epoch
 
     def close(self) -> None:
+        if not self._closed:  # before the lock: a put between its place and its post may wait for it
+            with contextlib.suppress(Exception):  # (a dead daemon: nothing to settle, nothing lost here)
+                self._settle_writes()  # puts whose records wait for a device copy, before the goodbye
         with self._lock:
             if not self._closed:
                 self._closed = True
-                with contextlib.suppress(Exception):  # (a dead daemon: nothing to settle, nothing lost here)
-                    self._settle_writes()  # puts whose records wait for a device copy, before the goodbye
                 self._finalizer()
 
     def _settle_writes(self, keys: typing.Sequence[str] | None = None) -> None:

@@ -234,7 +234,7 @@ class PutRoute:
                 cache.forget(keyhash)  # a generation cached before is being replaced
             cache.catch_up(cast(EpochMapping, c._map).ring)  # a client that only puts keeps up with the ring
         placed = writes.place(c.namespace, functools.partial(self.lease_space, c), tensors,
-                              [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta, arena)
+                              [it.nbytes for it in dest.items], [it.dtype for it in dest.items], meta, arena, c.timeout)
         if len(placed) < len(tensors):
             # One the page cannot take (a long key, no lease to be had): the whole batch goes the
             # round-trip route, whose Alloc places all of it or none (a refused item, nothing stored).

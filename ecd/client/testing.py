@@ -69,6 +69,7 @@ def acquire(client, keys: list[str], timeout: float | None = None
     """Read leases on `keys` as get() takes them before it copies: (the daemon's answer per key,
     a Location or a Failure; a function that releases the leases taken, fire-and-forget as get()
     does). A lease not released is held until the client's session ends."""
+    client._settle_writes(list(keys))  # as get() does: this client's puts of them first
     results, session, mapping = client._acquire(list(keys), timeout)
     held = [r.generation for r in results if isinstance(r, Location)]
     return results, lambda: client._release(held, session, mapping.epoch)

@@ -20,6 +20,7 @@ StaleGeneration (RESTARTED), as a put whose commit the old daemon never answered
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import threading
@@ -143,16 +144,30 @@ class Submissions:
     # ---- place ----------------------------------------------------------------------------
 
     def place(self, namespace: str, lease_space: LeaseSpaceCall, tensors: dict[str, Any], sizes: list[int],
-              dtypes: list[str], metas: Mapping[str, Any] | None = None, tier: int = HOST_TIER) -> list[Placed]:
+              dtypes: list[str], metas: Mapping[str, Any] | None = None, tier: int = HOST_TIER,
+              timeout: float = 5.0) -> list[Placed]:
         """A place in a lease of `tier` (the host pool, or a CUDA arena's pool index) and a
         sequence number for each tensor of `namespace` it can take, in order; the others (a key
         over MAX_KEY bytes, over MAX_NDIM dimensions, a meta over MAX_META or any in an arena, no
         lease to be had) are left out for the ordinary route. `lease_space`: the client's one
-        round trip for a lease (the only thing the page asks of it)."""
+        round trip for a lease (the only thing the page asks of it). A refusal raised for a later
+        tensor posts those placed before it as aborted (`timeout`: for room on the page): the
+        daemon reads records in order, and one never posted would hold up every later one."""
         placed: list[Placed] = []
-        left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
         if self.stale():
             return placed  # a new daemon run's area: this client reconnects (put_many) and gets a page of it
+        try:
+            self._place(placed, namespace, lease_space, tensors, sizes, dtypes, metas, tier)
+        except BaseException:
+            if placed:
+                with contextlib.suppress(EcdError):  # (a daemon gone: the page goes with it)
+                    self.post(placed, [0] * len(placed), False, False, timeout, aborted=True)
+            raise
+        return placed
+
+    def _place(self, placed: list[Placed], namespace: str, lease_space: LeaseSpaceCall, tensors: dict[str, Any],
+               sizes: list[int], dtypes: list[str], metas: Mapping[str, Any] | None, tier: int) -> None:
+        left = sum(align_up(max(nbytes, 1)) for nbytes in sizes)  # a lease asked for holds the rest of the batch
         with self.lock:
             if namespace != self.namespace:  # leases are a namespace's: those held so far are another's
                 self.namespace = namespace
@@ -171,7 +186,6 @@ class Submissions:
                     continue
                 placed.append(Placed(key, extent, self.next_seq, code, tuple(tensor.shape), nbytes, meta))
                 self.next_seq += 1
-        return placed
 
     def _take(self, lease_space: LeaseSpaceCall, size: int, ask: int, exact: int, tier: int) -> Extent | None:
         """`size` bytes from the front of the current lease (or the next); a lease of `ask` bytes
@@ -313,7 +327,10 @@ class Submissions:
         """Post, in order, the records whose copies are done (`block`: waiting for each). A copy
         that failed posts its records as aborted and its error is reported at the next flush; a
         restart meanwhile drops them, said likewise."""
-        with self._deferred_lock:
+        # not blocking: another thread posting them (it may wait for room a record of this one's fills)
+        if not self._deferred_lock.acquire(blocking=block):
+            return
+        try:
             if self._posting_deferred:
                 return  # (this thread is posting them already, and now waits for room)
             self._posting_deferred = True
@@ -327,6 +344,8 @@ class Submissions:
                     del sources  # only now: the copies no longer read them
             finally:
                 self._posting_deferred = False
+        finally:
+            self._deferred_lock.release()
 
     def _post_copied(self, copies: Any, placed: list[Placed], timeout: float) -> None:
         keys = ", ".join(repr(p.key) for p in placed[:3]) + (" ..." if len(placed) > 3 else "")
@@ -382,8 +401,7 @@ class Submissions:
         """The daemon restarted: what it had not settled is gone with it. Said once: raised, or
         kept for the next flush (of this client's next page: `inherit`)."""
         lost = max(0, self.posted - self._committed_seen - self._raised_lost)
-        self.posted = self.posted_in_order = self._committed_seen
-        self._posted_ahead.clear()
+        self.posted = self._committed_seen  # (posted_in_order stays: what this process posted, in order)
         self._keys.clear()
         if lost:
             message = (f"the daemon restarted: up to {lost} put(s) made with wait=False were dropped with it "
@@ -404,11 +422,12 @@ class Submissions:
 
     # ---- wait -----------------------------------------------------------------------------
 
-    def wait_for(self, seq: int, timeout: float, word: int = COMMITTED_AT) -> None:
+    def wait_for(self, seq: int, timeout: float, word: int = COMMITTED_AT, deferred: bool = True) -> None:
         """Until the page's `word` (committed, or consumed) reaches `seq`: a futex wait, woken by
         the daemon after each batch. StaleGeneration when the daemon restarted meanwhile,
-        DaemonUnavailable past `timeout` without progress."""
-        if self._deferred:
+        DaemonUnavailable past `timeout` without progress. `deferred`: post the records held back
+        for their device copies first (they may come before the one waited for)."""
+        if deferred and self._deferred:
             self.post_deferred(block=True)  # records waited for may come after ones still held back
         header = self.header
         index = word // 8
@@ -466,14 +485,14 @@ class Submissions:
         `in_order`: only those posted before any this process's threads are still placing (a
         caller holding the client's lock, which such a put may be waiting for, must not wait
         for it: the two would wait on each other)."""
-        self.post_deferred(block=True)
+        self.post_deferred(block=not in_order)  # (in order: those held back are not waited for)
         target = self.posted_in_order if in_order else self.posted
         if self.gone():
             return self._drop_lost(raise_refused)
         if target > self._committed():
             self.ring()
             try:
-                self.wait_for(target, timeout)
+                self.wait_for(target, timeout, deferred=not in_order)
             except StaleGeneration:
                 return self._drop_lost(raise_refused)
         self._collect(target)

@@ -173,6 +173,22 @@ def test_a_namespace_quota_holds_at_every_instant(daemon_factory):
     assert peaks and max(peaks) <= 4 << 20
 
 
+def test_a_batch_refused_after_its_first_puts_were_placed_leaves_the_page_serving(daemon_factory):
+    """put_many: the first tensor takes its place in the current lease, the second, over the quota,
+    is refused (its own LeaseSpace): the first one's record is posted aborted, so the records after
+    it commit. Before: it was never posted, and the daemon, reading records in order, committed
+    nothing of this client's again (the next waited put: DaemonUnavailable after the timeout)."""
+    d = daemon_factory(extra='[namespaces.capped]\nquota = "1MiB"\n')
+    with d.client(namespace="capped", timeout=3.0) as c:
+        c.put("warm", torch.ones(1024))  # a lease of the page, with room left
+        with pytest.raises(QuotaExceeded, match="at its quota"):
+            c.put_many({"small": torch.ones(1024), "over": torch.ones(1 << 19)})  # 2 MiB: over the quota
+        c.put("after", torch.full((1024,), 7.0))  # waits for its commit
+        assert torch.equal(c.get("after"), torch.full((1024,), 7.0))
+        assert not c.exists("small") and c.exists("warm")
+        c.flush()
+
+
 def test_a_quota_smaller_than_a_slab_is_refused_a_lease_and_puts_go_the_ordinary_way(daemon_factory):
     d = daemon_factory(extra='[namespaces.tiny]\nquota = "256KiB"\n')
     with d.client(namespace="tiny") as c:

@@ -66,6 +66,24 @@ def test_a_tenant_over_its_size_evicts_only_its_own_and_nobody_evicts_it_below(d
     assert survey(d, A_UID, "a", 3 * SIZE_MIB, 100) == kept
 
 
+def test_a_reload_that_would_not_add_up_with_the_sizes_it_cannot_change_is_refused(daemon_factory):
+    """A size changes at a restart only: a SIGHUP whose file lowers team-a's size and gives a
+    namespace a guaranteed share that fits only beside the lowered size is refused whole (the
+    running sizes and the new share would add up to more than the pool)."""
+    import signal
+
+    from secutil import wait_for, write_node_toml
+    d = daemon_factory(start=False)
+    start(d, SIZED)
+    lowered = SIZED.replace(f'size = "{SIZE_MIB}MiB"', 'size = "1MiB"', 1)
+    write_node_toml(d, tables=lowered + '[namespaces.big]\nguaranteed = "48MiB"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: "SIGHUP: not reloading" in d.log(), timeout=10), d.log()
+    assert "guaranteed shares and tenant sizes add up to" in d.log()
+    assert metric(d, "ecd_tenant_size_bytes", tenant="team-a") == SIZE_MIB * MIB
+    assert metric(d, "ecd_namespace_guaranteed_bytes", namespace="big") == 0
+
+
 @pytest.mark.parametrize("tables, error", [
     (TENANTS + '[tenants.default]\nsize = "1MiB"\n', "tenants.default.size: none: it has what the other tenants leave"),
     (TENANTS.replace("[tenants.team-b]", 'size = "1000"\n[tenants.team-b]'), "tenants.team-a.size: must be a multiple"),

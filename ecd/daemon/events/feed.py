@@ -78,7 +78,10 @@ class EventsFeed:
             return
         topics = self.topics_of[""]
         if self.tenant_topics and TENANT_SEP in ns:  # (no tenants: a NUL is just a character)
-            topics = self.topics_of.get(ns[:ns.index(TENANT_SEP)], topics)
+            found = self.topics_of.get(ns[:ns.index(TENANT_SEP)])
+            if found is None:
+                return  # a tenant no longer configured (adopted entries): on no one's topics
+            topics = found
         topic = topics[1] if type(meta) is EncoderMeta else topics[0]
         pending = self.pending[topic]
         pending.append(event)

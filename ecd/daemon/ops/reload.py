@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ...config import NamespaceSection, load_config_file
+from ...config import NamespaceSection, load_config, load_config_file
 from ...errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +115,11 @@ def reload_config(target: "ReloadTarget") -> None:
     new.cluster = old.cluster  # its peers were applied above (Cluster.reload)
     _keep_verify_flags(old.namespaces, new.namespaces)
     _keep_tenants(old, new)
+    try:  # what is kept with what is new must still add up (tenants' sizes against guaranteed shares)
+        load_config(new.to_dict())
+    except ConfigError as exc:
+        log.error("SIGHUP: not reloading, the config with what cannot change at runtime kept is invalid: %s", exc)
+        return
     # Report under the old log level, so "applied log_level=warning" itself is still seen.
     if applied:
         log.info("SIGHUP: applied %s", ", ".join(

@@ -86,7 +86,8 @@ class Reserving:
         if failure is None and align_up(max(item.nbytes, 1)) != reservation.size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {reservation.size}")
         victims: list[Entry] | Failure = []
-        if failure is None and ns != reservation.ns:  # its bytes move to `ns`: that quota decides
+        moves = r.placement.scope(ns) != r.placement.scope(reservation.ns)  # (a sized tenant's namespaces: one)
+        if failure is None and moves:  # its bytes move to `ns`'s scope: that quota decides
             victims = r.placement.quota_victims(ns, reservation.size)
             if isinstance(victims, Failure):
                 failure = victims
