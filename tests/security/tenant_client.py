@@ -12,6 +12,7 @@ ecd's Client, and prints what it saw as one JSON line.
     tenant_client.py ENDPOINT UID GID GROUPS fetch NS PEER KEY SEED fetch KEY from PEER: whether it came, and SEED's bytes
     tenant_client.py ENDPOINT UID GID GROUPS secret NS KEY SEED  put 16 MiB of random bytes from SEED
     tenant_client.py ENDPOINT UID GID GROUPS scan NS SEED        whether any pool mapping it holds has 4 KiB of them
+    tenant_client.py ENDPOINT UID GID GROUPS fds NS              ask the fd socket for the pool (no hello): what came
 (GROUPS: comma-separated supplementary gids, "-" for none.)
 """
 from __future__ import annotations
@@ -43,6 +44,17 @@ def main() -> None:
     os.setgid(int(gid))
     os.setuid(int(uid))
     out: dict = {"uid": os.getuid()}
+    if what == "fds":  # the fd socket alone, as a process would that never says hello
+        from ecd.fd_passing import FdFetchError, fd_socket_path, receive
+        try:
+            _, items = receive(fd_socket_path(endpoint.removeprefix("ipc://")), 10.0)
+            out["fds"] = len(items)
+            for _, fd in items:
+                os.close(fd)
+        except FdFetchError as exc:
+            out["refused"] = str(exc)
+        print(json.dumps(out), flush=True)
+        return
     try:
         with Client(endpoint, namespace=ns, timeout=30.0) as c:
             out["tenant"] = c.welcome.tenant

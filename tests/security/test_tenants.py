@@ -76,6 +76,11 @@ def test_clients_of_no_tenant_or_of_two_are_refused_with_the_reason(daemon_facto
     both = run_as(d.endpoint, 5555, "probe", "kv", "x", groups=(A_GID, B_GID))
     assert both["error"] == "PermissionDenied", both
     assert "belongs to tenants team-a, team-b by its groups" in both["message"], both
+    # nor does either get the pool from the fd socket without a hello (allowed_uids lets them reach it)
+    for uid, groups in ((STRANGER, ()), (5555, (A_GID, B_GID))):
+        fds = run_as(d.endpoint, uid, "fds", "kv", groups=groups)
+        assert "fds" not in fds and "tenant" in fds["refused"], fds
+    assert run_as(d.endpoint, A_UID, "fds", "kv")["fds"] >= 1  # a tenant's process gets it
     with Client(d.endpoint, timeout=10.0) as root:  # the daemon's own uid is always admitted (ecd status)
         assert root.welcome.tenant == ""
 

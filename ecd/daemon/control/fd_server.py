@@ -49,7 +49,8 @@ import msgspec
 
 from ...fd_passing import FD_WIRE_VERSION, FDS_PER_MESSAGE, FdBatch, FdItem
 from ...listeners import SocketFiles
-from .admission import MAX_LOGGED_UIDS, admit as admit_ids
+from ..registry.entries import RequestError
+from .admission import MAX_LOGGED_UIDS, admit as admit_ids, tenant_of
 from .connections import peer_credentials
 from ...memory.host import ShmFile
 from ...memory.memfd import MemfdFile
@@ -144,6 +145,15 @@ class FdServer:
             if not self._serve(conn):
                 conn.close()
 
+    def _no_tenant(self, creds: Any) -> str | None:
+        """Why a peer whose hello is refused for its tenants (none with `[tenants] default = false`,
+        or two by its groups) gets no pool either, whatever the allowed lists say."""
+        try:
+            tenant_of(self._config(), creds.uid, creds.gid, creds.groups)
+        except RequestError as exc:
+            return str(exc)
+        return None
+
     def _serve(self, conn: socket.socket) -> bool:
         """Answer `conn`; True when it is kept open until its reply is read."""
         conn.setblocking(False)
@@ -151,7 +161,7 @@ class FdServer:
             creds = peer_credentials(conn.fileno())
             if creds is None:
                 raise OSError(0, "the peer is gone")
-            why = admit_ids(creds.uid, creds.gid, self._config(), creds.groups)
+            why = admit_ids(creds.uid, creds.gid, self._config(), creds.groups) or self._no_tenant(creds)
             if why is not None:
                 self.counts["refused"] += 1
                 if creds.uid not in self._logged_uids and len(self._logged_uids) < MAX_LOGGED_UIDS:
