@@ -23,6 +23,9 @@ gids = [{A_GID}]
 uids = [{B_UID}]
 gids = [{B_GID}]
 """
+SIZE_MIB = 12  # each sized tenant's part of the tests' 64 MiB pool
+# the same tenants, each with a size (its part of the pool: tests/security/test_tenant_sizes.py)
+SIZED = TENANTS.replace("[tenants.team-b]", f'size = "{SIZE_MIB}MiB"\n[tenants.team-b]') + f'size = "{SIZE_MIB}MiB"\n'
 
 
 def run_as(endpoint: str, uid: int, what: str, ns: str, *args, gid: int | None = None, groups=()) -> dict:

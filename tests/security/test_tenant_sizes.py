@@ -17,14 +17,13 @@ from ecd import Client
 from ecd.config import load_config
 from ecd.errors import ConfigError, QuotaExceeded
 from secutil import metric
-from tenant_util import A_UID, B_UID, TENANTS, run_as, start
+from tenant_util import A_UID, B_UID, SIZE_MIB, SIZED, TENANTS, run_as, start
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
                                                            "privileges: these tests need to run as root")
 
 MIB = 1 << 20
-SIZE_MIB = 12  # each tenant's part of the 64 MiB pool; entries are 1 MiB (tenant_client.pattern)
-SIZED = TENANTS.replace("[tenants.team-b]", f'size = "{SIZE_MIB}MiB"\n[tenants.team-b]') + f'size = "{SIZE_MIB}MiB"\n'
+# (entries are 1 MiB: tenant_client.pattern)
 
 
 def survey(d, uid: int, prefix: str, n: int, seed: int) -> list[int]:

@@ -19,7 +19,7 @@ from ecd import Client, ControlClient
 from ecd.errors import InvalidRequest, KeyNotFound
 from ecd.protocol import Acquire, Delete, Exists, Keys
 from secutil import wait_for, write_node_toml
-from tenant_util import A_GID, A_UID, B_GID, B_UID, STRANGER, TENANTS, run_as, start
+from tenant_util import A_GID, A_UID, B_GID, B_UID, SIZED, STRANGER, TENANTS, run_as, start
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
                                                            "privileges: these tests need to run as root")
@@ -146,9 +146,10 @@ def test_remote_clients_belong_to_the_tenant_of_their_curve_key(daemon_factory, 
                    "holds (per-tenant segments are not built yet): B finds A's bytes in it")
 def test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps(daemon_factory):
     """Item 2's test, the one the rest of issue 44 must turn: A stores 16 MiB of random bytes; B
-    reads every pool mapping its client holds, whole, for 4 KiB of them."""
+    reads every pool mapping its client holds, whole, for 4 KiB of them. (Sized tenants: a size is
+    the part of the pool that is to be the tenant's own segments.)"""
     d = daemon_factory(start=False)
-    start(d)
+    start(d, SIZED.replace('"12MiB"', '"24MiB"'))
     assert run_as(d.endpoint, A_UID, "secret", "kv", "secret", 77)["put"]
     assert run_as(d.endpoint, A_UID, "scan", "kv", 77)["found"] is True  # (the scan finds what is there)
     scan = run_as(d.endpoint, B_UID, "scan", "kv", 77)
