@@ -19,7 +19,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ...memory.ring import TENANT_SEP
+from ...memory.ring import split_namespace
 from ...protocol import EncoderMeta
 from ..registry.entries import State
 from .publisher import CLEARED, Publisher
@@ -76,12 +76,10 @@ class EventsFeed:
         if self.dropping:
             self.dropped += 1
             return
-        topics = self.topics_of[""]
-        if self.tenant_topics and TENANT_SEP in ns:  # (no tenants: a NUL is just a character)
-            found = self.topics_of.get(ns[:ns.index(TENANT_SEP)])
-            if found is None:
-                return  # a tenant no longer configured (adopted entries): on no one's topics
-            topics = found
+        tenant = split_namespace(ns)[0] if self.tenant_topics else ""  # (no tenants: a NUL is just a character)
+        topics = self.topics_of.get(tenant)
+        if topics is None:
+            return  # a tenant no longer configured (adopted entries): on no one's topics
         topic = topics[1] if type(meta) is EncoderMeta else topics[0]
         pending = self.pending[topic]
         pending.append(event)

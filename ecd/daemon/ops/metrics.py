@@ -21,7 +21,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ... import __version__
 from ...listeners import bind_tcp_listener
-from ...memory.ring import TENANT_SEP
 from ..registry.entries import State
 from .histogram import Histogram
 from ..registry.reservations import RESERVATION_OUTCOMES
@@ -209,9 +208,10 @@ class DaemonCollector:
                                              "the tenant's size", labels=["tenant"])
         for name, (quota, guaranteed) in sorted(store.policies.items()):
             used, refused = store.ns_used.get(name, 0), store.quota_refusals.get(name, 0)
-            if name.endswith(TENANT_SEP):
+            tenant = store.placement.tenant_of_scope(name)
+            if tenant:
                 for family, value in ((tenant_used, used), (tenant_size, quota), (tenant_refused, refused)):
-                    family.add_metric([name[:-1]], value)
+                    family.add_metric([tenant], value)
                 continue
             for family, value in ((ns_used, used), (ns_quota, quota), (ns_guaranteed, guaranteed),
                                   (ns_refused, refused)):

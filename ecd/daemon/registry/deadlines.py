@@ -14,7 +14,6 @@ import heapq
 from typing import TYPE_CHECKING, cast
 
 from ...memory.allocator import align_up
-from ...memory.ring import TENANT_SEP
 from .entries import Entry, Session, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,7 +78,7 @@ class Deadlines:
         if group == -1:  # what namespaces' guaranteed shares still lack must stay evictable or free
             # (not tenants' sizes: those may add up to the whole pool, and would leave no pins at all)
             budget -= sum(max(0, share - r.guaranteed_ready.get(ns, 0)) for ns, share in r.guarantees.items()
-                          if not ns.endswith(TENANT_SEP))
+                          if not r.placement.tenant_of_scope(ns))
         return budget
 
     def group(self, pool: int) -> int:

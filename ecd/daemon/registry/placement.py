@@ -70,9 +70,14 @@ class Placement:
         return ns
 
     @staticmethod
-    def scope_name(scope: str) -> str:
+    def tenant_of_scope(scope: str) -> str:
+        """The tenant whose size `scope` is ("" for a namespace's scope)."""
+        return scope[:-1] if scope.endswith(TENANT_SEP) else ""
+
+    def scope_name(self, scope: str) -> str:
         """How a refusal names a scope."""
-        return f"tenant {scope[:-1]!r}" if scope.endswith(TENANT_SEP) else f"namespace {scope!r}"
+        tenant = self.tenant_of_scope(scope)
+        return f"tenant {tenant!r}" if tenant else f"namespace {scope!r}"
 
     # ---- the LRU order --------------------------------------------------------------------
 
@@ -109,7 +114,10 @@ class Placement:
     def make_evictable(self, entry: Entry) -> None:
         """An unheld READY entry (or one just used: to the most recently used end)."""
         r = self.r
-        lru = self.quota_lru.get(self.scope(entry.ns)) if self.quota_lru else None
+        lru, scope = None, ""
+        if self.quota_lru:  # (no quotas: no scope to work out on this path, every read's)
+            scope = self.scope(entry.ns)
+            lru = self.quota_lru.get(scope)
         if entry.generation in r.evictable:
             r.evictable.move_to_end(entry.generation)
             if lru is not None:
@@ -120,7 +128,7 @@ class Placement:
             r.evictable[entry.generation] = entry  # the most recently used end
             if lru is not None:
                 lru[entry.generation] = entry
-                self.quota_evictable_bytes[self.scope(entry.ns)] += nbytes
+                self.quota_evictable_bytes[scope] += nbytes
 
     def make_unevictable(self, entry: Entry) -> None:
         """A leased, pinned or unindexed entry: out of the LRU order."""
@@ -128,11 +136,12 @@ class Placement:
         if r.evictable.pop(entry.generation, None) is not None:
             nbytes = align_up(max(entry.nbytes, 1))
             r.evictable_bytes[entry.pool] -= nbytes
-            scope = self.scope(entry.ns) if self.quota_lru else ""
-            lru = self.quota_lru.get(scope) if self.quota_lru else None
-            if lru is not None:
-                del lru[entry.generation]
-                self.quota_evictable_bytes[scope] -= nbytes
+            if self.quota_lru:
+                scope = self.scope(entry.ns)
+                lru = self.quota_lru.get(scope)
+                if lru is not None:
+                    del lru[entry.generation]
+                    self.quota_evictable_bytes[scope] -= nbytes
 
     # ---- quotas and room ------------------------------------------------------------------
 
