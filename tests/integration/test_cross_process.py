@@ -74,27 +74,36 @@ def test_non_contiguous_and_scalar_tensors(daemon):
                 assert torch.equal(v, t), key
 
 
-def test_threads_share_one_client(daemon):
+def run_threads(work, n: int, timeout: float) -> None:
+    """work(0) .. work(n - 1), each on a thread of its own; whatever any of them raised, raised here."""
     errors: list[BaseException] = []
+
+    def run(tid: int) -> None:
+        try:
+            work(tid)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(tid,)) for tid in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+
+
+def test_threads_share_one_client(daemon):
     with daemon.client() as c:
         def work(tid: int) -> None:
-            try:
-                for i in range(30):
-                    t = torch.full((20_000 + tid,), float(tid * 1000 + i))
-                    c.put(f"th{tid}-{i}", t)
-                    assert torch.equal(c.get(f"th{tid}-{i}"), t)
-                    with c.view(f"th{tid}-{i}") as v:
-                        assert v[0].item() == tid * 1000 + i
-                    assert c.exists([f"th{tid}-{i}", f"none-{tid}"]) == [True, False]
-            except BaseException as exc:  # noqa: BLE001 - surfaced below
-                errors.append(exc)
+            for i in range(30):
+                t = torch.full((20_000 + tid,), float(tid * 1000 + i))
+                c.put(f"th{tid}-{i}", t)
+                assert torch.equal(c.get(f"th{tid}-{i}"), t)
+                with c.view(f"th{tid}-{i}") as v:
+                    assert v[0].item() == tid * 1000 + i
+                assert c.exists([f"th{tid}-{i}", f"none-{tid}"]) == [True, False]
 
-        threads = [threading.Thread(target=work, args=(tid,)) for tid in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        run_threads(work, 4, timeout=60)
         stats = c.stats()
         assert stats["entries_ready"] == 120 and stats["read_leases"] == 0
 
@@ -120,25 +129,16 @@ def test_threads_putting_without_waiting_while_others_ask_the_daemon(daemon):
     """A put holds its record's sequence number from its place to its post, and copies between: a
     round trip in another thread (under the client's lock) settles the puts posted so far and
     must not wait for that one, nor that put for the lock (the two would wait on each other)."""
-    errors: list[BaseException] = []
     with daemon.client() as c:
         def work(tid: int) -> None:
-            try:
-                for i in range(40):
-                    c.put(f"nw{tid}-{i}", torch.full((1 << 15,), float(tid * 1000 + i)), wait=False)
-                    if i % 2:
-                        assert c.stats()["entries_ready"] >= 1  # a round trip under the lock
-                    else:
-                        assert c.delete([f"nw{tid}-{i - 2}"] if i else ["absent"]) == [bool(i)]
-            except BaseException as exc:  # noqa: BLE001 - surfaced below
-                errors.append(exc)
+            for i in range(40):
+                c.put(f"nw{tid}-{i}", torch.full((1 << 15,), float(tid * 1000 + i)), wait=False)
+                if i % 2:
+                    assert c.stats()["entries_ready"] >= 1  # a round trip under the lock
+                else:
+                    assert c.delete([f"nw{tid}-{i - 2}"] if i else ["absent"]) == [bool(i)]
 
-        threads = [threading.Thread(target=work, args=(tid,)) for tid in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads(work, 4, timeout=120)
         c.flush()
         for tid in range(4):
             for i in range(40):  # deleted: every even one but the last; each a thread's put before its delete
