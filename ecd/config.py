@@ -312,10 +312,9 @@ class NamespaceSection(Section):
     verify: bool = False
 
     def __post_init__(self) -> None:
-        check_field(self.quota >= 0, "quota", f"must be >= 0, got {int(self.quota)}")
-        check_field(self.guaranteed >= 0, "guaranteed", f"must be >= 0, got {int(self.guaranteed)}")
         # The pool hands out whole 256-byte units: quota = "1000" would refuse a 1000-byte entry.
         for key, value in (("quota", self.quota), ("guaranteed", self.guaranteed)):
+            check_field(value >= 0, key, f"must be >= 0, got {int(value)}")
             check_field(value % POOL_UNIT == 0, key, f"must be a multiple of {POOL_UNIT} bytes (entries take "
                                                 f"whole {POOL_UNIT}-byte units), got {int(value)}")
         check_field(self.quota == 0 or self.guaranteed <= self.quota, "guaranteed",
@@ -334,8 +333,8 @@ class TenantSection(Section):
     gids: list[int] = msgspec.field(default_factory=list)  # or by primary / supplementary gid
     curve_keys: list[str] = msgspec.field(default_factory=list)  # remote clients by CURVE public key (Z85)
     admit: bool = True  # [tenants.default] only (`[tenants] default = false`): clients of no tenant refused
-    # Its part of the pool (host and arenas, counted as a namespace quota): its quota and its guaranteed
-    # share at once (docs/SECURITY.md, Tenants). 0: none; the default tenant has what the others leave.
+    # Its part of the host pool, segments of its own (docs/SECURITY.md, Tenants), and its quota in all tiers.
+    # 0: none (it shares the default tenant's segments); the default tenant has what the others leave.
     size: ByteSize = ByteSize(0)
 
     def __post_init__(self) -> None:
@@ -375,6 +374,11 @@ def _check_tenants(config: "Config") -> None:
                     "can check: name its curve_keys)")
         check_field(not tenant.curve_keys or bool(config.control.curve), f"tenants.{name}.curve_keys",
                     "needs control.curve_secret_key and control.curve_allowed_keys (the keys are CURVE's)")
+    sizes, host = sum(int(tenant.size) for tenant in config.tenants.values()), int(config.pool.host.size)
+    check_field(not sizes or config.pool.host.backing == "memfd", "tenants", 'sizes need [pool.host] backing = '
+                "\"memfd\": a sized tenant's segments are its own, and named files open to the daemon's whole group")
+    check_field(sizes < host, "tenants", f"sizes add up to {sizes} bytes: they must leave part of pool.host.size "
+                                         f"({host}) to the default tenant (its segments hold the read slots)")
 
 
 class Config(Section):
@@ -398,13 +402,11 @@ class Config(Section):
         check_field(self.pool.cuda is None or self.pool.cuda.export != "fd" or self.pool.host.backing == "memfd",
                     "pool.cuda.export", '"fd" hands the arenas out on the fd socket, which needs '
                     '[pool.host] backing = "memfd"')
-        # named /dev/shm files open to the daemon's group: a member the lists refuse at the socket
-        # would still open, read and overwrite the pool (issue 40, attack 3)
+        # named files open to the daemon's group: a member the lists refuse would still map the pool (issue 40)
         for key in ("allowed_uids", "allowed_gids"):
             check_field(not getattr(self.control, key) or self.pool.host.backing == "memfd", f"control.{key}",
-                        'protects nothing with [pool.host] backing = "named": the pool\'s /dev/shm files open '
-                        "to every member of the daemon's group, whatever the lists say; use backing = \"memfd\" "
-                        "(the default: the fd socket hands the pool only to admitted clients)")
+                        'protects nothing with [pool.host] backing = "named" (its files open to the daemon\'s whole '
+                        'group): use backing = "memfd" (the default: the fd socket hands the pool to admitted clients)')
         if self.pool.cuda is not None:
             pool += int(self.pool.cuda.size) * len(self.pool.cuda.devices)
             what = "pool.host.size plus the CUDA arenas"
@@ -413,8 +415,8 @@ class Config(Section):
                    "namespace name must be 1 to limits.max_key_bytes bytes")
             check_field(ns.quota <= pool, f"namespaces.{name}.quota",
                    f"must be <= {what} ({pool}), got {int(ns.quota)}")
-        guaranteed = sum(int(ns.guaranteed) for ns in self.namespaces.values())
-        sizes = sum(int(tenant.size) for tenant in self.tenants.values())
+        guaranteed, sizes = (sum(int(s.guaranteed) for s in self.namespaces.values()),
+                             sum(int(t.size) for t in self.tenants.values()))
         check_field(guaranteed + sizes <= pool, "tenants" if sizes else "namespaces",
                     f"guaranteed shares{' and tenant sizes' if sizes else ''} add up to {guaranteed + sizes} bytes, "
                     f"more than {what} ({pool})")
@@ -443,10 +445,8 @@ def check_control_policy(config: Config) -> None:
 
 
 def check_cluster_policy(config: Config) -> None:
-    """Start-time rule for the peer plane: `cluster.listen` needs CURVE (peers authenticate each
-    other both ways, so only allowed peers get the one-time data tokens), or an explicit
-    `insecure = true`.
-    Loopback is no exception: every local user can reach it, whatever its uid or group."""
+    """Start-time rule: `cluster.listen` needs CURVE (peers authenticate each other both ways, so only
+    allowed peers get data tokens) or `insecure = true`, on loopback too (every local user reaches it)."""
     cluster = config.cluster
     if cluster.enabled and not cluster.curve and not cluster.insecure:
         raise ConfigError(f"cluster.listen: {cluster.listen} has no authentication: set "

@@ -266,7 +266,7 @@ class CudaPlane:
                 return
             try:
                 driver = _driver()
-                for buf in self._host_bufs:
+                for buf in filter(None, self._host_bufs):  # (None: another tenant's segment)
                     address = buffer_address(buf)
                     driver.host_register(address, len(buf))
                     self._registered.append(address)

@@ -36,9 +36,10 @@ log = logging.getLogger("ecd.client")
 
 
 class NoRing:
-    """The event ring of a daemon on another host: never trusted, so every lookup asks."""
+    """The event ring of a daemon on another host, or one a client of a sized tenant is not
+    given (it shows every tenant's keys): never trusted, so every lookup asks."""
 
-    next_seq = 0
+    next_seq = nslots = 0
     epoch = 0
     overruns = corruptions = 0
 
@@ -87,7 +88,8 @@ class EpochMapping:
         self.epoch = welcome.epoch
         self.node = welcome.node
         self.views: Any = None  # the Client's tensors.PoolViews of `ro` (this module stays torch-free)
-        self.sizes = [p.size for p in welcome.pools]
+        # by pool index: a sized tenant's client is given its own segments only (0 / None: not mapped)
+        self.sizes = host_sizes(welcome)
         # `[pool.cuda]` arenas: pool numbers after the host segments' (ecd.client.cuda opens them)
         self.arenas = list(welcome.arenas)
         self.arena_sizes = {a.index: a.size for a in welcome.arenas}
@@ -109,7 +111,7 @@ class EpochMapping:
         else:
             self._map_named(welcome, populate)
         if in_background and self.rw:
-            self.prefaulting = prefault.start(self.rw, self.ro)
+            self.prefaulting = prefault.start([b for b in self.rw if b is not None], [b for b in self.ro if b is not None])
 
     def _map_named(self, welcome: Welcome, populate: bool) -> None:
         """The pools and ring as /dev/shm files of the names the Welcome gives."""
@@ -127,9 +129,9 @@ class EpochMapping:
                 self._not_local()
                 return
             self.ring: RingReader | NoRing = ring
-            self.rw = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
+            self.rw: list[Any] = [ShmFile.attach(p.name, p.size, writable=True, populate=populate).buf
                        for p in welcome.pools]
-            self.ro = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
+            self.ro: list[Any] = [ShmFile.attach(p.name, p.size, writable=False, populate=populate).buf
                        for p in welcome.pools]
         except (ShmError, ValueError) as exc:
             raise EcdError(f"cannot map the daemon's shared memory: {exc}") from None
@@ -165,7 +167,8 @@ class EpochMapping:
                 raise DaemonUnavailable(f"the fd socket {path} belongs to daemon run {header.epoch}, the Welcome "
                                         f"to run {welcome.epoch}: the daemon restarted meanwhile; connect again")
             fds = {(item.kind, item.index): (item.size, fd) for item, fd in items}
-            want = [("ring", 0, welcome.ring.size)] + [("pool", p.index, p.size) for p in welcome.pools]
+            ringless = welcome.ring.size == 0  # a sized tenant's client (handlers.hello)
+            want = [("ring", 0, welcome.ring.size)] * (not ringless) + [("pool", p.index, p.size) for p in welcome.pools]
             for kind, index, size in want:
                 got = fds.get((kind, index))
                 if got is None or got[0] != size:
@@ -173,16 +176,20 @@ class EpochMapping:
                                         f"Welcome says {size}")
                 if fcntl.fcntl(got[1], F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
                     raise ProtocolError(f"the daemon's {kind} {index} is not sealed against truncation")
-            ring_buf = map_fd(fds["ring", 0][1], welcome.ring.size, writable=False)
-            ring = open_ring(ShmFile(welcome.ring.name, welcome.ring.size, ring_buf), welcome)
-            if ring is None:
-                raise ProtocolError(f"the ring from the fd socket {path} is not daemon run {welcome.epoch}'s")
-            self.ring = ring
+            if ringless:
+                self.ring = NoRing()
+            else:
+                ring_buf = map_fd(fds["ring", 0][1], welcome.ring.size, writable=False)
+                ring = open_ring(ShmFile(welcome.ring.name, welcome.ring.size, ring_buf), welcome)
+                if ring is None:
+                    raise ProtocolError(f"the ring from the fd socket {path} is not daemon run {welcome.epoch}'s")
+                self.ring = ring
             # Views get a read-only mapping of the same descriptor: a stray in-place write faults.
-            self.rw = [map_fd(fds["pool", p.index][1], p.size, writable=True, populate=populate)
-                       for p in welcome.pools]
-            self.ro = [map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
-                       for p in welcome.pools]
+            self.rw = [None] * len(self.sizes)
+            self.ro = [None] * len(self.sizes)
+            for p in welcome.pools:
+                self.rw[p.index] = map_fd(fds["pool", p.index][1], p.size, writable=True, populate=populate)
+                self.ro[p.index] = map_fd(fds["pool", p.index][1], p.size, writable=False, populate=populate)
             self.arena_fds = arena_descriptors(welcome, fds, path)
             kept = list(self.arena_fds.values())
             if ("doorbell", 0) in fds:
@@ -204,7 +211,7 @@ class EpochMapping:
                 f"and puts of up to {inline_max} bytes")
 
     def check(self, loc: Location) -> None:
-        size = self.sizes[loc.pool] if 0 <= loc.pool < len(self.sizes) else self.arena_sizes.get(loc.pool)
+        size = self.sizes[loc.pool] or None if 0 <= loc.pool < len(self.sizes) else self.arena_sizes.get(loc.pool)
         if size is None or not (0 <= loc.offset and loc.offset + loc.nbytes <= size):
             raise ProtocolError(f"daemon sent a location outside its pools: {loc}")
 
@@ -225,7 +232,19 @@ class EpochMapping:
 
     def fits(self, extent: Extent, arena: int) -> bool:
         """Whether an extent lies in the tier a put asks for (arena -1: the host pool)."""
-        return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes)
+        return extent.pool == arena if arena >= 0 else 0 <= extent.pool < len(self.sizes) and self.sizes[extent.pool] > 0
+
+
+def host_sizes(welcome: Welcome) -> list[int]:
+    """Each host segment's size by pool index, 0 for one not given to this client (another
+    tenant's): the arenas' pool numbers follow every host segment."""
+    count = min((a.index for a in welcome.arenas), default=max((p.index + 1 for p in welcome.pools), default=0))
+    sizes = [0] * count
+    for pool in welcome.pools:
+        if not 0 <= pool.index < count:
+            raise ProtocolError(f"the daemon named host pool segment {pool.index} beside arenas from {count}")
+        sizes[pool.index] = pool.size
+    return sizes
 
 
 def arena_descriptors(welcome: Welcome, fds: dict[tuple[str, int], tuple[int, int]],

@@ -42,7 +42,7 @@ from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
 from .tiers.host import HostTier
 from .ops.systemd import Notifier
-from .restart.adopt import slot_tail_bytes, submission_bytes
+from .restart.adopt import pool_layout, slot_tail_bytes, submission_bytes
 from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target, submission_area
 from .writes.consumer import SubmissionArea
 
@@ -318,7 +318,7 @@ class Daemon:
         try:
             self.fd_server = FdServer(path, self.socket_files, self.epoch, self.ring_file, self.pool.segments,
                                       lambda: self.config, arena_fds(self), self.fd_limit,
-                                      doorbell=submission_bytes(self.config) > 0)
+                                      doorbell=submission_bytes(self.config) > 0, groups=pool_layout(self.config)[1])
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
         self.fd_socket_name = os.path.basename(path) if ipc is not None else path
@@ -364,14 +364,14 @@ class Daemon:
         self._stopping = asyncio.Event()
         assert self.pool is not None and self.ring is not None and self.connections is not None  # prepare() made these
         assert self.sock is not None
-        # the truncation checks (tiers/host.py): only the named files can be truncated (memfds are
-        # sealed), so in the memfd mode gets, commits and the timer pay nothing for them
+        # the truncation checks (tiers/host.py) only for named files: memfds are sealed (no cut to look for)
         leases = self.config.leases
         slots = slot_area_at_end(self.pool.segments[0], leases.slot_sessions, leases.read_slots)
         tail = slot_tail_bytes(self.config)  # the submission area, then the read slots
         host = HostTier([seg.size - (tail if i == 0 else 0) for i, seg in enumerate(self.pool.segments)],
                         [a.size for a in self.arenas] if self.arenas is not None else [],
-                        segments=self.pool.segments if self.config.pool.host.backing == "named" else ())
+                        segments=self.pool.segments if self.config.pool.host.backing == "named" else (),
+                        groups=pool_layout(self.config)[1])
         self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
                            namespaces=self.config.namespaces, slots=slots, tenants=self.config.tenants)
         self.memory.adopt_entries(self.store, float(self.config.leases.write_ttl))

@@ -17,6 +17,7 @@ import fcntl
 import mmap
 import os
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..config_types import format_size
 from . import kernel_copy
@@ -240,22 +241,16 @@ class NodeLock:
 
 
 class HostPool:
-    """The daemon's host pool: `size` bytes split into segments of at most `segment_size`."""
+    """The daemon's host pool: segments of the sizes the config cuts (restart/adopt.py's pool_layout)."""
 
-    def __init__(self, node: str, size: int, segment_size: int, group: int = -1, tail: int = 0) -> None:
-        """`tail`: bytes segment 0 has past its share of `size` (the read slots: memory/entry_index.py)."""
+    def __init__(self, node: str, sizes: Sequence[int], group: int = -1) -> None:
         self.segments: list[ShmFile] = []
         # Check the whole pool up front: filling memory segment by segment before failing would
         # take the node's memory with it (tmpfs and memfd pages are RAM) and invite the OOM killer.
-        self.check_room(size + tail)
-        remaining, index = size, 0
+        self.check_room(sum(sizes))
         try:
-            while remaining > 0:
-                seg_size = min(remaining, segment_size) + (tail if index == 0 else 0)
-                self.segments.append(self.create_segment(segment_name(node, index), seg_size, group))
-                seg_size -= tail if index == 0 else 0
-                remaining -= seg_size
-                index += 1
+            for index, size in enumerate(sizes):
+                self.segments.append(self.create_segment(segment_name(node, index), size, group))
         except BaseException:
             self.close()
             raise

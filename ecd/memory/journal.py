@@ -39,7 +39,7 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .allocator import ALIGNMENT, align_up
@@ -83,10 +83,13 @@ class Layout:
     node: str
     backing: str
     segments: tuple[int, ...]  # the host pool's segment sizes, in order
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # sized tenant -> its segments
 
     def encode(self) -> bytes:
-        return json.dumps({"format": FORMAT, "node": self.node, "backing": self.backing,
-                           "segments": list(self.segments)}, sort_keys=True).encode()
+        layout: dict = {"format": FORMAT, "node": self.node, "backing": self.backing, "segments": list(self.segments)}
+        if self.groups:  # (a pool without sized tenants reads as it did before they existed)
+            layout["groups"] = {name: list(pools) for name, pools in self.groups.items()}
+        return json.dumps(layout, sort_keys=True).encode()
 
 
 @dataclass(slots=True)
@@ -174,10 +177,13 @@ class Journal:
             raise JournalRefused("the journal's header fails its MAC: it was not written with the key kept beside "
                                  "it (forged, or corrupted)")
         theirs, ours = json.loads(layout_bytes), json.loads(layout.encode())
-        for field in ("node", "backing", "segments"):
-            if theirs.get(field) != ours[field]:
-                raise JournalRefused(f"the pool was made with {field} = {theirs.get(field)!r}, the config now "
-                                     f"gives {ours[field]!r}")
+        for name in ("node", "backing", "segments"):
+            if theirs.get(name) != ours[name]:
+                raise JournalRefused(f"the pool was made with {name} = {theirs.get(name)!r}, the config now "
+                                     f"gives {ours[name]!r}")
+        if theirs.get("groups", {}) != ours.get("groups", {}):  # a segment of one tenant's is not another's
+            raise JournalRefused(f"the pool's tenants' segments were {theirs.get('groups', {})}, the config now "
+                                 f"gives {ours.get('groups', {})} (a [tenants.NAME] size or name changed)")
         entries, intents, skipped = journal._scan()
         return journal, entries, intents, skipped
 

@@ -155,7 +155,7 @@ def map_fd(fd: int, size: int, *, writable: bool, populate: bool = False) -> mma
 
 
 class MemfdPool(HostPool):
-    """The daemon's host pool as sealed memfds: `size` bytes in segments of at most `segment_size`
+    """The daemon's host pool as sealed memfds (segments of the sizes the config cuts)
     (named like the files of the named mode, for /proc/PID/maps and the logs; no group: a memfd
     has no path for a permission to guard, its descriptors are what is handed out)."""
 

@@ -17,6 +17,7 @@ ecd's Client, and prints what it saw as one JSON line.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -49,6 +50,7 @@ def main() -> None:
         try:
             _, items = receive(fd_socket_path(endpoint.removeprefix("ipc://")), 10.0)
             out["fds"] = len(items)
+            out["items"] = sorted([item.kind, item.index] for item, _ in items)
             for _, fd in items:
                 os.close(fd)
         except FdFetchError as exc:
@@ -88,11 +90,11 @@ def main() -> None:
             elif what == "secret":
                 c.put(rest[0], secret(int(rest[1])))
                 out["put"] = True
-            elif what == "scan":  # every pool mapping this client holds, read whole
+            elif what == "scan":  # every shared mapping and memfd this process can reach, read whole
                 needle = secret(int(rest[0]))[SECRET_BYTES // 2:SECRET_BYTES // 2 + 4096].numpy().tobytes()
-                pools = c.mapping.ro
-                out["mapped_bytes"] = sum(len(p) for p in pools)
-                out["found"] = any(bytes(p).find(needle) >= 0 for p in pools)
+                out.update(scan_reachable(needle))
+            elif what == "pools":  # Stats' (capacity, used) per pool, as this client is shown them
+                out["pools"] = c.stats()["pools"]
             elif what == "put-big":
                 c.put(rest[0], torch.zeros(int(rest[1]) << 18))
                 out["put"] = True
@@ -119,6 +121,35 @@ def main() -> None:
     except EcdError as exc:
         out.update(error=type(exc).__name__, message=str(exc))
     print(json.dumps(out), flush=True)
+
+
+def scan_reachable(needle: bytes) -> dict:
+    """Look for `needle` in every mapping of shared memory in /proc/self/maps (memfds, /dev/shm
+    files; read through /proc/self/mem) and in every memfd among /proc/self/fd."""
+    mapped = held = 0
+    found = False
+    ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE (setuid cleared it): /proc/self/mem
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            name = fields[5].strip() if len(fields) == 6 else ""
+            if "r" not in fields[1] or not (name.startswith("/memfd:") or name.startswith("/dev/shm/")):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mem.seek(start)
+            data = mem.read(end - start)
+            mapped += len(data)
+            found = found or data.find(needle) >= 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                continue
+            data = os.pread(int(fd), os.fstat(int(fd)).st_size, 0)
+        except OSError:
+            continue
+        held += len(data)
+        found = found or data.find(needle) >= 0
+    return {"mapped_bytes": mapped, "memfd_bytes": held, "found": found}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 from ecd import Client
 from ecd.config import load_config
-from ecd.errors import ConfigError, QuotaExceeded
+from ecd.errors import ConfigError, InvalidRequest
 from secutil import metric
 from tenant_util import A_UID, B_UID, SIZE_MIB, SIZED, TENANTS, run_as, start
 
@@ -56,12 +56,11 @@ def test_a_tenant_over_its_size_evicts_only_its_own_and_nobody_evicts_it_below(d
     assert survey(d, B_UID, "b", 6, 500) == list(range(6))
 
     # an entry larger than the size itself: refused, the reason naming the tenant (as its clients
-    # know it), and nothing of A's evicted for it
+    # know it), and nothing of A's evicted for it (it could never fit in A's segments)
     big = run_as(d.endpoint, A_UID, "put-big", "kv", "huge", SIZE_MIB + 1)
-    assert big["error"] == QuotaExceeded.__name__, big
-    assert "tenant 'team-a' is at its quota" in big["message"] and "larger than the quota itself" in big["message"]
+    assert big["error"] == InvalidRequest.__name__, big
+    assert "larger than the largest of tenant 'team-a''s segments" in big["message"], big
     assert "\0" not in big["message"], big
-    assert metric(d, "ecd_tenant_quota_exceeded_total", tenant="team-a") == 1
     assert survey(d, A_UID, "a", 3 * SIZE_MIB, 100) == kept
 
 
@@ -86,8 +85,11 @@ def test_a_reload_that_would_not_add_up_with_the_sizes_it_cannot_change_is_refus
 @pytest.mark.parametrize("tables, error", [
     (TENANTS + '[tenants.default]\nsize = "1MiB"\n', "tenants.default.size: none: it has what the other tenants leave"),
     (TENANTS.replace("[tenants.team-b]", 'size = "1000"\n[tenants.team-b]'), "tenants.team-a.size: must be a multiple"),
+    (TENANTS.replace("[tenants.team-b]", 'size = "24MiB"\n[tenants.team-b]') + 'size = "24MiB"\n'
+     + '[namespaces.kv]\nguaranteed = "20MiB"\n',
+     "tenants: guaranteed shares and tenant sizes add up to 71303168 bytes, more than pool.host.size"),
     (TENANTS.replace("[tenants.team-b]", 'size = "40MiB"\n[tenants.team-b]') + 'size = "40MiB"\n',
-     "tenants: guaranteed shares and tenant sizes add up to 83886080 bytes, more than pool.host.size"),
+     "tenants: sizes add up to 83886080 bytes: they must leave part of pool.host.size"),
 ])
 def test_bad_tenant_sizes_are_refused_with_the_reason(tables, error):
     import tomllib

@@ -142,8 +142,6 @@ def test_remote_clients_belong_to_the_tenant_of_their_curve_key(daemon_factory, 
         assert torch.equal(a.get("mm-1"), torch.arange(1000, dtype=torch.int32))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 44 gap: the host pool is one mapping every admitted client "
-                   "holds (per-tenant segments are not built yet): B finds A's bytes in it")
 def test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps(daemon_factory):
     """Item 2's test, the one the rest of issue 44 must turn: A stores 16 MiB of random bytes; B
     reads every pool mapping its client holds, whole, for 4 KiB of them. (Sized tenants: a size is

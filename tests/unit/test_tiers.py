@@ -12,6 +12,7 @@ from ecd.config import load_config
 from ecd.daemon.registry.entries import RequestError
 from ecd.daemon.tiers.base import LowerTier, NullTier
 from ecd.daemon.tiers.disk import DiskTier
+from ecd.daemon.restart.adopt import pool_layout, slot_tail_bytes
 from ecd.daemon.tiers.host import HostTier
 from ecd.errors import Code
 from ecd.memory.ring import EventKind
@@ -77,9 +78,24 @@ def test_both_lower_tiers_answer_the_protocol(tmp_path):
         disk.close()
 
 
+def test_a_sized_tenant_s_entries_are_placed_in_its_own_segments_only():
+    """HostTier's groups (restart/adopt.py's pool_layout): a sized tenant's scope places in its
+    segments, every other namespace in the rest."""
+    host = HostTier([4 * A, 2 * A, 2 * A], groups={"team-a": (1, 2)})
+    assert host.shared_pools == (0,) and host.pools_for("team-a\0") == (1, 2) and host.pools_for("kv") == (0,)
+    assert host.tier(-1, "team-a\0") == (1, 2) and host.tier(-1) == (0,)
+    assert "tenant 'team-a''s segments" in host.too_large(3 * A, (1, 2))
+    assert host.alloc(2 * A, host.tier(-1, "team-a\0")) == (1, 0)
+    config = load_config({"pool": {"host": {"size": "64MiB", "segment_size": "16MiB"}},
+                          "tenants": {"b": {"uids": [7], "size": "20MiB"}, "a": {"uids": [8], "size": "8MiB"}}})
+    sizes, groups = pool_layout(config)
+    assert groups == {"a": (3,), "b": (4, 5)} and sizes[3:] == (8 << 20, 16 << 20, 4 << 20), (sizes, groups)
+    assert sum(sizes[:3]) - slot_tail_bytes(config) == 36 << 20
+
+
 def test_the_host_tier_places_in_the_pools_it_is_asked_for():
     host = HostTier([4 * A, 2 * A], [8 * A])
-    assert host.host_pools == (0, 1) and host.arena_pools == (2,) and host.largest_segment == 4 * A
+    assert host.host_pools == (0, 1) and host.arena_pools == (2,)
     assert host.tier(-1) == (0, 1) and host.tier(2) == (2,)
     with pytest.raises(RequestError) as refused:
         host.tier(1)  # a host segment is no arena

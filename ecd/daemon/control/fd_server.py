@@ -43,7 +43,7 @@ import termios
 from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgspec
 
@@ -78,11 +78,13 @@ class FdServer:
 
     def __init__(self, path: str, files: SocketFiles, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
                  config: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
-                 fd_limit: int = 1024, doorbell: bool = False) -> None:
+                 fd_limit: int = 1024, doorbell: bool = False, groups: Mapping[str, Sequence[int]] = {}) -> None:
         """`config`: the daemon's Config as it is now (after any SIGHUP); `arenas`:
         (pool index, size, descriptor) of the CUDA arenas exported as file descriptors; `fd_limit`:
         the daemon's open-file limit (the kernel's bound on its descriptors in flight); `doorbell`:
-        make the submission area's eventfd (`self.doorbell`) and hand it out too."""
+        make the submission area's eventfd (`self.doorbell`) and hand it out too; `groups`: each
+        sized tenant's segments (by tenant name), handed to its clients instead of the rest: no
+        other tenant's segment, and no ring or doorbell (their pages are in the default segments)."""
         self.path = path
         self._config = config  # the daemon's current Config (its [control] lists and tenants' ids)
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
@@ -110,17 +112,17 @@ class FdServer:
             self._close_own()
             raise
         self.sock = sock
+        owned = {pool for pools in groups.values() for pool in pools}
+        arena_items = [(FdItem("arena", index, size), fd) for index, size, fd in arenas]  # (every tenant's)
         items = [(FdItem("ring", 0, ring.size), self._ring_fd)]
-        items += [(FdItem("pool", i, seg.size), seg.fd) for i, seg in enumerate(segments)]
-        items += [(FdItem("arena", index, size), fd) for index, size, fd in arenas]
-        items += [(FdItem("doorbell", 0, 0), self.doorbell)] if doorbell else []
-        self._batches = []
-        for first in range(0, len(items), FDS_PER_MESSAGE):
-            chunk = items[first:first + FDS_PER_MESSAGE]
-            header = FdBatch(FD_WIRE_VERSION, epoch, [item for item, _ in chunk],
-                             last=first + FDS_PER_MESSAGE >= len(items))
-            self._batches.append((msgspec.msgpack.encode(header), array.array("i", [fd for _, fd in chunk])))
-        budget = fd_limit * 3 // 4 // max(1, len(items))  # unread handouts the kernel's in-flight limit allows
+        items += [(FdItem("pool", i, seg.size), seg.fd) for i, seg in enumerate(segments) if i not in owned]
+        items += arena_items + ([(FdItem("doorbell", 0, 0), self.doorbell)] if doorbell else [])
+        handouts = {"": items}  # by tenant ("": the default tenant's, and every unsized tenant's)
+        for tenant, pools in groups.items():
+            handouts[tenant] = [(FdItem("pool", i, segments[i].size), segments[i].fd) for i in pools] + arena_items
+        self._batches = {tenant: _batches(epoch, got) for tenant, got in handouts.items()}
+        # unread handouts the kernel's in-flight limit allows
+        budget = fd_limit * 3 // 4 // max(1, *(len(got) for got in handouts.values()))
         self.max_unread = max(UID_SHARE, min(MAX_UNREAD, budget))
         self.max_unread_per_uid = max(1, self.max_unread // UID_SHARE)
 
@@ -145,14 +147,15 @@ class FdServer:
             if not self._serve(conn):
                 conn.close()
 
-    def _no_tenant(self, creds: Any) -> str | None:
-        """Why a peer whose hello is refused for its tenants (none with `[tenants] default = false`,
-        or two by its groups) gets no pool either, whatever the allowed lists say."""
+    def _batches_for(self, creds: Any) -> tuple[str | None, list]:
+        """(None, the batches of the peer's tenant's descriptors), or (why not, []): a peer whose
+        hello is refused for its tenants (none with `[tenants] default = false`, or two by its
+        groups) gets no pool either, whatever the allowed lists say."""
         try:
-            tenant_of(self._config(), creds.uid, creds.gid, creds.groups)
+            tenant = tenant_of(self._config(), creds.uid, creds.gid, creds.groups)
         except RequestError as exc:
-            return str(exc)
-        return None
+            return str(exc), []
+        return None, self._batches.get(tenant, self._batches[""])
 
     def _serve(self, conn: socket.socket) -> bool:
         """Answer `conn`; True when it is kept open until its reply is read."""
@@ -161,7 +164,10 @@ class FdServer:
             creds = peer_credentials(conn.fileno())
             if creds is None:
                 raise OSError(0, "the peer is gone")
-            why = admit_ids(creds.uid, creds.gid, self._config(), creds.groups) or self._no_tenant(creds)
+            batches: list[tuple[bytes, array.array]] = []
+            why = admit_ids(creds.uid, creds.gid, self._config(), creds.groups)
+            if why is None:
+                why, batches = self._batches_for(creds)
             if why is not None:
                 self.counts["refused"] += 1
                 if creds.uid not in self._logged_uids and len(self._logged_uids) < MAX_LOGGED_UIDS:
@@ -177,7 +183,7 @@ class FdServer:
                     log.warning("fd socket: no pool for pid %d (uid %d): %s", creds.pid, creds.uid, why)
                 self._refuse(conn, why)
                 return False
-            for header, fds in self._batches:
+            for header, fds in batches:
                 conn.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except OSError as exc:
             self.counts["failed"] += 1
@@ -265,3 +271,12 @@ class FdServer:
                 os.close(fd)
         self._ring_fd = self.doorbell = -1
 
+
+def _batches(epoch: int, items: list[tuple[FdItem, int]]) -> list[tuple[bytes, array.array]]:
+    """One handout's messages (header, descriptors), at most FDS_PER_MESSAGE descriptors each."""
+    batches = []
+    for first in range(0, len(items), FDS_PER_MESSAGE):
+        chunk = items[first:first + FDS_PER_MESSAGE]
+        header = FdBatch(FD_WIRE_VERSION, epoch, [item for item, _ in chunk], last=first + FDS_PER_MESSAGE >= len(items))
+        batches.append((msgspec.msgpack.encode(header), array.array("i", [fd for _, fd in chunk])))
+    return batches

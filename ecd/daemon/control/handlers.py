@@ -95,7 +95,7 @@ class Handlers:
                 return Acked(rid, released)
             case Alloc(id=rid, ns=ns, items=items, arena=arena):
                 store.check_batch(len(items))
-                pools = store.tier(arena)
+                pools = store.tier(arena, ns)
                 run = store.placement.place_run(ns, items, pools)  # one allocator search for them all
                 extents: list[Extent | Failure] = (
                     [store.open_write(session, ns, item, placed) for item, placed in zip(items, run)]
@@ -328,12 +328,17 @@ class Handlers:
         session = ctx.sessions.open(conn, hello, tenant)
         limits = cfg.limits
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
+        host = ctx.store.host
+        own = host.groups.get(tenant_namespace(tenant, "")) if tenant else None
+        # A sized tenant's client maps its own segments and nothing of the others': no ring (it
+        # shows every tenant's keys) and no read slots or submission page (in segment 0): it asks.
+        ring = (RingInfo("", 0, 0, 0) if own else
+                RingInfo(ctx.ring_file.name, ctx.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets,
+                         cfg.ring.index_records, ctx.store.slot_holds.assign(session),
+                         ctx.submissions.assign(session) if ctx.submissions is not None else []))
         self.send(identity, Welcome(
             hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
-            [PoolInfo(i, seg.name, seg.size) for i, seg in enumerate(ctx.segments)],
-            RingInfo(ctx.ring_file.name, ctx.ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets,
-                     cfg.ring.index_records, ctx.store.slot_holds.assign(session),
-                     ctx.submissions.assign(session) if ctx.submissions is not None else []),
+            [PoolInfo(i, ctx.segments[i].name, ctx.segments[i].size) for i in own or host.shared_pools], ring,
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
@@ -349,7 +354,11 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters", tenant: s
     states = store.count_states()
     leases, pins, waiters = store.lease_totals()
     reservations, reserved_bytes = store.reservation_totals()
-    pools = [(a.capacity, a.used) for a in store.host.allocators]
+    host = store.host
+    # a client's: its tenant's segments and the arenas (another tenant's segments read as (0, 0))
+    seen = None if tenant is None else {*host.tier(-1, store.placement.scope(tenant_namespace(tenant, "x"))),
+                                        *host.arena_pools}
+    pools = [(a.capacity, a.used) if seen is None or i in seen else (0, 0) for i, a in enumerate(host.allocators)]
     c = store.counters
     return DaemonStats(
         node=context.node, epoch=context.epoch, version=__version__,

@@ -211,7 +211,7 @@ class Placement:
         without a write) are evicted in preference to any other, when they alone can make the
         room: a promotion then never shares the disk with a spill of its own making."""
         host = self.r.host
-        pools = host.host_pools if pools is None else pools
+        pools = host.pools_for(self.scope(ns) if ns else "") if pools is None else pools
         size = align_up(max(nbytes, 1))
         if required and any(host.allocators[p].largest_free >= size for p in pools):
             self._evict_all(required, ())
@@ -341,7 +341,7 @@ class Placement:
         capacity = sum(a.capacity for a in tier)
         used = sum(a.used for a in tier)
         largest = max(a.largest_free for a in tier)
-        where = "" if pools == r.host.host_pools else f" in CUDA arena {pools[0]}"
+        where = f" in CUDA arena {pools[0]}" if pools[0] in r.host.arena_pools else ""
         slotted = [r.evictable[g] for g in r.slot_holds.kept(plan=False) & r.evictable.keys()]  # views, pins by slots
         held = len(r.index) - len(r.evictable) + len(slotted)
         writing = r.writes_in_progress()

@@ -39,12 +39,12 @@ class Reserving:
         """An anonymous extent of `nbytes` for this client's next put, placed in `pools` (a tier:
         the one of the commit it rides on; default the host pool), without evicting."""
         r = self.r
-        pools = r.host.host_pools if pools is None else pools
         if session.reservation is not None:
             return Failure(Code.LIMIT, "this client already holds a reservation")
         ns = session.reserve_ns
         if ns is None:
             return Failure(Code.INVALID, "a reservation is asked for with a commit: this client has committed nothing")
+        pools = r.host.pools_for(r.placement.scope(ns)) if pools is None else pools
         too_large = r.host.too_large(nbytes, pools)
         if too_large:
             return Failure(Code.INVALID, f"cannot reserve: {too_large}")
@@ -81,8 +81,9 @@ class Reserving:
             return Failure(Code.STALE, f"generation {generation} is not this client's reservation "
                                        "(expired, aborted or already published)")
         host = r.host
-        pools = (reservation.pool,) if reservation.pool in host.arena_pools else host.host_pools
-        failure = r.checks.item(ns, item, pools)
+        pools = (reservation.pool,) if reservation.pool in host.arena_pools else host.pools_for(r.placement.scope(ns))
+        failure = (r.checks.item(ns, item, pools) if reservation.pool in pools else  # (never: a session's
+                   Failure(Code.INVALID, "the reservation lies in another tenant's segments"))  # tenant is one)
         if failure is None and align_up(max(item.nbytes, 1)) != reservation.size:
             failure = Failure(Code.INVALID, f"{item.nbytes} bytes do not match the reservation of {reservation.size}")
         victims: list[Entry] | Failure = []

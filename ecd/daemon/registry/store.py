@@ -167,9 +167,9 @@ class Store:
     def check_key(self, ns: str, key: str) -> Failure | None:
         return self.checks.key(ns, key)
 
-    def tier(self, arena: int) -> tuple[int, ...]:
-        """The pools an Alloc with this `arena` may use (HostTier.tier)."""
-        return self.host.tier(arena)
+    def tier(self, arena: int, ns: str = "") -> tuple[int, ...]:
+        """The pools an Alloc into `ns` with this `arena` may use (HostTier.tier: `ns`'s tenant's segments)."""
+        return self.host.tier(arena, self.placement.scope(ns))
 
     def holder(self, generation: int) -> Entry | Reservation | None:
         """The entry (in any state) or reservation that holds this generation's extent."""
@@ -178,15 +178,15 @@ class Store:
     def tier_of(self, generation: int) -> tuple[int, ...]:
         """The pools of an entry or reservation (the host pool when the generation names none)."""
         held = self.holder(generation)
-        host = self.host
-        return (held.pool,) if held is not None and held.pool in host.arena_pools else host.host_pools
+        return self.host.shared_pools if held is None else (
+            (held.pool,) if held.pool in self.host.arena_pools else self.tier(-1, held.ns))
 
     # ---- put ----------------------------------------------------------------------------
 
     def alloc(self, session: Session, ns: str, item: AllocItem,
               pools: tuple[int, ...] | None = None, clean_first: bool = False) -> Extent | Failure:
         """Place a new WRITING entry in `pools` (a tier(): default the host pool); `clean_first`: see Placement.place."""
-        pools = self.host.host_pools if pools is None else pools
+        pools = self.tier(-1, ns) if pools is None else pools
         placement, failure = self.placement, self.checks.item(ns, item, pools)
         if failure is not None:
             self.counters["alloc_refused"] += 1

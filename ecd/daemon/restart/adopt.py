@@ -58,12 +58,29 @@ def journal_name(node: str) -> str:
     return f"ecd.{node}.journal"
 
 
-def segment_sizes(config: "Config") -> tuple[int, ...]:
-    """The host pool's segment sizes as HostPool cuts them (segment 0 with the read slots after its share)."""
-    size, segment = int(config.pool.host.size), int(config.pool.host.segment_size)
-    sizes = [min(segment, size - start) for start in range(0, size, segment)]
+def pool_layout(config: "Config") -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+    """The host pool's segment sizes and the segments of each tenant with a size: the default
+    tenant's part first (what the sized tenants leave; segment 0 with the read slots and the
+    submission area after its share), then each sized tenant's own, by name. A sized tenant's
+    segments hold its entries alone and are handed to its clients alone (docs/SECURITY.md)."""
+    segment = int(config.pool.host.segment_size)
+    parts = {name: int(tenant.size) for name, tenant in sorted(config.tenants.items()) if tenant.size}
+    sizes = _cut(int(config.pool.host.size) - sum(parts.values()), segment)
     sizes[0] += slot_tail_bytes(config)
-    return tuple(sizes)
+    groups: dict[str, tuple[int, ...]] = {}
+    for name, size in parts.items():
+        first = len(sizes)
+        sizes += _cut(size, segment)
+        groups[name] = tuple(range(first, len(sizes)))
+    return tuple(sizes), groups
+
+
+def _cut(size: int, segment: int) -> list[int]:
+    return [min(segment, size - start) for start in range(0, size, segment)]
+
+
+def segment_sizes(config: "Config") -> tuple[int, ...]:
+    return pool_layout(config)[0]
 
 
 def slot_tail_bytes(config: "Config") -> int:
@@ -81,7 +98,8 @@ def submission_bytes(config: "Config") -> int:
 
 
 def layout_of(config: "Config") -> Layout:
-    return Layout(config.node.name, config.pool.host.backing, segment_sizes(config))
+    sizes, groups = pool_layout(config)
+    return Layout(config.node.name, config.pool.host.backing, sizes, groups)
 
 
 def journal_size(config: "Config") -> int:
@@ -237,7 +255,8 @@ def _adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSt
     unfinished = [IntentRecord(r.at, r.generation, r.pool, r.offset, align_up(max(r.nbytes, 1)))
                   for r in kept.entries if not r.committed]
     for record in (r for r in kept.entries if r.committed):
-        if record.pool not in host_pools or store.check_key(record.ns, record.key) is not None:
+        # (a record in another tenant's segments: the journal's groups matched, so a forgery or a bug's)
+        if record.pool not in store.tier(-1, record.ns) or store.check_key(record.ns, record.key) is not None:
             journal.forget(record.at)
             dropped += 1
             continue

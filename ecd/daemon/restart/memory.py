@@ -21,7 +21,7 @@ from ...memory.host import RING_FILE_MODE, HostPool, ShmFile, remove_stale, ring
 from ...memory.journal import Journal, JournalRefused, NullJournal
 from ...memory.memfd import RING_SEALS, MemfdFile, MemfdPool
 from ...memory.ring import RingWriter
-from .adopt import slot_tail_bytes
+from .adopt import segment_sizes
 from ...protocol import RestartStats
 from .adopt import Kept, adopt_entries, create_journal, kept_fds, open_kept
 from .keeper import NoKeeper, PoolKeeper, choose_keeper
@@ -129,9 +129,9 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
         if kept is not None:
             pool, journal_file, journal, key_fd = kept.pool, kept.journal_file, kept.journal, kept.key_fd
         elif host.backing == "memfd":  # sealed: no one can truncate them (memory/memfd.py)
-            pool = MemfdPool(node, int(host.size), int(host.segment_size), tail=slot_tail_bytes(config))
+            pool = MemfdPool(node, segment_sizes(config))
         else:
-            pool = HostPool(node, int(host.size), int(host.segment_size), gid, tail=slot_tail_bytes(config))
+            pool = HostPool(node, segment_sizes(config), gid)
         if kept is None and keeper.kind != "none":
             journal_file, journal, key_fd = create_journal(config)
         ring_size = config.ring.file_bytes()

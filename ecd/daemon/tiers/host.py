@@ -34,10 +34,12 @@ member may do to the pool anyway (`verify` catches both).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ...errors import Code
 from ...memory.allocator import ExtentAllocator
+from ...memory.ring import tenant_namespace
 from ...protocol import Extent, Failure
 from ..registry.entries import RequestError, State
 
@@ -52,11 +54,18 @@ class HostTier:
     mode's truncation checks (`segments`: the host pool's ShmFiles; none with backing = "memfd")."""
 
     def __init__(self, pool_sizes: Sequence[int], arena_sizes: Sequence[int] = (),
-                 segments: Sequence[Any] = ()) -> None:
+                 segments: Sequence[Any] = (), groups: Mapping[str, tuple[int, ...]] = MappingProxyType({})) -> None:
+        """`groups`: each sized tenant's own segments (restart/adopt.py's pool_layout), by tenant name."""
         self.allocators = [ExtentAllocator(size) for size in [*pool_sizes, *arena_sizes]]
-        self.host_pools = tuple(range(len(pool_sizes)))  # the host pool: every shm segment
+        self.host_pools = tuple(range(len(pool_sizes)))  # the host pool: every shm segment, every tenant's
         self.arena_pools = tuple(range(len(pool_sizes), len(self.allocators)))  # one per CUDA arena
-        self.largest_segment = max(pool_sizes)  # no host entry can be bigger than this
+        # A sized tenant's entries live in its segments alone (by its scope: Placement.scope), every
+        # other namespace's in the rest: the default tenant's part, with segment 0 and its tail.
+        self.groups = {tenant_namespace(name, ""): tuple(pools) for name, pools in groups.items()}
+        owned = {pool for pools in groups.values() for pool in pools}
+        self.shared_pools = tuple(pool for pool in self.host_pools if pool not in owned)
+        self._owners = {tuple(pools): name for name, pools in groups.items()}  # for too_large's reason
+        self._largest: dict[tuple[int, ...], int] = {}  # pools -> their largest extent, for too_large
         # the host pool's named ShmFiles (memory.host), checked for truncation; none with
         # backing = "memfd": sealed memfds cannot be truncated, so there is nothing to check
         self.segments: Sequence[Any] = segments
@@ -70,11 +79,16 @@ class HostTier:
 
     # ---- tiers and allocation -------------------------------------------------------------
 
-    def tier(self, arena: int) -> tuple[int, ...]:
-        """The pools an Alloc with this `arena` may use: -1 the host pool's segments, else exactly
-        that arena (RequestError INVALID when `arena` is not an arena's pool index)."""
+    def pools_for(self, scope: str) -> tuple[int, ...]:
+        """The host segments a namespace of this scope (Placement.scope) places its entries in."""
+        return self.groups.get(scope, self.shared_pools)
+
+    def tier(self, arena: int, scope: str = "") -> tuple[int, ...]:
+        """The pools an Alloc with this `arena` may use: -1 the host segments of `scope`'s tenant
+        (pools_for), else exactly that arena (RequestError INVALID when `arena` is not an arena's
+        pool index)."""
         if arena == -1:
-            return self.host_pools
+            return self.pools_for(scope)
         if arena in self.arena_pools:
             return (arena,)
         arenas = (f"pools {self.arena_pools[0]}..{self.arena_pools[-1]} are CUDA arenas"
@@ -83,11 +97,14 @@ class HostTier:
 
     def too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
         """Why no extent of `nbytes` can ever fit in `pools` (None when one can)."""
-        largest = (self.largest_segment if pools == self.host_pools
-                   else max(self.allocators[p].capacity for p in pools))
+        largest = self._largest.get(pools)
+        if largest is None:  # (hundreds of segments: summed once per tier, not per put)
+            largest = self._largest[pools] = max(self.allocators[p].capacity for p in pools)
         if nbytes <= largest:
             return None
-        where = "the largest pool segment" if pools == self.host_pools else f"CUDA arena {pools[0]}"
+        owner = self._owners.get(pools)
+        where = (f"CUDA arena {pools[0]}" if pools[0] in self.arena_pools else
+                 f"the largest of tenant '{owner}''s segments" if owner else "the largest pool segment")
         return f"{nbytes} bytes is larger than {where} ({largest} bytes)"
 
     def alloc(self, size: int, pools: tuple[int, ...]) -> tuple[int, int] | None:

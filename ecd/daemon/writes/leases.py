@@ -115,7 +115,7 @@ class Leasing:
         (_evicting). `evict` False: a lease granted ahead, for puts that may never come (a refill)
         takes free space only."""
         store = self.store
-        pools = store.tier(tier)  # first: a bad tier raises before anything is kept
+        pools = store.tier(tier, ns)  # first: a bad tier raises before anything is kept
         leases = self.by_session.setdefault(session.id, [])
         if len(leases) >= MAX_LEASES:
             return Failure(Code.LIMIT, f"this client holds {MAX_LEASES} put leases already")

@@ -1,0 +1,99 @@
+"""A sized tenant's bytes are its own (issue 44, item 2): its entries live in segments of its own
+(memfds), the fd socket hands its clients those and nothing else (no other tenant's segment, no
+event ring, no doorbell), and a restart adopts each tenant's segments apart. Real client processes
+of other uids (tests/security/tenant_client.py) against real daemons; B's scan of everything it
+can reach is in test_tenants.py (test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps).
+
+On main before this change every admitted client was handed every segment and the ring.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ecd import ControlClient
+from ecd.config import load_config
+from ecd.errors import ConfigError
+from tenant_util import A_UID, B_UID, SIZED, TENANTS, run_as, start
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
+                                                           "privileges: these tests need to run as root")
+
+
+def handout(d, uid: int) -> list[list]:
+    got = run_as(d.endpoint, uid, "fds", "kv")
+    assert "items" in got, got
+    return got["items"]
+
+
+def test_each_sized_tenant_is_handed_its_own_segments_and_nothing_else(daemon_factory):
+    d = daemon_factory(start=False)
+    start(d, SIZED)
+    a, b, default = handout(d, A_UID), handout(d, B_UID), handout(d, os.geteuid())
+    assert {kind for kind, _ in a} == {"pool"} and {kind for kind, _ in b} == {"pool"}, (a, b)
+    assert {kind for kind, _ in default} >= {"pool", "ring"}, default  # (and the doorbell)
+    pools = [{index for kind, index in got if kind == "pool"} for got in (a, b, default)]
+    assert pools[0] and pools[1] and pools[2], pools
+    assert not (pools[0] & pools[1]) and not (pools[0] & pools[2]) and not (pools[1] & pools[2]), pools
+    # a tenant's client works without a ring: its gets ask the daemon, and find its own bytes
+    assert run_as(d.endpoint, A_UID, "put", "kv", "block-1", 1)["put"]
+    checked = run_as(d.endpoint, A_UID, "check", "kv", "block-1", 1)
+    assert checked["same"] is True and checked["acquires"] >= 1, checked
+    mine = run_as(d.endpoint, A_UID, "probe", "kv", "block-1")
+    assert mine["block-1"] == {"exists": True, "get": "hit", "view": "hit"}, mine
+    assert run_as(d.endpoint, B_UID, "probe", "kv", "block-1")["block-1"]["get"] == "miss"
+    # Stats shows a tenant's client its own segments' use and none of another tenant's
+    with ControlClient(d.endpoint) as root:
+        used = [u for _, u in root.stats()["pools"]]
+    assert sum(used[i] for i in pools[0]) >= 1 << 20, used
+    seen_by_b = run_as(d.endpoint, B_UID, "pools", "kv")["pools"]
+    assert all(seen_by_b[i] == [0, 0] for i in pools[0]) and all(seen_by_b[i][0] > 0 for i in pools[1]), seen_by_b
+
+
+def test_a_restart_adopts_each_tenant_s_entries_in_its_own_segments(daemon_factory):
+    d = daemon_factory(start=False)
+    start(d, SIZED.replace('"12MiB"', '"24MiB"'))
+    assert run_as(d.endpoint, A_UID, "secret", "kv", "secret", 77)["put"]
+    assert run_as(d.endpoint, B_UID, "put", "kv", "block-1", 5)["put"]
+    d.stop()
+    d.start()
+    with ControlClient(d.endpoint) as root:
+        restart = root.stats()["restart"]
+    assert restart["adopted"] and restart["entries"] >= 2, restart
+    assert run_as(d.endpoint, A_UID, "scan", "kv", 77)["found"] is True
+    scan = run_as(d.endpoint, B_UID, "scan", "kv", 77)
+    assert scan["mapped_bytes"] > 0 and scan["found"] is False, scan
+    assert run_as(d.endpoint, B_UID, "check", "kv", "block-1", 5)["same"] is True
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("rename", "the pool's tenants' segments were"),
+    ("resize", "the pool was made with segments"),
+])
+def test_moving_a_tenant_s_segments_starts_the_pool_cold_saying_why(daemon_factory, change, reason):
+    d = daemon_factory(start=False)
+    start(d, SIZED)
+    assert run_as(d.endpoint, A_UID, "put", "kv", "block-1", 1)["put"]
+    d.stop()
+    tables = (SIZED.replace("team-b", "team-c") if change == "rename"
+              else SIZED.replace('size = "12MiB"', 'size = "8MiB"', 1))
+    start(d, tables)
+    assert reason in d.log(), d.log()[-3000:]
+    with ControlClient(d.endpoint) as root:
+        restart = root.stats()["restart"]
+    assert not restart["adopted"] and restart["entries"] == 0, restart
+    assert run_as(d.endpoint, A_UID, "probe", "kv", "block-1")["block-1"]["get"] == "miss"
+
+
+@pytest.mark.parametrize("pool, tables, error", [
+    ('size = "64MiB"\nbacking = "named"', SIZED, 'sizes need [pool.host] backing = "memfd"'),
+    ('size = "64MiB"', SIZED.replace('"12MiB"', '"32MiB"'), "they must leave part of pool.host.size"),
+])
+def test_sizes_the_segments_cannot_honour_are_refused(pool, tables, error):
+    import tomllib
+    data = tomllib.loads(f'[pool.host]\n{pool}\n[control]\nendpoint = "ipc:///tmp/x.sock"\n' + tables)
+    with pytest.raises(ConfigError) as refused:
+        load_config(data)
+    assert error in str(refused.value)
+    load_config(tomllib.loads(f'[pool.host]\n{pool}\n[control]\nendpoint = "ipc:///tmp/x.sock"\n' + TENANTS))
