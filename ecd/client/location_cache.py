@@ -154,8 +154,8 @@ class LocationCache:
     def catch_up(self, ring) -> None:
         """After a put or get: when the ring has RING_SYNC_BACKLOG unread events (half the ring
         if smaller), apply them, so a client that only puts and gets keeps up."""
-        if not ring.nslots or ring.pending() < min(RING_SYNC_BACKLOG, ring.nslots // 2):
-            return  # (no ring: a sized tenant's client)
+        if ring.pending() < min(RING_SYNC_BACKLOG, ring.nslots // 2):
+            return
         events = ring.poll(RING_MAX_BACKLOG) if ring.usable(RING_SILENCE_S) else None
         if events is None:
             # Too far behind (idle while others wrote), lapped, or the ring is not usable: what

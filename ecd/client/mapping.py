@@ -36,10 +36,9 @@ log = logging.getLogger("ecd.client")
 
 
 class NoRing:
-    """The event ring of a daemon on another host, or one a client of a sized tenant is not
-    given (it shows every tenant's keys): never trusted, so every lookup asks."""
+    """The event ring of a daemon on another host: never trusted, so every lookup asks."""
 
-    next_seq = nslots = 0
+    next_seq = 0
     epoch = 0
     overruns = corruptions = 0
 
@@ -167,8 +166,7 @@ class EpochMapping:
                 raise DaemonUnavailable(f"the fd socket {path} belongs to daemon run {header.epoch}, the Welcome "
                                         f"to run {welcome.epoch}: the daemon restarted meanwhile; connect again")
             fds = {(item.kind, item.index): (item.size, fd) for item, fd in items}
-            ringless = welcome.ring.size == 0  # a sized tenant's client (handlers.hello)
-            want = [("ring", 0, welcome.ring.size)] * (not ringless) + [("pool", p.index, p.size) for p in welcome.pools]
+            want = [("ring", 0, welcome.ring.size)] + [("pool", p.index, p.size) for p in welcome.pools]
             for kind, index, size in want:
                 got = fds.get((kind, index))
                 if got is None or got[0] != size:
@@ -176,14 +174,11 @@ class EpochMapping:
                                         f"Welcome says {size}")
                 if fcntl.fcntl(got[1], F_GET_SEALS) & _SIZE_SEALS != _SIZE_SEALS:
                     raise ProtocolError(f"the daemon's {kind} {index} is not sealed against truncation")
-            if ringless:
-                self.ring = NoRing()
-            else:
-                ring_buf = map_fd(fds["ring", 0][1], welcome.ring.size, writable=False)
-                ring = open_ring(ShmFile(welcome.ring.name, welcome.ring.size, ring_buf), welcome)
-                if ring is None:
-                    raise ProtocolError(f"the ring from the fd socket {path} is not daemon run {welcome.epoch}'s")
-                self.ring = ring
+            ring_buf = map_fd(fds["ring", 0][1], welcome.ring.size, writable=False)
+            ring = open_ring(ShmFile(welcome.ring.name, welcome.ring.size, ring_buf), welcome)
+            if ring is None:
+                raise ProtocolError(f"the ring from the fd socket {path} is not daemon run {welcome.epoch}'s")
+            self.ring = ring
             # Views get a read-only mapping of the same descriptor: a stray in-place write faults.
             self.rw = [None] * len(self.sizes)
             self.ro = [None] * len(self.sizes)

@@ -318,7 +318,7 @@ class Daemon:
         try:
             self.fd_server = FdServer(path, self.socket_files, self.epoch, self.ring_file, self.pool.segments,
                                       lambda: self.config, arena_fds(self), self.fd_limit,
-                                      doorbell=submission_bytes(self.config) > 0, groups=pool_layout(self.config)[1])
+                                      doorbell=submission_bytes(self.config) > 0, tenants=self.memory.tenant_parts())
         except OSError as exc:
             raise StartupError(f"control.endpoint: cannot bind the fd socket {path}: {exc.strerror or exc}") from None
         self.fd_socket_name = os.path.basename(path) if ipc is not None else path
@@ -402,7 +402,7 @@ class Daemon:
         self.loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
         self.loop.add_reader(cast(int, self.sock.getsockopt(zmq.FD)), self.control.drain)  # an int option
         self.loop.add_reader(self.connections.monitor_fd(), self.control.drain)
-        tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.ring.heartbeat)),
+        tasks = [self.loop.create_task(self._every(HEARTBEAT_INTERVAL_S, self.memory.beat)),
                  self.loop.create_task(self._every(EXPIRY_INTERVAL_S, self.store.expire)),
                  self.loop.create_task(self._every(STATUS_INTERVAL_S, self._report_status)),
                  self.loop.create_task(self._every(SESSION_SWEEP_S, self._sweep_sessions)),
@@ -413,7 +413,7 @@ class Daemon:
             tasks.append(self.loop.create_task(self._every(self.notifier.watchdog_interval,
                                                            self.notifier.watchdog)))
         self.state = "serving"
-        self.ring.heartbeat()  # the ring's stamp is from its making: a slow start (a holder to spawn) aged it
+        self.memory.beat()  # the rings' stamps are from their making: a slow start (a holder to spawn) aged it
         log.info("serving node %s on %s: host pool %d bytes in %d %s segment(s), %d CUDA arena(s), epoch %d",
                  self.node, self.endpoint, sum(s.size for s in self.pool.segments), len(self.pool.segments),
                  self.config.pool.host.backing,

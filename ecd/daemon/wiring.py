@@ -52,7 +52,8 @@ def handler_context(d: "Daemon") -> HandlerContext:
         node=d.node, epoch=d.epoch, started=d.started, config=lambda: d.config, store=d.store,
         sessions=d.sessions, segments=d.pool.segments, ring_file=d.ring_file, ring=d.ring, arenas=arena_infos(d),
         fd_socket=d.fd_socket_name, lower_tier=d.lower_tier, peers=d.cluster, curve=d.curve,
-        restart=d.memory.stats, events=d.events_stats, submissions=d.submissions)
+        restart=d.memory.stats, events=d.events_stats, submissions=d.submissions,
+        tenant_rings={name: ring_file for name, (ring_file, _) in d.memory.tenant_rings.items()})
 
 
 def peer_context(d: "Daemon") -> PeerContext:

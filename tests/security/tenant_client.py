@@ -93,6 +93,8 @@ def main() -> None:
             elif what == "scan":  # every shared mapping and memfd this process can reach, read whole
                 needle = secret(int(rest[0]))[SECRET_BYTES // 2:SECRET_BYTES // 2 + 4096].numpy().tobytes()
                 out.update(scan_reachable(needle))
+                if len(rest) > 1:  # and a tenant's stored namespace (as the rings' entry index names it)
+                    out["name_found"] = scan_reachable(f"{rest[1]}\0{ns}".encode())["found"]
             elif what == "pools":  # Stats' (capacity, used) per pool, as this client is shown them
                 out["pools"] = c.stats()["pools"]
             elif what == "put-big":

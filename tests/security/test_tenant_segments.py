@@ -1,6 +1,7 @@
 """A sized tenant's bytes are its own (issue 44, item 2): its entries live in segments of its own
-(memfds), the fd socket hands its clients those and nothing else (no other tenant's segment, no
-event ring, no doorbell), and a restart adopts each tenant's segments apart. Real client processes
+(memfds) and are announced on a ring of its own; the fd socket hands its clients those and
+nothing else (no other tenant's segment or ring, no doorbell), and a restart adopts each tenant's
+segments apart. Real client processes
 of other uids (tests/security/tenant_client.py) against real daemons; B's scan of everything it
 can reach is in test_tenants.py (test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps).
 
@@ -31,15 +32,19 @@ def test_each_sized_tenant_is_handed_its_own_segments_and_nothing_else(daemon_fa
     d = daemon_factory(start=False)
     start(d, SIZED)
     a, b, default = handout(d, A_UID), handout(d, B_UID), handout(d, os.geteuid())
-    assert {kind for kind, _ in a} == {"pool"} and {kind for kind, _ in b} == {"pool"}, (a, b)
+    assert {kind for kind, _ in a} == {"pool", "ring"} == {kind for kind, _ in b}, (a, b)  # its own ring
     assert {kind for kind, _ in default} >= {"pool", "ring"}, default  # (and the doorbell)
     pools = [{index for kind, index in got if kind == "pool"} for got in (a, b, default)]
     assert pools[0] and pools[1] and pools[2], pools
     assert not (pools[0] & pools[1]) and not (pools[0] & pools[2]) and not (pools[1] & pools[2]), pools
-    # a tenant's client works without a ring: its gets ask the daemon, and find its own bytes
+    # a tenant's ring is its own: its client reads what it can locate there with no request (no
+    # Acquire), and nobody else's mappings name its namespace (the shared ring's entry index did)
     assert run_as(d.endpoint, A_UID, "put", "kv", "block-1", 1)["put"]
     checked = run_as(d.endpoint, A_UID, "check", "kv", "block-1", 1)
-    assert checked["same"] is True and checked["acquires"] >= 1, checked
+    assert checked["same"] is True and checked["acquires"] == 0, checked
+    assert run_as(d.endpoint, A_UID, "scan", "kv", 77, "team-a")["name_found"] is True
+    assert run_as(d.endpoint, B_UID, "scan", "kv", 77, "team-a")["name_found"] is False
+    assert run_as(d.endpoint, os.geteuid(), "scan", "kv", 77, "team-a")["name_found"] is False
     mine = run_as(d.endpoint, A_UID, "probe", "kv", "block-1")
     assert mine["block-1"] == {"exists": True, "get": "hit", "view": "hit"}, mine
     assert run_as(d.endpoint, B_UID, "probe", "kv", "block-1")["block-1"]["get"] == "miss"

@@ -8,8 +8,8 @@ plane and the disk tier are imported by no control module at import time (tests/
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...config import Config
@@ -43,3 +43,4 @@ class HandlerContext:
     restart: Callable[[], "RestartStats"]  # how this start went: adopted or cold (Stats.restart)
     events: Callable[[], "EventsStats | None"] = lambda: None  # [events] (Stats.events); None: off
     submissions: "SubmissionArea | None" = None  # puts without a message (Welcome, LeaseSpace); None: off
+    tenant_rings: Mapping[str, "ShmFile"] = field(default_factory=dict)  # a sized tenant's own ring's file, by name

@@ -78,13 +78,14 @@ class FdServer:
 
     def __init__(self, path: str, files: SocketFiles, epoch: int, ring: MemfdFile, segments: Sequence[ShmFile],
                  config: Callable[[], Any], arenas: Sequence[tuple[int, int, int]] = (),
-                 fd_limit: int = 1024, doorbell: bool = False, groups: Mapping[str, Sequence[int]] = {}) -> None:
+                 fd_limit: int = 1024, doorbell: bool = False,
+                 tenants: Mapping[str, tuple[Sequence[int], MemfdFile]] = {}) -> None:
         """`config`: the daemon's Config as it is now (after any SIGHUP); `arenas`:
         (pool index, size, descriptor) of the CUDA arenas exported as file descriptors; `fd_limit`:
         the daemon's open-file limit (the kernel's bound on its descriptors in flight); `doorbell`:
-        make the submission area's eventfd (`self.doorbell`) and hand it out too; `groups`: each
-        sized tenant's segments (by tenant name), handed to its clients instead of the rest: no
-        other tenant's segment, and no ring or doorbell (their pages are in the default segments)."""
+        make the submission area's eventfd (`self.doorbell`) and hand it out too; `tenants`: each
+        sized tenant's segments and ring (by tenant name), handed to its clients instead of the
+        rest: no other tenant's segment or ring, and no doorbell (its pages are in segment 0)."""
         self.path = path
         self._config = config  # the daemon's current Config (its [control] lists and tenants' ids)
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
@@ -95,6 +96,7 @@ class FdServer:
         self._limited_uids: set[int] = set()  # logged once each
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ring_fd = self.doorbell = -1
+        self._tenant_ring_fds: dict[str, int] = {}  # read-only, as the node's ring's
         self._epoch = epoch
         self._warned_emfile = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -105,6 +107,8 @@ class FdServer:
                 sock.bind(path)
             sock.listen(BACKLOG)
             self._ring_fd = ring.read_only_fd()
+            for tenant, (_, tenant_ring) in tenants.items():
+                self._tenant_ring_fds[tenant] = tenant_ring.read_only_fd()
             if doorbell:  # non-blocking for every holder: a client's ring never waits
                 self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         except BaseException:
@@ -112,14 +116,15 @@ class FdServer:
             self._close_own()
             raise
         self.sock = sock
-        owned = {pool for pools in groups.values() for pool in pools}
+        owned = {pool for pools, _ in tenants.values() for pool in pools}
         arena_items = [(FdItem("arena", index, size), fd) for index, size, fd in arenas]  # (every tenant's)
         items = [(FdItem("ring", 0, ring.size), self._ring_fd)]
         items += [(FdItem("pool", i, seg.size), seg.fd) for i, seg in enumerate(segments) if i not in owned]
         items += arena_items + ([(FdItem("doorbell", 0, 0), self.doorbell)] if doorbell else [])
         handouts = {"": items}  # by tenant ("": the default tenant's, and every unsized tenant's)
-        for tenant, pools in groups.items():
-            handouts[tenant] = [(FdItem("pool", i, segments[i].size), segments[i].fd) for i in pools] + arena_items
+        for tenant, (pools, tenant_ring) in tenants.items():
+            handouts[tenant] = [(FdItem("ring", 0, tenant_ring.size), self._tenant_ring_fds[tenant])]
+            handouts[tenant] += [(FdItem("pool", i, segments[i].size), segments[i].fd) for i in pools] + arena_items
         self._batches = {tenant: _batches(epoch, got) for tenant, got in handouts.items()}
         # unread handouts the kernel's in-flight limit allows
         budget = fd_limit * 3 // 4 // max(1, *(len(got) for got in handouts.values()))
@@ -266,10 +271,11 @@ class FdServer:
         self._close_own()
 
     def _close_own(self) -> None:
-        for fd in (self._ring_fd, self.doorbell):
+        for fd in (self._ring_fd, self.doorbell, *self._tenant_ring_fds.values()):
             if fd >= 0:
                 os.close(fd)
         self._ring_fd = self.doorbell = -1
+        self._tenant_ring_fds = {}
 
 
 def _batches(epoch: int, items: list[tuple[FdItem, int]]) -> list[tuple[bytes, array.array]]:

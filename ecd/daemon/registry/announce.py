@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...memory.ring import EventKind, RingWriter
+from ...memory.ring import TENANT_SEP, EventKind, RingWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..holdings import Holdings
@@ -15,12 +15,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Announcer:
-    __slots__ = ("ring", "lower_tier", "holdings", "host_pools", "_host", "_cuda", "_disk")
+    __slots__ = ("ring", "tenant_rings", "lower_tier", "holdings", "host_pools", "_host", "_cuda", "_disk")
 
     def __init__(self, ring: RingWriter, lower_tier: "LowerTier", host_pools: tuple[int, ...]) -> None:
         # at run time, not import time: holdings.py sits above the registry in the daemon's layers
         from ..holdings import Holdings, Medium
         self.ring, self.lower_tier, self.host_pools = ring, lower_tier, frozenset(host_pools)
+        # a sized tenant's own ring, by its scope (TENANT\0): its clients map it instead of `ring`
+        self.tenant_rings: dict[str, RingWriter] = {}
         self.holdings: "Holdings" = Holdings()
         self._host, self._cuda, self._disk = Medium.HOST, Medium.CUDA, Medium.DISK
 
@@ -29,16 +31,17 @@ class Announcer:
         known). While the lower tier holds the key (spilled, or promoted from it), its record keeps
         the key present: only the event is written, the presence table stays as it is."""
         keyhash = entry.keyhash if keyhash is None else keyhash
+        ring = self.ring_of(entry.ns)
         if kind is EventKind.PUBLISHED:
             self.index(entry, keyhash)
         else:  # out of the entry index before the event, and both before the extent is freed
-            self.ring.index.remove(entry.generation)
+            ring.index.remove(entry.generation)
         if self.lower_tier.holds(entry.ns, entry.key):
-            self.ring.append(kind, keyhash, entry.generation)
+            ring.append(kind, keyhash, entry.generation)
         elif kind is EventKind.PUBLISHED:
-            self.ring.publish(keyhash, entry.generation)
+            ring.publish(keyhash, entry.generation)
         else:
-            self.ring.unpublish(kind, keyhash, entry.generation)
+            ring.unpublish(kind, keyhash, entry.generation)
         if self.holdings.listeners:
             medium = self._host if entry.pool in self.host_pools else self._cuda
             if kind is EventKind.PUBLISHED:
@@ -49,8 +52,14 @@ class Announcer:
     def index(self, entry: "Entry", keyhash: int) -> None:
         """A READY entry into the ring's entry index: a host pool's, or a CUDA arena's (a client
         on that device reads it through its CUDA plane, under a read slot)."""
-        self.ring.index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
+        self.ring_of(entry.ns).index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
                             entry.nbytes, entry.dtype, entry.shape, entry.checksum)
+
+    def ring_of(self, ns: str) -> RingWriter:
+        """The ring that announces `ns`'s entries: its sized tenant's own, else the node's."""
+        if self.tenant_rings and TENANT_SEP in ns:
+            return self.tenant_rings.get(ns[:ns.index(TENANT_SEP) + 1], self.ring)
+        return self.ring
 
     def medium_of(self, entry: "Entry") -> Any:
         return self._host if entry.pool in self.host_pools else self._cuda

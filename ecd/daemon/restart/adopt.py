@@ -291,7 +291,7 @@ def _adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSt
     now = store.clock()
     adopted = adopted_bytes = 0
     quarantined: list[IntentRecord] = []
-    present: list[int] = []
+    present: dict[Any, list[int]] = {}  # by ring
     for held in sorted(by_extent.values(), key=lambda r: r.generation):  # LRU order: oldest first
         store.generations_after(held.generation)
         if isinstance(held, IntentRecord):
@@ -300,8 +300,9 @@ def _adopt_entries(store: "Store", kept: Kept, quarantine_s: float) -> RestartSt
         _insert(store, held, now, present)
         adopted += 1
         adopted_bytes += held.nbytes
-    # No events: no client has read this run's ring yet; the presence table is what they ask.
-    store.ring.mark_all_present(present)
+    # No events: no client has read this run's rings yet; the presence tables are what they ask.
+    for ring, keyhashes in present.items():
+        ring.mark_all_present(keyhashes)
     if quarantined:
         store.scheduler.call_later(quarantine_s, lambda: _end_quarantine(store, journal, quarantined))
     return RestartStats(
@@ -313,8 +314,8 @@ def _extent_bytes(record: EntryRecord | IntentRecord) -> int:
     return record.nbytes if isinstance(record, EntryRecord) else record.size
 
 
-def _insert(store: "Store", record: EntryRecord, now: float, present: list[int]) -> None:
-    """One READY entry from its record; its key hash goes to `present` (the ring's presence
+def _insert(store: "Store", record: EntryRecord, now: float, present: dict[Any, list[int]]) -> None:
+    """One READY entry from its record; its key hash goes to `present` (by ring: its presence
     table, filled for all of them at once)."""
     ns = sys.intern(record.ns)
     entry = Entry(record.generation, ns, record.key, sys.intern(record.dtype), store.shared_shape(record.shape),
@@ -329,7 +330,7 @@ def _insert(store: "Store", record: EntryRecord, now: float, present: list[int])
     keyhash = record.keyhash or entry.keyhash
     store.announcer.index(entry, keyhash)
     if not store.lower_tier.holds(ns, entry.key):  # else the disk tier's record keeps the key present
-        present.append(keyhash)
+        present.setdefault(store.announcer.ring_of(ns), []).append(keyhash)
 
 
 def _end_quarantine(store: "Store", journal: Journal, intents: list[IntentRecord]) -> None:

@@ -20,10 +20,9 @@ from ...memory import kernel_copy
 from ...memory.host import RING_FILE_MODE, HostPool, ShmFile, remove_stale, ring_name, shm_path
 from ...memory.journal import Journal, JournalRefused, NullJournal
 from ...memory.memfd import RING_SEALS, MemfdFile, MemfdPool
-from ...memory.ring import RingWriter
-from .adopt import segment_sizes
+from ...memory.ring import RingWriter, tenant_namespace
 from ...protocol import RestartStats
-from .adopt import Kept, adopt_entries, create_journal, kept_fds, open_kept
+from .adopt import Kept, adopt_entries, create_journal, kept_fds, open_kept, pool_layout, segment_sizes
 from .keeper import NoKeeper, PoolKeeper, choose_keeper
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,10 +44,26 @@ class Memory:
     kept: Kept | None = None  # the previous run's pool, until adopt_entries
     restart: RestartStats = field(default_factory=RestartStats)
     held: bool = False  # the keeper holds this pool (adopted from it, or handed to it)
+    # Each sized tenant's own segments (pool_layout) and event ring (its file and writer), by tenant
+    # name: its clients map those and nothing else. (The keeper keeps none of these rings: their
+    # heartbeats stop with the node's ring, whose quiet the next run waits for.)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tenant_rings: dict[str, tuple[MemfdFile, RingWriter]] = field(default_factory=dict)
+
+    def beat(self) -> None:
+        """Every ring's heartbeat (the daemon's timer; clients trust a ring while it beats)."""
+        self.ring.heartbeat()
+        for _, ring in self.tenant_rings.values():
+            ring.heartbeat()
+
+    def tenant_parts(self) -> dict[str, tuple[tuple[int, ...], MemfdFile]]:
+        """What the fd socket hands a sized tenant's clients: its segments and its ring's file."""
+        return {name: (pools, self.tenant_rings[name][0]) for name, pools in self.groups.items()}
 
     def adopt_entries(self, store: "Store", quarantine_s: float) -> None:
         """Give the store the journal and, for an adopted pool, its entries (before serving)."""
         store.journal = self.journal
+        store.announcer.tenant_rings = {tenant_namespace(name, ""): ring for name, (_, ring) in self.tenant_rings.items()}
         kept, self.kept = self.kept, None
         if kept is None:
             return
@@ -97,8 +112,9 @@ class Memory:
 
     def close(self) -> None:
         """This process lets go of the memory; a keeper holds on to the pool and the journal."""
-        self.ring.close()
-        self.ring_file.unlink()
+        for ring_file, ring in [(self.ring_file, self.ring), *self.tenant_rings.values()]:
+            ring.close()
+            ring_file.unlink()
         keeping = self.held  # a start that failed before the hand-over keeps nothing: named files go
         if self.journal_key_fd >= 0:
             os.close(self.journal_key_fd)
@@ -153,7 +169,18 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
         log.warning("process_vm_writev is not available (a seccomp filter?): inline puts copy into the pool "
                     "after a size check, and a pool file truncated in between would crash the daemon")
     ring = RingWriter(ring_file.buf, config.ring.slots, config.ring.presence_buckets, epoch, config.ring.index_records)
-    return Memory(pool, ring_file, ring, keeper, journal, journal_file, key_fd, kept, restart, held=kept is not None)
+    memory = Memory(pool, ring_file, ring, keeper, journal, journal_file, key_fd, kept, restart, held=kept is not None,
+                    groups=pool_layout(config)[1])
+    try:  # (sized tenants need backing = "memfd": config.py)
+        for name in memory.groups:
+            tenant_file = MemfdFile.create_sealed(f"{ring_name(node)}.{name}", ring_file.size, seals=RING_SEALS)
+            memory.tenant_rings[name] = (tenant_file, RingWriter(tenant_file.buf, config.ring.slots,
+                                                                 config.ring.presence_buckets, epoch,
+                                                                 config.ring.index_records))
+    except BaseException:
+        memory.close()
+        raise
+    return memory
 
 
 def _take_kept(config: "Config", restart: RestartStats) -> tuple[PoolKeeper, Kept | None]:

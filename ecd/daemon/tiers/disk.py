@@ -199,7 +199,7 @@ class DiskTier(SpillPromote, Persist):
         self.session = store.open_session(INTERNAL_SESSION_ID, 0)
         self.session.watched = True  # the daemon itself: a forced eviction must not revoke its leases
         for (ns, key) in self.records:
-            store.ring.publish(key_hash(ns, key), 0)
+            store.announcer.ring_of(ns).publish(key_hash(ns, key), 0)
         self.health.attach(loop, lambda: self.executor, self._recovered)
 
     def _recovered(self, direct: bool) -> None:

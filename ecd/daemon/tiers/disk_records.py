@@ -161,7 +161,7 @@ class DiskRecords:
         record.dropped = True
         assert self.store is not None
         if (header.ns, header.key) not in self.store.index:  # the record held the key's presence
-            self.store.ring.unpublish(kind, key_hash(header.ns, header.key), 0)
+            self.store.announcer.ring_of(header.ns).unpublish(kind, key_hash(header.ns, header.key), 0)
         if record.ready:
             self.store.announcer.disk_removed(header.ns, header.key, record.meta)
         if record.ready and record.reads:
