@@ -27,7 +27,6 @@ from ..errors import Code, ConfigError
 from ..listeners import SocketFiles
 from ..memory.host import HostPool, NodeLock, ShmError, ShmFile
 from ..memory.memfd import MemfdFile
-from ..memory.entry_index import slot_area_at_end
 from ..memory.ring import RingWriter
 from ..protocol import DaemonStats
 from .control.connections import SNDHWM, Connection, Connections, connection_budget, raise_fd_limit
@@ -40,11 +39,11 @@ from .control.sessions import Sessions
 from .registry.store import Store
 from .restart.memory import Memory, open_memory
 from .tiers.base import LowerTier, NullTier
-from .tiers.host import HostTier
 from .ops.systemd import Notifier
-from .restart.adopt import pool_layout, slot_tail_bytes, submission_bytes
-from .wiring import arena_fds, handler_context, metrics_source, peer_context, reload_target, submission_area
-from .writes.consumer import SubmissionArea
+from .restart.adopt import submission_bytes
+from .wiring import (arena_fds, handler_context, host_tier, metrics_source, peer_context, reload_target, slot_areas,
+                     submission_areas)
+from .writes.areas import SubmissionAreas
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..protocol import EventsStats
@@ -102,7 +101,7 @@ class Daemon:
         self.memory: Memory | None = None
         self.ring: RingWriter | None = None
         self.store: Store | None = None
-        self.submissions: SubmissionArea | None = None  # puts without a message (ecd/daemon/writes)
+        self.submissions: SubmissionAreas | None = None  # puts without a message (ecd/daemon/writes)
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -364,18 +363,11 @@ class Daemon:
         self._stopping = asyncio.Event()
         assert self.pool is not None and self.ring is not None and self.connections is not None  # prepare() made these
         assert self.sock is not None
-        # the truncation checks (tiers/host.py) only for named files: memfds are sealed (no cut to look for)
-        leases = self.config.leases
-        slots = slot_area_at_end(self.pool.segments[0], leases.slot_sessions, leases.read_slots)
-        tail = slot_tail_bytes(self.config)  # the submission area, then the read slots
-        host = HostTier([seg.size - (tail if i == 0 else 0) for i, seg in enumerate(self.pool.segments)],
-                        [a.size for a in self.arenas] if self.arenas is not None else [],
-                        segments=self.pool.segments if self.config.pool.host.backing == "named" else (),
-                        groups=pool_layout(self.config)[1])
-        self.store = Store(host, self.lower_tier, self.ring, self.loop, self.config.limits, self.config.leases,
-                           namespaces=self.config.namespaces, slots=slots, tenants=self.config.tenants)
+        self.store = Store(host_tier(self), self.lower_tier, self.ring, self.loop, self.config.limits,
+                           self.config.leases, namespaces=self.config.namespaces, slots=slot_areas(self),
+                           tenants=self.config.tenants)
         self.memory.adopt_entries(self.store, float(self.config.leases.write_ttl))
-        self.submissions = submission_area(self, tail)
+        self.submissions = submission_areas(self)
         # a session's end may queue replies: the control loop (made next) drains them
         self.sessions = Sessions(self.store, self.loop, self.connections, self.endpoint.startswith("ipc://"),
                                  lambda: self.config.limits, lambda: self.control.schedule_drain())

@@ -15,7 +15,10 @@ from ..protocol import ArenaInfo
 from .control.context import HandlerContext
 from .ops.context import MetricsSource, ReloadTarget
 from .peer.context import PeerContext
-from .restart.adopt import submission_bytes
+from ..memory.entry_index import SlotArea, slot_area_at_end
+from .restart.adopt import slot_tail_bytes, submission_bytes, tail_pools
+from .tiers.host import HostTier
+from .writes.areas import SubmissionAreas
 from .writes.consumer import SubmissionArea
 from .writes.leases import Leasing
 
@@ -79,17 +82,41 @@ def reload_target(d: "Daemon") -> ReloadTarget:
                         curve=d.curve, peers=d.cluster)
 
 
-def submission_area(d: "Daemon", tail: int) -> SubmissionArea | None:
-    """The submission area at the start of segment 0's `tail` (None when it has no bytes:
-    restart.adopt.submission_bytes), its leases' keeper, and its doorbell (the fd server's eventfd) watched."""
+def host_tier(d: "Daemon") -> HostTier:
+    """The pools' allocators: each part's first segment less its tail (restart/adopt.py's
+    pool_layout), sized tenants' segments apart, then the CUDA arenas; truncation checks for named files."""
+    assert d.memory is not None
+    tail, tails = slot_tail_bytes(d.config), set(tail_pools(d.memory.groups).values())
+    return HostTier([seg.size - (tail if i in tails else 0) for i, seg in enumerate(d.pool.segments)],
+                    [a.size for a in d.arenas] if d.arenas is not None else [],
+                    segments=d.pool.segments if d.config.pool.host.backing == "named" else (), groups=d.memory.groups)
+
+
+def slot_areas(d: "Daemon") -> dict[str, tuple[int, SlotArea]]:
+    """Each part's read slots, by tenant (as tail_pools): the last bytes of its tail's segment."""
+    assert d.memory is not None
+    leases, areas = d.config.leases, {}
+    for tenant, pool in tail_pools(d.memory.groups).items():
+        area = slot_area_at_end(d.pool.segments[pool], leases.slot_sessions, leases.read_slots)
+        if area is not None:
+            areas[tenant] = (pool, area)
+    return areas
+
+
+def submission_areas(d: "Daemon") -> SubmissionAreas | None:
+    """Each part's submission area, at the start of its tail (None when they have no bytes:
+    restart.adopt.submission_bytes), one keeper of their leases, and their doorbells (the fd
+    server's eventfds) watched."""
     leases, store = d.config.leases, d.store
-    assert store is not None and d.loop is not None
+    assert store is not None and d.loop is not None and d.memory is not None
     if not submission_bytes(d.config) or d.fd_server is None or d.fd_server.doorbell < 0:
         return None
-    segment = d.pool.segments[0]
-    area = SubmissionArea(d.pool.segments, segment.size - tail, leases.slot_sessions, leases.submit_records, store,
-                          Leasing(store, int(leases.put_slab)), d.epoch,
-                          float(leases.write_ttl), d.fd_server.doorbell)
-    store.session_closers.append(area.close)
-    area.start(d.loop)
-    return area
+    leasing, tail = Leasing(store, int(leases.put_slab)), slot_tail_bytes(d.config)
+    areas = SubmissionAreas({
+        tenant: SubmissionArea(d.pool.segments, d.pool.segments[pool].size - tail, leases.slot_sessions,
+                               leases.submit_records, store, leasing, d.epoch, float(leases.write_ttl),
+                               d.fd_server.doorbells[tenant], pool)
+        for tenant, pool in tail_pools(d.memory.groups).items()})
+    store.session_closers.append(areas.close)
+    areas.start(d.loop)
+    return areas

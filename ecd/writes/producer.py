@@ -65,9 +65,9 @@ def submissions(welcome: "Welcome", mapping: "EpochMapping | None",
     if len(location) != 4 or mapping is None or not mapping.local or not mapping.sealed or mapping.doorbell_fd < 0:
         return None  # (a named file may be truncated under the page's loads: none is given for one)
     pool, page_at, records, area_at = location
-    if not (pool == 0 < len(mapping.rw) and mapping.rw[0] is not None and 0 < records and 0 <= area_at < page_at
-            and page_at + page_bytes(records) <= len(mapping.rw[0])):
-        return None  # not inside segment 0: ignore it, put the ordinary way
+    if not (0 <= pool < len(mapping.rw) and mapping.rw[pool] is not None and 0 < records and 0 <= area_at < page_at
+            and page_at + page_bytes(records) <= len(mapping.rw[pool])):
+        return None  # not inside a segment it maps: ignore it, put the ordinary way
     heartbeat_s, write_ttl = welcome.heartbeat_s, welcome.limits.write_ttl_s
     # > 0: the daemon cannot watch this process: a lease it left unused this long may be gone
     window = math.inf if heartbeat_s <= 0 else min(write_ttl / 2, 1.5 * heartbeat_s)

@@ -95,6 +95,16 @@ def main() -> None:
                 out.update(scan_reachable(needle))
                 if len(rest) > 1:  # and a tenant's stored namespace (as the rings' entry index names it)
                     out["name_found"] = scan_reachable(f"{rest[1]}\0{ns}".encode())["found"]
+            elif what == "local":  # where its pages are; a put, a get and a view of it, and the round trips they took
+                out["pools"] = [p.index for p in c.welcome.pools]
+                out["read_slots"], out["submissions"] = c.welcome.ring.read_slots, c.welcome.ring.submissions
+                before = c.stats()["ops"]
+                c.put(rest[0], pattern(int(rest[1])))
+                same = bool(torch.equal(c.get(rest[0]), pattern(int(rest[1]))))
+                with c.view(rest[0]) as viewed:
+                    out["same"] = same and bool(torch.equal(viewed, pattern(int(rest[1]))))
+                after = c.stats()["ops"]
+                out["ops"] = {op: after.get(op, 0) - before.get(op, 0) for op in ("alloc", "acquire", "commit")}
             elif what == "pools":  # Stats' (capacity, used) per pool, as this client is shown them
                 out["pools"] = c.stats()["pools"]
             elif what == "put-big":

@@ -1,7 +1,8 @@
 """A sized tenant's bytes are its own (issue 44, item 2): its entries live in segments of its own
-(memfds) and are announced on a ring of its own; the fd socket hands its clients those and
-nothing else (no other tenant's segment or ring, no doorbell), and a restart adopts each tenant's
-segments apart. Real client processes
+(memfds) and are announced on a ring of its own, and its clients' read slots and submission
+pages lie in its first segment; the fd socket hands its clients those and a doorbell of their own,
+and nothing else (no other tenant's segment, ring or doorbell), and a restart adopts each
+tenant's segments apart. Real client processes
 of other uids (tests/security/tenant_client.py) against real daemons; B's scan of everything it
 can reach is in test_tenants.py (test_b_finds_nothing_of_a_s_bytes_in_the_pool_it_maps).
 
@@ -32,11 +33,17 @@ def test_each_sized_tenant_is_handed_its_own_segments_and_nothing_else(daemon_fa
     d = daemon_factory(start=False)
     start(d, SIZED)
     a, b, default = handout(d, A_UID), handout(d, B_UID), handout(d, os.geteuid())
-    assert {kind for kind, _ in a} == {"pool", "ring"} == {kind for kind, _ in b}, (a, b)  # its own ring
-    assert {kind for kind, _ in default} >= {"pool", "ring"}, default  # (and the doorbell)
+    assert {kind for kind, _ in a} == {"pool", "ring", "doorbell"} == {kind for kind, _ in b}, (a, b)  # its own
+    assert {kind for kind, _ in default} == {"pool", "ring", "doorbell"}, default
     pools = [{index for kind, index in got if kind == "pool"} for got in (a, b, default)]
     assert pools[0] and pools[1] and pools[2], pools
     assert not (pools[0] & pools[1]) and not (pools[0] & pools[2]) and not (pools[1] & pools[2]), pools
+    # its read slots and submission page lie in its own first segment: a put, a get and a view take
+    # no Alloc, Commit or Acquire (the node's counts, while nothing else runs)
+    local = run_as(d.endpoint, A_UID, "local", "kv", "block-0", 3)
+    assert local["same"] is True and local["ops"] == {"alloc": 0, "acquire": 0, "commit": 0}, local
+    assert local["read_slots"][0] == local["submissions"][0] == min(pools[0]) == min(local["pools"]), local
+    assert set(local["pools"]) == pools[0], local
     # a tenant's ring is its own: its client reads what it can locate there with no request (no
     # Acquire), and nobody else's mappings name its namespace (the shared ring's entry index did)
     assert run_as(d.endpoint, A_UID, "put", "kv", "block-1", 1)["put"]

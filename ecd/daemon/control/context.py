@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..peer.cluster import Cluster
     from ..registry.store import Store
     from ..tiers.base import LowerTier
-    from ..writes.consumer import SubmissionArea
+    from ..writes.areas import SubmissionAreas
     from .sessions import Sessions
 
 
@@ -42,5 +42,5 @@ class HandlerContext:
     curve: "CurveAuth | None"  # the control socket's CURVE authenticator (Stats counts its refusals)
     restart: Callable[[], "RestartStats"]  # how this start went: adopted or cold (Stats.restart)
     events: Callable[[], "EventsStats | None"] = lambda: None  # [events] (Stats.events); None: off
-    submissions: "SubmissionArea | None" = None  # puts without a message (Welcome, LeaseSpace); None: off
+    submissions: "SubmissionAreas | None" = None  # puts without a message (Welcome, LeaseSpace); None: off
     tenant_rings: Mapping[str, "ShmFile"] = field(default_factory=dict)  # a sized tenant's own ring's file, by name

@@ -85,7 +85,7 @@ class FdServer:
         the daemon's open-file limit (the kernel's bound on its descriptors in flight); `doorbell`:
         make the submission area's eventfd (`self.doorbell`) and hand it out too; `tenants`: each
         sized tenant's segments and ring (by tenant name), handed to its clients instead of the
-        rest: no other tenant's segment or ring, and no doorbell (its pages are in segment 0)."""
+        rest (and a doorbell of its own): no other tenant's segment, ring or doorbell."""
         self.path = path
         self._config = config  # the daemon's current Config (its [control] lists and tenants' ids)
         self._logged_uids: set[int] = set()  # a refused uid is logged once (a retry loop must not flood the log)
@@ -97,6 +97,7 @@ class FdServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ring_fd = self.doorbell = -1
         self._tenant_ring_fds: dict[str, int] = {}  # read-only, as the node's ring's
+        self.doorbells: dict[str, int] = {}  # by tenant ("": the default tenant's, every unsized one's)
         self._epoch = epoch
         self._warned_emfile = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -109,8 +110,10 @@ class FdServer:
             self._ring_fd = ring.read_only_fd()
             for tenant, (_, tenant_ring) in tenants.items():
                 self._tenant_ring_fds[tenant] = tenant_ring.read_only_fd()
-            if doorbell:  # non-blocking for every holder: a client's ring never waits
-                self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            if doorbell:  # non-blocking for every holder: a client's ring never waits; a sized tenant's own
+                for tenant in ["", *tenants]:
+                    self.doorbells[tenant] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self.doorbell = self.doorbells[""]
         except BaseException:
             sock.close()
             self._close_own()
@@ -125,6 +128,7 @@ class FdServer:
         for tenant, (pools, tenant_ring) in tenants.items():
             handouts[tenant] = [(FdItem("ring", 0, tenant_ring.size), self._tenant_ring_fds[tenant])]
             handouts[tenant] += [(FdItem("pool", i, segments[i].size), segments[i].fd) for i in pools] + arena_items
+            handouts[tenant] += [(FdItem("doorbell", 0, 0), self.doorbells[tenant])] if doorbell else []
         self._batches = {tenant: _batches(epoch, got) for tenant, got in handouts.items()}
         # unread handouts the kernel's in-flight limit allows
         budget = fd_limit * 3 // 4 // max(1, *(len(got) for got in handouts.values()))
@@ -271,11 +275,11 @@ class FdServer:
         self._close_own()
 
     def _close_own(self) -> None:
-        for fd in (self._ring_fd, self.doorbell, *self._tenant_ring_fds.values()):
+        for fd in (self._ring_fd, *self.doorbells.values(), *self._tenant_ring_fds.values()):
             if fd >= 0:
                 os.close(fd)
         self._ring_fd = self.doorbell = -1
-        self._tenant_ring_fds = {}
+        self._tenant_ring_fds, self.doorbells = {}, {}
 
 
 def _batches(epoch: int, items: list[tuple[FdItem, int]]) -> list[tuple[bytes, array.array]]:

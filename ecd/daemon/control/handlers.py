@@ -330,12 +330,12 @@ class Handlers:
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
         host = ctx.store.host
         own = host.groups.get(tenant_namespace(tenant, "")) if tenant else None
-        # A sized tenant's client maps its own segments and ring and nothing of the others': no
-        # read slots or submission page either (they lie in segment 0): its views and puts ask.
+        # A sized tenant's client maps its own segments and ring and nothing of the others' (its
+        # read slots and submission page lie in its own first segment: SlotHolds, SubmissionAreas)
         ring_file = ctx.tenant_rings[tenant] if own else ctx.ring_file
         ring = RingInfo(ring_file.name, ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets, cfg.ring.index_records,
-                        [] if own else ctx.store.slot_holds.assign(session),
-                        [] if own or ctx.submissions is None else ctx.submissions.assign(session))
+                        ctx.store.slot_holds.assign(session),
+                        ctx.submissions.assign(session) if ctx.submissions is not None else [])
         self.send(identity, Welcome(
             hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
             [PoolInfo(i, ctx.segments[i].name, ctx.segments[i].size) for i in own or host.shared_pools], ring,

@@ -55,6 +55,21 @@ class Announcer:
         self.ring_of(entry.ns).index.put(keyhash, entry.ns, entry.key, entry.generation, entry.pool, entry.offset,
                             entry.nbytes, entry.dtype, entry.shape, entry.checksum)
 
+    def seq(self) -> int:
+        """Grows with every event appended to any ring."""
+        return self.ring.seq + sum(ring.seq for ring in self.tenant_rings.values()) if self.tenant_rings else self.ring.seq
+
+    def plan_begin(self) -> None:
+        """An eviction plan is under way (every ring: its readers' pin slots look at its plan word)."""
+        self.ring.plan_begin()
+        for ring in self.tenant_rings.values():
+            ring.plan_begin()
+
+    def plan_end(self) -> None:
+        self.ring.plan_end()
+        for ring in self.tenant_rings.values():
+            ring.plan_end()
+
     def ring_of(self, ns: str) -> RingWriter:
         """The ring that announces `ns`'s entries: its sized tenant's own, else the node's."""
         if self.tenant_rings and TENANT_SEP in ns:

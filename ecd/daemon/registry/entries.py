@@ -112,7 +112,7 @@ class Session:
     # persist, a removal): meanwhile it waits on the daemon, it is not silent
     replies_pending: int = 0
     closed: bool = False
-    slot_page: int | None = None  # its page of read slots (memory/entry_index.py), if it got one
+    slot_page: tuple[int, int] | None = None  # its page of read slots (pool, page: memory/entry_index.py), if any
     # its tenant ("": the default): the namespaces it names are its tenant's (TENANT_SEP, handlers.py)
     tenant: str = ""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping
 
 from ...memory.allocator import align_up
 from .entries import Entry, Session, State
@@ -54,35 +55,42 @@ class SlotHolds:
     """Extents out of the index that a reader's slot may still name (read slots, memory/entry_index.py):
     every free of an unindexed entry comes here after its event is appended; what a slot names
     stays RETIRED, journaled as an intent (so a restart quarantines it too), until a later scan
-    (each expiry tick) finds no slot naming it."""
+    (each expiry tick) finds no slot naming it. One slot area per part of the pool (the default
+    tenant's, each sized tenant's: its clients get pages there); a page is (area's pool, page)."""
 
-    def __init__(self, store: "Store", area: "SlotArea | None") -> None:
-        self.store, self.area = store, area
+    def __init__(self, store: "Store", areas: "Mapping[str, tuple[int, SlotArea]]" = MappingProxyType({})) -> None:
+        """`areas`: (pool whose tail holds it, the area) by tenant ("": the default tenant's and
+        every unsized tenant's)."""
+        self.store, self.by_tenant = store, dict(areas)
+        self.areas = {pool: area for pool, area in areas.values()}
         self.retired: dict[int, Entry] = {}  # generation -> entry a slot held at its free
-        self.sessions: dict[int, Session] = {}  # page -> the session it was assigned to
+        self.sessions: dict[tuple[int, int], Session] = {}  # page -> the session it was assigned to
         self._last: tuple | None = None  # (ring seq, the scan made then), within one request
-        if area is not None:  # a kept pool's slots: the previous run's readers
-            leases = store.leases
-            store.counters["slot_ghosts"] = area.adopt(time.monotonic_ns(), int(float(leases.session_ttl) * 1e9),
-                                                       self._max_pin_ns())
+        leases = store.leases
+        for area in self.areas.values():  # a kept pool's slots: the previous run's readers
+            store.counters["slot_ghosts"] += area.adopt(time.monotonic_ns(), int(float(leases.session_ttl) * 1e9),
+                                                        self._max_pin_ns())
 
     def _max_pin_ns(self) -> int:
         return int(float(self.store.leases.max_pin) * 1e9) + 1_000_000_000  # a second of slack for clocks read apart
 
     def assign(self, session: Session) -> list[int]:
-        """[pool, offset, slots] of the page the session's Welcome names (empty: none)."""
-        page = self.area.assign() if self.area is not None else None
+        """[pool, offset, slots] of the page the session's Welcome names (empty: none), in its
+        tenant's part of the pool."""
+        pool, area = self.by_tenant.get(session.tenant) or self.by_tenant.get("") or (0, None)
+        page = area.assign() if area is not None else None
         if page is None:
             return []
-        session.slot_page = page
-        self.sessions[page] = session
-        return [0, *self.area.location(page)]  # type: ignore[union-attr]  # a page implies an area
+        session.slot_page = (pool, page)
+        self.sessions[pool, page] = session
+        return [pool, *area.location(page)]  # type: ignore[union-attr]  # a page implies an area
 
     def release(self, session: Session) -> int:
         """The session ended: its page is zeroed and free again; the number of slots it held."""
         held = 0
-        if session.slot_page is not None and self.area is not None:
-            held = self.area.release(session.slot_page)
+        if session.slot_page is not None:
+            pool, page = session.slot_page
+            held = self.areas[pool].release(page)
             self.sessions.pop(session.slot_page, None)
             session.slot_page = None
         self.recheck()  # what its slots held may go now
@@ -90,57 +98,69 @@ class SlotHolds:
 
     def revoke(self, session: Session, generation: int) -> int:
         """Clear `session`'s slots naming `generation` (Operator: a forced eviction)."""
-        if session.slot_page is None or self.area is None:
+        if session.slot_page is None:
             return 0
-        return self.area.revoke(session.slot_page, generation)
+        pool, page = session.slot_page
+        return self.areas[pool].revoke(page, generation)
 
     def lease_released(self, generation: int) -> None:
         """A read lease ended: if a previous run's slot held this generation, its reader came back
         (Client._restarted leased it again) and is done with it."""
-        if self.area is not None:
-            self.area.drop_ghost(generation)
+        for area in self.areas.values():
+            area.drop_ghost(generation)
 
     def held(self) -> set[int] | frozenset[int]:
         """Generations a read slot (a view) names now: their extents are not freed (empty without slots)."""
-        if self.area is None:
+        if not self.areas:
             return frozenset()
         return self._scan(reuse=True)[0]
 
     def _scan(self, reuse: bool = False) -> tuple:
-        """The slot area's scan (SlotArea.scan). `reuse`: the last one, if no event was appended
-        since and this request (or tick) made it: a free needs a scan made after its entry's
-        event, and a replace's pin move and free then share one."""
-        seq = self.store.announcer.ring.seq
+        """Every slot area's scan (SlotArea.scan; pins' pages as (pool, page)). `reuse`: the last
+        one, if no event was appended since and this request (or tick) made it: a free needs a
+        scan made after its entry's event, and a replace's pin move and free then share one."""
+        seq = self.store.announcer.seq()
         if reuse and self._last is not None and self._last[0] == seq:
             return self._last[1]
-        scanned = self.area.scan(time.monotonic_ns(), self._max_pin_ns())  # type: ignore[union-attr]
+        now_ns, max_pin_ns = time.monotonic_ns(), self._max_pin_ns()
+        if len(self.areas) == 1:  # (the usual case: no sized tenants)
+            [(pool, area)] = self.areas.items()
+            held, pins = area.scan(now_ns, max_pin_ns)
+            scanned = held, [((pool, page), generation, deadline) for page, generation, deadline in pins]
+        else:
+            held, pins = set(), []
+            for pool, area in self.areas.items():
+                area_held, area_pins = area.scan(now_ns, max_pin_ns)
+                held |= area_held
+                pins += [((pool, page), generation, deadline) for page, generation, deadline in area_pins]
+            scanned = held, pins
         self._last = (seq, scanned)
         return scanned
 
     def kept(self, plan: bool = True) -> set[int] | frozenset[int]:
         """Generations no eviction may take: what read slots hold and what pin slots keep within the
-        pin budget. `plan`: an eviction follows (the ring's plan word goes odd until it is over)."""
-        if self.area is None:
+        pin budget. `plan`: an eviction follows (the rings' plan words go odd until it is over)."""
+        if not self.areas:
             return frozenset()
         if plan:
-            self.store.announcer.ring.plan_begin()
+            self.store.announcer.plan_begin()
         held, pins = self._scan()  # a fresh one: after the plan word went odd
         return held | self._within_budget(pins) if pins else held
 
     def snapshot(self) -> tuple[set[int] | frozenset[int], collections.Counter]:
         """(generations read slots hold, live pin slots per generation): what `ecd keys` shows."""
-        if self.area is None:
+        if not self.areas:
             return frozenset(), collections.Counter()
         held, pins = self._scan()
         return held, collections.Counter(generation for _, generation, _ in pins)
 
-    def _within_budget(self, pins: list[tuple[int, int, int]]) -> set[int]:
+    def _within_budget(self, pins: list[tuple[tuple[int, int], int, int]]) -> set[int]:
         """The pinned generations the budget (Deadlines.budget, less what daemon pins hold) keeps:
         each session's smallest first, a round at a time, so that no session's pins crowd out
         another's. A pin slot past the budget keeps nothing; a daemon pin is kept anyway."""
         store = self.store
         deadlines, by_generation = store.deadlines, store.by_generation
-        per_page: dict[int, list[Entry]] = {}
+        per_page: dict[tuple[int, int], list[Entry]] = {}
         for page, generation, _ in pins:
             entry = by_generation.get(generation)
             if entry is not None and entry.state is State.READY and not entry.pins:
@@ -164,7 +184,7 @@ class SlotHolds:
 
     def plan_over(self) -> None:
         """After a request or an expiry tick: any eviction plan's events are out."""
-        self.store.announcer.ring.plan_end()
+        self.store.announcer.plan_end()
         self._last = None  # a later request scans again
 
     def move_pins(self, old: Entry, new: Entry) -> None:
@@ -172,7 +192,7 @@ class SlotHolds:
         a daemon pin of the new one for its session, until the slot's deadline (as
         Deadlines.move_pins does for daemon pins; the client's unpin sees the new generation and
         tells the daemon)."""
-        if self.area is None:
+        if not self.areas:
             return
         now_ns = time.monotonic_ns()
         for page, generation, deadline_ns in self._scan(reuse=True)[1]:

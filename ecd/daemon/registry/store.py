@@ -77,7 +77,7 @@ class Store:
 
     def __init__(self, host: "HostTier", lower_tier: "LowerTier", ring: RingWriter, scheduler: Scheduler,
                  limits: "LimitsSection", leases: "LeasesSection", clock: Callable[[], float] = time.monotonic,
-                 namespaces: Mapping[str, Any] | None = None, slots: "SlotArea | None" = None,
+                 namespaces: Mapping[str, Any] | None = None, slots: "Mapping[str, tuple[int, SlotArea]] | None" = None,
                  tenants: Mapping[str, Any] | None = None) -> None:
         self.host = host
         self.lower_tier = lower_tier
@@ -120,7 +120,7 @@ class Store:
         self.operator = OperatorRequests(self)
         # what a restarted daemon adopts (memory/journal.py); NullJournal: nothing is recorded
         self.journal: "Journal | NullJournal" = NullJournal()
-        self.slot_holds = SlotHolds(self, slots)  # extents a reader's read slot names (reclaim.py)
+        self.slot_holds = SlotHolds(self, slots or {})  # extents a reader's read slot names (reclaim.py)
         self.session_closers: list[Callable[[Session], None]] = []  # parts above with a session's things (reclaim)
         host.attach(self)
         self.set_namespaces(namespaces or {}, tenants)

@@ -60,17 +60,19 @@ def journal_name(node: str) -> str:
 
 def pool_layout(config: "Config") -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
     """The host pool's segment sizes and the segments of each tenant with a size: the default
-    tenant's part first (what the sized tenants leave; segment 0 with the read slots and the
-    submission area after its share), then each sized tenant's own, by name. A sized tenant's
-    segments hold its entries alone and are handed to its clients alone (docs/SECURITY.md)."""
-    segment = int(config.pool.host.segment_size)
+    tenant's part first (what the sized tenants leave), then each sized tenant's own, by name. A
+    sized tenant's segments hold its entries alone and are handed to its clients alone
+    (docs/SECURITY.md). Each part's first segment has a tail after its share: the submission
+    area and the read slots of that part's clients (tail_pools)."""
+    segment, tail = int(config.pool.host.segment_size), slot_tail_bytes(config)
     parts = {name: int(tenant.size) for name, tenant in sorted(config.tenants.items()) if tenant.size}
     sizes = _cut(int(config.pool.host.size) - sum(parts.values()), segment)
-    sizes[0] += slot_tail_bytes(config)
+    sizes[0] += tail
     groups: dict[str, tuple[int, ...]] = {}
     for name, size in parts.items():
         first = len(sizes)
         sizes += _cut(size, segment)
+        sizes[first] += tail
         groups[name] = tuple(range(first, len(sizes)))
     return tuple(sizes), groups
 
@@ -81,6 +83,12 @@ def _cut(size: int, segment: int) -> list[int]:
 
 def segment_sizes(config: "Config") -> tuple[int, ...]:
     return pool_layout(config)[0]
+
+
+def tail_pools(groups: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The segment whose tail holds each part's submission area and read slots, by tenant ("": the
+    default tenant's, and every unsized tenant's: segment 0)."""
+    return {"": 0, **{name: pools[0] for name, pools in groups.items()}}
 
 
 def slot_tail_bytes(config: "Config") -> int:

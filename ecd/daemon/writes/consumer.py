@@ -72,8 +72,9 @@ class _Page:
 
 class SubmissionArea:
     def __init__(self, segments: Any, offset: int, pages: int, records: int, store: "Store", leasing: Leasing,
-                 epoch: int, quarantine_s: float, doorbell: int) -> None:
-        """`segments`: the host pool's (ShmFiles); the area is segment 0's bytes from `offset`. A
+                 epoch: int, quarantine_s: float, doorbell: int, pool: int = 0) -> None:
+        """`segments`: the host pool's (ShmFiles); the area is segment `pool`'s bytes from `offset`
+        (0: the default tenant's; a sized tenant's first segment: areas.py). A
         kept pool's area is the previous run's: records it had not read are dropped (their bytes
         lie in its leases' intents, quarantined by the adoption), and the pages its sessions used
         are quarantined too, for `quarantine_s`: a client of that run stopped between its epoch
@@ -81,7 +82,7 @@ class SubmissionArea:
         session's record), so no new session gets one until the old run's writes cannot be in
         progress. The rest of the area is cleared and carries this run's epoch. `doorbell`: the
         eventfd clients write to wake the daemon (the caller's: it closes it)."""
-        segment = segments[0]
+        segment, self.pool = segments[pool], pool
         self.segment, self.segments, self.offset, self.pages, self.records = segment, segments, offset, pages, records
         self._meta_decoder = msgspec.msgpack.Decoder(EntryMeta)
         self.store, self.leasing = store, leasing
@@ -142,7 +143,7 @@ class SubmissionArea:
         state = _Page(page, self._page_at(page), session)
         self.segment.write_at(state.at, bytes(self.page_bytes))
         self._by_session[session.id] = state
-        return [0, state.at, self.records, self.offset]
+        return [self.pool, state.at, self.records, self.offset]
 
     def close(self, session: Session) -> None:
         """The session ends: what it posted completely is committed (its copies were done), then
