@@ -12,7 +12,7 @@ from ecd.config import load_config
 from ecd.daemon.registry.entries import RequestError
 from ecd.daemon.tiers.base import LowerTier, NullTier
 from ecd.daemon.tiers.disk import DiskTier
-from ecd.daemon.restart.adopt import pool_layout, slot_tail_bytes
+from ecd.daemon.restart.adopt import pool_layout, slot_tail_bytes, tail_pools
 from ecd.daemon.tiers.host import HostTier
 from ecd.errors import Code
 from ecd.memory.ring import EventKind
@@ -89,8 +89,9 @@ def test_a_sized_tenant_s_entries_are_placed_in_its_own_segments_only():
     config = load_config({"pool": {"host": {"size": "64MiB", "segment_size": "16MiB"}},
                           "tenants": {"b": {"uids": [7], "size": "20MiB"}, "a": {"uids": [8], "size": "8MiB"}}})
     sizes, groups = pool_layout(config)
-    assert groups == {"a": (3,), "b": (4, 5)} and sizes[3:] == (8 << 20, 16 << 20, 4 << 20), (sizes, groups)
-    assert sum(sizes[:3]) - slot_tail_bytes(config) == 36 << 20
+    tail = slot_tail_bytes(config)  # each part's first segment: its clients' submission pages and read slots
+    assert groups == {"a": (3,), "b": (4, 5)} and sizes[3:] == ((8 << 20) + tail, (16 << 20) + tail, 4 << 20), sizes
+    assert sum(sizes[:3]) - tail == 36 << 20 and tail_pools(groups) == {"": 0, "a": 3, "b": 4}
 
 
 def test_the_host_tier_places_in_the_pools_it_is_asked_for():
