@@ -175,11 +175,11 @@ class Store:
         """The entry (in any state) or reservation that holds this generation's extent."""
         return self.by_generation.get(generation) or self.reservations.get(generation)
 
-    def tier_of(self, generation: int) -> tuple[int, ...]:
-        """The pools of an entry or reservation (the host pool when the generation names none)."""
+    def tier_of(self, generation: int) -> tuple[int, ...] | None:
+        """The CUDA arena of an entry or reservation; None for the host pool (or none named: a
+        reservation then goes in the host segments of its session's part, Reserving.reserve)."""
         held = self.holder(generation)
-        return self.host.shared_pools if held is None else (
-            (held.pool,) if held.pool in self.host.arena_pools else self.tier(-1, held.ns))
+        return (held.pool,) if held is not None and held.pool in self.host.arena_pools else None
 
     # ---- put ----------------------------------------------------------------------------
 
