@@ -105,6 +105,11 @@ def main() -> None:
                     out["same"] = same and bool(torch.equal(viewed, pattern(int(rest[1]))))
                 after = c.stats()["ops"]
                 out["ops"] = {op: after.get(op, 0) - before.get(op, 0) for op in ("alloc", "acquire", "commit")}
+            elif what == "pin-fill":  # n 1 MiB entries, then a pin of each: how many were taken
+                keys = [f"{rest[0]}-{i}" for i in range(int(rest[1]))]
+                for i, key in enumerate(keys):
+                    c.put(key, pattern(int(rest[2]) + i))
+                out["pinned"] = sum(c.exists(keys, pin_s=600))
             elif what == "pools":  # Stats' (capacity, used) per pool, as this client is shown them
                 out["pools"] = c.stats()["pools"]
             elif what == "put-big":

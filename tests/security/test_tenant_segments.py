@@ -17,7 +17,10 @@ import pytest
 from ecd import ControlClient
 from ecd.config import load_config
 from ecd.errors import ConfigError
+from secutil import metric
 from tenant_util import A_UID, B_UID, SIZED, TENANTS, run_as, start
+
+MIB = 1 << 20
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="clients of other uids are made by dropping root's "
                                                            "privileges: these tests need to run as root")
@@ -77,6 +80,19 @@ def test_a_restart_adopts_each_tenant_s_entries_in_its_own_segments(daemon_facto
     scan = run_as(d.endpoint, B_UID, "scan", "kv", 77)
     assert scan["mapped_bytes"] > 0 and scan["found"] is False, scan
     assert run_as(d.endpoint, B_UID, "check", "kv", "block-1", 5)["same"] is True
+
+
+def test_a_sized_tenant_s_pins_hold_at_most_half_of_its_own_part(daemon_factory):
+    """Pins keep entries only within `pinned_share` (0.5) of each part: A pinning everything its
+    12 MiB part holds keeps 6 MiB of them, and its next puts find room (one budget for the whole
+    pool, 32 MiB, let A's pins fill its part: its puts were refused, PoolFull)."""
+    d = daemon_factory(start=False)
+    start(d, SIZED)
+    assert run_as(d.endpoint, A_UID, "pin-fill", "kv", "a", 12, 100)["pinned"] == 12
+    assert run_as(d.endpoint, A_UID, "fill", "kv", "b", 4, 200)["refused"] == []
+    kept = run_as(d.endpoint, A_UID, "survey", "kv", "a", 12, 100)
+    assert kept["wrong"] == [] and 6 <= len(kept["intact"]) <= 8, kept
+    assert metric(d, "ecd_pinned_bytes", pool="host", of="budget") == 20 * MIB  # half the default part (40 MiB)
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -233,7 +233,7 @@ class DaemonCollector:
         pinned = GaugeMetricFamily("ecd_pinned_bytes", "Bytes of pinned entries, against their budget "
                                    "([limits] pinned_share, less what guaranteed shares lack)", labels=["pool", "of"])
         for group, held in sorted(store.deadlines.pinned.items()):
-            name = "host" if group < 0 else f"arena{group}"
+            name = "host" if group == -1 else f"host{-1 - group}" if group < 0 else f"arena{group}"
             pinned.add_metric([name, "held"], held)
             pinned.add_metric([name, "budget"], store.deadlines.budget(group))
         yield pinned

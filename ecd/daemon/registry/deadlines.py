@@ -4,7 +4,7 @@ kinds of deadline live on one heap, swept by expire(). A part the Store owns (st
 
 Pins have a budget (issue 40, attack 5: one client re-pinning every key of every namespace made
 other namespaces' puts fail, a guaranteed share's included). The bytes of pinned entries may fill
-at most `[limits] pinned_share` of each pool (the host pool, each CUDA arena), and in the host pool
+at most `[limits] pinned_share` of each pool (each part of the host pool: a sized tenant's own, each CUDA arena), and in the host pool
 never what the namespaces' guaranteed shares still lack; a pin past it is not taken (the lookup
 answers that key as not found: nothing promises it stays loadable). An entry counts once however
 many sessions pin it."""
@@ -26,7 +26,9 @@ class Deadlines:
         self._heap: list[tuple[float, int, int]] = []  # (when, generation, session id or 0)
         self._compact_at = 4096  # heap size at which stale deadlines are swept out
         self._capacity: dict[int, int] = {}  # bytes of each pool group (budget)
-        self.pinned: dict[int, int] = {-1: 0}  # bytes of pinned entries per pool group (-1: the host pool; an arena)
+        # bytes of pinned entries per pool group: a part of the host pool (-1 - its first segment: -1 the
+        # default tenant's, a sized tenant's own apart: another's pins never take its budget), or an arena
+        self.pinned: dict[int, int] = {-1: 0}
 
     def __len__(self) -> int:
         """Deadlines on the heap, live or not yet swept."""
@@ -72,7 +74,7 @@ class Deadlines:
         r = self.r
         capacity = self._capacity.get(group)
         if capacity is None:  # pools never change size: summed once per group, not per pin
-            pools = r.host.host_pools if group == -1 else (group,)
+            pools = r.host.part(-1 - group) if group < 0 else (group,)
             capacity = self._capacity[group] = sum(r.host.allocators[p].capacity for p in pools)
         budget = int(capacity * r.limits.pinned_share)
         if group == -1:  # what namespaces' guaranteed shares still lack must stay evictable or free
@@ -82,7 +84,8 @@ class Deadlines:
         return budget
 
     def group(self, pool: int) -> int:
-        return -1 if pool in self.r.host.host_pools else pool
+        host = self.r.host
+        return pool if pool in host.arena_pools else -1 - host.part_of(pool)
 
     def push(self, deadline: float, generation: int, session_id: int) -> None:
         """Deadlines are deleted lazily (a commit or unpin leaves its tuple in the heap), so at

@@ -65,6 +65,8 @@ class HostTier:
         owned = {pool for pools in groups.values() for pool in pools}
         self.shared_pools = tuple(pool for pool in self.host_pools if pool not in owned)
         self._owners = {tuple(pools): name for name, pools in groups.items()}  # for too_large's reason
+        self._parts = {pools[0]: tuple(pools) for pools in groups.values()}  # first segment -> its part
+        self._first = {pool: pools[0] for pools in groups.values() for pool in pools}
         self._largest: dict[tuple[int, ...], int] = {}  # pools -> their largest extent, for too_large
         # the host pool's named ShmFiles (memory.host), checked for truncation; none with
         # backing = "memfd": sealed memfds cannot be truncated, so there is nothing to check
@@ -82,6 +84,14 @@ class HostTier:
     def pools_for(self, scope: str) -> tuple[int, ...]:
         """The host segments a namespace of this scope (Placement.scope) places its entries in."""
         return self.groups.get(scope, self.shared_pools)
+
+    def part_of(self, pool: int) -> int:
+        """The first segment of host segment `pool`'s part (0: the default tenant's)."""
+        return self._first.get(pool, 0)
+
+    def part(self, first: int) -> tuple[int, ...]:
+        """The host segments of the part whose first segment is `first` (part_of)."""
+        return self._parts.get(first, self.shared_pools)
 
     def tier(self, arena: int, scope: str = "") -> tuple[int, ...]:
         """The pools an Alloc with this `arena` may use: -1 the host segments of `scope`'s tenant
