@@ -163,8 +163,8 @@ def indexed_location(ring, mapping: "EpochMapping", keyhash: int, ns: str, key: 
     if found is None:
         return None
     generation, pool, offset, nbytes, dtype, shape, checksum = found
-    size = mapping.arena_sizes.get(pool) if mapping.is_arena(pool) else mapping.sizes[pool]
-    if size is None or offset + nbytes > size:
+    size = mapping.arena_sizes.get(pool) if mapping.is_arena(pool) else (mapping.sizes[pool] or None)
+    if size is None or offset + nbytes > size:  # (0: a segment not mapped here, another tenant's)
         return None
     return Location(generation, pool, offset, nbytes, dtype, shape, checksum)
 

@@ -105,6 +105,15 @@ def main() -> None:
                     out["same"] = same and bool(torch.equal(viewed, pattern(int(rest[1]))))
                 after = c.stats()["ops"]
                 out["ops"] = {op: after.get(op, 0) - before.get(op, 0) for op in ("alloc", "acquire", "commit")}
+            elif what == "forge-slots":  # every slot of its page names generations 1..N (views of whatever
+                import numpy as np  # they are), held until stdin closes
+                pool, offset, slots = c.welcome.ring.read_slots
+                words = np.frombuffer(c.mapping.rw[pool], np.uint64, count=2 * slots, offset=offset)
+                first = int(rest[0])
+                words[0::2] = np.arange(first, first + slots, dtype=np.uint64)
+                words[1::2] = 0
+                print(json.dumps({"forged": slots, "pool": pool}), flush=True)
+                sys.stdin.read()
             elif what == "pin-fill":  # n 1 MiB entries, then a pin of each: how many were taken
                 keys = [f"{rest[0]}-{i}" for i in range(int(rest[1]))]
                 for i, key in enumerate(keys):

@@ -10,7 +10,10 @@ On main before this change every admitted client was handed every segment and th
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +21,7 @@ from ecd import ControlClient
 from ecd.config import load_config
 from ecd.errors import ConfigError
 from secutil import metric
-from tenant_util import A_UID, B_UID, SIZED, TENANTS, run_as, start
+from tenant_util import A_UID, B_UID, SIZE_MIB, SIZED, TENANT_CLIENT, TENANTS, run_as, start
 
 MIB = 1 << 20
 
@@ -93,6 +96,27 @@ def test_a_sized_tenant_s_pins_hold_at_most_half_of_its_own_part(daemon_factory)
     kept = run_as(d.endpoint, A_UID, "survey", "kv", "a", 12, 100)
     assert kept["wrong"] == [] and 6 <= len(kept["intact"]) <= 8, kept
     assert metric(d, "ecd_pinned_bytes", pool="host", of="budget") == 20 * MIB  # half the default part (40 MiB)
+
+
+def test_slots_naming_another_tenant_s_generations_hold_nothing_of_it(daemon_factory):
+    """Generations are small integers: B (and a default-tenant client) write every slot of their
+    read-slot pages with the generations A's entries will have. A then puts three times its size:
+    its puts still evict its own oldest entries (before, the forged slots held them: PoolFull)."""
+    d = daemon_factory(start=False)
+    start(d, SIZED)
+    forgers = [subprocess.Popen([sys.executable, str(TENANT_CLIENT), d.endpoint, str(uid), str(uid), "-",
+                                 "forge-slots", "kv", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for uid in (B_UID, os.geteuid())]
+    try:
+        for forger in forgers:
+            assert json.loads(forger.stdout.readline())["forged"] > 3 * SIZE_MIB, forger
+        assert run_as(d.endpoint, A_UID, "fill", "kv", "a", 3 * SIZE_MIB, 100)["refused"] == []
+        kept = run_as(d.endpoint, A_UID, "survey", "kv", "a", 3 * SIZE_MIB, 100)
+        assert kept["wrong"] == [] and SIZE_MIB - 2 <= len(kept["intact"]) <= SIZE_MIB, kept
+    finally:
+        for forger in forgers:
+            forger.stdin.close()
+            forger.wait(timeout=30)
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -127,15 +127,24 @@ class SlotHolds:
             [(pool, area)] = self.areas.items()
             held, pins = area.scan(now_ns, max_pin_ns)
             scanned = held, [((pool, page), generation, deadline) for page, generation, deadline in pins]
-        else:
-            held, pins = set(), []
+        else:  # a part's slots hold only that part's entries (and the arenas'): a client of one
+            held, pins = set(), []  # tenant naming another's generations holds nothing of it
             for pool, area in self.areas.items():
                 area_held, area_pins = area.scan(now_ns, max_pin_ns)
-                held |= area_held
-                pins += [((pool, page), generation, deadline) for page, generation, deadline in area_pins]
+                held |= {generation for generation in area_held if self._in_part(generation, pool)}
+                pins += [((pool, page), generation, deadline) for page, generation, deadline in area_pins
+                         if self._in_part(generation, pool)]
             scanned = held, pins
         self._last = (seq, scanned)
         return scanned
+
+    def _in_part(self, generation: int, first: int) -> bool:
+        """Whether `generation` is an entry of the part whose first segment is `first` (or of a CUDA arena)."""
+        entry = self.store.by_generation.get(generation) or self.retired.get(generation)
+        if entry is None:
+            return False  # (names nothing: holds nothing)
+        host = self.store.host
+        return entry.pool in host.arena_pools or host.part_of(entry.pool) == first
 
     def kept(self, plan: bool = True) -> set[int] | frozenset[int]:
         """Generations no eviction may take: what read slots hold and what pin slots keep within the

@@ -51,10 +51,11 @@ class Memory:
     tenant_rings: dict[str, tuple[MemfdFile, RingWriter]] = field(default_factory=dict)
 
     def beat(self) -> None:
-        """Every ring's heartbeat (the daemon's timer; clients trust a ring while it beats)."""
-        self.ring.heartbeat()
+        """Every ring's heartbeat (the daemon's timer; clients trust a ring while it beats). The
+        node's last: a next run waits for its quiet (the keeper keeps it), which then covers all."""
         for _, ring in self.tenant_rings.values():
             ring.heartbeat()
+        self.ring.heartbeat()
 
     def tenant_parts(self) -> dict[str, tuple[tuple[int, ...], MemfdFile]]:
         """What the fd socket hands a sized tenant's clients: its segments and its ring's file."""
@@ -112,7 +113,7 @@ class Memory:
 
     def close(self) -> None:
         """This process lets go of the memory; a keeper holds on to the pool and the journal."""
-        for ring_file, ring in [(self.ring_file, self.ring), *self.tenant_rings.values()]:
+        for ring_file, ring in [*self.tenant_rings.values(), (self.ring_file, self.ring)]:  # the node's last
             ring.close()
             ring_file.unlink()
         keeping = self.held  # a start that failed before the hand-over keeps nothing: named files go
@@ -174,9 +175,13 @@ def open_memory(config: "Config", gid: int, epoch: int) -> Memory:
     try:  # (sized tenants need backing = "memfd": config.py)
         for name in memory.groups:
             tenant_file = MemfdFile.create_sealed(f"{ring_name(node)}.{name}", ring_file.size, seals=RING_SEALS)
-            memory.tenant_rings[name] = (tenant_file, RingWriter(tenant_file.buf, config.ring.slots,
-                                                                 config.ring.presence_buckets, epoch,
-                                                                 config.ring.index_records))
+            try:
+                memory.tenant_rings[name] = (tenant_file, RingWriter(tenant_file.buf, config.ring.slots,
+                                                                     config.ring.presence_buckets, epoch,
+                                                                     config.ring.index_records))
+            except BaseException:
+                tenant_file.unlink()
+                raise
     except BaseException:
         memory.close()
         raise

@@ -82,18 +82,18 @@ class Leasing:
     # (session id, tier) -> whether its last lease ended at least half used: a producer streaming
     # into the tier, for whom a lease asked for may evict for its next size
     _streaming: dict[tuple[int, int], bool] = field(default_factory=dict)
-    _slabs: dict[int, int] = field(default_factory=dict)  # tier -> its slab
+    _slabs: dict[tuple[int, ...], int] = field(default_factory=dict)  # pools (a tier of a part) -> its slab
     leased_bytes: int = 0  # not yet carved
 
     def tier_of(self, lease: PutLease) -> int:
         return lease.pool if lease.pool in self.store.host.arena_pools else TIER_HOST
 
-    def slab(self, tier: int) -> int:
-        slab = self._slabs.get(tier)
+    def slab(self, pools: tuple[int, ...]) -> int:
+        """The largest lease in `pools` (a tier of one part of the pool: a sized tenant's own)."""
+        slab = self._slabs.get(pools)
         if slab is None:
             host = self.store.host
-            pools = host.tier(tier)
-            slab = self._slabs[tier] = slab_bytes(self.put_slab, sum(host.allocators[p].capacity for p in pools))
+            slab = self._slabs[pools] = slab_bytes(self.put_slab, sum(host.allocators[p].capacity for p in pools))
         return slab
 
     def live(self, session: Session, tier: int) -> list[PutLease]:
@@ -124,7 +124,7 @@ class Leasing:
             return failure
         scope = store.placement.scope(ns)
         quota, used = store.quotas.get(scope), store.ns_used.get(scope, 0)
-        need, slab = align_up(max(nbytes, 1)), self.slab(tier)
+        need, slab = align_up(max(nbytes, 1)), self.slab(pools)
         size = max(need, align_up(min(slab, self._next_size.get((session.id, tier), MIN_LEASE))))
         placed = None
         if not store.host.too_large(size, pools) and (quota is None or used + size <= quota):
