@@ -60,17 +60,18 @@ def image_identifier(model_dir: str, seed: int) -> str:
     return MultiModalHasher.hash_kwargs("sha256", model_id=model_dir, image=pixels)
 
 
-def image_request(req_id: str, images: list[tuple[str, int]], media: bool = True) -> Request:
+def image_request(req_id: str, images: list[tuple[str, int]], media: bool = True, salt: str | None = None) -> Request:
     """A real vllm.v1.request.Request whose prompt holds `images` as (identifier, embeddings),
     one placeholder range after the other. media=False: a metadata-only EPD request (the proxy
-    dropped the pixels), which this engine cannot encode itself."""
+    dropped the pixels), which this engine cannot encode itself. `salt`: its cache_salt."""
     features, offset = [], 0
     for identifier, length in images:
         features.append(MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy() if media else None,
                                               modality="image", identifier=identifier,
                                               mm_position=PlaceholderRange(offset=offset, length=length)))
         offset += length
-    return Request(req_id, [7] * (offset + 8), SamplingParams(max_tokens=4), None, mm_features=features)
+    return Request(req_id, [7] * (offset + 8), SamplingParams(max_tokens=4), None, mm_features=features,
+                   cache_salt=salt)
 
 
 def encoder_output(num_embeds: int, hidden: int, seed: int) -> torch.Tensor:
@@ -282,6 +283,52 @@ def test_epd_flow_across_processes_is_bit_identical(daemon, tiny_model_dir, tmp_
         round_trips.clear()
         encoder.save_caches({f"s{i}": encoder_output(256, 256, i)}, f"s{i}")
     assert round_trips == []
+
+
+def test_cache_salt_keeps_encoder_outputs_apart(daemon, tiny_model_dir):
+    """vLLM's mm_hash never includes a request's cache_salt: the connector folds it into the ecd
+    key (salted_key), so a salted request never loads an unsalted or differently salted output,
+    and an unsalted one never loads a salted one's. The producer saves an output under the keys
+    of the requests that want it: encoded this step (save_caches), or already in its encoder
+    cache for an earlier request of another salt (start_save_caches)."""
+    from ecd.integrations.vllm.metadata import salted_key
+    producer = make_connector(tiny_model_dir, "ec_producer", SCHEDULER, endpoint=daemon.endpoint)
+    encoder = make_connector(tiny_model_dir, "ec_producer", WORKER, endpoint=daemon.endpoint)
+    a, b = image_identifier(tiny_model_dir, 11), image_identifier(tiny_model_dir, 12)
+    outputs = {a: encoder_output(16, 256, 1), b: encoder_output(16, 256, 2)}
+    step = Step(producer, [image_request("r1", [(a, 16)]), image_request("r2", [(a, 16)], salt="alice"),
+                           image_request("r3", [(b, 16)], salt="bob")])
+    encoder.bind_connector_metadata(step.output.ec_connector_metadata)
+    for h in outputs:  # the model runner encodes each scheduled item once, then saves it
+        encoder.save_caches(dict(outputs), h)
+    encoder.clear_connector_metadata()
+    # a later request of another salt for `a`, which the engine's encoder cache still holds
+    producer.ensure_cache_available(image_request("r4", [(a, 16)], salt="carol"), 0)
+    meta = producer.build_connector_meta(SchedulerOutput.make_empty())
+    encoder.bind_connector_metadata(meta)
+    encoder.start_save_caches(encoder_cache=dict(outputs))
+    encoder.clear_connector_metadata()
+    with Client(daemon.endpoint, namespace=encoder.namespace) as c:
+        stored = dict(zip(["a", "a/alice", "a/carol", "a/mallory", "b", "b/bob"], c.exists(
+            [a, salted_key(a, "alice"), salted_key(a, "carol"), salted_key(a, "mallory"), b, salted_key(b, "bob")])))
+    assert stored == {"a": True, "a/alice": True, "a/carol": True, "a/mallory": False, "b": False,
+                      "b/bob": True}, stored
+
+    # the consumer: each request finds the output of its own salt alone
+    scheduler = make_connector(tiny_model_dir, "ec_consumer", SCHEDULER, endpoint=daemon.endpoint)
+    worker = make_connector(tiny_model_dir, "ec_consumer", WORKER, endpoint=daemon.endpoint)
+    # (misses first: once an output is in this engine's encoder cache, vLLM itself serves it to
+    # any request of that mm_hash, whatever its salt: its encoder cache is keyed by mm_hash alone)
+    requests = [image_request("mallory", [(a, 16)], media=False, salt="mallory"),
+                image_request("plain-b", [(b, 16)], media=False),
+                image_request("alice", [(a, 16)], media=False, salt="alice"),
+                image_request("bob", [(b, 16)], media=False, salt="bob")]
+    step = Step(scheduler, requests)
+    assert step.external == {"alice": [0], "bob": [0]} and step.deferred == ["mallory", "plain-b"], step.external
+    encoder_cache: dict[str, torch.Tensor] = {}
+    output = step.run_worker(worker, encoder_cache)
+    assert sorted(output.ec_connector_worker_meta.loaded) == sorted([a, b])
+    assert same_bits(encoder_cache[a], outputs[a]) and same_bits(encoder_cache[b], outputs[b])
 
 
 # ---- misses, lost entries, restarts ---------------------------------------------------------

@@ -130,8 +130,12 @@ class EcdECConnector(ECConnectorHooks, ECConnectorBase):
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         if self.connector_worker is not None:
             started = time.perf_counter()
-            if self.connector_worker.save_caches(encoder_cache, mm_hash, **kwargs):
+            if self.connector_worker.save_caches(encoder_cache, mm_hash, self._connector_metadata, **kwargs):
                 self.telemetry.saved(encoder_cache, mm_hash, time.perf_counter() - started)
+
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor] | None = None, **kwargs) -> None:
+        if self.connector_worker is not None and encoder_cache is not None:
+            self.connector_worker.start_save_caches(self._connector_metadata, encoder_cache)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
         if self.connector_worker is not None:

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .lazy_client import LazyClient, StepPins
-from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad
+from .metadata import EcdECConnectorMetadata, EcdECWorkerMetadata, EcdLoad, salted_key
 from .ratelimit import RateLimitedLog, connector_logger
 from .settings import ConnectorSettings
 
@@ -36,8 +36,16 @@ class EcdECConnectorScheduler:
         self._model_config = vllm_config.model_config
         self._is_producer = is_producer
         self._is_consumer = is_consumer
-        self._step_hits: set[str] = set()  # present (the event ring said so), answered this step
-        self._pending: dict[str, EcdLoad] = {}  # loads queued this step, by mm_hash
+        self._step_hits: set[str] = set()  # ecd keys present (the event ring said so), answered this step
+        self._pending: dict[str, EcdLoad] = {}  # loads queued this step, by ecd key
+        # The cache_salt of the request ensure_cache_available last looked at: vLLM's Scheduler asks
+        # has_cache_item (no request given) right after it, about that request's items.
+        self._salt: str | None = None
+        # producer: each live request's items' (mm_hash, ecd key), by req_id; the keys asked to be
+        # saved, by mm_hash (while the engine holds it); this step's requests
+        self._keys_of: dict[str, list[tuple[str, str]]] = {}
+        self._saved: dict[str, set[str]] = {}
+        self._seen_now: set[str] = set()
         self._allocated_now: set[str] = set()  # allocated in the engine's encoder cache this step
         self._local: set[str] = set()  # in the engine's encoder cache (allocated, not yet freed)
         self._pins = StepPins(client, settings.pin_seconds)  # req_id -> the mm_hashes it loads
@@ -88,9 +96,10 @@ class EcdECConnectorScheduler:
     def has_cache_item(self, identifier: str) -> bool:
         if not self._is_consumer:
             return False
-        if identifier in self._step_hits:
+        key = salted_key(identifier, self._salt)
+        if key in self._step_hits:
             return True  # found earlier in this scheduling pass
-        return self._present([identifier])[0]
+        return self._present([key])[0]
 
     def _metadata_resolver(self):
         """vLLM's PlaceholderMetadataResolver (which fields only size a placeholder), made on
@@ -113,6 +122,12 @@ class EcdECConnectorScheduler:
         """False defers the request this step. Only items this engine could not encode itself
         are checked (anything with media is loaded on a hit and encoded on a miss): while one is
         missing the request waits, up to load_timeout_s, then it is failed (retryable)."""
+        self._salt = request.cache_salt
+        if self._is_producer and request.mm_features:
+            self._seen_now.add(request.request_id)
+            if request.request_id not in self._keys_of:
+                self._keys_of[request.request_id] = [(f.identifier, salted_key(f.identifier, request.cache_salt))
+                                                     for f in request.mm_features]
         if not self._is_consumer or not request.mm_features:
             return True
         req_id = request.request_id
@@ -122,10 +137,11 @@ class EcdECConnectorScheduler:
         for feature in request.mm_features:
             pos = feature.mm_position
             h = feature.identifier
+            key = salted_key(h, self._salt)
             if (pos.offset + pos.length <= num_computed_tokens or h in self._local
-                    or h in self._step_hits or h in need or self._has_local_input(feature)):
+                    or key in self._step_hits or key in need or self._has_local_input(feature)):
                 continue
-            need.append(h)
+            need.append(key)
         if not need:
             return True
         missing = [h for h, hit in zip(need, self._present(need)) if not hit]
@@ -148,19 +164,25 @@ class EcdECConnectorScheduler:
     def update_state_after_alloc(self, request: "Request", index: int) -> None:
         feature = request.mm_features[index]
         h = feature.identifier
+        key = salted_key(h, request.cache_salt)
         self._allocated_now.add(h)
         self._local.add(h)
-        if not self._is_consumer or h not in self._step_hits:
+        if not self._is_consumer or key not in self._step_hits:
             return  # the engine encodes it itself
-        if h not in self._pending:
-            self._pending[h] = EcdLoad(h, request.get_num_encoder_embeds(index), request.request_id,
-                                       index, self._has_local_input(feature))
-        self._pins.hold(request.request_id, (h,))
+        if key not in self._pending:
+            self._pending[key] = EcdLoad(h, request.get_num_encoder_embeds(index), request.request_id,
+                                         index, self._has_local_input(feature), key)
+        self._pins.hold(request.request_id, (key,))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> EcdECConnectorMetadata:
         meta = EcdECConnectorMetadata(list(self._pending.values()),
                                       scheduler_output.scheduled_encoder_inputs)
-        self._local.difference_update(set(scheduler_output.free_encoder_mm_hashes) - self._allocated_now)
+        if self._is_producer:
+            self._plan_saves(meta, scheduler_output)
+        freed = set(scheduler_output.free_encoder_mm_hashes) - self._allocated_now
+        self._local.difference_update(freed)
+        for h in freed:
+            self._saved.pop(h, None)
         # The step's pins in one message, not waited for: it reaches the daemon before the
         # worker asks for the bytes, and an item evicted in between is a miss the worker handles
         # (recomputed, or the request failed as retryable). Hits that were not scheduled
@@ -170,6 +192,33 @@ class EcdECConnectorScheduler:
         self._step_hits = set()
         self._allocated_now = set()
         return meta
+
+    def _plan_saves(self, meta: EcdECConnectorMetadata, scheduler_output: "SchedulerOutput") -> None:
+        """Producer: under which keys the worker saves each output. What this step encodes goes
+        under the keys of the requests that want it (salted_key: a salted request's never under
+        the bare mm_hash); an output the engine's encoder cache already holds, which a request of
+        this step wants under a key it was not yet saved under, is saved from that cache
+        (start_save_caches), once while the engine holds it."""
+        for req_id, indices in (scheduler_output.scheduled_encoder_inputs or {}).items():
+            keys = self._keys_of.get(req_id, ())
+            for i in indices:
+                if i < len(keys):
+                    h, key = keys[i]
+                    self._saved.setdefault(h, set()).add(key)
+                    if key not in meta.save_keys.setdefault(h, []):
+                        meta.save_keys[h].append(key)
+        for req_id in self._seen_now:
+            for h, key in self._keys_of.get(req_id, ()):
+                if key in self._saved.get(h, ()):
+                    continue
+                if h in meta.save_keys:  # encoded this step for another request: saved under this key too
+                    meta.save_keys[h].append(key)
+                elif h in self._local:
+                    meta.copy_keys.setdefault(h, []).append(key)
+                else:
+                    continue  # not encoded yet: its own scheduling will save it
+                self._saved.setdefault(h, set()).add(key)
+        self._seen_now = set()
 
     # ---- after a step, and at the end ----
 
@@ -191,8 +240,9 @@ class EcdECConnectorScheduler:
         the consumer a request without the media; an item that did not reach ecd reports none,
         so the media stays on the request."""
         req_id = request.request_id
+        self._keys_of.pop(req_id, None)
         for feature in request.mm_features or ():
-            self._waiting_since.pop((req_id, feature.identifier), None)
+            self._waiting_since.pop((req_id, salted_key(feature.identifier, request.cache_salt)), None)
         self._pins.release(req_id)  # sent with the next step: the engine does not wait for it
         if not (self._is_producer and request.mm_features):
             return False, None
@@ -203,7 +253,8 @@ class EcdECConnectorScheduler:
             self._log.log(logging.WARNING, "announce:metadata",
                           "no ec_transfer_params for request %s: %s", req_id, exc)
             return False, None
-        published = self.client.call("announce", lambda c: c.exists(list(items))) or [False] * len(items)
+        keys = [salted_key(h, request.cache_salt) for h in items]
+        published = self.client.call("announce", lambda c: c.exists(keys)) or [False] * len(items)
         for h, present in zip(list(items), published):
             if not present:
                 items[h]["metadata"] = {}

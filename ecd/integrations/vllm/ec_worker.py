@@ -54,7 +54,8 @@ class EcdECConnectorWorker:
 
     # ---- producer ----
 
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> bool:
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, meta: Any = None,
+                    **kwargs: Any) -> bool:
         """Publish encoder_cache[mm_hash]. The put copies into the pool before it returns, so the
         engine may reuse or free its tensor at once; the engine waits for that copy and one round
         trip, nothing else. A GPU tensor is copied on the engine's current stream into the
@@ -62,15 +63,36 @@ class EcdECConnectorWorker:
         none; the put returns once that copy is complete."""
         if not self._is_producer:
             return False
-        tensor = encoder_cache.get(mm_hash)
-        if tensor is None:
+        # under the keys the requests that want it name (the step's metadata: a salted request's
+        # salted_key), the bare mm_hash where the scheduler named none
+        keys = meta.save_keys.get(mm_hash) if isinstance(meta, EcdECConnectorMetadata) else None
+        return self._put(encoder_cache, {mm_hash: keys or [mm_hash]})
+
+    def start_save_caches(self, meta: Any, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Before the step's model run: outputs the engine's encoder cache already holds, saved
+        under the keys of requests of another salt that want them now (they are not encoded
+        again, so save_caches never fires for them)."""
+        if self._is_producer and isinstance(meta, EcdECConnectorMetadata) and meta.copy_keys:
+            self._put(encoder_cache, meta.copy_keys)
+
+    def _put(self, encoder_cache: dict[str, torch.Tensor], keys_of: dict[str, list[str]]) -> bool:
+        items, about = {}, {}
+        for mm_hash, keys in keys_of.items():
+            tensor = encoder_cache.get(mm_hash)
+            if tensor is None:
+                continue
+            tensor = tensor.detach()
+            for key in keys:
+                items[key] = tensor
+                # Marked as an encoder output: published on the encoder topic ([events]) and, by
+                # default, registered in the fleet directory ([cluster] directory) so other nodes find it.
+                about[key] = EncoderMeta(num_tokens=int(tensor.shape[0]) if tensor.dim() else 0)
+        if not items:
             return False
-        tensor = tensor.detach()
-        # Marked as an encoder output: published on the encoder topic ([events]) and, by default,
-        # registered in the fleet directory ([cluster] directory) so other nodes find it.
-        about = EncoderMeta(num_tokens=int(tensor.shape[0]) if tensor.dim() else 0)  # its key is the mm_hash
+
         def put(c) -> bool:
-            c.put(mm_hash, tensor, meta=about, checksum=self.client.settings.verify)
+            for key, tensor in items.items():
+                c.put(key, tensor, meta=about[key], checksum=self.client.settings.verify)
             return True
         return bool(self.client.call("save", put))
 
@@ -88,7 +110,8 @@ class EcdECConnectorWorker:
             self._device = engine_device()
         # straight to the engine's device: peer-to-peer or device-to-device from an arena, DMA
         # from the host pool; complete when get_many returns
-        tensors = self.client.call("load", lambda c: self._get_verified(c, [load.mm_hash for load in todo]))
+        tensors = self.client.call("load", lambda c: self._get_verified(c, [load.key or load.mm_hash
+                                                                            for load in todo]))
         if tensors is None:
             tensors = [None] * len(todo)
         for load, tensor in zip(todo, tensors):

@@ -245,6 +245,17 @@ class EcdLoad:
     req_id: str  # the request it was allocated for, and its feature index
     input_id: int
     recompute_ok: bool  # the request carries its media: the worker may encode it itself
+    key: str = ""  # its ecd key (salted_key: the request's cache_salt in it); "": the mm_hash
+
+
+def salted_key(mm_hash: str, salt: str | None) -> str:
+    """The ecd key of an encoder output for a request with this `cache_salt`: the mm_hash itself
+    when unsalted, else prefixed by a hash of the salt. vLLM's mm_hash never includes the salt
+    (its KV block hashes do): without this a salted request would hit another salt's entry, or
+    an unsalted one's (and an unsalted request a salted one's)."""
+    if not salt:
+        return mm_hash
+    return f"s:{hashlib.blake2b(salt.encode(), digest_size=16).hexdigest()}:{mm_hash}"
 
 
 @dataclass
@@ -255,6 +266,11 @@ class EcdECConnectorMetadata(ECConnectorMetadata):
     # This step's SchedulerOutput.scheduled_encoder_inputs, the same object (ec_connector.py's
     # docstring): where a failed load is handed back to the model runner to encode.
     scheduled_encoder_inputs: dict[str, list[int]] | None = None
+    # producer: the ecd keys (salted_key) of what this step encodes, by mm_hash (absent: the
+    # mm_hash alone), and of what the engine's encoder cache already holds that a request of
+    # another salt asked for (start_save_caches saves those)
+    save_keys: dict[str, list[str]] = field(default_factory=dict)
+    copy_keys: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
