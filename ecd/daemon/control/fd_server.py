@@ -1,6 +1,8 @@
 """The fd socket: hands the host pool's memfds, the ring's read-only descriptor, the CUDA arenas
 exported as file descriptors (`[pool.cuda] export = "fd"`) and the submission area's doorbell (an
-eventfd clients write to wake the daemon: daemon/writes/consumer.py) to local clients.
+eventfd clients write to wake the daemon: daemon/writes/consumer.py) to local clients. A client of
+a tenant with a size gets that tenant's own segments, ring and doorbell instead (and the arenas):
+no descriptor of another tenant's part (docs/SECURITY.md, Tenants).
 
 Beside the control socket, `<control socket>.fds` (a tcp control endpoint: `<runtime_dir>/ecd.<node>.fds`),
 a SOCK_SEQPACKET unix socket with the control socket's group and mode (0660). The wire is
