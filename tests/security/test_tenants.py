@@ -90,7 +90,8 @@ def test_clients_of_no_tenant_or_of_two_are_refused_with_the_reason(daemon_facto
     d.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: "SIGHUP: applied" in d.log(), timeout=10), d.log()
     assert "cannot change tenants.team-c" in d.log()
-    assert run_as(d.endpoint, STRANGER, "put", "kv", "s", 3)["tenant"] == "team-a"
+    joined = run_as(d.endpoint, STRANGER, "put", "kv", "s", 3)
+    assert joined.get("tenant") == "team-a" and joined.get("put") is True, joined
 
 
 def test_a_namespace_with_nul_is_refused_so_no_client_can_name_a_tenants(daemon_factory):
