@@ -328,17 +328,16 @@ class Handlers:
         session = ctx.sessions.open(conn, hello, tenant)
         limits = cfg.limits
         heartbeat_s = 0.0 if session.watched else float(cfg.leases.session_ttl) / 3
-        host = ctx.store.host
-        own = host.groups.get(tenant_namespace(tenant, "")) if tenant else None
         # A sized tenant's client maps its own segments and ring and nothing of the others' (its
         # read slots and submission page lie in its own first segment: SlotHolds, SubmissionAreas)
-        ring_file = ctx.tenant_rings[tenant] if own else ctx.ring_file
+        ring_file = ctx.tenant_rings.get(tenant, ctx.ring_file)
         ring = RingInfo(ring_file.name, ring_file.size, cfg.ring.slots, cfg.ring.presence_buckets, cfg.ring.index_records,
                         ctx.store.slot_holds.assign(session),
                         ctx.submissions.assign(session) if ctx.submissions is not None else [])
         self.send(identity, Welcome(
             hello.id, PROTOCOL_VERSION, session.id, ctx.epoch, ctx.node,
-            [PoolInfo(i, ctx.segments[i].name, ctx.segments[i].size) for i in own or host.shared_pools], ring,
+            [PoolInfo(i, ctx.segments[i].name, ctx.segments[i].size) for i in ctx.store.host.pools_of_tenant(tenant)],
+            ring,
             Limits(limits.max_key_bytes, limits.max_batch, int(limits.max_message_bytes),
                    int(limits.inline_max_bytes), limits.max_ndim, float(cfg.leases.max_wait),
                    float(cfg.leases.max_pin), float(cfg.leases.write_ttl)), heartbeat_s,
@@ -356,8 +355,7 @@ def daemon_stats(context: "HandlerContext", counters: "ServeCounters", tenant: s
     reservations, reserved_bytes = store.reservation_totals()
     host = store.host
     # a client's: its tenant's segments and the arenas (another tenant's segments read as (0, 0))
-    seen = None if tenant is None else {*host.tier(-1, store.placement.scope(tenant_namespace(tenant, "x"))),
-                                        *host.arena_pools}
+    seen = None if tenant is None else {*host.pools_of_tenant(tenant), *host.arena_pools}
     pools = [(a.capacity, a.used) if seen is None or i in seen else (0, 0) for i, a in enumerate(host.allocators)]
     c = store.counters
     return DaemonStats(

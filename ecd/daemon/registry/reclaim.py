@@ -123,18 +123,19 @@ class SlotHolds:
         if reuse and self._last is not None and self._last[0] == seq:
             return self._last[1]
         now_ns, max_pin_ns = time.monotonic_ns(), self._max_pin_ns()
-        if len(self.areas) == 1:  # (the usual case: no sized tenants)
-            [(pool, area)] = self.areas.items()
-            held, pins = area.scan(now_ns, max_pin_ns)
-            scanned = held, [((pool, page), generation, deadline) for page, generation, deadline in pins]
-        else:  # a part's slots hold only that part's entries (and the arenas'): a client of one
-            held, pins = set(), []  # tenant naming another's generations holds nothing of it
-            for pool, area in self.areas.items():
-                area_held, area_pins = area.scan(now_ns, max_pin_ns)
-                held |= {generation for generation in area_held if self._in_part(generation, pool)}
-                pins += [((pool, page), generation, deadline) for page, generation, deadline in area_pins
-                         if self._in_part(generation, pool)]
-            scanned = held, pins
+        # with sized tenants a part's slots hold only that part's entries (and the arenas'): a
+        # client of one tenant naming another's generations holds nothing of it
+        parts = len(self.areas) > 1
+        held: set[int] | frozenset[int] = frozenset()
+        pins: list = []
+        for pool, area in self.areas.items():
+            area_held, area_pins = area.scan(now_ns, max_pin_ns)
+            if parts:
+                area_held = {generation for generation in area_held if self._in_part(generation, pool)}
+                area_pins = [pin for pin in area_pins if self._in_part(pin[1], pool)]
+            held = held | area_held if held else area_held
+            pins += [((pool, page), generation, deadline) for page, generation, deadline in area_pins]
+        scanned = held, pins
         self._last = (seq, scanned)
         return scanned
 

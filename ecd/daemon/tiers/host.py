@@ -85,6 +85,10 @@ class HostTier:
         """The host segments a namespace of this scope (Placement.scope) places its entries in."""
         return self.groups.get(scope, self.shared_pools)
 
+    def pools_of_tenant(self, tenant: str) -> tuple[int, ...]:
+        """The host segments a client of `tenant` ("": the default) maps: its own part, or the default's."""
+        return self.pools_for(tenant_namespace(tenant, ""))
+
     def part_of(self, pool: int) -> int:
         """The first segment of host segment `pool`'s part (0: the default tenant's)."""
         return self._first.get(pool, 0)
@@ -108,7 +112,7 @@ class HostTier:
     def too_large(self, nbytes: int, pools: tuple[int, ...]) -> str | None:
         """Why no extent of `nbytes` can ever fit in `pools` (None when one can)."""
         largest = self._largest.get(pools)
-        if largest is None:  # (hundreds of segments: summed once per tier, not per put)
+        if largest is None:  # (hundreds of segments: worked out once per tier, not per put)
             largest = self._largest[pools] = max(self.allocators[p].capacity for p in pools)
         if nbytes <= largest:
             return None
